@@ -1,0 +1,531 @@
+//! Reverse-mode autodiff over the static graph. It appends backward nodes to the same
+//! graph, so the training step is one graph. Two rules matter for ERASE:
+//! - `detach` emits no gradient edge at all (not a zero tensor), so nothing upstream of a
+//!   cut ever waits for anything downstream of it;
+//! - a tensor that several consumers use gets its gradient from one n-ary `GradSum` node
+//!   whose inputs are ordered by the id of the node that made them: the sum is
+//!   deterministic, and nothing accumulates in place (which would race once the
+//!   consumers' backwards run on different streams).
+
+use std::collections::BTreeMap;
+
+use crate::dtype::Shape;
+use crate::error::{GraphError, Result};
+use crate::graph::{Graph, NodeId, Phase, Tensor};
+use crate::op::{Leaf, Op};
+
+/// The gradient of one trainable parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Grad {
+    /// A dense tensor of the parameter's shape.
+    Dense(Tensor),
+    /// The gradient of an embedding table used by exactly one `embedding_bag`: the
+    /// gradient of the pooled output with the bag's ids and offsets. Only the rows the
+    /// batch touches have a gradient; the row-wise optimizer consumes it as it is.
+    Sparse {
+        /// The embedding_bag node.
+        node: NodeId,
+        ids: Tensor,
+        offsets: Tensor,
+        /// `[B, F, D]`, the gradient of the pooled bags.
+        dpooled: Tensor,
+    },
+}
+
+impl Grad {
+    /// The tensor whose completion makes the gradient complete.
+    pub fn final_tensor(&self) -> Tensor {
+        match self {
+            Grad::Dense(t) => *t,
+            Grad::Sparse { dpooled, .. } => *dpooled,
+        }
+    }
+}
+
+/// Gradients of all trainable parameters that some loss depends on, by parameter id.
+#[derive(Clone, Debug, Default)]
+pub struct Gradients {
+    pub by_param: BTreeMap<Tensor, Grad>,
+}
+
+impl Gradients {
+    pub fn get(&self, p: Tensor) -> Option<&Grad> {
+        self.by_param.get(&p)
+    }
+}
+
+/// What requires a gradient: a tensor that depends on a trainable parameter through ops
+/// other than `detach` (and other than the integer inputs of lookups and losses).
+fn requires_grad(g: &Graph) -> Vec<bool> {
+    let mut req = vec![false; g.num_tensors()];
+    for node in g.nodes() {
+        if node.phase != Phase::Forward {
+            continue;
+        }
+        let r = match &node.op {
+            Op::Leaf(Leaf::Param { trainable, .. }) => *trainable,
+            Op::Leaf(_) | Op::Detach => false,
+            // labels are data, not differentiable operands
+            Op::BceWithLogits | Op::SoftmaxCrossEntropy => req[node.inputs[0].index()],
+            Op::EmbeddingBag { .. } => req[node.inputs[0].index()],
+            _ => node.inputs.iter().any(|t| req[t.index()]),
+        };
+        for &o in &node.outputs {
+            req[o.index()] = r;
+        }
+    }
+    req
+}
+
+/// One gradient contribution to a tensor: which node made it and the tensor.
+#[derive(Clone, Copy, Debug)]
+struct Contribution {
+    by: NodeId,
+    grad: Tensor,
+}
+
+struct Builder<'g> {
+    g: &'g mut Graph,
+    contribs: Vec<Vec<Contribution>>,
+    /// Sparse table gradients: table -> (embedding_bag node, dpooled).
+    sparse: BTreeMap<Tensor, Vec<(NodeId, Tensor)>>,
+}
+
+impl Builder<'_> {
+    fn add(
+        &mut self,
+        op: Op,
+        inputs: Vec<Tensor>,
+        outs: Vec<Shape>,
+        name: String,
+        origin: NodeId,
+    ) -> Vec<Tensor> {
+        let dt = self.g.float_dtype();
+        let outs = outs.into_iter().map(|s| (s, dt)).collect();
+        self.g
+            .add_derived(op, inputs, outs, name, Phase::Backward, Some(origin))
+    }
+
+    fn add1(
+        &mut self,
+        op: Op,
+        inputs: Vec<Tensor>,
+        shape: Shape,
+        name: String,
+        origin: NodeId,
+    ) -> Tensor {
+        self.add(op, inputs, vec![shape], name, origin)[0]
+    }
+
+    fn contribute(&mut self, to: Tensor, grad: Tensor) {
+        let by = self.g.info(grad).producer;
+        self.contribs[to.index()].push(Contribution { by, grad });
+    }
+
+    /// The complete gradient of `t`, summing contributions in node-id order.
+    fn total(&mut self, t: Tensor, origin: NodeId) -> Option<Tensor> {
+        let mut cs = std::mem::take(&mut self.contribs[t.index()]);
+        match cs.len() {
+            0 => None,
+            1 => Some(cs[0].grad),
+            _ => {
+                cs.sort_by_key(|c| (c.by, c.grad));
+                let shape = self.g.shape(t).clone();
+                let name = format!("{}.grad_sum", self.g.name(t));
+                Some(self.add1(
+                    Op::GradSum,
+                    cs.iter().map(|c| c.grad).collect(),
+                    shape,
+                    name,
+                    origin,
+                ))
+            }
+        }
+    }
+
+    /// Reduces `dy` to `target`'s shape when `target` was broadcast.
+    fn unbroadcast(&mut self, dy: Tensor, target: Tensor, name: String, origin: NodeId) -> Tensor {
+        let ts = self.g.shape(target).clone();
+        if self.g.shape(dy) == &ts {
+            dy
+        } else {
+            self.add1(Op::SumToShape, vec![dy], ts, name, origin)
+        }
+    }
+}
+
+/// Options of [`backward_with`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackwardOptions {
+    /// Keep embedding-table gradients sparse (pooled gradient + ids) where a table feeds
+    /// one lookup; otherwise every table gradient is made dense.
+    pub sparse_tables: bool,
+}
+
+impl Default for BackwardOptions {
+    fn default() -> Self {
+        BackwardOptions {
+            sparse_tables: true,
+        }
+    }
+}
+
+/// Appends the backward nodes of all registered losses. Returns the gradient of every
+/// trainable parameter that a loss depends on.
+pub fn backward(g: &mut Graph) -> Result<Gradients> {
+    backward_with(g, BackwardOptions::default())
+}
+
+/// [`backward`] with options.
+pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> {
+    if g.losses().is_empty() {
+        return Err(GraphError::Structure(
+            "autodiff: the graph has no loss; register one with Graph::loss".into(),
+        ));
+    }
+    if g.nodes().iter().any(|n| n.phase != Phase::Forward) {
+        return Err(GraphError::Structure(
+            "autodiff: the graph already has backward or optimizer nodes".into(),
+        ));
+    }
+    let req = requires_grad(g);
+    let forward_len = g.nodes().len();
+    let losses = g.losses().to_vec();
+    let n = g.num_tensors();
+    let mut b = Builder {
+        g,
+        contribs: vec![Vec::new(); n],
+        sparse: BTreeMap::new(),
+    };
+
+    // Seeds: d(Σ w·l)/dl = w, one constant per loss.
+    for l in &losses {
+        if !req[l.tensor.index()] {
+            continue;
+        }
+        let dt = b.g.dtype(l.tensor);
+        let name = format!("{}.seed", b.g.name(l.tensor));
+        let mut seed = b.g.add_const_scalar(name.clone(), l.weight, dt);
+        let ls = b.g.shape(l.tensor).clone();
+        if ls.rank() > 0 {
+            let origin = b.g.info(l.tensor).producer;
+            seed = b.add1(Op::Reshape, vec![seed], ls, name, origin);
+        }
+        b.contribute(l.tensor, seed);
+    }
+
+    for idx in (0..forward_len).rev() {
+        let node = b.g.nodes()[idx].clone();
+        if node.op.is_leaf() || node.outputs.is_empty() || !req[node.outputs[0].index()] {
+            continue;
+        }
+        let Some(dy) = b.total(node.outputs[0], node.id) else {
+            continue;
+        };
+        for &o in &node.outputs[1..] {
+            // secondary outputs (statistics kept for backward) carry no gradient
+            b.contribs[o.index()].clear();
+        }
+        let nm = node.name.clone();
+        let id = node.id;
+        let ins = node.inputs.clone();
+        let needs = |i: usize| req[ins[i].index()];
+        let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
+        match &node.op {
+            Op::Linear { bias } => {
+                if needs(0) {
+                    let dx = b.add1(
+                        Op::LinearGradInput,
+                        vec![dy, ins[1]],
+                        shape_of(&b, 0),
+                        format!("{nm}.dx"),
+                        id,
+                    );
+                    b.contribute(ins[0], dx);
+                }
+                if needs(1) {
+                    let dw = b.add1(
+                        Op::LinearGradWeight,
+                        vec![dy, ins[0]],
+                        shape_of(&b, 1),
+                        format!("{nm}.dw"),
+                        id,
+                    );
+                    b.contribute(ins[1], dw);
+                }
+                if *bias && needs(2) {
+                    let db = b.add1(
+                        Op::SumToShape,
+                        vec![dy],
+                        shape_of(&b, 2),
+                        format!("{nm}.db"),
+                        id,
+                    );
+                    b.contribute(ins[2], db);
+                }
+            }
+            Op::MatMul { ta, tb } => {
+                let (ta, tb) = (*ta, *tb);
+                if needs(0) {
+                    let (op, i) = if ta {
+                        (Op::MatMul { ta: tb, tb: true }, vec![ins[1], dy])
+                    } else {
+                        (Op::MatMul { ta: false, tb: !tb }, vec![dy, ins[1]])
+                    };
+                    let da = b.add1(op, i, shape_of(&b, 0), format!("{nm}.da"), id);
+                    b.contribute(ins[0], da);
+                }
+                if needs(1) {
+                    let (op, i) = if tb {
+                        (Op::MatMul { ta: true, tb: ta }, vec![dy, ins[0]])
+                    } else {
+                        (Op::MatMul { ta: !ta, tb: false }, vec![ins[0], dy])
+                    };
+                    let db = b.add1(op, i, shape_of(&b, 1), format!("{nm}.db"), id);
+                    b.contribute(ins[1], db);
+                }
+            }
+            Op::Add => {
+                if needs(0) {
+                    b.contribute(ins[0], dy);
+                }
+                if needs(1) {
+                    let db = b.unbroadcast(dy, ins[1], format!("{nm}.db"), id);
+                    b.contribute(ins[1], db);
+                }
+            }
+            Op::Mul => {
+                let out_shape = b.g.shape(dy).clone();
+                if needs(0) {
+                    let da = b.add1(
+                        Op::Mul,
+                        vec![dy, ins[1]],
+                        out_shape.clone(),
+                        format!("{nm}.da"),
+                        id,
+                    );
+                    b.contribute(ins[0], da);
+                }
+                if needs(1) {
+                    let full = b.add1(
+                        Op::Mul,
+                        vec![dy, ins[0]],
+                        out_shape,
+                        format!("{nm}.db_full"),
+                        id,
+                    );
+                    let db = b.unbroadcast(full, ins[1], format!("{nm}.db"), id);
+                    b.contribute(ins[1], db);
+                }
+            }
+            Op::Scale { factor } => {
+                let dx = b.add1(
+                    Op::Scale { factor: *factor },
+                    vec![dy],
+                    shape_of(&b, 0),
+                    format!("{nm}.dx"),
+                    id,
+                );
+                b.contribute(ins[0], dx);
+            }
+            Op::Relu | Op::Sigmoid | Op::Gelu => {
+                let (op, saved) = match node.op {
+                    Op::Relu => (Op::ReluGrad, node.outputs[0]),
+                    Op::Sigmoid => (Op::SigmoidGrad, node.outputs[0]),
+                    _ => (Op::GeluGrad, ins[0]),
+                };
+                let dx = b.add1(op, vec![dy, saved], shape_of(&b, 0), format!("{nm}.dx"), id);
+                b.contribute(ins[0], dx);
+            }
+            Op::LayerNorm { .. } => {
+                let outs = b.add(
+                    Op::LayerNormGrad,
+                    vec![dy, ins[0], ins[1], node.outputs[1], node.outputs[2]],
+                    vec![shape_of(&b, 0), shape_of(&b, 1), shape_of(&b, 2)],
+                    format!("{nm}.grad"),
+                    id,
+                );
+                for (i, &t) in outs.iter().enumerate() {
+                    if needs(i) {
+                        b.contribute(ins[i], t);
+                    }
+                }
+            }
+            Op::Reshape => {
+                let dx = b.add1(
+                    Op::Reshape,
+                    vec![dy],
+                    shape_of(&b, 0),
+                    format!("{nm}.dx"),
+                    id,
+                );
+                b.contribute(ins[0], dx);
+            }
+            Op::Detach => {}
+            Op::Cast { .. } => {
+                let to = b.g.dtype(ins[0]);
+                let s = shape_of(&b, 0);
+                let dx = b.g.add_derived(
+                    Op::Cast { to },
+                    vec![dy],
+                    vec![(s, to)],
+                    format!("{nm}.dx"),
+                    Phase::Backward,
+                    Some(id),
+                )[0];
+                b.contribute(ins[0], dx);
+            }
+            Op::Concat { axis } => {
+                let mut start = 0;
+                for (i, &input) in ins.iter().enumerate() {
+                    let s = shape_of(&b, i);
+                    let len = s.dims()[*axis];
+                    if needs(i) {
+                        let dx = b.add1(
+                            Op::Slice {
+                                axis: *axis,
+                                start,
+                                len,
+                            },
+                            vec![dy],
+                            s,
+                            format!("{nm}.dx{i}"),
+                            id,
+                        );
+                        b.contribute(input, dx);
+                    }
+                    start += len;
+                }
+            }
+            Op::Slice { axis, start, .. } => {
+                let s = shape_of(&b, 0);
+                let full = s.dims()[*axis];
+                let dx = b.add1(
+                    Op::Pad {
+                        axis: *axis,
+                        start: *start,
+                        full,
+                    },
+                    vec![dy],
+                    s,
+                    format!("{nm}.dx"),
+                    id,
+                );
+                b.contribute(ins[0], dx);
+            }
+            Op::PairwiseDot => {
+                let de = b.add1(
+                    Op::PairwiseDotGrad,
+                    vec![dy, ins[0]],
+                    shape_of(&b, 0),
+                    format!("{nm}.de"),
+                    id,
+                );
+                b.contribute(ins[0], de);
+            }
+            Op::Attention { heads, causal } => {
+                let s = shape_of(&b, 0);
+                let outs = b.add(
+                    Op::AttentionGrad {
+                        heads: *heads,
+                        causal: *causal,
+                    },
+                    vec![dy, ins[0], ins[1], ins[2], node.outputs[0], node.outputs[1]],
+                    vec![s.clone(), s.clone(), s],
+                    format!("{nm}.grad"),
+                    id,
+                );
+                for (i, &t) in outs.iter().enumerate() {
+                    if needs(i) {
+                        b.contribute(ins[i], t);
+                    }
+                }
+            }
+            Op::EmbeddingBag { .. } => {
+                b.sparse.entry(ins[0]).or_default().push((id, dy));
+            }
+            Op::BceWithLogits => {
+                let dx = b.add1(
+                    Op::BceWithLogitsGrad,
+                    vec![dy, ins[0], ins[1]],
+                    shape_of(&b, 0),
+                    format!("{nm}.dlogit"),
+                    id,
+                );
+                b.contribute(ins[0], dx);
+            }
+            Op::SoftmaxCrossEntropy => {
+                let dx = b.add1(
+                    Op::SoftmaxCrossEntropyGrad,
+                    vec![dy, ins[0], ins[1]],
+                    shape_of(&b, 0),
+                    format!("{nm}.dlogits"),
+                    id,
+                );
+                b.contribute(ins[0], dx);
+            }
+            Op::Sum | Op::Mean => {
+                let s = shape_of(&b, 0);
+                let scale = if matches!(node.op, Op::Mean) {
+                    1.0 / s.numel() as f64
+                } else {
+                    1.0
+                };
+                let dx = b.add1(Op::Broadcast { scale }, vec![dy], s, format!("{nm}.dx"), id);
+                b.contribute(ins[0], dx);
+            }
+            other => {
+                return Err(GraphError::Structure(format!(
+                    "autodiff: no gradient rule for {} node '{nm}'",
+                    other.name()
+                )))
+            }
+        }
+    }
+
+    // Parameters: complete their gradients.
+    let mut grads = Gradients::default();
+    for p in b.g.params() {
+        if !req[p.index()] {
+            continue;
+        }
+        let origin = b.g.info(p).producer;
+        let sparse = b.sparse.remove(&p).unwrap_or_default();
+        let dense_count = b.contribs[p.index()].len();
+        if opts.sparse_tables && dense_count == 0 && sparse.len() == 1 {
+            let (node, dpooled) = sparse[0];
+            let n = b.g.node(node).clone();
+            grads.by_param.insert(
+                p,
+                Grad::Sparse {
+                    node,
+                    ids: n.inputs[1],
+                    offsets: n.inputs[2],
+                    dpooled,
+                },
+            );
+            continue;
+        }
+        // Shared between several lookups or also used densely: densify each lookup's
+        // gradient and sum everything in a fixed order.
+        for (node, dpooled) in sparse {
+            let n = b.g.node(node).clone();
+            let Op::EmbeddingBag { field_rows } = n.op else {
+                continue;
+            };
+            let s = b.g.shape(p).clone();
+            let d = b.add1(
+                Op::EmbeddingBagGradDense { field_rows },
+                vec![dpooled, n.inputs[1], n.inputs[2]],
+                s,
+                format!("{}.dtable", n.name),
+                node,
+            );
+            b.contribute(p, d);
+        }
+        if let Some(t) = b.total(p, origin) {
+            grads.by_param.insert(p, Grad::Dense(t));
+        }
+    }
+    Ok(grads)
+}

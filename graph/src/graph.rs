@@ -1,0 +1,1054 @@
+//! The static graph and the model DSL. Every builder method checks shapes and element
+//! types when the node is added, so a mistake is reported at the line of model code that
+//! made it, naming the op, the node and the operands.
+
+use crate::dtype::{DType, Shape};
+use crate::error::{GraphError, Result};
+use crate::op::{Init, Leaf, Op};
+
+/// A handle to a tensor (a value) of a graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tensor(pub u32);
+
+/// A handle to a node (an operation) of a graph. Ids grow in insertion order, which is
+/// also a valid execution order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub u32);
+
+impl Tensor {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl NodeId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// What part of a training step a node belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Phase {
+    Forward,
+    Backward,
+    Optimizer,
+}
+
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    pub shape: Shape,
+    pub dtype: DType,
+    pub producer: NodeId,
+    pub name: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub id: NodeId,
+    pub op: Op,
+    pub inputs: Vec<Tensor>,
+    pub outputs: Vec<Tensor>,
+    /// Persistent tensors this node reads and rewrites in place (optimizer updates).
+    pub updates: Vec<Tensor>,
+    pub name: String,
+    pub phase: Phase,
+    /// For backward nodes: the forward node whose gradient rule made this node.
+    pub origin: Option<NodeId>,
+}
+
+/// A weighted loss term: the step minimises `Σ weight · loss`.
+#[derive(Clone, Debug)]
+pub struct Loss {
+    pub tensor: Tensor,
+    pub weight: f64,
+}
+
+/// A static computation graph, built through the DSL methods below.
+#[derive(Clone, Debug)]
+pub struct Graph {
+    tensors: Vec<TensorInfo>,
+    nodes: Vec<Node>,
+    losses: Vec<Loss>,
+    scope: Vec<String>,
+    float: DType,
+    /// Per scope and op kind: how many nodes were named automatically.
+    counters: std::collections::BTreeMap<String, usize>,
+}
+
+impl Default for Graph {
+    fn default() -> Self {
+        Self::new(DType::F32)
+    }
+}
+
+/// The output description a node is added with.
+pub(crate) struct OutSpec {
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+impl Graph {
+    /// A new graph whose parameters and activations use `float` (F32, or F64 for
+    /// reference computations).
+    pub fn new(float: DType) -> Self {
+        Graph {
+            tensors: Vec::new(),
+            nodes: Vec::new(),
+            losses: Vec::new(),
+            scope: Vec::new(),
+            float,
+            counters: Default::default(),
+        }
+    }
+
+    pub fn float_dtype(&self) -> DType {
+        self.float
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.index()]
+    }
+
+    pub fn num_tensors(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn info(&self, t: Tensor) -> &TensorInfo {
+        &self.tensors[t.index()]
+    }
+
+    pub fn shape(&self, t: Tensor) -> &Shape {
+        &self.tensors[t.index()].shape
+    }
+
+    pub fn dtype(&self, t: Tensor) -> DType {
+        self.tensors[t.index()].dtype
+    }
+
+    pub fn name(&self, t: Tensor) -> &str {
+        &self.tensors[t.index()].name
+    }
+
+    pub fn producer(&self, t: Tensor) -> &Node {
+        &self.nodes[self.tensors[t.index()].producer.index()]
+    }
+
+    pub fn losses(&self) -> &[Loss] {
+        &self.losses
+    }
+
+    /// Every tensor, in creation order.
+    pub fn tensors(&self) -> impl Iterator<Item = Tensor> {
+        (0..self.tensors.len() as u32).map(Tensor)
+    }
+
+    /// The leaf kind of `t`, if a leaf produces it.
+    pub fn leaf(&self, t: Tensor) -> Option<&Leaf> {
+        match &self.producer(t).op {
+            Op::Leaf(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// Parameters (trainable or not), in creation order.
+    pub fn params(&self) -> Vec<Tensor> {
+        self.tensors()
+            .filter(|&t| matches!(self.leaf(t), Some(Leaf::Param { .. })))
+            .collect()
+    }
+
+    pub fn inputs(&self) -> Vec<Tensor> {
+        self.tensors()
+            .filter(|&t| matches!(self.leaf(t), Some(Leaf::Input)))
+            .collect()
+    }
+
+    /// True for tensors that live across steps (parameters and optimizer state).
+    pub fn is_persistent(&self, t: Tensor) -> bool {
+        matches!(self.leaf(t), Some(Leaf::Param { .. } | Leaf::State))
+    }
+
+    /// Finds a tensor by its full name.
+    pub fn find(&self, name: &str) -> Option<Tensor> {
+        self.tensors().find(|&t| self.name(t) == name)
+    }
+
+    // ---- naming -----------------------------------------------------------------
+
+    /// Runs `f` with `name` pushed on the scope stack: nodes made inside are named
+    /// `name/...`.
+    pub fn scoped<T>(&mut self, name: &str, f: impl FnOnce(&mut Graph) -> T) -> T {
+        self.scope.push(name.to_string());
+        let r = f(self);
+        self.scope.pop();
+        r
+    }
+
+    fn full_name(&self, base: &str) -> String {
+        if self.scope.is_empty() {
+            base.to_string()
+        } else {
+            format!("{}/{}", self.scope.join("/"), base)
+        }
+    }
+
+    fn auto_name(&mut self, op: &str) -> String {
+        let name = self.peek_name(op);
+        *self.counters.entry(self.full_name(op)).or_insert(0) += 1;
+        name
+    }
+
+    /// The name the next automatically named `op` node of the current scope will get:
+    /// `scope/op0`, `scope/op1`, ...
+    fn peek_name(&self, op: &str) -> String {
+        let k = self.counters.get(&self.full_name(op)).copied().unwrap_or(0);
+        self.full_name(&format!("{op}{k}"))
+    }
+
+    /// Gives the node that produces `t` (and `t` itself) a user-chosen name, scoped.
+    pub fn set_name(&mut self, t: Tensor, name: &str) -> Tensor {
+        let full = self.full_name(name);
+        let producer = self.tensors[t.index()].producer;
+        let node = &mut self.nodes[producer.index()];
+        if node.outputs.len() == 1 {
+            node.name = full.clone();
+            self.tensors[t.index()].name = full;
+        } else {
+            let pos = node.outputs.iter().position(|&o| o == t).unwrap_or(0);
+            self.tensors[t.index()].name = format!("{full}.{pos}");
+            node.name = full;
+        }
+        t
+    }
+
+    // ---- node insertion -------------------------------------------------------------
+
+    pub(crate) fn push_node(
+        &mut self,
+        op: Op,
+        inputs: Vec<Tensor>,
+        outs: Vec<OutSpec>,
+        name: String,
+        phase: Phase,
+        origin: Option<NodeId>,
+    ) -> (NodeId, Vec<Tensor>) {
+        let id = NodeId(self.nodes.len() as u32);
+        let multi = outs.len() > 1;
+        let mut outputs = Vec::with_capacity(outs.len());
+        for (i, o) in outs.into_iter().enumerate() {
+            let t = Tensor(self.tensors.len() as u32);
+            self.tensors.push(TensorInfo {
+                shape: o.shape,
+                dtype: o.dtype,
+                producer: id,
+                name: if multi {
+                    format!("{name}.{i}")
+                } else {
+                    name.clone()
+                },
+            });
+            outputs.push(t);
+        }
+        self.nodes.push(Node {
+            id,
+            op,
+            inputs,
+            outputs: outputs.clone(),
+            updates: Vec::new(),
+            name,
+            phase,
+            origin,
+        });
+        (id, outputs)
+    }
+
+    /// Appends an update node (an optimizer op that rewrites persistent tensors).
+    pub(crate) fn push_update(
+        &mut self,
+        op: Op,
+        inputs: Vec<Tensor>,
+        updates: Vec<Tensor>,
+        name: String,
+    ) -> NodeId {
+        let id = NodeId(self.nodes.len() as u32);
+        self.nodes.push(Node {
+            id,
+            op,
+            inputs,
+            outputs: Vec::new(),
+            updates,
+            name,
+            phase: Phase::Optimizer,
+            origin: None,
+        });
+        id
+    }
+
+    fn add_forward(
+        &mut self,
+        op: Op,
+        inputs: Vec<Tensor>,
+        outs: Vec<OutSpec>,
+        name: String,
+    ) -> Vec<Tensor> {
+        self.push_node(op, inputs, outs, name, Phase::Forward, None)
+            .1
+    }
+
+    fn add1(&mut self, op: Op, inputs: Vec<Tensor>, shape: Shape, dtype: DType) -> Tensor {
+        let name = self.auto_name(op.name());
+        self.add_forward(op, inputs, vec![OutSpec { shape, dtype }], name)[0]
+    }
+
+    fn leaf_node(&mut self, name: &str, leaf: Leaf, shape: Shape, dtype: DType) -> Tensor {
+        let full = self.full_name(name);
+        self.add_forward(
+            Op::Leaf(leaf),
+            Vec::new(),
+            vec![OutSpec { shape, dtype }],
+            full,
+        )[0]
+    }
+
+    // ---- checks -----------------------------------------------------------------------
+
+    fn desc(&self, t: Tensor) -> String {
+        let i = &self.tensors[t.index()];
+        format!("'{}' {} {}", i.name, i.shape, i.dtype)
+    }
+
+    fn shape_err(&self, op: &'static str, detail: String) -> GraphError {
+        GraphError::Shape {
+            op,
+            node: self.peek_name(op),
+            detail,
+        }
+    }
+
+    fn invalid(&self, op: &'static str, detail: String) -> GraphError {
+        GraphError::Invalid {
+            op,
+            node: self.peek_name(op),
+            detail,
+        }
+    }
+
+    fn expect_float(&self, op: &'static str, ts: &[Tensor]) -> Result<DType> {
+        let first = self.dtype(ts[0]);
+        for &t in ts {
+            let d = self.dtype(t);
+            if !d.is_float() || d != first {
+                return Err(GraphError::DType {
+                    op,
+                    node: self.peek_name(op),
+                    detail: format!(
+                        "operands must share one floating-point type, got {}",
+                        ts.iter()
+                            .map(|&t| self.desc(t))
+                            .collect::<Vec<_>>()
+                            .join(" and ")
+                    ),
+                });
+            }
+        }
+        Ok(first)
+    }
+
+    fn expect_dtype(&self, op: &'static str, t: Tensor, want: DType, role: &str) -> Result<()> {
+        if self.dtype(t) != want {
+            return Err(GraphError::DType {
+                op,
+                node: self.peek_name(op),
+                detail: format!("{role} {} must be {want}", self.desc(t)),
+            });
+        }
+        Ok(())
+    }
+
+    fn expect_rank(&self, op: &'static str, t: Tensor, rank: usize, role: &str) -> Result<()> {
+        if self.shape(t).rank() != rank {
+            return Err(
+                self.shape_err(op, format!("{role} {} must have rank {rank}", self.desc(t)))
+            );
+        }
+        Ok(())
+    }
+
+    // ---- leaves -------------------------------------------------------------------------
+
+    /// An input fed each step.
+    pub fn input(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        if shape.contains(&0) {
+            return Err(GraphError::Invalid {
+                op: "input",
+                node: self.full_name(name),
+                detail: format!("shape {} has a zero dimension", Shape::new(shape)),
+            });
+        }
+        Ok(self.leaf_node(name, Leaf::Input, Shape::new(shape), dtype))
+    }
+
+    /// A trainable parameter of the graph's float type.
+    pub fn param(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        self.param_with(name, shape, init, true)
+    }
+
+    pub fn param_with(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        init: Init,
+        trainable: bool,
+    ) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let bad = shape.contains(&0)
+            || matches!(&init, Init::Values(v) if v.len() != n)
+            || matches!(&init, Init::Tables { field_rows } if field_rows.iter().sum::<usize>() != shape[0])
+            || matches!(init, Init::Uniform { bound } if !(bound.is_finite() && bound >= 0.0))
+            || matches!(init, Init::Normal { std } if !(std.is_finite() && std >= 0.0));
+        if bad {
+            return Err(GraphError::Invalid {
+                op: "param",
+                node: self.full_name(name),
+                detail: format!("shape {} and init {init:?} do not fit", Shape::new(shape)),
+            });
+        }
+        let float = self.float;
+        Ok(self.leaf_node(
+            name,
+            Leaf::Param { init, trainable },
+            Shape::new(shape),
+            float,
+        ))
+    }
+
+    /// Optimizer state: persistent, zero at start.
+    pub fn state(&mut self, name: &str, shape: &[usize], dtype: DType) -> Tensor {
+        let t = Tensor(self.tensors.len() as u32);
+        let id = NodeId(self.nodes.len() as u32);
+        self.tensors.push(TensorInfo {
+            shape: Shape::new(shape),
+            dtype,
+            producer: id,
+            name: name.to_string(),
+        });
+        self.nodes.push(Node {
+            id,
+            op: Op::Leaf(Leaf::State),
+            inputs: Vec::new(),
+            outputs: vec![t],
+            updates: Vec::new(),
+            name: name.to_string(),
+            phase: Phase::Optimizer,
+            origin: None,
+        });
+        t
+    }
+
+    /// A constant of the graph's float type.
+    pub fn constant(&mut self, name: &str, shape: &[usize], values: Vec<f64>) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        if values.len() != n {
+            return Err(GraphError::Invalid {
+                op: "const",
+                node: self.full_name(name),
+                detail: format!(
+                    "{} values for shape {} ({} elements)",
+                    values.len(),
+                    Shape::new(shape),
+                    n
+                ),
+            });
+        }
+        let float = self.float;
+        Ok(self.leaf_node(name, Leaf::Const(values), Shape::new(shape), float))
+    }
+
+    /// An integer constant (ids, offsets, class labels baked into the graph).
+    pub fn constant_i32(&mut self, name: &str, shape: &[usize], values: &[i32]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        if values.len() != n {
+            return Err(GraphError::Invalid {
+                op: "const",
+                node: self.full_name(name),
+                detail: format!(
+                    "{} values for shape {} ({n} elements)",
+                    values.len(),
+                    Shape::new(shape)
+                ),
+            });
+        }
+        let v = values.iter().map(|&x| x as f64).collect();
+        Ok(self.leaf_node(name, Leaf::Const(v), Shape::new(shape), DType::I32))
+    }
+
+    // ---- dense ops ------------------------------------------------------------------------
+
+    /// A fully connected layer `x·wᵀ + b` with fresh parameters `{name}.weight` `[out, in]`
+    /// (uniform ±1/sqrt(in)) and `{name}.bias` (zeros).
+    pub fn linear(&mut self, x: Tensor, out: usize) -> Result<Tensor> {
+        let k = self.shape(x).last();
+        if out == 0 {
+            return Err(self.invalid("linear", "zero output features".into()));
+        }
+        // linear_with/layer_norm_with below name the node with this same name
+        let full = self.peek_name("linear");
+        let base = full.rsplit('/').next().unwrap_or("linear").to_string();
+        let bound = 1.0 / (k as f64).sqrt();
+        let w = self.param(
+            &format!("{base}.weight"),
+            &[out, k],
+            Init::Uniform { bound },
+        )?;
+        let b = self.param(&format!("{base}.bias"), &[out], Init::Zeros)?;
+        self.linear_with(x, w, Some(b))
+    }
+
+    /// `x·wᵀ (+ b)` with given parameters: x `[.., K]`, w `[N, K]`, b `[N]`.
+    pub fn linear_with(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
+        let op = "linear";
+        let mut all = vec![x, w];
+        all.extend(b);
+        let dt = self.expect_float(op, &all)?;
+        self.expect_rank(op, w, 2, "weight")?;
+        let xs = self.shape(x).clone();
+        if xs.rank() == 0 {
+            return Err(self.shape_err(op, format!("input {} is a scalar", self.desc(x))));
+        }
+        let (n, k) = (self.shape(w).dims()[0], self.shape(w).dims()[1]);
+        if xs.last() != k {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "input {} has {} features but weight {} expects {k}",
+                    self.desc(x),
+                    xs.last(),
+                    self.desc(w)
+                ),
+            ));
+        }
+        if let Some(b) = b {
+            if self.shape(b).dims() != [n] {
+                return Err(self.shape_err(
+                    op,
+                    format!(
+                        "bias {} must be [{n}] for weight {}",
+                        self.desc(b),
+                        self.desc(w)
+                    ),
+                ));
+            }
+        }
+        let mut out = xs.dims().to_vec();
+        *out.last_mut().unwrap_or(&mut 0) = n;
+        Ok(self.add1(Op::Linear { bias: b.is_some() }, all, Shape(out), dt))
+    }
+
+    /// Matrix product `a·b` of `[M, K]` and `[K, N]` (or with an equal leading batch dim).
+    pub fn matmul(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
+        self.matmul_t(a, b, false, false)
+    }
+
+    /// `op(a)·op(b)`, where `op` transposes the last two dims when its flag is set.
+    pub fn matmul_t(&mut self, a: Tensor, b: Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+        let op = "matmul";
+        let dt = self.expect_float(op, &[a, b])?;
+        let (sa, sb) = (self.shape(a).clone(), self.shape(b).clone());
+        let ok_rank = (sa.rank() == 2 && sb.rank() == 2)
+            || (sa.rank() == 3 && sb.rank() == 3 && sa.dims()[0] == sb.dims()[0]);
+        if !ok_rank {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "operands {} and {} must both be matrices, or batches of matrices with the same batch size",
+                    self.desc(a),
+                    self.desc(b)
+                ),
+            ));
+        }
+        let r = sa.rank();
+        let (m, ka) = if ta {
+            (sa.dims()[r - 1], sa.dims()[r - 2])
+        } else {
+            (sa.dims()[r - 2], sa.dims()[r - 1])
+        };
+        let (kb, n) = if tb {
+            (sb.dims()[r - 1], sb.dims()[r - 2])
+        } else {
+            (sb.dims()[r - 2], sb.dims()[r - 1])
+        };
+        if ka != kb {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "inner dimensions differ: {} (transposed: {ta}) gives K = {ka}, {} (transposed: {tb}) gives K = {kb}",
+                    self.desc(a),
+                    self.desc(b)
+                ),
+            ));
+        }
+        let out = if r == 3 {
+            vec![sa.dims()[0], m, n]
+        } else {
+            vec![m, n]
+        };
+        Ok(self.add1(Op::MatMul { ta, tb }, vec![a, b], Shape(out), dt))
+    }
+
+    fn broadcast_binary(&mut self, op: Op, a: Tensor, b: Tensor) -> Result<Tensor> {
+        let name = op.name();
+        let dt = self.expect_float(name, &[a, b])?;
+        let (sa, sb) = (self.shape(a).clone(), self.shape(b).clone());
+        if !sa.ends_with(&sb) {
+            return Err(self.shape_err(
+                name,
+                format!(
+                    "{} cannot be broadcast to {}: the second operand's shape must equal the first's or its trailing dimensions",
+                    self.desc(b),
+                    self.desc(a)
+                ),
+            ));
+        }
+        Ok(self.add1(op, vec![a, b], sa, dt))
+    }
+
+    /// `a + b`, `b` broadcast over `a`'s leading dims.
+    pub fn add(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
+        self.broadcast_binary(Op::Add, a, b)
+    }
+
+    /// `a ⊙ b`, `b` broadcast over `a`'s leading dims.
+    pub fn mul(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
+        self.broadcast_binary(Op::Mul, a, b)
+    }
+
+    pub fn scale(&mut self, x: Tensor, factor: f64) -> Result<Tensor> {
+        let dt = self.expect_float("scale", &[x])?;
+        let s = self.shape(x).clone();
+        Ok(self.add1(Op::Scale { factor }, vec![x], s, dt))
+    }
+
+    fn unary(&mut self, op: Op, x: Tensor) -> Result<Tensor> {
+        let dt = self.expect_float(op.name(), &[x])?;
+        let s = self.shape(x).clone();
+        Ok(self.add1(op, vec![x], s, dt))
+    }
+
+    pub fn relu(&mut self, x: Tensor) -> Result<Tensor> {
+        self.unary(Op::Relu, x)
+    }
+
+    pub fn gelu(&mut self, x: Tensor) -> Result<Tensor> {
+        self.unary(Op::Gelu, x)
+    }
+
+    pub fn sigmoid(&mut self, x: Tensor) -> Result<Tensor> {
+        self.unary(Op::Sigmoid, x)
+    }
+
+    /// Identity forward; no gradient flows back through it.
+    pub fn detach(&mut self, x: Tensor) -> Result<Tensor> {
+        let s = self.shape(x).clone();
+        let d = self.dtype(x);
+        Ok(self.add1(Op::Detach, vec![x], s, d))
+    }
+
+    /// Element type conversion (e.g. to bf16 for GEMM operands and back).
+    pub fn cast(&mut self, x: Tensor, to: DType) -> Result<Tensor> {
+        let from = self.dtype(x);
+        if !from.is_float() || !to.is_float() {
+            return Err(GraphError::DType {
+                op: "cast",
+                node: self.peek_name("cast"),
+                detail: format!("only float-to-float casts, got {} to {to}", self.desc(x)),
+            });
+        }
+        let s = self.shape(x).clone();
+        Ok(self.add1(Op::Cast { to }, vec![x], s, to))
+    }
+
+    /// Layer norm over the last dim with fresh `gamma` (ones) and `beta` (zeros).
+    pub fn layer_norm(&mut self, x: Tensor) -> Result<Tensor> {
+        let d = self.shape(x).last();
+        // linear_with/layer_norm_with below name the node with this same name
+        let full = self.peek_name("layer_norm");
+        let base = full.rsplit('/').next().unwrap_or("layer_norm").to_string();
+        let g = self.param(&format!("{base}.weight"), &[d], Init::Ones)?;
+        let b = self.param(&format!("{base}.bias"), &[d], Init::Zeros)?;
+        self.layer_norm_with(x, g, b, 1e-5)
+    }
+
+    pub fn layer_norm_with(
+        &mut self,
+        x: Tensor,
+        gamma: Tensor,
+        beta: Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let op = "layer_norm";
+        let dt = self.expect_float(op, &[x, gamma, beta])?;
+        let xs = self.shape(x).clone();
+        let d = xs.last();
+        if xs.rank() == 0 || self.shape(gamma).dims() != [d] || self.shape(beta).dims() != [d] {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "gamma {} and beta {} must be [{d}] to normalise {}",
+                    self.desc(gamma),
+                    self.desc(beta),
+                    self.desc(x)
+                ),
+            ));
+        }
+        if eps.is_nan() || eps <= 0.0 {
+            return Err(self.invalid(op, format!("eps must be positive, got {eps}")));
+        }
+        let rows = Shape(xs.dims()[..xs.rank() - 1].to_vec());
+        let name = self.auto_name(op);
+        let outs = vec![
+            OutSpec {
+                shape: xs,
+                dtype: dt,
+            },
+            OutSpec {
+                shape: rows.clone(),
+                dtype: dt,
+            },
+            OutSpec {
+                shape: rows,
+                dtype: dt,
+            },
+        ];
+        Ok(self.add_forward(Op::LayerNorm { eps }, vec![x, gamma, beta], outs, name)[0])
+    }
+
+    // ---- shape ops ------------------------------------------------------------------
+
+    pub fn reshape(&mut self, x: Tensor, shape: &[usize]) -> Result<Tensor> {
+        let s = Shape::new(shape);
+        if s.numel() != self.shape(x).numel() {
+            return Err(self.shape_err(
+                "reshape",
+                format!(
+                    "{} has {} elements, the new shape {s} has {}",
+                    self.desc(x),
+                    self.shape(x).numel(),
+                    s.numel()
+                ),
+            ));
+        }
+        let d = self.dtype(x);
+        Ok(self.add1(Op::Reshape, vec![x], s, d))
+    }
+
+    /// `[B, ...] -> [B, prod(...)]`.
+    pub fn flatten(&mut self, x: Tensor) -> Result<Tensor> {
+        let s = self.shape(x).clone();
+        if s.rank() == 0 {
+            return Err(
+                self.shape_err("reshape", format!("cannot flatten scalar {}", self.desc(x)))
+            );
+        }
+        let rest: usize = s.dims()[1..].iter().product();
+        self.reshape(x, &[s.dims()[0], rest])
+    }
+
+    pub fn concat(&mut self, xs: &[Tensor], axis: usize) -> Result<Tensor> {
+        let op = "concat";
+        if xs.is_empty() {
+            return Err(self.invalid(op, "nothing to concatenate".into()));
+        }
+        let dt = self.expect_float(op, xs)?;
+        let first = self.shape(xs[0]).clone();
+        if axis >= first.rank() {
+            return Err(self.invalid(
+                op,
+                format!("axis {axis} out of range for {}", self.desc(xs[0])),
+            ));
+        }
+        let mut out = first.dims().to_vec();
+        out[axis] = 0;
+        for &x in xs {
+            let s = self.shape(x);
+            let same_rest = s.rank() == first.rank()
+                && (0..s.rank()).all(|i| i == axis || s.dims()[i] == first.dims()[i]);
+            if !same_rest {
+                return Err(self.shape_err(
+                    op,
+                    format!(
+                        "{} and {} differ outside axis {axis}",
+                        self.desc(xs[0]),
+                        self.desc(x)
+                    ),
+                ));
+            }
+            out[axis] += s.dims()[axis];
+        }
+        Ok(self.add1(Op::Concat { axis }, xs.to_vec(), Shape(out), dt))
+    }
+
+    pub fn slice(&mut self, x: Tensor, axis: usize, start: usize, len: usize) -> Result<Tensor> {
+        let s = self.shape(x).clone();
+        if axis >= s.rank() || len == 0 || start + len > s.dims()[axis] {
+            return Err(self.shape_err(
+                "slice",
+                format!(
+                    "entries {start}..{} of axis {axis} do not fit in {}",
+                    start + len,
+                    self.desc(x)
+                ),
+            ));
+        }
+        let mut out = s.dims().to_vec();
+        out[axis] = len;
+        let d = self.dtype(x);
+        Ok(self.add1(Op::Slice { axis, start, len }, vec![x], Shape(out), d))
+    }
+
+    /// DLRM dot interaction: `[B, F, D] -> [B, F(F-1)/2]`.
+    pub fn pairwise_dot(&mut self, e: Tensor) -> Result<Tensor> {
+        let dt = self.expect_float("pairwise_dot", &[e])?;
+        self.expect_rank("pairwise_dot", e, 3, "input")?;
+        let s = self.shape(e).dims().to_vec();
+        if s[1] < 2 {
+            return Err(self.shape_err(
+                "pairwise_dot",
+                format!("{} needs at least two fields", self.desc(e)),
+            ));
+        }
+        let pairs = s[1] * (s[1] - 1) / 2;
+        Ok(self.add1(Op::PairwiseDot, vec![e], Shape(vec![s[0], pairs]), dt))
+    }
+
+    /// Multi-head scaled dot-product attention over `[B, S, H·Dh]` tensors (one fused op).
+    pub fn attention(
+        &mut self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        heads: usize,
+        causal: bool,
+    ) -> Result<Tensor> {
+        let op = "attention";
+        let dt = self.expect_float(op, &[q, k, v])?;
+        for (t, role) in [(q, "query"), (k, "key"), (v, "value")] {
+            self.expect_rank(op, t, 3, role)?;
+        }
+        let qs = self.shape(q).clone();
+        if self.shape(k) != &qs || self.shape(v) != &qs {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "query {}, key {} and value {} must have one shape",
+                    self.desc(q),
+                    self.desc(k),
+                    self.desc(v)
+                ),
+            ));
+        }
+        if heads == 0 || !qs.dims()[2].is_multiple_of(heads) {
+            return Err(self.invalid(
+                op,
+                format!("{heads} heads do not divide width {}", qs.dims()[2]),
+            ));
+        }
+        let (b, s) = (qs.dims()[0], qs.dims()[1]);
+        let name = self.auto_name(op);
+        let outs = vec![
+            OutSpec {
+                shape: qs,
+                dtype: dt,
+            },
+            OutSpec {
+                shape: Shape(vec![b, heads, s]),
+                dtype: dt,
+            },
+        ];
+        Ok(self.add_forward(Op::Attention { heads, causal }, vec![q, k, v], outs, name)[0])
+    }
+
+    /// One parameter holding several embedding tables, `[Σ rows, dim]`, uniform
+    /// ±1/sqrt(rows) per table as the spec asks (so tables of one size share a bound).
+    pub fn embedding_tables(
+        &mut self,
+        name: &str,
+        field_rows: &[usize],
+        dim: usize,
+    ) -> Result<Tensor> {
+        if field_rows.is_empty() || field_rows.contains(&0) || dim == 0 {
+            return Err(GraphError::Invalid {
+                op: "param",
+                node: self.full_name(name),
+                detail: format!("tables of rows {field_rows:?} and dim {dim}"),
+            });
+        }
+        let total: usize = field_rows.iter().sum();
+        let init = Init::Tables {
+            field_rows: field_rows.to_vec(),
+        };
+        self.param(name, &[total, dim], init)
+    }
+
+    /// Sum-pooled embedding bags: `table [Σ rows, D]`, `ids` i32 `[nnz]` (local rows of
+    /// each field's table), `offsets` i32 `[B·F + 1]`, giving `[B, F, D]`.
+    pub fn embedding_bag(
+        &mut self,
+        table: Tensor,
+        ids: Tensor,
+        offsets: Tensor,
+        field_rows: &[usize],
+    ) -> Result<Tensor> {
+        let op = "embedding_bag";
+        let dt = self.expect_float(op, &[table])?;
+        self.expect_dtype(op, ids, DType::I32, "ids")?;
+        self.expect_dtype(op, offsets, DType::I32, "offsets")?;
+        self.expect_rank(op, table, 2, "table")?;
+        self.expect_rank(op, ids, 1, "ids")?;
+        self.expect_rank(op, offsets, 1, "offsets")?;
+        let f = field_rows.len();
+        let total: usize = field_rows.iter().sum();
+        if f == 0 || self.shape(table).dims()[0] != total {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "table {} must have Σ rows = {total} rows for {f} tables of rows {field_rows:?}",
+                    self.desc(table)
+                ),
+            ));
+        }
+        let n_off = self.shape(offsets).dims()[0];
+        if n_off < 2 || !(n_off - 1).is_multiple_of(f) {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "offsets {} must hold B·{f} + 1 entries (one bag per example and field, plus the end)",
+                    self.desc(offsets)
+                ),
+            ));
+        }
+        let b = (n_off - 1) / f;
+        let d = self.shape(table).dims()[1];
+        Ok(self.add1(
+            Op::EmbeddingBag {
+                field_rows: field_rows.to_vec(),
+            },
+            vec![table, ids, offsets],
+            Shape(vec![b, f, d]),
+            dt,
+        ))
+    }
+
+    // ---- losses and reductions ------------------------------------------------------
+
+    /// Mean binary cross-entropy of `logit` against `label` (same number of elements).
+    pub fn bce_with_logits(&mut self, logit: Tensor, label: Tensor) -> Result<Tensor> {
+        let op = "bce_with_logits";
+        let dt = self.expect_float(op, &[logit, label])?;
+        let (a, b) = (self.shape(logit).clone(), self.shape(label).clone());
+        if a.numel() != b.numel() || a.rows() * a.last() != b.numel() || a.numel() == 0 {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "logit {} and label {} differ in size",
+                    self.desc(logit),
+                    self.desc(label)
+                ),
+            ));
+        }
+        Ok(self.add1(Op::BceWithLogits, vec![logit, label], Shape::scalar(), dt))
+    }
+
+    /// Mean softmax cross-entropy of `logits [N, C]` against i32 class `labels [N]`.
+    pub fn softmax_cross_entropy(&mut self, logits: Tensor, labels: Tensor) -> Result<Tensor> {
+        let op = "softmax_cross_entropy";
+        let dt = self.expect_float(op, &[logits])?;
+        self.expect_dtype(op, labels, DType::I32, "labels")?;
+        self.expect_rank(op, logits, 2, "logits")?;
+        let n = self.shape(logits).dims()[0];
+        if self.shape(labels).dims() != [n] {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "labels {} must be [{n}] for logits {}",
+                    self.desc(labels),
+                    self.desc(logits)
+                ),
+            ));
+        }
+        Ok(self.add1(
+            Op::SoftmaxCrossEntropy,
+            vec![logits, labels],
+            Shape::scalar(),
+            dt,
+        ))
+    }
+
+    pub fn sum(&mut self, x: Tensor) -> Result<Tensor> {
+        let dt = self.expect_float("sum", &[x])?;
+        Ok(self.add1(Op::Sum, vec![x], Shape::scalar(), dt))
+    }
+
+    pub fn mean(&mut self, x: Tensor) -> Result<Tensor> {
+        let dt = self.expect_float("mean", &[x])?;
+        Ok(self.add1(Op::Mean, vec![x], Shape::scalar(), dt))
+    }
+
+    /// Registers `l` as a loss term with weight `weight`: the step minimises
+    /// `Σ weight · l` over all registered terms.
+    pub fn loss(&mut self, l: Tensor, weight: f64) -> Result<()> {
+        if !self.shape(l).is_scalar_like() {
+            return Err(GraphError::LossNotScalar {
+                node: self.name(l).to_string(),
+                shape: self.shape(l).to_string(),
+            });
+        }
+        if !self.dtype(l).is_float() || !weight.is_finite() {
+            return Err(GraphError::Invalid {
+                op: "loss",
+                node: self.name(l).to_string(),
+                detail: format!(
+                    "a loss must be a float scalar with a finite weight (weight {weight})"
+                ),
+            });
+        }
+        self.losses.push(Loss { tensor: l, weight });
+        Ok(())
+    }
+
+    /// Adds a node made by a transformation (autodiff): checked by construction.
+    pub(crate) fn add_derived(
+        &mut self,
+        op: Op,
+        inputs: Vec<Tensor>,
+        outs: Vec<(Shape, DType)>,
+        name: String,
+        phase: Phase,
+        origin: Option<NodeId>,
+    ) -> Vec<Tensor> {
+        let outs = outs
+            .into_iter()
+            .map(|(shape, dtype)| OutSpec { shape, dtype })
+            .collect();
+        self.push_node(op, inputs, outs, name, phase, origin).1
+    }
+
+    pub(crate) fn add_const_scalar(&mut self, name: String, value: f64, dtype: DType) -> Tensor {
+        self.push_node(
+            Op::Leaf(Leaf::Const(vec![value])),
+            Vec::new(),
+            vec![OutSpec {
+                shape: Shape::scalar(),
+                dtype,
+            }],
+            name,
+            Phase::Backward,
+            None,
+        )
+        .1[0]
+    }
+}

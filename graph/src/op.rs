@@ -1,0 +1,254 @@
+//! The operations of the graph. One enum holds forward ops, the backward ops that
+//! autodiff appends, and the optimizer updates, so that a whole training step is one
+//! graph that can be partitioned, planned and scheduled as a unit.
+
+use crate::dtype::DType;
+
+/// How a parameter is initialised. Initialisation is deterministic from the runtime's
+/// seed and the parameter's index.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Init {
+    Zeros,
+    Ones,
+    /// Uniform in `[-bound, bound]`.
+    Uniform {
+        bound: f64,
+    },
+    /// Normal with mean 0.
+    Normal {
+        std: f64,
+    },
+    /// Explicit values, row-major (length must match the shape).
+    Values(Vec<f64>),
+    /// Several embedding tables stacked in one `[Σ rows, D]` parameter: the rows of the
+    /// table with `rows` rows are uniform in `±1/sqrt(rows)`.
+    Tables {
+        field_rows: Vec<usize>,
+    },
+}
+
+/// The role of a leaf tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Leaf {
+    /// Fed by the user every step.
+    Input,
+    /// A model parameter, persistent across steps.
+    Param { init: Init, trainable: bool },
+    /// Optimizer state (moments, accumulators, step counts), persistent, zero at start.
+    State,
+    /// A constant, stored in the graph.
+    Const(Vec<f64>),
+}
+
+/// An operation. Inputs and outputs are listed on the node; the comments give their order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// A leaf: no inputs, one output.
+    Leaf(Leaf),
+
+    // ---- forward ops --------------------------------------------------------------
+    /// `[x, w, b?] -> [y]`: `y = x·wᵀ (+ b)`, x `[.., K]`, w `[N, K]`, b `[N]`.
+    Linear {
+        bias: bool,
+    },
+    /// `[a, b] -> [c]`: matrix product of the last two dims (optional equal leading batch
+    /// dim), `op(a)·op(b)` where `op` transposes when its flag is set.
+    MatMul {
+        ta: bool,
+        tb: bool,
+    },
+    /// `[a, b] -> [c]`: elementwise sum; `b`'s shape is `a`'s or a suffix of it (broadcast
+    /// over the leading dims, e.g. over the batch).
+    Add,
+    /// `[a, b] -> [c]`: elementwise product, broadcasting as `Add`.
+    Mul,
+    /// `[x] -> [y]`: `y = x · factor`.
+    Scale {
+        factor: f64,
+    },
+    Relu,
+    /// tanh approximation of GELU (as GPT-2 and PyTorch's `approximate="tanh"`).
+    Gelu,
+    Sigmoid,
+    /// `[x, gamma, beta] -> [y, mean, rstd]`: normalises the last dim.
+    LayerNorm {
+        eps: f64,
+    },
+    /// `[x] -> [y]`: same elements, new shape.
+    Reshape,
+    /// `[x1, x2, ..] -> [y]`: concatenation along `axis`.
+    Concat {
+        axis: usize,
+    },
+    /// `[x] -> [y]`: `len` entries of `axis` starting at `start`.
+    Slice {
+        axis: usize,
+        start: usize,
+        len: usize,
+    },
+    /// `[e] -> [y]`: DLRM interaction, `e [B, F, D]` to the `F(F-1)/2` dots `<e_i, e_j>`,
+    /// `i < j`, row-major upper triangle.
+    PairwiseDot,
+    /// `[q, k, v] -> [o, lse]`: multi-head scaled dot-product attention over `[B, S, H·Dh]`
+    /// tensors; `lse [B, H, S]` is the log-sum-exp of each softmax row, kept for backward.
+    Attention {
+        heads: usize,
+        causal: bool,
+    },
+    /// `[table, ids, offsets] -> [y]`: sum-pooled bags over several tables stored as one
+    /// `[Σ rows, D]` parameter. `ids` (i32) are rows local to their field's table; bag `b`
+    /// of field `f` is `offsets[b·F + f] .. offsets[b·F + f + 1]`; `y` is `[B, F, D]`.
+    EmbeddingBag {
+        field_rows: Vec<usize>,
+    },
+    /// `[logit, label] -> [loss]`: mean binary cross-entropy with logits.
+    BceWithLogits,
+    /// `[logits, labels] -> [loss]`: mean softmax cross-entropy, labels are i32 classes.
+    SoftmaxCrossEntropy,
+    /// `[x] -> [s]`: sum of all elements.
+    Sum,
+    /// `[x] -> [s]`: mean of all elements.
+    Mean,
+    /// `[x] -> [y]`: identity forward; autodiff emits no gradient edge through it.
+    Detach,
+    /// `[x] -> [y]`: element type conversion.
+    Cast {
+        to: DType,
+    },
+
+    // ---- backward ops (appended by autodiff) --------------------------------------
+    /// `[dy, w] -> [dx]`: `dx = dy·w` over the rows of `dy` (the data gradient of `Linear`).
+    LinearGradInput,
+    /// `[dy, x] -> [dw]`: `dw = dyᵀ·x` summed over all rows (the weight gradient).
+    LinearGradWeight,
+    /// `[dy, y] -> [dx]`
+    ReluGrad,
+    /// `[dy, x] -> [dx]`
+    GeluGrad,
+    /// `[dy, y] -> [dx]`
+    SigmoidGrad,
+    /// `[dy, x, gamma, mean, rstd] -> [dx, dgamma, dbeta]`
+    LayerNormGrad,
+    /// `[dy] -> [dx]`: sums `dy` over its leading dims down to the output shape (the
+    /// gradient of a broadcast operand, or of a bias).
+    SumToShape,
+    /// `[dy] -> [dx]`: writes `dy` into `len` entries of `axis` at `start` of a zero
+    /// tensor whose `axis` has `full` entries (the gradient of `Slice`).
+    Pad {
+        axis: usize,
+        start: usize,
+        full: usize,
+    },
+    /// `[dy, e] -> [de]`
+    PairwiseDotGrad,
+    /// `[do, q, k, v, o, lse] -> [dq, dk, dv]`
+    AttentionGrad {
+        heads: usize,
+        causal: bool,
+    },
+    /// `[dy, ids, offsets] -> [dtable]`: the dense table gradient of `EmbeddingBag`
+    /// (a scatter in a fixed order). Training uses the sparse form instead: the pooled
+    /// gradient with the ids, consumed by the row-wise optimizer.
+    EmbeddingBagGradDense {
+        field_rows: Vec<usize>,
+    },
+    /// `[dloss, logit, label] -> [dlogit]`
+    BceWithLogitsGrad,
+    /// `[dloss, logits, labels] -> [dlogits]`
+    SoftmaxCrossEntropyGrad,
+    /// `[ds] -> [dx]`: fills the shape with `ds · scale` (the gradient of `Sum`/`Mean`).
+    Broadcast {
+        scale: f64,
+    },
+    /// `[g1, g2, ..] -> [g]`: the sum of several gradient contributions, in input order
+    /// (autodiff orders them by the id of the node that made them).
+    GradSum,
+
+    // ---- optimizer updates (update persistent tensors in place) -------------------
+    /// `updates [step]`: `step += 1` (an i32 scalar). Kept separate from the update itself
+    /// so the step count lives in device memory and changes inside a captured graph.
+    StepIncrement,
+    /// `inputs [g..]`, `updates [p..]`: `p -= lr · g`.
+    Sgd {
+        lr: f64,
+    },
+    /// `inputs [step, g1..gn]`, `updates [p1..pn, m1..mn, v1..vn]`: Adam with bias
+    /// correction, over all dense parameters in one op.
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+    },
+    /// `inputs [ids, offsets, dpooled]`, `updates [table, acc]`: row-wise Adagrad on the rows
+    /// the batch touches: for each row, `g` is the sum of its gradient over all occurrences
+    /// (in a fixed order), `acc += mean(g²)`, `w -= lr · g / (sqrt(acc) + eps)`.
+    RowwiseAdagrad {
+        lr: f64,
+        eps: f64,
+        field_rows: Vec<usize>,
+    },
+}
+
+impl Op {
+    /// A short lower-case name, used in labels and error messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Leaf(Leaf::Input) => "input",
+            Op::Leaf(Leaf::Param { .. }) => "param",
+            Op::Leaf(Leaf::State) => "state",
+            Op::Leaf(Leaf::Const(_)) => "const",
+            Op::Linear { .. } => "linear",
+            Op::MatMul { .. } => "matmul",
+            Op::Add => "add",
+            Op::Mul => "mul",
+            Op::Scale { .. } => "scale",
+            Op::Relu => "relu",
+            Op::Gelu => "gelu",
+            Op::Sigmoid => "sigmoid",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::Reshape => "reshape",
+            Op::Concat { .. } => "concat",
+            Op::Slice { .. } => "slice",
+            Op::PairwiseDot => "pairwise_dot",
+            Op::Attention { .. } => "attention",
+            Op::EmbeddingBag { .. } => "embedding_bag",
+            Op::BceWithLogits => "bce_with_logits",
+            Op::SoftmaxCrossEntropy => "softmax_cross_entropy",
+            Op::Sum => "sum",
+            Op::Mean => "mean",
+            Op::Detach => "detach",
+            Op::Cast { .. } => "cast",
+            Op::LinearGradInput => "linear_grad_input",
+            Op::LinearGradWeight => "linear_grad_weight",
+            Op::ReluGrad => "relu_grad",
+            Op::GeluGrad => "gelu_grad",
+            Op::SigmoidGrad => "sigmoid_grad",
+            Op::LayerNormGrad => "layer_norm_grad",
+            Op::SumToShape => "sum_to_shape",
+            Op::Pad { .. } => "pad",
+            Op::PairwiseDotGrad => "pairwise_dot_grad",
+            Op::AttentionGrad { .. } => "attention_grad",
+            Op::EmbeddingBagGradDense { .. } => "embedding_bag_grad_dense",
+            Op::BceWithLogitsGrad => "bce_with_logits_grad",
+            Op::SoftmaxCrossEntropyGrad => "softmax_cross_entropy_grad",
+            Op::Broadcast { .. } => "broadcast",
+            Op::GradSum => "grad_sum",
+            Op::StepIncrement => "step_increment",
+            Op::Sgd { .. } => "sgd",
+            Op::Adam { .. } => "adam",
+            Op::RowwiseAdagrad { .. } => "rowwise_adagrad",
+        }
+    }
+
+    pub fn is_leaf(&self) -> bool {
+        matches!(self, Op::Leaf(_))
+    }
+
+    pub fn is_optimizer(&self) -> bool {
+        matches!(
+            self,
+            Op::StepIncrement | Op::Sgd { .. } | Op::Adam { .. } | Op::RowwiseAdagrad { .. }
+        )
+    }
+}

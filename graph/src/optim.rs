@@ -1,0 +1,167 @@
+//! Optimizer updates as graph nodes, appended after the backward nodes. Dense parameters
+//! are updated by one node (one launch on a GPU); each embedding table with a sparse
+//! gradient by a row-wise Adagrad node that touches only the batch's rows.
+
+use crate::autodiff::{Grad, Gradients};
+use crate::dtype::DType;
+use crate::error::{GraphError, Result};
+use crate::graph::{Graph, NodeId, Tensor};
+use crate::op::Op;
+
+/// The optimizer of dense parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DenseOptimizer {
+    Sgd {
+        lr: f64,
+    },
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+    },
+}
+
+impl DenseOptimizer {
+    /// The spec's settings: lr 1e-3, betas (0.9, 0.999), eps 1e-8.
+    pub fn adam() -> Self {
+        DenseOptimizer::Adam {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+}
+
+/// Optimizer settings of a training graph.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimizerConfig {
+    pub dense: DenseOptimizer,
+    /// Row-wise Adagrad for embedding tables with sparse gradients: (lr, eps).
+    pub rowwise_adagrad: (f64, f64),
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig {
+            dense: DenseOptimizer::adam(),
+            rowwise_adagrad: (0.01, 1e-8),
+        }
+    }
+}
+
+/// The update nodes, for the scheduler.
+#[derive(Clone, Debug, Default)]
+pub struct Updates {
+    pub step_increment: Option<NodeId>,
+    pub dense: Option<NodeId>,
+    pub sparse: Vec<NodeId>,
+}
+
+fn check_hyper(name: &str, v: f64, lo_open: f64, hi: Option<f64>) -> Result<()> {
+    let ok = v.is_finite() && v > lo_open && hi.is_none_or(|h| v < h);
+    if ok {
+        Ok(())
+    } else {
+        Err(GraphError::Structure(format!(
+            "optimizer: {name} = {v} is out of range"
+        )))
+    }
+}
+
+/// Appends the optimizer updates for `grads`.
+pub fn attach(g: &mut Graph, grads: &Gradients, cfg: &OptimizerConfig) -> Result<Updates> {
+    let mut up = Updates::default();
+    let mut dense: Vec<(Tensor, Tensor)> = Vec::new();
+    for (&p, grad) in &grads.by_param {
+        match grad {
+            Grad::Dense(t) => dense.push((p, *t)),
+            Grad::Sparse {
+                node,
+                ids,
+                offsets,
+                dpooled,
+            } => {
+                let Op::EmbeddingBag { field_rows } = g.node(*node).op.clone() else {
+                    return Err(GraphError::Structure(format!(
+                        "optimizer: sparse gradient of '{}' does not come from an embedding_bag",
+                        g.name(p)
+                    )));
+                };
+                let (lr, eps) = cfg.rowwise_adagrad;
+                check_hyper("adagrad lr", lr, 0.0, None)?;
+                check_hyper("adagrad eps", eps, 0.0, None)?;
+                let rows = g.shape(p).dims()[0];
+                let acc = g.state(
+                    &format!("{}.adagrad_acc", g.name(p)),
+                    &[rows],
+                    g.float_dtype(),
+                );
+                let name = format!("{}.rowwise_adagrad", g.name(p));
+                let id = g.push_update(
+                    Op::RowwiseAdagrad {
+                        lr,
+                        eps,
+                        field_rows,
+                    },
+                    vec![*ids, *offsets, *dpooled],
+                    vec![p, acc],
+                    name,
+                );
+                up.sparse.push(id);
+            }
+        }
+    }
+    if dense.is_empty() {
+        return Ok(up);
+    }
+    let ps: Vec<Tensor> = dense.iter().map(|d| d.0).collect();
+    let gs: Vec<Tensor> = dense.iter().map(|d| d.1).collect();
+    match cfg.dense {
+        DenseOptimizer::Sgd { lr } => {
+            check_hyper("sgd lr", lr, 0.0, None)?;
+            up.dense = Some(g.push_update(Op::Sgd { lr }, gs, ps, "optim/sgd".into()));
+        }
+        DenseOptimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => {
+            check_hyper("adam lr", lr, 0.0, None)?;
+            check_hyper("adam beta1", beta1, -f64::MIN_POSITIVE, Some(1.0))?;
+            check_hyper("adam beta2", beta2, -f64::MIN_POSITIVE, Some(1.0))?;
+            check_hyper("adam eps", eps, 0.0, None)?;
+            let step = g.state("optim/adam.step", &[], DType::I32);
+            up.step_increment = Some(g.push_update(
+                Op::StepIncrement,
+                Vec::new(),
+                vec![step],
+                "optim/step".into(),
+            ));
+            let float = g.float_dtype();
+            let mut updates = ps.clone();
+            for kind in ["m", "v"] {
+                for &p in &ps {
+                    let s = g.shape(p).dims().to_vec();
+                    updates.push(g.state(&format!("{}.adam_{kind}", g.name(p)), &s, float));
+                }
+            }
+            let mut inputs = vec![step];
+            inputs.extend(gs);
+            up.dense = Some(g.push_update(
+                Op::Adam {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                },
+                inputs,
+                updates,
+                "optim/adam".into(),
+            ));
+        }
+    }
+    Ok(up)
+}

@@ -1,0 +1,161 @@
+//! Embedding bags over several tables stacked in one parameter, their dense gradient and
+//! the row-wise Adagrad update. Ids come from data, so they are validated here and a bad
+//! one is an error naming the bag, not a panic.
+
+use super::kernels::for_rows;
+use super::real::Real;
+
+/// The layout of a lookup: bags of `fields` fields each, table bases per field.
+pub struct Bags<'a> {
+    pub ids: &'a [i32],
+    pub offsets: &'a [i32],
+    pub field_rows: &'a [usize],
+    pub bases: Vec<usize>,
+}
+
+impl<'a> Bags<'a> {
+    /// Validates offsets (non-decreasing, from 0 to the number of ids) and ids (inside
+    /// their field's table).
+    pub fn new(
+        ids: &'a [i32],
+        offsets: &'a [i32],
+        field_rows: &'a [usize],
+    ) -> Result<Self, String> {
+        let f = field_rows.len();
+        if offsets.first() != Some(&0) {
+            return Err(format!(
+                "offsets must start at 0, got {:?}",
+                offsets.first()
+            ));
+        }
+        let last = offsets.last().copied().unwrap_or(0);
+        if last < 0 || last as usize != ids.len() {
+            return Err(format!(
+                "the last offset is {last} but there are {} ids",
+                ids.len()
+            ));
+        }
+        for (i, w) in offsets.windows(2).enumerate() {
+            if w[1] < w[0] {
+                return Err(format!(
+                    "offsets decrease at bag {i} (example {}, field {}): {} then {}",
+                    i / f,
+                    i % f,
+                    w[0],
+                    w[1]
+                ));
+            }
+        }
+        let mut bases = Vec::with_capacity(f);
+        let mut acc = 0;
+        for &r in field_rows {
+            bases.push(acc);
+            acc += r;
+        }
+        let bags = Bags {
+            ids,
+            offsets,
+            field_rows,
+            bases,
+        };
+        for bag in 0..offsets.len() - 1 {
+            let fi = bag % f;
+            for &id in bags.bag_ids(bag) {
+                if id < 0 || id as usize >= field_rows[fi] {
+                    return Err(format!(
+                        "id {id} in bag {bag} (example {}, field {fi}) is out of range for that field's table of {} rows",
+                        bag / f,
+                        field_rows[fi]
+                    ));
+                }
+            }
+        }
+        Ok(bags)
+    }
+
+    pub fn num_bags(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    pub fn bag_ids(&self, bag: usize) -> &'a [i32] {
+        &self.ids[self.offsets[bag] as usize..self.offsets[bag + 1] as usize]
+    }
+
+    /// The global table row of an id in `bag`.
+    pub fn row(&self, bag: usize, id: i32) -> usize {
+        self.bases[bag % self.field_rows.len()] + id as usize
+    }
+}
+
+/// `y[bag] = Σ table[row(id)]` over the bag's ids.
+pub fn embedding_bag<T: Real>(table: &[T], bags: &Bags, y: &mut [T], d: usize) {
+    for_rows(y, d, |bag, out| {
+        out.iter_mut().for_each(|v| *v = T::ZERO);
+        for &id in bags.bag_ids(bag) {
+            let r = bags.row(bag, id);
+            for (o, &t) in out.iter_mut().zip(&table[r * d..(r + 1) * d]) {
+                *o += t;
+            }
+        }
+    });
+}
+
+/// The dense table gradient: each occurrence adds its bag's gradient to its row, bags and
+/// ids in order.
+pub fn embedding_bag_grad_dense<T: Real>(dy: &[T], bags: &Bags, dtable: &mut [T], d: usize) {
+    dtable.iter_mut().for_each(|v| *v = T::ZERO);
+    for bag in 0..bags.num_bags() {
+        for &id in bags.bag_ids(bag) {
+            let r = bags.row(bag, id);
+            for c in 0..d {
+                dtable[r * d + c] += dy[bag * d + c];
+            }
+        }
+    }
+}
+
+/// Row-wise Adagrad on the rows the batch touches. Each touched row's gradient is the sum
+/// over its occurrences in id order (a stable sort by row keeps that order), so the
+/// result is deterministic.
+pub fn rowwise_adagrad<T: Real>(
+    table: &mut [T],
+    acc: &mut [T],
+    bags: &Bags,
+    dpooled: &[T],
+    d: usize,
+    lr: f64,
+    eps: f64,
+) {
+    // (global row, bag) for every occurrence, in id order, then stably sorted by row.
+    let mut occ: Vec<(usize, usize)> = Vec::with_capacity(bags.ids.len());
+    for bag in 0..bags.num_bags() {
+        for &id in bags.bag_ids(bag) {
+            occ.push((bags.row(bag, id), bag));
+        }
+    }
+    occ.sort_by_key(|o| o.0);
+    let (lr, eps) = (T::from_f64(lr), T::from_f64(eps));
+    let inv_d = T::from_f64(1.0 / d as f64);
+    let mut g = vec![T::ZERO; d];
+    let mut i = 0;
+    while i < occ.len() {
+        let row = occ[i].0;
+        g.iter_mut().for_each(|v| *v = T::ZERO);
+        while i < occ.len() && occ[i].0 == row {
+            let bag = occ[i].1;
+            for c in 0..d {
+                g[c] += dpooled[bag * d + c];
+            }
+            i += 1;
+        }
+        let mut sq = T::ZERO;
+        for &v in &g {
+            sq += v * v;
+        }
+        acc[row] += sq * inv_d;
+        let denom = acc[row].sqrt() + eps;
+        for c in 0..d {
+            table[row * d + c] -= lr * g[c] / denom;
+        }
+    }
+}

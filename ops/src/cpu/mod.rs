@@ -1,0 +1,503 @@
+//! The CPU backend's execution of one node: typed dispatch to the reference kernels.
+
+pub mod embedding;
+pub mod kernels;
+pub mod real;
+
+use crate::buffer::Buffer;
+use embedding::Bags;
+use erase_graph::{DType, Op, Shape};
+use half::bf16;
+use kernels::{AttnDims, AttnGradIn, AxisView};
+use real::Real;
+use std::fmt;
+
+/// An error raised while executing a node (bad data such as an id out of range, or an
+/// unsupported element type), naming the node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpError {
+    pub op: &'static str,
+    pub node: String,
+    pub msg: String,
+}
+
+impl fmt::Display for OpError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} node '{}': {}", self.op, self.node, self.msg)
+    }
+}
+
+impl std::error::Error for OpError {}
+
+/// One node to execute: its op, name and the shapes of its operands.
+pub struct NodeCall<'a> {
+    pub op: &'a Op,
+    pub name: &'a str,
+    pub in_shapes: Vec<&'a Shape>,
+    pub out_shapes: Vec<&'a Shape>,
+}
+
+/// Float types with typed access to a [`Buffer`].
+pub trait Elem: Real {
+    fn get(b: &Buffer) -> Option<&[Self]>;
+    fn get_mut(b: &mut Buffer) -> Option<&mut [Self]>;
+}
+
+impl Elem for f32 {
+    fn get(b: &Buffer) -> Option<&[f32]> {
+        match b {
+            Buffer::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn get_mut(b: &mut Buffer) -> Option<&mut [f32]> {
+        match b {
+            Buffer::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Elem for f64 {
+    fn get(b: &Buffer) -> Option<&[f64]> {
+        match b {
+            Buffer::F64(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn get_mut(b: &mut Buffer) -> Option<&mut [f64]> {
+        match b {
+            Buffer::F64(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// Executes `call`: reads `ins`, writes every element of `outs` (allocated by the caller
+/// with the outputs' types and sizes), and rewrites `upd` in place (optimizer updates).
+pub fn execute(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+) -> Result<(), OpError> {
+    let err = |msg: String| OpError {
+        op: call.op.name(),
+        node: call.name.to_string(),
+        msg,
+    };
+    // Type-agnostic ops first.
+    match call.op {
+        Op::Leaf(_) => return Err(err("leaves are not executed".into())),
+        Op::Reshape | Op::Detach => {
+            outs[0] = ins[0].clone();
+            return Ok(());
+        }
+        Op::Cast { to } => {
+            outs[0] = cast(ins[0], *to);
+            return Ok(());
+        }
+        Op::StepIncrement => {
+            return match upd.first_mut() {
+                Some(Buffer::I32(v)) if v.len() == 1 => {
+                    v[0] = v[0].saturating_add(1);
+                    Ok(())
+                }
+                _ => Err(err("the step counter must be one i32".into())),
+            };
+        }
+        _ => {}
+    }
+    let float = ins
+        .iter()
+        .map(|b| b.dtype())
+        .chain(upd.iter().map(|b| b.dtype()))
+        .find(|d| d.is_float());
+    match float {
+        Some(DType::F32) => exec_typed::<f32>(call, ins, outs, upd).map_err(err),
+        Some(DType::F64) => exec_typed::<f64>(call, ins, outs, upd).map_err(err),
+        Some(other) => Err(err(format!(
+            "the CPU backend computes {} in f32 or f64, not {other}; cast first",
+            call.op.name()
+        ))),
+        None => Err(err("no floating-point operand".into())),
+    }
+}
+
+fn cast(b: &Buffer, to: DType) -> Buffer {
+    match (b, to) {
+        (Buffer::F32(v), DType::Bf16) => {
+            Buffer::Bf16(v.iter().map(|&x| bf16::from_f32(x)).collect())
+        }
+        (Buffer::F64(v), DType::Bf16) => {
+            Buffer::Bf16(v.iter().map(|&x| bf16::from_f64(x)).collect())
+        }
+        (Buffer::Bf16(v), DType::F32) => Buffer::F32(v.iter().map(|x| x.to_f32()).collect()),
+        _ => Buffer::from_f64(to, &b.to_f64()),
+    }
+}
+
+fn get<'a, T: Elem>(b: &'a Buffer, what: &str) -> Result<&'a [T], String> {
+    T::get(b).ok_or_else(|| {
+        format!(
+            "{what} has element type {}, expected the node's float type",
+            b.dtype()
+        )
+    })
+}
+
+fn get_i32<'a>(b: &'a Buffer, what: &str) -> Result<&'a [i32], String> {
+    b.as_i32()
+        .ok_or_else(|| format!("{what} must be i32, got {}", b.dtype()))
+}
+
+fn out<T: Elem>(b: &mut Buffer) -> Result<&mut [T], String> {
+    let dt = b.dtype();
+    T::get_mut(b).ok_or_else(|| format!("output buffer has element type {dt}"))
+}
+
+fn scalar<T: Elem>(b: &Buffer) -> Result<T, String> {
+    get::<T>(b, "scalar")?
+        .first()
+        .copied()
+        .ok_or_else(|| "empty scalar".to_string())
+}
+
+/// Splits `outs` into three distinct mutable slices.
+type Three<'a, T> = (&'a mut [T], &'a mut [T], &'a mut [T]);
+
+fn three<T: Elem>(outs: &mut [Buffer]) -> Result<Three<'_, T>, String> {
+    let [a, b, c] = outs else {
+        return Err("expected three outputs".into());
+    };
+    Ok((out::<T>(a)?, out::<T>(b)?, out::<T>(c)?))
+}
+
+fn exec_typed<T: Elem>(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+) -> Result<(), String> {
+    let ish = |i: usize| call.in_shapes[i];
+    let osh = |i: usize| call.out_shapes[i];
+    match call.op {
+        Op::Linear { bias } => {
+            let (x, w) = (get::<T>(ins[0], "input")?, get::<T>(ins[1], "weight")?);
+            let b = if *bias {
+                Some(get::<T>(ins[2], "bias")?)
+            } else {
+                None
+            };
+            let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
+            kernels::linear(x, w, b, out(&mut outs[0])?, ish(0).rows(), k, n);
+        }
+        Op::LinearGradInput => {
+            let (dy, w) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "weight")?);
+            let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
+            kernels::linear_grad_input(dy, w, out(&mut outs[0])?, ish(0).rows(), k, n);
+        }
+        Op::LinearGradWeight => {
+            let (dy, x) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "input")?);
+            let (n, k) = (osh(0).dims()[0], osh(0).dims()[1]);
+            kernels::linear_grad_weight(dy, x, out(&mut outs[0])?, ish(0).rows(), k, n);
+        }
+        Op::MatMul { ta, tb } => {
+            let (a, b) = (get::<T>(ins[0], "a")?, get::<T>(ins[1], "b")?);
+            let (da, db) = (ish(0).dims(), ish(1).dims());
+            let r = da.len();
+            let batch = if r == 3 { da[0] } else { 1 };
+            kernels::matmul(
+                a,
+                b,
+                out(&mut outs[0])?,
+                batch,
+                (da[r - 2], da[r - 1]),
+                (db[r - 2], db[r - 1]),
+                *ta,
+                *tb,
+            );
+        }
+        Op::Add | Op::Mul => {
+            let (a, b) = (get::<T>(ins[0], "a")?, get::<T>(ins[1], "b")?);
+            kernels::broadcast_binary(a, b, out(&mut outs[0])?, matches!(call.op, Op::Mul));
+        }
+        Op::Scale { factor } => {
+            let x = get::<T>(ins[0], "x")?;
+            let f = T::from_f64(*factor);
+            kernels::map_index(out(&mut outs[0])?, |i| x[i] * f);
+        }
+        Op::Relu => {
+            let x = get::<T>(ins[0], "x")?;
+            kernels::map_index(out(&mut outs[0])?, |i| {
+                if x[i] > T::ZERO {
+                    x[i]
+                } else {
+                    T::ZERO
+                }
+            });
+        }
+        Op::Gelu => {
+            let x = get::<T>(ins[0], "x")?;
+            kernels::map_index(out(&mut outs[0])?, |i| kernels::gelu(x[i]));
+        }
+        Op::Sigmoid => {
+            let x = get::<T>(ins[0], "x")?;
+            kernels::map_index(out(&mut outs[0])?, |i| kernels::sigmoid(x[i]));
+        }
+        Op::ReluGrad => {
+            let (dy, y) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "y")?);
+            kernels::map_index(out(&mut outs[0])?, |i| {
+                if y[i] > T::ZERO {
+                    dy[i]
+                } else {
+                    T::ZERO
+                }
+            });
+        }
+        Op::GeluGrad => {
+            let (dy, x) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "x")?);
+            kernels::map_index(out(&mut outs[0])?, |i| dy[i] * kernels::gelu_grad(x[i]));
+        }
+        Op::SigmoidGrad => {
+            let (dy, y) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "y")?);
+            kernels::map_index(out(&mut outs[0])?, |i| dy[i] * y[i] * (T::ONE - y[i]));
+        }
+        Op::LayerNorm { eps } => {
+            let (x, g, b) = (
+                get::<T>(ins[0], "x")?,
+                get::<T>(ins[1], "gamma")?,
+                get::<T>(ins[2], "beta")?,
+            );
+            let (y, m, r) = three::<T>(outs)?;
+            kernels::layer_norm(x, g, b, y, m, r, *eps);
+        }
+        Op::LayerNormGrad => {
+            let dy = get::<T>(ins[0], "dy")?;
+            let (x, g) = (get::<T>(ins[1], "x")?, get::<T>(ins[2], "gamma")?);
+            let (m, r) = (get::<T>(ins[3], "mean")?, get::<T>(ins[4], "rstd")?);
+            let (dx, dg, db) = three::<T>(outs)?;
+            kernels::layer_norm_grad(dy, x, g, m, r, dx, dg, db);
+        }
+        Op::SumToShape => kernels::sum_to_shape(get::<T>(ins[0], "dy")?, out(&mut outs[0])?),
+        Op::Concat { axis } => {
+            let total = osh(0).dims()[*axis];
+            let v = AxisView::new(osh(0).dims(), *axis);
+            let o = out::<T>(&mut outs[0])?;
+            let mut start = 0;
+            for (i, b) in ins.iter().enumerate() {
+                let len = ish(i).dims()[*axis];
+                kernels::place(get::<T>(b, "input")?, o, v, start, len, total);
+                start += len;
+            }
+        }
+        Op::Slice { axis, start, len } => {
+            let total = ish(0).dims()[*axis];
+            let v = AxisView::new(ish(0).dims(), *axis);
+            kernels::take(
+                get::<T>(ins[0], "x")?,
+                out(&mut outs[0])?,
+                v,
+                *start,
+                *len,
+                total,
+            );
+        }
+        Op::Pad { axis, start, full } => {
+            let len = ish(0).dims()[*axis];
+            let v = AxisView::new(osh(0).dims(), *axis);
+            let o = out::<T>(&mut outs[0])?;
+            o.iter_mut().for_each(|x| *x = T::ZERO);
+            kernels::place(get::<T>(ins[0], "dy")?, o, v, *start, len, *full);
+        }
+        Op::PairwiseDot => {
+            let d = ish(0).dims();
+            kernels::pairwise_dot(get::<T>(ins[0], "e")?, out(&mut outs[0])?, d[1], d[2]);
+        }
+        Op::PairwiseDotGrad => {
+            let d = ish(1).dims();
+            let (dy, e) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "e")?);
+            kernels::pairwise_dot_grad(dy, e, out(&mut outs[0])?, d[1], d[2]);
+        }
+        Op::Attention { heads, causal } => {
+            let d = ish(0).dims();
+            let a = AttnDims {
+                s: d[1],
+                heads: *heads,
+                dh: d[2] / heads,
+                causal: *causal,
+            };
+            let (q, k, v) = (
+                get::<T>(ins[0], "q")?,
+                get::<T>(ins[1], "k")?,
+                get::<T>(ins[2], "v")?,
+            );
+            let [o, lse] = outs else {
+                return Err("expected two outputs".into());
+            };
+            kernels::attention(q, k, v, out(o)?, out(lse)?, a);
+        }
+        Op::AttentionGrad { heads, causal } => {
+            let d = ish(1).dims();
+            let a = AttnDims {
+                s: d[1],
+                heads: *heads,
+                dh: d[2] / heads,
+                causal: *causal,
+            };
+            let x = AttnGradIn {
+                d_o: get::<T>(ins[0], "do")?,
+                q: get::<T>(ins[1], "q")?,
+                k: get::<T>(ins[2], "k")?,
+                v: get::<T>(ins[3], "v")?,
+                o: get::<T>(ins[4], "o")?,
+                lse: get::<T>(ins[5], "lse")?,
+            };
+            let (dq, dk, dv) = three::<T>(outs)?;
+            kernels::attention_grad(x, dq, dk, dv, a);
+        }
+        Op::EmbeddingBag { field_rows } => {
+            let bags = Bags::new(
+                get_i32(ins[1], "ids")?,
+                get_i32(ins[2], "offsets")?,
+                field_rows,
+            )?;
+            let d = ish(0).dims()[1];
+            embedding::embedding_bag(get::<T>(ins[0], "table")?, &bags, out(&mut outs[0])?, d);
+        }
+        Op::EmbeddingBagGradDense { field_rows } => {
+            let bags = Bags::new(
+                get_i32(ins[1], "ids")?,
+                get_i32(ins[2], "offsets")?,
+                field_rows,
+            )?;
+            let d = osh(0).dims()[1];
+            embedding::embedding_bag_grad_dense(
+                get::<T>(ins[0], "dy")?,
+                &bags,
+                out(&mut outs[0])?,
+                d,
+            );
+        }
+        Op::BceWithLogits => {
+            let l =
+                kernels::bce_with_logits(get::<T>(ins[0], "logit")?, get::<T>(ins[1], "label")?);
+            out::<T>(&mut outs[0])?[0] = T::from_f64(l);
+        }
+        Op::BceWithLogitsGrad => {
+            let dl = scalar::<T>(ins[0])?;
+            let (x, y) = (get::<T>(ins[1], "logit")?, get::<T>(ins[2], "label")?);
+            kernels::bce_with_logits_grad(dl, x, y, out(&mut outs[0])?);
+        }
+        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => {
+            let grad = matches!(call.op, Op::SoftmaxCrossEntropyGrad);
+            let off = usize::from(grad);
+            let x = get::<T>(ins[off], "logits")?;
+            let labels = get_i32(ins[off + 1], "labels")?;
+            let c = ish(off).dims()[1];
+            if let Some((r, &l)) = labels
+                .iter()
+                .enumerate()
+                .find(|(_, &l)| l < 0 || l as usize >= c)
+            {
+                return Err(format!(
+                    "label {l} of row {r} is out of range for {c} classes"
+                ));
+            }
+            if grad {
+                let dl = scalar::<T>(ins[0])?;
+                kernels::softmax_cross_entropy_grad(dl, x, labels, out(&mut outs[0])?, c);
+            } else {
+                let l = kernels::softmax_cross_entropy(x, labels, c);
+                out::<T>(&mut outs[0])?[0] = T::from_f64(l);
+            }
+        }
+        Op::Sum | Op::Mean => {
+            let x = get::<T>(ins[0], "x")?;
+            let s: f64 = x.iter().map(|v| v.to_f64()).sum();
+            let v = if matches!(call.op, Op::Mean) {
+                s / x.len() as f64
+            } else {
+                s
+            };
+            out::<T>(&mut outs[0])?[0] = T::from_f64(v);
+        }
+        Op::Broadcast { scale } => {
+            let v = scalar::<T>(ins[0])? * T::from_f64(*scale);
+            out::<T>(&mut outs[0])?.iter_mut().for_each(|o| *o = v);
+        }
+        Op::GradSum => {
+            let parts: Vec<&[T]> = ins
+                .iter()
+                .map(|b| get::<T>(b, "gradient"))
+                .collect::<Result<_, _>>()?;
+            kernels::map_index(out(&mut outs[0])?, |i| {
+                let mut s = parts[0][i];
+                for p in &parts[1..] {
+                    s += p[i];
+                }
+                s
+            });
+        }
+        Op::Sgd { lr } => {
+            let lr = T::from_f64(*lr);
+            for (gb, pb) in ins.iter().zip(upd.iter_mut()) {
+                let g = get::<T>(gb, "gradient")?;
+                for (p, &gi) in out::<T>(pb)?.iter_mut().zip(g) {
+                    *p -= lr * gi;
+                }
+            }
+        }
+        Op::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => {
+            let step = ins[0]
+                .as_i32()
+                .and_then(|s| s.first().copied())
+                .ok_or("adam needs an i32 step")?;
+            if step < 1 {
+                return Err(format!(
+                    "adam step count is {step}; the step increment must run first"
+                ));
+            }
+            let h = AdamHyper {
+                lr: *lr,
+                beta1: *beta1,
+                beta2: *beta2,
+                eps: *eps,
+                step,
+            };
+            let n = ins.len() - 1;
+            let (ps, rest) = upd.split_at_mut(n);
+            let (ms, vs) = rest.split_at_mut(n);
+            for i in 0..n {
+                let g = get::<T>(ins[i + 1], "gradient")?;
+                kernels::adam(out(&mut ps[i])?, g, out(&mut ms[i])?, out(&mut vs[i])?, &h);
+            }
+        }
+        Op::RowwiseAdagrad {
+            lr,
+            eps,
+            field_rows,
+        } => {
+            let bags = Bags::new(
+                get_i32(ins[0], "ids")?,
+                get_i32(ins[1], "offsets")?,
+                field_rows,
+            )?;
+            let dp = get::<T>(ins[2], "dpooled")?;
+            let d = ish(2).dims()[2];
+            let [table, acc] = upd else {
+                return Err("expected table and accumulator".into());
+            };
+            embedding::rowwise_adagrad(out(table)?, out(acc)?, &bags, dp, d, *lr, *eps);
+        }
+        other => return Err(format!("no CPU implementation of {}", other.name())),
+    }
+    Ok(())
+}
+
+use kernels::AdamHyper;

@@ -1,0 +1,8 @@
+//! `erase-ops`: the semantics of every op, once. The CPU implementation in [`cpu`] is
+//! the reference that every CUDA kernel is tested against.
+
+pub mod buffer;
+pub mod cpu;
+
+pub use buffer::Buffer;
+pub use cpu::{execute, NodeCall, OpError};

@@ -1,0 +1,167 @@
+//! The CPU backend: executes a graph's nodes in order on host buffers, with a rayon pool
+//! of a chosen size. It is real (the whole trainer runs on it) and it is the reference
+//! the CUDA backend is checked against.
+
+use crate::error::RuntimeError;
+use crate::init::init_param;
+use erase_graph::{Graph, Leaf, NodeId, Op, Tensor};
+use erase_ops::{Buffer, NodeCall};
+
+/// Settings of a CPU session.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuConfig {
+    /// Worker threads (1 = everything on the calling thread's pool of one).
+    pub threads: usize,
+    /// Seed of parameter initialisation.
+    pub seed: u64,
+}
+
+impl Default for CpuConfig {
+    fn default() -> Self {
+        CpuConfig {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            seed: 0,
+        }
+    }
+}
+
+/// A graph bound to host storage: persistent tensors (parameters, optimizer state,
+/// constants) live across runs, inputs are fed, everything else is recomputed.
+pub struct CpuSession<'g> {
+    graph: &'g Graph,
+    store: Vec<Option<Buffer>>,
+    pool: rayon::ThreadPool,
+}
+
+impl<'g> CpuSession<'g> {
+    pub fn new(graph: &'g Graph, cfg: CpuConfig) -> Result<Self, RuntimeError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.threads.max(1))
+            .build()
+            .map_err(|e| {
+                RuntimeError::Device(format!("cannot start {} CPU threads: {e}", cfg.threads))
+            })?;
+        let mut store = vec![None; graph.num_tensors()];
+        let mut param_index = 0u64;
+        for node in graph.nodes() {
+            let Op::Leaf(leaf) = &node.op else { continue };
+            let t = node.outputs[0];
+            let info = graph.info(t);
+            let n = info.shape.numel();
+            store[t.index()] = match leaf {
+                Leaf::Input => None,
+                Leaf::Param { init, .. } => {
+                    let v = init_param(init, &info.shape, cfg.seed, param_index);
+                    param_index += 1;
+                    Some(Buffer::from_f64(info.dtype, &v))
+                }
+                Leaf::State => Some(Buffer::zeros(info.dtype, n)),
+                Leaf::Const(v) => Some(Buffer::from_f64(info.dtype, v)),
+            };
+        }
+        Ok(CpuSession { graph, store, pool })
+    }
+
+    pub fn graph(&self) -> &'g Graph {
+        self.graph
+    }
+
+    /// Sets an input (or overwrites a parameter), checking type and size.
+    pub fn feed(&mut self, t: Tensor, b: Buffer) -> Result<(), RuntimeError> {
+        let info = self.graph.info(t);
+        if b.dtype() != info.dtype || b.len() != info.shape.numel() {
+            return Err(RuntimeError::Feed {
+                tensor: info.name.clone(),
+                msg: format!(
+                    "expected {} {} ({} elements), got {} with {} elements",
+                    info.shape,
+                    info.dtype,
+                    info.shape.numel(),
+                    b.dtype(),
+                    b.len()
+                ),
+            });
+        }
+        self.store[t.index()] = Some(b);
+        Ok(())
+    }
+
+    pub fn get(&self, t: Tensor) -> Option<&Buffer> {
+        self.store.get(t.index()).and_then(|b| b.as_ref())
+    }
+
+    /// A scalar tensor's value (e.g. a loss) as f64.
+    pub fn scalar(&self, t: Tensor) -> Result<f64, RuntimeError> {
+        self.get(t)
+            .and_then(|b| b.to_f64().first().copied())
+            .ok_or_else(|| RuntimeError::NotComputed(self.graph.name(t).to_string()))
+    }
+
+    /// Runs every non-leaf node in order: forward, backward and optimizer updates.
+    pub fn run(&mut self) -> Result<(), RuntimeError> {
+        let ids: Vec<NodeId> = self
+            .graph
+            .nodes()
+            .iter()
+            .filter(|n| !n.op.is_leaf())
+            .map(|n| n.id)
+            .collect();
+        self.run_nodes(&ids)
+    }
+
+    /// Runs the given nodes in the given order (they must respect data dependencies).
+    pub fn run_nodes(&mut self, ids: &[NodeId]) -> Result<(), RuntimeError> {
+        let graph = self.graph;
+        let pool = &self.pool;
+        let store = &mut self.store;
+        pool.install(|| {
+            for &id in ids {
+                run_node(graph, store, id)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+fn run_node(graph: &Graph, store: &mut [Option<Buffer>], id: NodeId) -> Result<(), RuntimeError> {
+    let node = graph.node(id);
+    let missing = |t: Tensor| {
+        RuntimeError::NotComputed(format!(
+            "{} (needed by node '{}')",
+            graph.name(t),
+            node.name
+        ))
+    };
+    let mut upd = Vec::with_capacity(node.updates.len());
+    for &t in &node.updates {
+        upd.push(store[t.index()].take().ok_or_else(|| missing(t))?);
+    }
+    let result = {
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for &t in &node.inputs {
+            ins.push(store[t.index()].as_ref().ok_or_else(|| missing(t))?);
+        }
+        let mut outs: Vec<Buffer> = node
+            .outputs
+            .iter()
+            .map(|&t| {
+                let i = graph.info(t);
+                Buffer::poison(i.dtype, i.shape.numel())
+            })
+            .collect();
+        let call = NodeCall {
+            op: &node.op,
+            name: &node.name,
+            in_shapes: node.inputs.iter().map(|&t| graph.shape(t)).collect(),
+            out_shapes: node.outputs.iter().map(|&t| graph.shape(t)).collect(),
+        };
+        erase_ops::execute(&call, &ins, &mut outs, &mut upd).map(|()| outs)
+    };
+    for (&t, b) in node.updates.iter().zip(upd) {
+        store[t.index()] = Some(b);
+    }
+    for (&t, b) in node.outputs.iter().zip(result?) {
+        store[t.index()] = Some(b);
+    }
+    Ok(())
+}

@@ -1,0 +1,11 @@
+//! Erase: a training runtime that starts each detached block's backward early, on its own
+//! stream, where it overlaps later forward work (ERASE, arXiv 2608.18469).
+//!
+//! This crate is the facade users import: the graph DSL ([`graph`]), the ops ([`ops`]),
+//! the runtime ([`runtime`]), and the data and models of the CTR trainer.
+
+pub use erase_graph as graph;
+pub use erase_ops as ops;
+pub use erase_runtime as runtime;
+
+pub mod data;

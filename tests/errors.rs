@@ -1,0 +1,143 @@
+//! Bad models and bad data give errors that name the node, never a panic.
+
+use erase::graph::{make_trainable, DType, Graph, GraphError, OptimizerConfig};
+use erase::ops::Buffer;
+use erase::runtime::{CpuConfig, CpuSession};
+
+#[test]
+fn shape_mismatch_names_op_node_and_both_operands() {
+    let mut g = Graph::new(DType::F32);
+    let x = g.input("features", &[8, 13], DType::F32).unwrap();
+    let e = g.scoped("bottom", |g| {
+        let h = g.linear(x, 256).unwrap();
+        let w = g
+            .param("proj.weight", &[64, 128], erase::graph::Init::Zeros)
+            .unwrap();
+        g.linear_with(h, w, None).unwrap_err()
+    });
+    let msg = e.to_string();
+    assert!(matches!(e, GraphError::Shape { .. }), "{e:?}");
+    for part in [
+        "linear",
+        "bottom/linear1",
+        "'bottom/linear0' [8, 256]",
+        "'bottom/proj.weight' [64, 128]",
+    ] {
+        assert!(msg.contains(part), "'{msg}' does not mention {part}");
+    }
+
+    let a = g.input("a", &[4, 3], DType::F32).unwrap();
+    let b = g.input("b", &[4, 5], DType::F32).unwrap();
+    let e = g.add(a, b).unwrap_err().to_string();
+    assert!(
+        e.contains("add") && e.contains("'a' [4, 3]") && e.contains("'b' [4, 5]"),
+        "{e}"
+    );
+    let e = g.matmul(a, b).unwrap_err().to_string();
+    assert!(
+        e.contains("matmul") && e.contains("K = 3") && e.contains("K = 4"),
+        "{e}"
+    );
+    let e = g.concat(&[a, b], 0).unwrap_err().to_string();
+    assert!(
+        e.contains("concat") && e.contains("differ outside axis 0"),
+        "{e}"
+    );
+    let q = g.input("q", &[2, 5, 6], DType::F32).unwrap();
+    let e = g.attention(q, q, q, 4, false).unwrap_err().to_string();
+    assert!(e.contains("attention") && e.contains("4 heads"), "{e}");
+}
+
+#[test]
+fn wrong_dtype_is_named() {
+    let mut g = Graph::new(DType::F32);
+    let ids = g.input("ids", &[4], DType::I32).unwrap();
+    let e = g.relu(ids).unwrap_err();
+    assert!(matches!(e, GraphError::DType { .. }));
+    assert!(
+        e.to_string().contains("relu0") && e.to_string().contains("'ids' [4] i32"),
+        "{e}"
+    );
+
+    let table = g.embedding_tables("emb", &[10, 10], 4).unwrap();
+    let off = g.input("offsets", &[5], DType::I32).unwrap();
+    let fids = g.input("float_ids", &[4], DType::F32).unwrap();
+    let e = g
+        .embedding_bag(table, fids, off, &[10, 10])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("embedding_bag0") && e.contains("ids 'float_ids' [4] f32 must be i32"),
+        "{e}"
+    );
+
+    let x64 = g.input("x64", &[4], DType::F64).unwrap();
+    let x32 = g.input("x32", &[4], DType::F32).unwrap();
+    let e = g.mul(x32, x64).unwrap_err().to_string();
+    assert!(e.contains("mul0") && e.contains("f64"), "{e}");
+}
+
+#[test]
+fn loss_must_be_a_scalar() {
+    let mut g = Graph::new(DType::F32);
+    let x = g.input("x", &[4, 2], DType::F32).unwrap();
+    let h = g.scoped("head", |g| g.linear(x, 3).unwrap());
+    let e = g.loss(h, 1.0).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "loss 'head/linear0' is not a scalar: its shape is [4, 3]; reduce it first (sum or mean)"
+    );
+    let m = g.mean(h).unwrap();
+    assert!(g.loss(m, f64::NAN).is_err());
+    g.loss(m, 1.0).unwrap();
+}
+
+#[test]
+fn ids_out_of_range_are_an_error_naming_the_node_and_bag() {
+    let mut g = Graph::new(DType::F32);
+    let rows = [10usize, 20];
+    let table = g.embedding_tables("emb", &rows, 4).unwrap();
+    let ids = g.input("ids", &[4], DType::I32).unwrap();
+    let offsets = g.input("offsets", &[5], DType::I32).unwrap();
+    let e = g.scoped("sparse", |g| {
+        g.embedding_bag(table, ids, offsets, &rows).unwrap()
+    });
+    let s = g.sum(e).unwrap();
+    g.loss(s, 1.0).unwrap();
+    make_trainable(&mut g, &OptimizerConfig::default()).unwrap();
+    let mut sess = CpuSession::new(
+        &g,
+        CpuConfig {
+            threads: 1,
+            seed: 0,
+        },
+    )
+    .unwrap();
+    sess.feed(offsets, Buffer::I32(vec![0, 1, 2, 3, 4]))
+        .unwrap();
+    // id 15 is fine for field 1 (20 rows) but out of range for field 0 (10 rows)
+    sess.feed(ids, Buffer::I32(vec![3, 15, 1, 15])).unwrap();
+    sess.run().unwrap();
+    sess.feed(ids, Buffer::I32(vec![3, 15, 15, 1])).unwrap();
+    let before = sess.get(table).unwrap().clone();
+    let err = sess.run().unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "embedding_bag node 'sparse/embedding_bag0': id 15 in bag 2 (example 1, field 0) \
+         is out of range for that field's table of 10 rows"
+    );
+    assert_eq!(
+        sess.get(table),
+        Some(&before),
+        "a failed step must not change the table"
+    );
+    sess.feed(ids, Buffer::I32(vec![3, 15, 1, -2])).unwrap();
+    let err = sess.run().unwrap_err().to_string();
+    assert!(err.contains("id -2 in bag 3 (example 1, field 1)"), "{err}");
+    // a wrongly sized feed is refused with the tensor's name
+    let err = sess
+        .feed(ids, Buffer::I32(vec![1, 2]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("'ids'") && err.contains("[4] i32"), "{err}");
+}

@@ -1,0 +1,334 @@
+//! Finite-difference gradient checks in f64 for every differentiable op, through the CPU
+//! backend, on random shapes (odd sizes included) and random values.
+//!
+//! Each check builds `loss = Σ R ⊙ op(params...)` with a random constant `R`, takes the
+//! analytic gradient from autodiff, and compares it with central differences.
+
+use erase::graph::autodiff::{backward_with, BackwardOptions};
+use erase::graph::{DType, Grad, Graph, Init, Phase, Tensor};
+use erase::ops::Buffer;
+use erase::runtime::init::{splitmix64, to_unit};
+use erase::runtime::{CpuConfig, CpuSession};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(1);
+        to_unit(splitmix64(self.0))
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() * (hi - lo + 1) as f64) as usize % (hi - lo + 1)
+    }
+    fn values(&mut self, n: usize, scale: f64) -> Vec<f64> {
+        (0..n).map(|_| (2.0 * self.next() - 1.0) * scale).collect()
+    }
+}
+
+/// Checks d(Σ R ⊙ y)/dp for every parameter `p` made by `build` (which returns y).
+fn check(name: &str, seed: u64, build: impl FnOnce(&mut Graph, &mut Rng) -> Tensor) {
+    let mut rng = Rng(seed.wrapping_mul(0x1234_5678_9ABC_DEF1));
+    let mut g = Graph::new(DType::F64);
+    let y = build(&mut g, &mut rng);
+    let dims = g.shape(y).dims().to_vec();
+    let n = dims.iter().product();
+    let r = g.constant("R", &dims, rng.values(n, 1.0)).unwrap();
+    let weighted = if g.shape(y).rank() == 0 {
+        g.scale(y, 1.7).unwrap()
+    } else {
+        g.mul(y, r).unwrap()
+    };
+    let loss = g.sum(weighted).unwrap();
+    g.loss(loss, 1.0).unwrap();
+    let grads = backward_with(
+        &mut g,
+        BackwardOptions {
+            sparse_tables: false,
+        },
+    )
+    .unwrap();
+    assert!(!grads.by_param.is_empty(), "{name}: no gradient at all");
+
+    let forward: Vec<_> = g
+        .nodes()
+        .iter()
+        .filter(|n| n.phase == Phase::Forward && !n.op.is_leaf())
+        .map(|n| n.id)
+        .collect();
+    let mut s = CpuSession::new(&g, CpuConfig { threads: 2, seed }).unwrap();
+    assert!(
+        g.inputs().is_empty(),
+        "{name}: checks build constants, not inputs"
+    );
+    s.run().unwrap();
+    for (&p, grad) in &grads.by_param {
+        let Grad::Dense(gt) = grad else {
+            panic!("{name}: sparse gradient in a dense check")
+        };
+        let analytic = s.get(*gt).unwrap().to_f64();
+        let base = s.get(p).unwrap().to_f64();
+        let numel = base.len();
+        let picks: Vec<usize> = if numel <= 24 {
+            (0..numel).collect()
+        } else {
+            (0..24).map(|_| rng.range(0, numel - 1)).collect()
+        };
+        let mut worst: f64 = 0.0;
+        for &i in &picks {
+            let h = 1e-6 * base[i].abs().max(1.0);
+            let mut eval = |v: f64| {
+                let mut pv = base.clone();
+                pv[i] = v;
+                s.feed(p, Buffer::F64(pv)).unwrap();
+                s.run_nodes(&forward).unwrap();
+                s.scalar(loss).unwrap()
+            };
+            let num = (eval(base[i] + h) - eval(base[i] - h)) / (2.0 * h);
+            // relative error, with an absolute floor for entries near zero
+            let err = (num - analytic[i]).abs() / (1e-3 + num.abs().max(analytic[i].abs()));
+            worst = worst.max(err);
+            assert!(
+                err < 1e-6,
+                "{name}: d loss / d {}[{i}]: numeric {num:.10e}, autodiff {:.10e} (rel err {err:.2e})",
+                g.name(p),
+                analytic[i]
+            );
+        }
+        s.feed(p, Buffer::F64(base)).unwrap();
+        eprintln!(
+            "{name}: {} ok ({} entries, worst rel err {worst:.1e})",
+            g.name(p),
+            picks.len()
+        );
+    }
+}
+
+fn param(g: &mut Graph, rng: &mut Rng, name: &str, shape: &[usize], scale: f64) -> Tensor {
+    let n = shape.iter().product();
+    g.param(name, shape, Init::Values(rng.values(n, scale)))
+        .unwrap()
+}
+
+const TRIALS: u64 = 3;
+
+#[test]
+fn linear_and_matmul() {
+    for t in 0..TRIALS {
+        check("linear", t, |g, r| {
+            let (b, s, k, n) = (r.range(1, 5), r.range(1, 3), r.range(1, 9), r.range(1, 7));
+            let x = param(g, r, "x", &[b, s, k], 1.0);
+            let w = param(g, r, "w", &[n, k], 1.0);
+            let bias = param(g, r, "b", &[n], 1.0);
+            g.linear_with(x, w, Some(bias)).unwrap()
+        });
+        check("linear_nobias", 10 + t, |g, r| {
+            let (m, k, n) = (r.range(1, 7), r.range(1, 9), r.range(1, 7));
+            let x = param(g, r, "x", &[m, k], 1.0);
+            let w = param(g, r, "w", &[n, k], 1.0);
+            g.linear_with(x, w, None).unwrap()
+        });
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            check(&format!("matmul ta={ta} tb={tb}"), 20 + t, |g, r| {
+                let (m, k, n) = (r.range(1, 6), r.range(1, 7), r.range(1, 5));
+                let batch = r.range(1, 3);
+                let sa = if ta { [k, m] } else { [m, k] };
+                let sb = if tb { [n, k] } else { [k, n] };
+                let (a, b) = if batch > 1 {
+                    (
+                        param(g, r, "a", &[batch, sa[0], sa[1]], 1.0),
+                        param(g, r, "b", &[batch, sb[0], sb[1]], 1.0),
+                    )
+                } else {
+                    (param(g, r, "a", &sa, 1.0), param(g, r, "b", &sb, 1.0))
+                };
+                g.matmul_t(a, b, ta, tb).unwrap()
+            });
+        }
+    }
+}
+
+#[test]
+fn elementwise() {
+    for t in 0..TRIALS {
+        for (label, mul, bcast) in [
+            ("add", false, false),
+            ("add_bcast", false, true),
+            ("mul", true, false),
+            ("mul_bcast", true, true),
+        ] {
+            check(label, 30 + t, |g, r| {
+                let (b, f, d) = (r.range(1, 4), r.range(1, 5), r.range(1, 6));
+                let a = param(g, r, "a", &[b, f, d], 1.0);
+                let bshape: Vec<usize> = if bcast { vec![f, d] } else { vec![b, f, d] };
+                let c = param(g, r, "b", &bshape, 1.0);
+                if mul {
+                    g.mul(a, c).unwrap()
+                } else {
+                    g.add(a, c).unwrap()
+                }
+            });
+        }
+        check("scale", 40 + t, |g, r| {
+            let sh = [r.range(1, 9)];
+            let x = param(g, r, "x", &sh, 1.0);
+            g.scale(x, -0.37).unwrap()
+        });
+        check("relu", 41 + t, |g, r| {
+            let sh = [r.range(2, 5), r.range(1, 9)];
+            let x = param(g, r, "x", &sh, 1.0);
+            g.relu(x).unwrap()
+        });
+        check("gelu", 42 + t, |g, r| {
+            let sh = [r.range(2, 5), r.range(1, 9)];
+            let x = param(g, r, "x", &sh, 3.0);
+            g.gelu(x).unwrap()
+        });
+        check("sigmoid", 43 + t, |g, r| {
+            let sh = [r.range(2, 5), r.range(1, 9)];
+            let x = param(g, r, "x", &sh, 5.0);
+            g.sigmoid(x).unwrap()
+        });
+        check("layer_norm", 44 + t, |g, r| {
+            let (rows, d) = (r.range(1, 6), r.range(2, 11));
+            let x = param(g, r, "x", &[rows, d], 2.0);
+            let gamma = param(g, r, "gamma", &[d], 1.0);
+            let beta = param(g, r, "beta", &[d], 1.0);
+            g.layer_norm_with(x, gamma, beta, 1e-5).unwrap()
+        });
+    }
+}
+
+#[test]
+fn shape_ops() {
+    for t in 0..TRIALS {
+        check("reshape_flatten", 50 + t, |g, r| {
+            let (b, f, d) = (r.range(1, 4), r.range(1, 5), r.range(1, 6));
+            let x = param(g, r, "x", &[b, f, d], 1.0);
+            let y = g.flatten(x).unwrap();
+            let y2 = g.relu(y).unwrap();
+            g.reshape(y2, &[b * f, d]).unwrap()
+        });
+        for axis in 0..3 {
+            check(&format!("concat axis {axis}"), 51 + t, |g, r| {
+                let dims = [r.range(1, 4), r.range(1, 4), r.range(1, 4)];
+                let mut parts = Vec::new();
+                for i in 0..3 {
+                    let mut d = dims;
+                    d[axis] = r.range(1, 3);
+                    parts.push(param(g, r, &format!("x{i}"), &d, 1.0));
+                }
+                g.concat(&parts, axis).unwrap()
+            });
+            check(&format!("slice axis {axis}"), 52 + t, |g, r| {
+                let dims = [r.range(2, 5), r.range(2, 5), r.range(2, 5)];
+                let x = param(g, r, "x", &dims, 1.0);
+                let start = r.range(0, dims[axis] - 1);
+                let len = r.range(1, dims[axis] - start);
+                g.slice(x, axis, start, len).unwrap()
+            });
+        }
+        check("pairwise_dot", 53 + t, |g, r| {
+            let (b, f, d) = (r.range(1, 4), r.range(2, 7), r.range(1, 5));
+            let e = param(g, r, "e", &[b, f, d], 1.0);
+            g.pairwise_dot(e).unwrap()
+        });
+    }
+}
+
+#[test]
+fn attention() {
+    for t in 0..TRIALS {
+        for causal in [false, true] {
+            check(&format!("attention causal={causal}"), 60 + t, |g, r| {
+                let (b, s, heads, dh) =
+                    (r.range(1, 3), r.range(1, 7), r.range(1, 3), r.range(1, 5));
+                let w = heads * dh;
+                let q = param(g, r, "q", &[b, s, w], 1.0);
+                let k = param(g, r, "k", &[b, s, w], 1.0);
+                let v = param(g, r, "v", &[b, s, w], 1.0);
+                g.attention(q, k, v, heads, causal).unwrap()
+            });
+        }
+    }
+}
+
+/// Random multi-hot bags (duplicates included) over tables of different sizes.
+fn bags(r: &mut Rng, b: usize, field_rows: &[usize]) -> (Vec<f64>, Vec<f64>) {
+    let mut ids = Vec::new();
+    let mut offsets = vec![0.0];
+    for _ in 0..b {
+        for &rows in field_rows {
+            let hot = r.range(0, 3);
+            for _ in 0..hot {
+                ids.push(r.range(0, rows - 1) as f64);
+            }
+            offsets.push(ids.len() as f64);
+        }
+    }
+    (ids, offsets)
+}
+
+#[test]
+fn embedding_bag() {
+    for t in 0..TRIALS {
+        check("embedding_bag", 70 + t, |g, r| {
+            let field_rows: Vec<usize> = (0..r.range(1, 4)).map(|_| r.range(1, 5)).collect();
+            let (b, d) = (r.range(1, 5), r.range(1, 4));
+            let total: usize = field_rows.iter().sum();
+            let table = param(g, r, "table", &[total, d], 1.0);
+            let (ids, offsets) = bags(r, b, &field_rows);
+            let ids_t = int_const(g, "ids", ids);
+            let off_t = int_const(g, "offsets", offsets);
+            g.embedding_bag(table, ids_t, off_t, &field_rows).unwrap()
+        });
+    }
+}
+
+fn int_const(g: &mut Graph, name: &str, v: Vec<f64>) -> Tensor {
+    let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
+    g.constant_i32(name, &[v.len()], &v).unwrap()
+}
+
+#[test]
+fn losses_and_reductions() {
+    for t in 0..TRIALS {
+        check("bce_with_logits", 80 + t, |g, r| {
+            let n = r.range(1, 9);
+            let x = param(g, r, "logit", &[n, 1], 4.0);
+            let labels: Vec<f64> = (0..n).map(|_| (r.next() < 0.5) as u8 as f64).collect();
+            let y = g.constant("label", &[n], labels).unwrap();
+            g.bce_with_logits(x, y).unwrap()
+        });
+        check("softmax_cross_entropy", 81 + t, |g, r| {
+            let (n, c) = (r.range(1, 6), r.range(2, 7));
+            let x = param(g, r, "logits", &[n, c], 3.0);
+            let labels: Vec<f64> = (0..n).map(|_| r.range(0, c - 1) as f64).collect();
+            let l = int_const(g, "labels", labels);
+            g.softmax_cross_entropy(x, l).unwrap()
+        });
+        check("sum", 82 + t, |g, r| {
+            let sh = [r.range(1, 4), r.range(1, 5)];
+            let x = param(g, r, "x", &sh, 1.0);
+            let y = g.mul(x, x).unwrap();
+            g.sum(y).unwrap()
+        });
+        check("mean", 83 + t, |g, r| {
+            let sh = [r.range(1, 4), r.range(1, 5)];
+            let x = param(g, r, "x", &sh, 1.0);
+            let y = g.mul(x, x).unwrap();
+            g.mean(y).unwrap()
+        });
+    }
+}
+
+#[test]
+fn shared_tensor_gradients_sum_over_consumers() {
+    // x feeds three consumers: its gradient is one sum of three contributions.
+    check("grad_sum", 90, |g, r| {
+        let x = param(g, r, "x", &[3, 4], 1.0);
+        let a = g.relu(x).unwrap();
+        let b = g.sigmoid(x).unwrap();
+        let ab = g.add(a, b).unwrap();
+        g.mul(ab, x).unwrap()
+    });
+}
