@@ -8,6 +8,7 @@ pub mod error;
 pub mod graph;
 pub mod op;
 pub mod optim;
+pub mod partition;
 
 pub use autodiff::{Grad, Gradients};
 pub use dtype::{DType, Shape};
@@ -15,6 +16,7 @@ pub use error::{GraphError, Result};
 pub use graph::{Graph, Loss, Node, NodeId, Phase, Tensor, TensorInfo};
 pub use op::{Init, Leaf, Op};
 pub use optim::{DenseOptimizer, OptimizerConfig, Updates};
+pub use partition::{partition, BackwardProgram, Partition};
 
 /// The backward and optimizer parts added to a forward graph by [`make_trainable`].
 #[derive(Clone, Debug)]

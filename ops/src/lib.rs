@@ -3,6 +3,8 @@
 
 pub mod buffer;
 pub mod cpu;
+pub mod launch;
 
 pub use buffer::Buffer;
 pub use cpu::{execute, NodeCall, OpError};
+pub use launch::{launch_spec, LaunchSpec};

@@ -41,24 +41,7 @@ impl<'g> CpuSession<'g> {
             .map_err(|e| {
                 RuntimeError::Device(format!("cannot start {} CPU threads: {e}", cfg.threads))
             })?;
-        let mut store = vec![None; graph.num_tensors()];
-        let mut param_index = 0u64;
-        for node in graph.nodes() {
-            let Op::Leaf(leaf) = &node.op else { continue };
-            let t = node.outputs[0];
-            let info = graph.info(t);
-            let n = info.shape.numel();
-            store[t.index()] = match leaf {
-                Leaf::Input => None,
-                Leaf::Param { init, .. } => {
-                    let v = init_param(init, &info.shape, cfg.seed, param_index);
-                    param_index += 1;
-                    Some(Buffer::from_f64(info.dtype, &v))
-                }
-                Leaf::State => Some(Buffer::zeros(info.dtype, n)),
-                Leaf::Const(v) => Some(Buffer::from_f64(info.dtype, v)),
-            };
-        }
+        let store = initial_store(graph, cfg.seed);
         Ok(CpuSession { graph, store, pool })
     }
 
@@ -123,7 +106,45 @@ impl<'g> CpuSession<'g> {
     }
 }
 
-fn run_node(graph: &Graph, store: &mut [Option<Buffer>], id: NodeId) -> Result<(), RuntimeError> {
+/// A rayon pool of `threads` workers.
+pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool, RuntimeError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+        .map_err(|e| RuntimeError::Device(format!("cannot start {threads} CPU threads: {e}")))
+}
+
+/// Storage for the leaves of `graph`: parameters initialised from `seed`, optimizer state
+/// at zero, constants; inputs empty until fed.
+pub fn initial_store(graph: &Graph, seed: u64) -> Vec<Option<Buffer>> {
+    let mut store = vec![None; graph.num_tensors()];
+    let mut param_index = 0u64;
+    for node in graph.nodes() {
+        let Op::Leaf(leaf) = &node.op else { continue };
+        let t = node.outputs[0];
+        let info = graph.info(t);
+        let n = info.shape.numel();
+        store[t.index()] = match leaf {
+            Leaf::Input => None,
+            Leaf::Param { init, .. } => {
+                let v = init_param(init, &info.shape, seed, param_index);
+                param_index += 1;
+                Some(Buffer::from_f64(info.dtype, &v))
+            }
+            Leaf::State => Some(Buffer::zeros(info.dtype, n)),
+            Leaf::Const(v) => Some(Buffer::from_f64(info.dtype, v)),
+        };
+    }
+    store
+}
+
+/// Executes one node on `store`. Updates are taken out and put back even on error, so a
+/// failed node leaves persistent tensors as they were.
+pub(crate) fn run_node(
+    graph: &Graph,
+    store: &mut [Option<Buffer>],
+    id: NodeId,
+) -> Result<(), RuntimeError> {
     let node = graph.node(id);
     let missing = |t: Tensor| {
         RuntimeError::NotComputed(format!(

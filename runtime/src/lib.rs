@@ -2,7 +2,13 @@
 
 pub mod cpu;
 pub mod error;
+pub mod hb;
 pub mod init;
+pub mod memory;
+pub mod occupancy;
+pub mod program;
+pub mod schedule;
+pub mod simulate;
 
 pub use cpu::{CpuConfig, CpuSession};
 pub use error::RuntimeError;

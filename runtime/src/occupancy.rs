@@ -1,0 +1,132 @@
+//! The occupancy model: how much of the device one launch occupies, and for how long.
+//!
+//! A launch's footprint is its grid against one wave (SMs x CTAs per SM, the latter from
+//! the kernel's registers, shared memory and threads, as the CUDA occupancy calculator
+//! computes it). Its duration comes from a roofline: FLOPs against the tensor-core or
+//! CUDA-core peak, bytes against memory bandwidth, plus a launch latency. The rule the
+//! scheduler applies: a launch that fills at least one full wave AND runs longer than a
+//! threshold is not overlapped with other streams, since sharing a full device only
+//! adds contention; short full-wave kernels are left alone or the rule would serialize
+//! the whole step.
+
+use erase_ops::LaunchSpec;
+
+/// What the model needs to know about a device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceModel {
+    pub name: &'static str,
+    pub sms: u32,
+    pub regs_per_sm: u32,
+    /// Register allocation granularity per warp.
+    pub reg_alloc_unit: u32,
+    pub smem_per_sm: u32,
+    /// Shared memory the driver reserves per CTA.
+    pub smem_reserved_per_cta: u32,
+    pub max_ctas_per_sm: u32,
+    pub max_threads_per_sm: u32,
+    /// Dense bf16 tensor-core FLOP/s that a good GEMM reaches.
+    pub tensor_flops: f64,
+    /// FP32 CUDA-core FLOP/s.
+    pub simt_flops: f64,
+    /// Reachable memory bandwidth, bytes/s.
+    pub mem_bw: f64,
+    /// Fixed cost of one kernel (launch and tail), seconds.
+    pub launch_s: f64,
+    /// Launches longer than this that fill a wave are not overlapped (the rule).
+    pub exclusive_threshold_s: f64,
+}
+
+impl DeviceModel {
+    /// One NVIDIA H200 (SXM): 132 SMs; peaks as measured by the anchor's runs
+    /// (cuBLAS bf16 736 TFLOP/s at 4096³, copy 4.22 TB/s).
+    pub fn h200() -> Self {
+        DeviceModel {
+            name: "NVIDIA H200",
+            sms: 132,
+            regs_per_sm: 65536,
+            reg_alloc_unit: 256,
+            smem_per_sm: 233_472,
+            smem_reserved_per_cta: 1024,
+            max_ctas_per_sm: 32,
+            max_threads_per_sm: 2048,
+            tensor_flops: 736e12,
+            simt_flops: 60e12,
+            mem_bw: 4.22e12,
+            launch_s: 2.5e-6,
+            exclusive_threshold_s: 20e-6,
+        }
+    }
+
+    /// The CPU backend: one "SM" that nothing fills; streams are not concurrent.
+    pub fn cpu() -> Self {
+        DeviceModel {
+            name: "CPU",
+            sms: 1,
+            regs_per_sm: u32::MAX,
+            reg_alloc_unit: 1,
+            smem_per_sm: u32::MAX,
+            smem_reserved_per_cta: 0,
+            max_ctas_per_sm: u32::MAX,
+            max_threads_per_sm: u32::MAX,
+            tensor_flops: 50e9,
+            simt_flops: 50e9,
+            mem_bw: 10e9,
+            launch_s: 1e-6,
+            exclusive_threshold_s: f64::INFINITY,
+        }
+    }
+
+    /// CTAs of `spec`'s kernel that fit on one SM at once.
+    pub fn ctas_per_sm(&self, spec: &LaunchSpec) -> u32 {
+        let threads = spec.block.max(1);
+        let warps = threads.div_ceil(32);
+        let by_threads = self.max_threads_per_sm / (warps * 32);
+        let regs_per_warp =
+            (spec.regs_per_thread.max(1) * 32).div_ceil(self.reg_alloc_unit) * self.reg_alloc_unit;
+        let by_regs = self.regs_per_sm / (regs_per_warp.saturating_mul(warps)).max(1);
+        let by_smem = if spec.smem_bytes == 0 {
+            u32::MAX
+        } else {
+            self.smem_per_sm / (spec.smem_bytes + self.smem_reserved_per_cta)
+        };
+        self.max_ctas_per_sm
+            .min(by_threads)
+            .min(by_regs)
+            .min(by_smem)
+    }
+
+    /// CTAs that run at once on the whole device: one wave.
+    pub fn wave(&self, spec: &LaunchSpec) -> u64 {
+        u64::from(self.sms) * u64::from(self.ctas_per_sm(spec).max(1))
+    }
+
+    /// The fraction of the device the launch occupies while it runs (1 = at least a wave).
+    pub fn footprint(&self, spec: &LaunchSpec) -> f64 {
+        (spec.grid as f64 / self.wave(spec) as f64).min(1.0)
+    }
+
+    /// Predicted time of the launch running alone.
+    pub fn duration_s(&self, spec: &LaunchSpec) -> f64 {
+        let peak = if spec.tensor_core {
+            self.tensor_flops
+        } else {
+            self.simt_flops
+        };
+        let work = (spec.flops / peak).max(spec.bytes / self.mem_bw);
+        let wave = self.wave(spec) as f64;
+        let full = spec.grid.max(1) as f64 / wave;
+        let time = if full >= 1.0 {
+            // a partial last wave leaves SMs idle: the time stretches by waves / full
+            work * full.ceil() / full
+        } else {
+            // a grid smaller than a wave gets only its share of the device
+            work / full
+        };
+        self.launch_s + time
+    }
+
+    /// The rule: fills a full wave and runs long enough that overlap would only contend.
+    pub fn is_exclusive(&self, spec: &LaunchSpec) -> bool {
+        spec.grid >= self.wave(spec) && self.duration_s(spec) > self.exclusive_threshold_s
+    }
+}

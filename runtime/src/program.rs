@@ -1,0 +1,211 @@
+//! Executes a step program on the CPU the way a GPU would: every tensor at its planned
+//! arena offset, launches in any order that stream order and events permit. Each
+//! tensor's bytes are poisoned (all ones: NaN for floats) when its lifetime begins, so a
+//! read of bytes that another tensor has since reused shows up in the results. With a
+//! random order per step this is the schedule fuzzer; in issue order it is the CPU
+//! backend of the step program.
+
+use std::collections::BTreeMap;
+
+use crate::cpu::{initial_store, thread_pool};
+use crate::error::RuntimeError;
+use crate::memory::{alias_root, MemoryPlan};
+use crate::schedule::{EventId, StepProgram};
+use erase_graph::{DType, Graph, Tensor};
+use erase_ops::{Buffer, NodeCall};
+
+pub struct ProgramRunner<'a> {
+    g: &'a Graph,
+    prog: &'a StepProgram,
+    plan: &'a MemoryPlan,
+    /// 8-byte aligned backing store of the arena.
+    arena: Vec<u64>,
+    /// Leaves (parameters, state, constants, inputs), by tensor index.
+    store: Vec<Option<Buffer>>,
+    arena_set: BTreeMap<Tensor, ()>,
+    pool: std::sync::Arc<rayon::ThreadPool>,
+}
+
+fn to_buffer(dtype: DType, bytes: &[u8]) -> Buffer {
+    match dtype {
+        DType::F32 => Buffer::F32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::F64 => Buffer::F64(bytemuck::pod_collect_to_vec(bytes)),
+        DType::I32 => Buffer::I32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::Bf16 => Buffer::Bf16(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
+impl<'a> ProgramRunner<'a> {
+    pub fn new(
+        g: &'a Graph,
+        prog: &'a StepProgram,
+        plan: &'a MemoryPlan,
+        seed: u64,
+        threads: usize,
+    ) -> Result<Self, RuntimeError> {
+        Ok(ProgramRunner {
+            g,
+            prog,
+            plan,
+            arena: vec![0; plan.arena_bytes.div_ceil(8)],
+            store: initial_store(g, seed),
+            arena_set: plan.place.keys().map(|&t| (t, ())).collect(),
+            pool: std::sync::Arc::new(thread_pool(threads)?),
+        })
+    }
+
+    /// Sets an input (or overwrites a parameter).
+    pub fn feed(&mut self, t: Tensor, b: Buffer) -> Result<(), RuntimeError> {
+        let info = self.g.info(t);
+        if b.dtype() != info.dtype || b.len() != info.shape.numel() {
+            return Err(RuntimeError::Feed {
+                tensor: info.name.clone(),
+                msg: format!(
+                    "expected {} {}, got {} elements of {}",
+                    info.shape,
+                    info.dtype,
+                    b.len(),
+                    b.dtype()
+                ),
+            });
+        }
+        self.store[t.index()] = Some(b);
+        Ok(())
+    }
+
+    /// The value of a tensor now: a leaf, or an arena tensor's current bytes.
+    pub fn get(&self, t: Tensor) -> Option<Buffer> {
+        if let Some(pl) = self.plan.get(t) {
+            let bytes: &[u8] = bytemuck::cast_slice(&self.arena);
+            let n = self.g.shape(t).numel() * self.g.dtype(t).size_bytes();
+            return Some(to_buffer(self.g.dtype(t), &bytes[pl.offset..pl.offset + n]));
+        }
+        self.store.get(t.index()).and_then(|b| b.clone())
+    }
+
+    /// Runs the launches in issue order.
+    pub fn run(&mut self) -> Result<(), RuntimeError> {
+        let order: Vec<usize> = (0..self.prog.launches.len()).collect();
+        self.run_order(&order)
+    }
+
+    /// Runs the launches in `order` (a permutation that respects streams and events; see
+    /// [`random_order`]).
+    pub fn run_order(&mut self, order: &[usize]) -> Result<(), RuntimeError> {
+        let pool = std::sync::Arc::clone(&self.pool);
+        pool.install(|| order.iter().try_for_each(|&i| self.run_launch(i)))
+    }
+
+    fn run_launch(&mut self, i: usize) -> Result<(), RuntimeError> {
+        let g = self.g;
+        let node = g.node(self.prog.launches[i].node);
+        // aliases whose bytes are their input's move nothing
+        if matches!(node.op, erase_graph::Op::Reshape | erase_graph::Op::Detach) {
+            let (o, x) = (node.outputs[0], node.inputs[0]);
+            if let (Some(po), Some(px)) = (self.plan.get(o), self.plan.get(x)) {
+                if po.offset == px.offset {
+                    return Ok(());
+                }
+            }
+        }
+        let missing = |t: Tensor| {
+            RuntimeError::NotComputed(format!("{} (needed by '{}')", g.name(t), node.name))
+        };
+        let mut upd = Vec::with_capacity(node.updates.len());
+        for &t in &node.updates {
+            upd.push(self.store[t.index()].take().ok_or_else(|| missing(t))?);
+        }
+        // the outputs' lifetime begins: poison their bytes (inputs never share them)
+        for &t in &node.outputs {
+            if let Some(pl) = self.plan.get(t) {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.arena);
+                bytes[pl.offset..pl.offset + pl.bytes].fill(0xFF);
+            }
+        }
+        let mut arena_inputs: Vec<Buffer> = Vec::new();
+        let mut slots: Vec<Option<usize>> = Vec::new();
+        for &t in &node.inputs {
+            if self.plan.get(t).is_some() {
+                slots.push(Some(arena_inputs.len()));
+                arena_inputs.push(self.get(t).ok_or_else(|| missing(t))?);
+            } else {
+                slots.push(None);
+            }
+        }
+        let mut ins: Vec<&Buffer> = Vec::with_capacity(node.inputs.len());
+        for (k, &t) in node.inputs.iter().enumerate() {
+            match slots[k] {
+                Some(j) => ins.push(&arena_inputs[j]),
+                None => ins.push(self.store[t.index()].as_ref().ok_or_else(|| missing(t))?),
+            }
+        }
+        let mut outs: Vec<Buffer> = node
+            .outputs
+            .iter()
+            .map(|&t| Buffer::poison(g.dtype(t), g.shape(t).numel()))
+            .collect();
+        let call = NodeCall {
+            op: &node.op,
+            name: &node.name,
+            in_shapes: node.inputs.iter().map(|&t| g.shape(t)).collect(),
+            out_shapes: node.outputs.iter().map(|&t| g.shape(t)).collect(),
+        };
+        let r = erase_ops::execute(&call, &ins, &mut outs, &mut upd);
+        drop(ins);
+        for (&t, b) in node.updates.iter().zip(upd) {
+            self.store[t.index()] = Some(b);
+        }
+        r?;
+        for (&t, b) in node.outputs.iter().zip(outs) {
+            match self.plan.get(alias_root(g, &self.arena_set, t)) {
+                Some(pl) => {
+                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.arena);
+                    let src = b.bytes();
+                    bytes[pl.offset..pl.offset + src.len()].copy_from_slice(src);
+                }
+                None => self.store[t.index()] = Some(b),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A random order of the launches that a GPU could run them in: each launch after the
+/// previous one on its stream and after the launches that record the events it waits for.
+pub fn random_order(p: &StepProgram, seed: u64) -> Vec<usize> {
+    let recorder: BTreeMap<EventId, usize> = p
+        .launches
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| l.record.map(|e| (e, i)))
+        .collect();
+    let queues: Vec<Vec<usize>> = (0..p.streams)
+        .map(|s| p.on_stream(crate::schedule::StreamId(s as u16)).collect())
+        .collect();
+    let mut head = vec![0usize; p.streams];
+    let mut done = vec![false; p.launches.len()];
+    let mut order = Vec::with_capacity(p.launches.len());
+    let mut state = seed;
+    while order.len() < p.launches.len() {
+        let ready: Vec<usize> = (0..p.streams)
+            .filter(|&s| {
+                queues[s].get(head[s]).is_some_and(|&i| {
+                    p.launches[i]
+                        .waits
+                        .iter()
+                        .all(|w| recorder.get(&w.event).is_none_or(|&r| done[r]))
+                })
+            })
+            .collect();
+        if ready.is_empty() {
+            break; // a wait that can never be satisfied; the checker reports it
+        }
+        state = crate::init::splitmix64(state);
+        let s = ready[(state % ready.len() as u64) as usize];
+        let i = queues[s][head[s]];
+        head[s] += 1;
+        done[i] = true;
+        order.push(i);
+    }
+    order
+}

@@ -1,0 +1,517 @@
+//! The step program: one training step as an ordered list of launches, each on a named
+//! stream, with the events it waits for and the event it records. Forward work runs on
+//! the main stream (the highest priority); under the ERASE schedule each early backward
+//! program goes to a pool stream right after the forward op that makes it ready. Every
+//! cross-stream edge is derived from a data dependency (or the occupancy rule, or the
+//! final join) and carries a sentence saying why, so the plan can be audited.
+//!
+//! The schedule is a deterministic function of the graph and the config: no hash maps
+//! are iterated and nothing depends on the process, so every rank issues the same
+//! launches in the same order.
+
+use std::collections::BTreeMap;
+use std::fmt::{self, Write as _};
+
+use crate::occupancy::DeviceModel;
+use erase_graph::{Graph, NodeId, Partition, Phase, Tensor};
+use erase_ops::{launch_spec, LaunchSpec};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u16);
+
+impl StreamId {
+    pub const MAIN: StreamId = StreamId(0);
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 == 0 {
+            f.write_str("main")
+        } else {
+            write!(f, "side{}", self.0)
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventId(pub u32);
+
+/// The three schedules of the spec's variants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// Everything on the main stream: the forward, then one backward, then the updates.
+    Serial,
+    /// ERASE: early backward programs on pool streams.
+    Early,
+}
+
+#[derive(Clone, Debug)]
+pub struct ScheduleConfig {
+    pub kind: ScheduleKind,
+    /// Pool (side) streams for early backward programs.
+    pub side_streams: usize,
+    /// Apply the occupancy rule.
+    pub occupancy: bool,
+    pub device: DeviceModel,
+}
+
+/// Why a cross-stream edge exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EdgeKind {
+    /// The waiting launch reads what the recording launch wrote, or overwrites what it read.
+    Data,
+    /// The end of the step joins every pool stream back into the main stream.
+    Join,
+    /// The occupancy rule keeps a device-filling launch from sharing the device. It orders
+    /// work for speed only: removing it loses no correctness.
+    Occupancy,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Wait {
+    pub event: EventId,
+    pub kind: EdgeKind,
+    pub why: String,
+}
+
+/// What a launch is, for people and profilers: `fwd:cross`, `bwd:remainder`, `optim`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Label {
+    pub block: String,
+    pub phase: &'static str,
+    pub op: String,
+}
+
+impl fmt::Display for Label {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.phase == "optim" {
+            write!(f, "optim {}", self.op)
+        } else {
+            write!(f, "{}:{} {}", self.phase, self.block, self.op)
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    pub node: NodeId,
+    pub stream: StreamId,
+    pub waits: Vec<Wait>,
+    /// The event recorded on `stream` right after this launch.
+    pub record: Option<EventId>,
+    pub label: Label,
+    /// The kernel launch on a GPU (None for free ops such as reshape).
+    pub spec: Option<LaunchSpec>,
+    /// The occupancy rule applies to this launch.
+    pub exclusive: bool,
+}
+
+/// One training step as launches in issue order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepProgram {
+    pub launches: Vec<Launch>,
+    pub streams: usize,
+    pub events: usize,
+    pub kind: ScheduleKind,
+}
+
+fn scope_of(name: &str) -> &str {
+    name.split('/').next().unwrap_or(name)
+}
+
+/// Vector clocks per launch: `clock[i][s]` = how many launches of stream `s` are ordered
+/// before or at launch `i` (stream order plus events).
+pub fn vector_clocks(p: &StepProgram) -> Vec<Vec<u32>> {
+    let mut stream_clock = vec![vec![0u32; p.streams]; p.streams];
+    let mut event_clock: BTreeMap<EventId, Vec<u32>> = BTreeMap::new();
+    let mut out = Vec::with_capacity(p.launches.len());
+    for l in &p.launches {
+        let s = l.stream.0 as usize;
+        let mut c = stream_clock[s].clone();
+        for w in &l.waits {
+            if let Some(ec) = event_clock.get(&w.event) {
+                for (a, b) in c.iter_mut().zip(ec) {
+                    *a = (*a).max(*b);
+                }
+            }
+        }
+        c[s] += 1;
+        if let Some(e) = l.record {
+            event_clock.insert(e, c.clone());
+        }
+        stream_clock[s] = c.clone();
+        out.push(c);
+    }
+    out
+}
+
+/// `a` happens before `b` (launch indices) under the clocks of [`vector_clocks`].
+pub fn happens_before(p: &StepProgram, clocks: &[Vec<u32>], a: usize, b: usize) -> bool {
+    if a == b {
+        return false;
+    }
+    let sa = p.launches[a].stream.0 as usize;
+    clocks[b][sa] >= clocks[a][sa]
+}
+
+struct Builder<'a> {
+    g: &'a Graph,
+    cfg: &'a ScheduleConfig,
+    prog: StepProgram,
+    /// Per stream: its current clock (as in `vector_clocks`).
+    clock: Vec<Vec<u32>>,
+    /// Per launch: its clock.
+    launch_clock: Vec<Vec<u32>>,
+    /// Per tensor: launches that wrote / read it so far.
+    writers: BTreeMap<Tensor, Vec<usize>>,
+    readers: BTreeMap<Tensor, Vec<usize>>,
+    /// Per stream: an exclusive launch the stream's next launch must wait for.
+    pending_exclusive: Vec<Option<usize>>,
+    /// Per stream: the last launch on it.
+    last_on: Vec<Option<usize>>,
+    /// The next launch on main joins every pool stream first.
+    join_next: bool,
+}
+
+impl Builder<'_> {
+    fn event_after(&mut self, i: usize) -> EventId {
+        if let Some(e) = self.prog.launches[i].record {
+            return e;
+        }
+        let e = EventId(self.prog.events as u32);
+        self.prog.events += 1;
+        self.prog.launches[i].record = Some(e);
+        e
+    }
+
+    /// Makes the launch being built on `s` wait for launch `dep` unless already ordered.
+    fn depend(
+        &mut self,
+        s: usize,
+        waits: &mut Vec<Wait>,
+        c: &mut [u32],
+        dep: usize,
+        kind: EdgeKind,
+        why: impl FnOnce() -> String,
+    ) {
+        let ds = self.prog.launches[dep].stream.0 as usize;
+        if ds == s || c[ds] >= self.launch_clock[dep][ds] {
+            return;
+        }
+        let event = self.event_after(dep);
+        for (a, b) in c.iter_mut().zip(&self.launch_clock[dep]) {
+            *a = (*a).max(*b);
+        }
+        waits.push(Wait {
+            event,
+            kind,
+            why: why(),
+        });
+    }
+
+    fn label(&self, node: NodeId, block: &str) -> Label {
+        let n = self.g.node(node);
+        let phase = match n.phase {
+            Phase::Forward => "fwd",
+            Phase::Backward => "bwd",
+            Phase::Optimizer => "optim",
+        };
+        Label {
+            block: block.to_string(),
+            phase,
+            op: n.op.name().to_string(),
+        }
+    }
+
+    fn push(&mut self, node: NodeId, stream: StreamId, block: &str) {
+        let g = self.g;
+        let n = g.node(node);
+        let s = stream.0 as usize;
+        let i = self.prog.launches.len();
+        let label = self.label(node, block);
+        let dt = n
+            .inputs
+            .iter()
+            .chain(&n.outputs)
+            .map(|&t| g.dtype(t))
+            .find(|d| d.is_float())
+            .unwrap_or(g.float_dtype());
+        let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
+        let outs: Vec<_> = n
+            .outputs
+            .iter()
+            .chain(&n.updates)
+            .map(|&t| g.shape(t))
+            .collect();
+        let spec = launch_spec(&n.op, &ins, &outs, dt);
+        let exclusive = self.cfg.occupancy
+            && spec
+                .as_ref()
+                .is_some_and(|sp| self.cfg.device.is_exclusive(sp));
+        let mut c = self.clock[s].clone();
+        let mut waits = Vec::new();
+        let me = format!("{label} '{}'", n.name);
+
+        // read after write
+        for &t in &n.inputs {
+            for &w in self.writers.get(&t).cloned().unwrap_or_default().iter() {
+                let by = self.prog.launches[w].label.to_string();
+                self.depend(s, &mut waits, &mut c, w, EdgeKind::Data, || {
+                    format!("{me} reads '{}' written by {by}", g.name(t))
+                });
+            }
+        }
+        // write after read and write after write (in-place updates of persistent tensors)
+        for &t in &n.updates {
+            let prior: Vec<usize> = self
+                .readers
+                .get(&t)
+                .into_iter()
+                .flatten()
+                .chain(self.writers.get(&t).into_iter().flatten())
+                .copied()
+                .collect();
+            for d in prior {
+                let by = self.prog.launches[d].label.to_string();
+                self.depend(s, &mut waits, &mut c, d, EdgeKind::Data, || {
+                    format!("{me} updates '{}' used by {by}", g.name(t))
+                });
+            }
+        }
+        // the join before whatever needs every gradient
+        if s == 0 && self.join_next {
+            self.join_next = false;
+            for other in 1..self.prog.streams {
+                if let Some(last) = self.last_on[other] {
+                    let by = self.prog.launches[last].label.to_string();
+                    let sid = StreamId(other as u16);
+                    self.depend(s, &mut waits, &mut c, last, EdgeKind::Join, || {
+                        format!("join: {me} waits for {sid}, last {by}")
+                    });
+                }
+            }
+        }
+        // the occupancy rule, both directions
+        if let Some(x) = self.pending_exclusive[s].take() {
+            let by = self.prog.launches[x].label.to_string();
+            self.depend(s, &mut waits, &mut c, x, EdgeKind::Occupancy, || {
+                format!("occupancy: {me} waits for device-filling {by}")
+            });
+        }
+        if exclusive {
+            for other in 0..self.prog.streams {
+                if other != s {
+                    if let Some(last) = self.last_on[other] {
+                        let by = self.prog.launches[last].label.to_string();
+                        self.depend(s, &mut waits, &mut c, last, EdgeKind::Occupancy, || {
+                            format!(
+                                "occupancy: device-filling {me} waits for {by} on {}",
+                                StreamId(other as u16)
+                            )
+                        });
+                    }
+                    self.pending_exclusive[other] = Some(i);
+                }
+            }
+        }
+        c[s] += 1;
+        self.clock[s] = c.clone();
+        self.launch_clock.push(c);
+        for &t in &n.inputs {
+            self.readers.entry(t).or_default().push(i);
+        }
+        for &t in n.outputs.iter().chain(&n.updates) {
+            self.writers.entry(t).or_default().push(i);
+        }
+        self.last_on[s] = Some(i);
+        self.prog.launches.push(Launch {
+            node,
+            stream,
+            waits,
+            record: None,
+            label,
+            spec,
+            exclusive,
+        });
+    }
+
+    /// Drops waits that order nothing new (their order already follows from others),
+    /// then numbers the events that remain densely.
+    fn finish(mut self) -> StepProgram {
+        let mut p = std::mem::replace(
+            &mut self.prog,
+            StepProgram {
+                launches: Vec::new(),
+                streams: 0,
+                events: 0,
+                kind: ScheduleKind::Serial,
+            },
+        );
+        let base = vector_clocks(&p);
+        for i in 0..p.launches.len() {
+            let mut w = 0;
+            while w < p.launches[i].waits.len() {
+                let removed = p.launches[i].waits.remove(w);
+                if vector_clocks(&p) == base {
+                    continue;
+                }
+                p.launches[i].waits.insert(w, removed);
+                w += 1;
+            }
+        }
+        let mut used: Vec<EventId> = p
+            .launches
+            .iter()
+            .flat_map(|l| l.waits.iter().map(|w| w.event))
+            .collect();
+        used.sort();
+        used.dedup();
+        let renumber: BTreeMap<EventId, EventId> = used
+            .iter()
+            .enumerate()
+            .map(|(i, &e)| (e, EventId(i as u32)))
+            .collect();
+        for l in &mut p.launches {
+            l.record = l.record.and_then(|e| renumber.get(&e).copied());
+            for w in &mut l.waits {
+                w.event = renumber[&w.event];
+            }
+        }
+        p.events = used.len();
+        p
+    }
+}
+
+/// Builds the step program of a trainable graph.
+pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgram {
+    let streams = match cfg.kind {
+        ScheduleKind::Serial => 1,
+        ScheduleKind::Early => 1 + cfg.side_streams.max(1),
+    };
+    let mut b = Builder {
+        g,
+        cfg,
+        prog: StepProgram {
+            launches: Vec::new(),
+            streams,
+            events: 0,
+            kind: cfg.kind,
+        },
+        clock: vec![vec![0; streams]; streams],
+        launch_clock: Vec::new(),
+        writers: BTreeMap::new(),
+        readers: BTreeMap::new(),
+        pending_exclusive: vec![None; streams],
+        last_on: vec![None; streams],
+        join_next: false,
+    };
+    let fwd_block = |n: NodeId| scope_of(&g.node(n).name).to_string();
+    match cfg.kind {
+        ScheduleKind::Serial => {
+            for &n in &part.forward {
+                b.push(n, StreamId::MAIN, &fwd_block(n));
+            }
+            let mut bwd: Vec<(NodeId, &str)> = part
+                .programs
+                .iter()
+                .flat_map(|p| p.nodes.iter().map(move |&n| (n, p.name.as_str())))
+                .collect();
+            bwd.sort_by_key(|x| x.0);
+            for (n, name) in bwd {
+                b.push(n, StreamId::MAIN, name);
+            }
+        }
+        ScheduleKind::Early => {
+            let mut next_side = 0usize;
+            for (pos, &n) in part.forward.iter().enumerate() {
+                b.push(n, StreamId::MAIN, &fwd_block(n));
+                for (_, prog) in part.ready_at(pos) {
+                    let s = StreamId(1 + (next_side % cfg.side_streams.max(1)) as u16);
+                    next_side += 1;
+                    for &bn in &prog.nodes {
+                        b.push(bn, s, &prog.name);
+                    }
+                }
+            }
+            for prog in part.programs.iter().filter(|p| !p.early) {
+                for &bn in &prog.nodes {
+                    b.push(bn, StreamId::MAIN, &prog.name);
+                }
+            }
+        }
+    }
+    b.join_next = true;
+    for &n in &part.optimizer {
+        b.push(n, StreamId::MAIN, "optim");
+    }
+    b.finish()
+}
+
+impl StepProgram {
+    /// The launches of `stream`, by index, in stream order.
+    pub fn on_stream(&self, s: StreamId) -> impl Iterator<Item = usize> + '_ {
+        self.launches
+            .iter()
+            .enumerate()
+            .filter(move |(_, l)| l.stream == s)
+            .map(|(i, _)| i)
+    }
+
+    /// Every cross-stream edge, as (waiting launch, recording launch, wait).
+    pub fn edges(&self) -> Vec<(usize, usize, &Wait)> {
+        let recorder: BTreeMap<EventId, usize> = self
+            .launches
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.record.map(|e| (e, i)))
+            .collect();
+        let mut out = Vec::new();
+        for (i, l) in self.launches.iter().enumerate() {
+            for w in &l.waits {
+                if let Some(&r) = recorder.get(&w.event) {
+                    out.push((i, r, w));
+                }
+            }
+        }
+        out
+    }
+
+    /// The program as text, in issue order: each launch with its stream, the events it
+    /// waits for (and why) and the event it records.
+    pub fn render(&self, g: &Graph) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "step program: {} launches on {} stream(s), {} cross-stream event(s)",
+            self.launches.len(),
+            self.streams,
+            self.events
+        );
+        for (i, l) in self.launches.iter().enumerate() {
+            let rec = l
+                .record
+                .map_or(String::new(), |e| format!("  -> record e{}", e.0));
+            let ex = if l.exclusive {
+                "  [fills the device: not overlapped]"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                s,
+                "{i:5} {:<6} {:<44} '{}'{rec}{ex}",
+                l.stream.to_string(),
+                l.label.to_string(),
+                g.node(l.node).name
+            );
+            for w in &l.waits {
+                let kind = match w.kind {
+                    EdgeKind::Data => "data",
+                    EdgeKind::Join => "join",
+                    EdgeKind::Occupancy => "occupancy",
+                };
+                let _ = writeln!(s, "{:12}wait e{} [{kind}] {}", "", w.event.0, w.why);
+            }
+        }
+        s
+    }
+}
