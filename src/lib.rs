@@ -9,3 +9,6 @@ pub use erase_ops as ops;
 pub use erase_runtime as runtime;
 
 pub mod data;
+pub mod metrics;
+pub mod model;
+pub mod train;

@@ -205,7 +205,8 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
         }
         let dt = b.g.dtype(l.tensor);
         let name = format!("{}.seed", b.g.name(l.tensor));
-        let mut seed = b.g.add_const_scalar(name.clone(), l.weight, dt);
+        let loss_node = b.g.info(l.tensor).producer;
+        let mut seed = b.g.add_seed(name.clone(), l.weight, dt, loss_node);
         let ls = b.g.shape(l.tensor).clone();
         if ls.rank() > 0 {
             let origin = b.g.info(l.tensor).producer;

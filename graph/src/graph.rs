@@ -1037,7 +1037,15 @@ impl Graph {
         self.push_node(op, inputs, outs, name, phase, origin).1
     }
 
-    pub(crate) fn add_const_scalar(&mut self, name: String, value: f64, dtype: DType) -> Tensor {
+    /// The seed of a loss's gradient: a backward leaf whose origin is the loss's node, so
+    /// the partition treats it as existing once the loss does.
+    pub(crate) fn add_seed(
+        &mut self,
+        name: String,
+        value: f64,
+        dtype: DType,
+        loss: NodeId,
+    ) -> Tensor {
         self.push_node(
             Op::Leaf(Leaf::Const(vec![value])),
             Vec::new(),
@@ -1047,7 +1055,7 @@ impl Graph {
             }],
             name,
             Phase::Backward,
-            None,
+            Some(loss),
         )
         .1[0]
     }

@@ -80,6 +80,10 @@ pub fn partition(g: &Graph, grads: &crate::autodiff::Gradients) -> Partition {
     let mut ready: Vec<Option<ForwardPos>> = vec![None; g.nodes().len()];
     for node in g.nodes() {
         let mut r = pos_of.get(&node.id).copied();
+        if node.phase == Phase::Backward && node.op.is_leaf() {
+            // a loss's gradient seed exists once the loss does
+            r = node.origin.and_then(|o| ready[o.index()]);
+        }
         for &t in node.inputs.iter().chain(&node.updates) {
             let p = g.info(t).producer;
             r = r.max(ready[p.index()]);

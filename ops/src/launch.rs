@@ -84,8 +84,11 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 outs[0].dims()[1],
                 ins[0].rows(),
             );
-            // too few output tiles to fill the device: split K in fixed-order slices
-            let split = (132 / s.grid.max(1)).clamp(1, 8);
+            // too few output tiles to fill the device: split K (the rows) in slices that a
+            // second pass sums in a fixed order
+            let split = (132 / s.grid.max(1))
+                .clamp(1, 64)
+                .min(ceil(ins[0].rows(), 256));
             s.grid *= split;
             s
         }
@@ -190,7 +193,8 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
         }
         Op::SumToShape => LaunchSpec {
             kernel: "sum_to_shape",
-            grid: ceil(out0, 32),
+            // 32 columns per CTA, rows split in up to 64 slices summed in a fixed order
+            grid: ceil(out0, 32) * ceil(ins[0].numel() / out0.max(1), 128).clamp(1, 64),
             block: 256,
             regs_per_thread: 32,
             smem_bytes: 4096,

@@ -1,0 +1,816 @@
+//! The reference CTR model ("erase-ctr", `shared/spec/ctr-model.md`), written against the
+//! graph DSL. The PyTorch anchor `shared/anchors/torch_ctr.py` is the definition: the
+//! classes `Bottom`, `Interaction`, `Cross`, `AutoInt`, `Deep`, `MaskNet`, `CTRModel` and
+//! `Trainer.forward_backward` (which fixes exactly what the `detached` variant cuts).
+//!
+//! ```text
+//! pooled = embedding_bag(tables, ids, offsets)            [B, 26, D]
+//! b      = bottom(dense)                                  [B, D]       (block 0)
+//! E      = concat(pooled, b')                             [B, 27, D]   b' = detach(b) when detached
+//! o_k    = block_k(E), k = 1..5                           [B, D]
+//! logit  = top(concat(o_1' .. o_5', b'))                  [B]          o' = detach(o) when detached
+//! main   = bce(logit, label)
+//! aux_k  = bce(head_k(o_k), label), k = 0..5              (detached / erase only)
+//! ```
+//!
+//! Every block's nodes are built inside `g.scoped(BLOCKS[k], ..)`, the top inside
+//! `"top"`, aux head `k` inside `"{BLOCKS[k]}_head"`, and the lookup and `E` inside
+//! `"embedding"`, so node names say which block they belong to. Parameters are created
+//! explicitly: the stacked table first, then the dense ones in PyTorch's
+//! `model.parameters()` order (heads last), so the variants share the position, and so
+//! the default init, of every shared parameter; [`CtrModel::params`] lists the dense ones
+//! with PyTorch's names.
+
+use std::fmt;
+use std::str::FromStr;
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use erase_graph::{DType, Graph, Init, Tensor};
+use erase_ops::Buffer;
+use erase_runtime::CpuSession;
+
+/// The six dense subarchitectures, in order (block `k` is `BLOCKS[k]`).
+pub const BLOCKS: [&str; 6] = [
+    "bottom",
+    "interaction",
+    "cross",
+    "autoint",
+    "deep",
+    "masknet",
+];
+
+/// LayerNorm epsilon (PyTorch's default, as in the anchor).
+pub const LAYER_NORM_EPS: f64 = 1e-5;
+
+/// Which variant of the model (spec, "Variants").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Variant {
+    /// No detach, no auxiliary heads.
+    Baseline,
+    /// `b` and every `o_k` detached where they feed `E` / the top; one aux head per block.
+    Detached,
+    /// The same graph as `Detached`; only the schedule differs (done by the scheduler).
+    #[default]
+    Erase,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 3] = [Variant::Baseline, Variant::Detached, Variant::Erase];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Variant::Baseline => "baseline",
+            Variant::Detached => "detached",
+            Variant::Erase => "erase",
+        }
+    }
+
+    /// True when the graph has the cuts and the auxiliary heads (`detached`, `erase`).
+    pub fn is_detached(self) -> bool {
+        !matches!(self, Variant::Baseline)
+    }
+}
+
+impl fmt::Display for Variant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Variant {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "baseline" => Ok(Variant::Baseline),
+            "detached" => Ok(Variant::Detached),
+            "erase" => Ok(Variant::Erase),
+            other => bail!("unknown variant '{other}': expected baseline, detached or erase"),
+        }
+    }
+}
+
+/// The model's sizes. `Default` is the spec's (batch 4096, `erase`); every size is a
+/// field. Hidden-width lists exclude the block's input and its `dim`-wide output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CtrConfig {
+    pub batch: usize,
+    /// Dense features per example (13).
+    pub num_dense: usize,
+    /// Categorical fields, one table each (26).
+    pub num_sparse: usize,
+    /// Rows per embedding table.
+    pub rows: usize,
+    /// Ids per field (multi-hot bag size, sum-pooled).
+    pub hot: usize,
+    /// Embedding width `D`, also the width of every block output `o_k`.
+    pub dim: usize,
+    /// Bottom MLP hidden widths: `num_dense -> bottom.. -> dim`.
+    pub bottom: Vec<usize>,
+    /// Interaction MLP hidden widths: `F(F-1)/2 -> interaction.. -> dim`.
+    pub interaction: Vec<usize>,
+    pub cross_rank: usize,
+    pub cross_layers: usize,
+    pub autoint_layers: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Deep MLP hidden widths: `F·dim -> deep.. -> dim`.
+    pub deep: Vec<usize>,
+    pub masknet_hidden: usize,
+    /// Top MLP hidden widths: `6·dim -> top.. -> 1`.
+    pub top: Vec<usize>,
+    /// Weight λ of each auxiliary loss (detached / erase).
+    pub aux_weight: f64,
+    pub variant: Variant,
+}
+
+impl Default for CtrConfig {
+    fn default() -> Self {
+        CtrConfig {
+            batch: 4096,
+            num_dense: 13,
+            num_sparse: 26,
+            rows: 100_000,
+            hot: 1,
+            dim: 64,
+            bottom: vec![256, 128],
+            interaction: vec![256],
+            cross_rank: 256,
+            cross_layers: 3,
+            autoint_layers: 2,
+            heads: 2,
+            head_dim: 32,
+            deep: vec![1024, 512],
+            masknet_hidden: 256,
+            top: vec![512, 256],
+            aux_weight: 1.0,
+            variant: Variant::Erase,
+        }
+    }
+}
+
+impl CtrConfig {
+    /// A lightweight CPU size with the same structure (all six blocks, 26 fields, 13
+    /// dense features): batch 256, 1000 rows per table, dim 16, widths scaled down.
+    pub fn small() -> Self {
+        CtrConfig {
+            batch: 256,
+            num_dense: 13,
+            num_sparse: 26,
+            rows: 1000,
+            hot: 1,
+            dim: 16,
+            bottom: vec![64, 32],
+            interaction: vec![64],
+            cross_rank: 32,
+            cross_layers: 3,
+            autoint_layers: 2,
+            heads: 2,
+            head_dim: 8,
+            deep: vec![128, 64],
+            masknet_hidden: 64,
+            top: vec![128, 64],
+            aux_weight: 1.0,
+            variant: Variant::Erase,
+        }
+    }
+
+    /// The same configuration with another variant.
+    pub fn with_variant(mut self, variant: Variant) -> Self {
+        self.variant = variant;
+        self
+    }
+
+    /// Fields of `E`: the embeddings plus `b`.
+    pub fn num_fields(&self) -> usize {
+        self.num_sparse + 1
+    }
+
+    /// Rows of each field's table (all `rows`).
+    pub fn field_rows(&self) -> Vec<usize> {
+        vec![self.rows; self.num_sparse]
+    }
+
+    /// Ids per batch: `batch · num_sparse · hot`.
+    pub fn ids_per_batch(&self) -> usize {
+        self.batch * self.num_sparse * self.hot
+    }
+
+    /// Checks every size, with a message naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("batch", self.batch),
+            ("num_dense", self.num_dense),
+            ("num_sparse", self.num_sparse),
+            ("rows", self.rows),
+            ("hot", self.hot),
+            ("dim", self.dim),
+            ("cross_rank", self.cross_rank),
+            ("heads", self.heads),
+            ("head_dim", self.head_dim),
+            ("masknet_hidden", self.masknet_hidden),
+        ];
+        for (name, v) in positive {
+            ensure!(v > 0, "ctr config: {name} must be at least 1, got 0");
+        }
+        let lists = [
+            ("bottom", &self.bottom),
+            ("interaction", &self.interaction),
+            ("deep", &self.deep),
+            ("top", &self.top),
+        ];
+        for (name, widths) in lists {
+            if let Some(i) = widths.iter().position(|&w| w == 0) {
+                bail!("ctr config: {name}[{i}] is 0 (hidden widths must be at least 1, got {widths:?})");
+            }
+        }
+        ensure!(
+            self.aux_weight.is_finite() && self.aux_weight >= 0.0,
+            "ctr config: aux_weight must be finite and non-negative, got {}",
+            self.aux_weight
+        );
+        let i32_max = i32::MAX as usize;
+        ensure!(
+            self.rows <= i32_max,
+            "ctr config: rows = {} does not fit the i32 ids of the lookup (at most {i32_max})",
+            self.rows
+        );
+        self.batch
+            .checked_mul(self.num_sparse)
+            .and_then(|n| n.checked_mul(self.hot))
+            .filter(|&n| n <= i32_max)
+            .ok_or_else(|| {
+                anyhow!(
+                    "ctr config: batch·num_sparse·hot = {}·{}·{} ids do not fit the i32 offsets",
+                    self.batch,
+                    self.num_sparse,
+                    self.hot
+                )
+            })?;
+        self.num_sparse
+            .checked_mul(self.rows)
+            .and_then(|n| n.checked_mul(self.dim))
+            .ok_or_else(|| {
+                anyhow!(
+                    "ctr config: the table of {}·{} rows of width {} is too large",
+                    self.num_sparse,
+                    self.rows,
+                    self.dim
+                )
+            })?;
+        Ok(())
+    }
+}
+
+/// The inputs fed each step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtrInputs {
+    /// Float `[B, num_dense]`.
+    pub dense: Tensor,
+    /// I32 `[B·num_sparse·hot]`: rows local to each field's table, bag by bag
+    /// (example-major, then field, then the bag's ids).
+    pub ids: Tensor,
+    /// I32 `[B·num_sparse + 1]`: `0, hot, 2·hot, ..`.
+    pub offsets: Tensor,
+    /// Float `[B]`, 0 or 1.
+    pub label: Tensor,
+}
+
+/// The forward graph of the model, with its losses registered (main weight 1, each aux
+/// loss weight `cfg.aux_weight`) but no backward or optimizer yet: callers run
+/// [`erase_graph::make_trainable`] (or `autodiff::backward_with`) with the options they want.
+#[derive(Clone, Debug)]
+pub struct CtrModel {
+    pub graph: Graph,
+    pub inputs: CtrInputs,
+    /// The stacked embedding tables `[num_sparse·rows, dim]`; table `j`'s row `r` is row
+    /// `j·rows + r`.
+    pub table: Tensor,
+    /// `[B]`.
+    pub logit: Tensor,
+    pub main_loss: Tensor,
+    /// `(block name, aux loss)`, in block order; empty for `baseline`.
+    pub aux_losses: Vec<(String, Tensor)>,
+    /// Dense parameters in PyTorch's `model.parameters()` order, with PyTorch's names
+    /// (`blocks.0.mlp.layers.0.weight`, ..., `top.layers.2.bias`, `heads.5.bias`).
+    pub params: Vec<(String, Tensor)>,
+    /// `(block name, o_k [B, dim])`, in block order (block 0's output is `b`).
+    pub block_outputs: Vec<(String, Tensor)>,
+    pub cfg: CtrConfig,
+    pub float: DType,
+}
+
+impl CtrModel {
+    /// A dense parameter by its PyTorch name.
+    pub fn param(&self, torch_name: &str) -> Option<Tensor> {
+        self.params
+            .iter()
+            .find(|(n, _)| n == torch_name)
+            .map(|&(_, t)| t)
+    }
+
+    /// The input buffers of one batch, for this model's sizes and float type.
+    pub fn batch_buffers(
+        &self,
+        dense: &[f32],
+        rows: &[u32],
+        labels: &[f32],
+    ) -> Result<(Buffer, Buffer, Buffer, Buffer)> {
+        batch_buffers(&self.cfg, self.float, dense, rows, labels)
+    }
+}
+
+// ---- parameters ---------------------------------------------------------------------
+
+/// A linear layer's parameters: `w [out, in]`, optional bias `[out]`.
+#[derive(Clone, Copy, Debug)]
+struct Lin {
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Norm {
+    gamma: Tensor,
+    beta: Tensor,
+}
+
+/// Creates parameters in the current scope and records their PyTorch names.
+struct Params<'a> {
+    list: &'a mut Vec<(String, Tensor)>,
+}
+
+impl Params<'_> {
+    /// `Linear(i, o)`: weight uniform ±1/sqrt(i), bias zeros. `local` is the graph name
+    /// (scoped), `torch` the PyTorch prefix (`{torch}.weight`, `{torch}.bias`).
+    fn linear(
+        &mut self,
+        g: &mut Graph,
+        local: &str,
+        torch: &str,
+        i: usize,
+        o: usize,
+        bias: bool,
+    ) -> Result<Lin> {
+        let bound = 1.0 / (i as f64).sqrt();
+        let w = g.param(&format!("{local}.weight"), &[o, i], Init::Uniform { bound })?;
+        self.list.push((format!("{torch}.weight"), w));
+        let b = if bias {
+            let b = g.param(&format!("{local}.bias"), &[o], Init::Zeros)?;
+            self.list.push((format!("{torch}.bias"), b));
+            Some(b)
+        } else {
+            None
+        };
+        Ok(Lin { w, b })
+    }
+
+    /// `LayerNorm(d)`: gamma ones, beta zeros (PyTorch's `weight`, `bias`).
+    fn norm(&mut self, g: &mut Graph, local: &str, torch: &str, d: usize) -> Result<Norm> {
+        let gamma = g.param(&format!("{local}.weight"), &[d], Init::Ones)?;
+        self.list.push((format!("{torch}.weight"), gamma));
+        let beta = g.param(&format!("{local}.bias"), &[d], Init::Zeros)?;
+        self.list.push((format!("{torch}.bias"), beta));
+        Ok(Norm { gamma, beta })
+    }
+
+    /// The anchor's `MLP(dims)`: `{prefix}.layers.{i}`.
+    fn mlp(&mut self, g: &mut Graph, local: &str, torch: &str, dims: &[usize]) -> Result<Vec<Lin>> {
+        dims.windows(2)
+            .enumerate()
+            .map(|(i, w)| {
+                self.linear(
+                    g,
+                    &format!("{local}layers.{i}"),
+                    &format!("{torch}layers.{i}"),
+                    w[0],
+                    w[1],
+                    true,
+                )
+            })
+            .collect()
+    }
+}
+
+/// `[first, hidden.., last]`.
+fn dims(first: usize, hidden: &[usize], last: usize) -> Vec<usize> {
+    let mut d = Vec::with_capacity(hidden.len() + 2);
+    d.push(first);
+    d.extend_from_slice(hidden);
+    d.push(last);
+    d
+}
+
+struct CrossParams {
+    u: Vec<Lin>,
+    v: Vec<Lin>,
+    out: Lin,
+}
+
+struct AutoIntParams {
+    qkv: Vec<Lin>,
+    o: Vec<Lin>,
+    ln: Vec<Norm>,
+    out: Lin,
+}
+
+struct MaskNetParams {
+    m1: Lin,
+    m2: Lin,
+    h: Lin,
+    ln: Norm,
+    out: Lin,
+}
+
+struct AllParams {
+    bottom: Vec<Lin>,
+    interaction: Vec<Lin>,
+    cross: CrossParams,
+    autoint: AutoIntParams,
+    deep: Vec<Lin>,
+    masknet: MaskNetParams,
+    top: Vec<Lin>,
+    heads: Vec<Lin>,
+}
+
+/// Every dense parameter, in PyTorch's `model.parameters()` order: blocks 0..5, the
+/// top, then the heads (created last in the anchor).
+fn make_params(
+    g: &mut Graph,
+    cfg: &CtrConfig,
+    list: &mut Vec<(String, Tensor)>,
+) -> Result<AllParams> {
+    let mut p = Params { list };
+    let d = cfg.dim;
+    let f = cfg.num_fields();
+    let flat = f * d;
+    let pairs = f * (f - 1) / 2;
+    let hw = cfg.heads * cfg.head_dim;
+
+    let bottom = g.scoped(BLOCKS[0], |g| {
+        p.mlp(
+            g,
+            "mlp.",
+            "blocks.0.mlp.",
+            &dims(cfg.num_dense, &cfg.bottom, d),
+        )
+    })?;
+    let interaction = g.scoped(BLOCKS[1], |g| {
+        p.mlp(
+            g,
+            "mlp.",
+            "blocks.1.mlp.",
+            &dims(pairs, &cfg.interaction, d),
+        )
+    })?;
+    let cross = g.scoped(BLOCKS[2], |g| -> Result<CrossParams> {
+        let mut u = Vec::new();
+        for l in 0..cfg.cross_layers {
+            u.push(p.linear(
+                g,
+                &format!("U.{l}"),
+                &format!("blocks.2.U.{l}"),
+                flat,
+                cfg.cross_rank,
+                false,
+            )?);
+        }
+        let mut v = Vec::new();
+        for l in 0..cfg.cross_layers {
+            v.push(p.linear(
+                g,
+                &format!("V.{l}"),
+                &format!("blocks.2.V.{l}"),
+                cfg.cross_rank,
+                flat,
+                true,
+            )?);
+        }
+        let out = p.linear(g, "out", "blocks.2.out", flat, d, true)?;
+        Ok(CrossParams { u, v, out })
+    })?;
+    let autoint = g.scoped(BLOCKS[3], |g| -> Result<AutoIntParams> {
+        let n = cfg.autoint_layers;
+        let mut qkv = Vec::new();
+        for l in 0..n {
+            qkv.push(p.linear(
+                g,
+                &format!("qkv.{l}"),
+                &format!("blocks.3.qkv.{l}"),
+                d,
+                3 * hw,
+                true,
+            )?);
+        }
+        let mut o = Vec::new();
+        for l in 0..n {
+            o.push(p.linear(
+                g,
+                &format!("o.{l}"),
+                &format!("blocks.3.o.{l}"),
+                hw,
+                d,
+                true,
+            )?);
+        }
+        let mut ln = Vec::new();
+        for l in 0..n {
+            ln.push(p.norm(g, &format!("ln.{l}"), &format!("blocks.3.ln.{l}"), d)?);
+        }
+        let out = p.linear(g, "out", "blocks.3.out", flat, d, true)?;
+        Ok(AutoIntParams { qkv, o, ln, out })
+    })?;
+    let deep = g.scoped(BLOCKS[4], |g| {
+        p.mlp(g, "mlp.", "blocks.4.mlp.", &dims(flat, &cfg.deep, d))
+    })?;
+    let masknet = g.scoped(BLOCKS[5], |g| -> Result<MaskNetParams> {
+        let hid = cfg.masknet_hidden;
+        Ok(MaskNetParams {
+            m1: p.linear(g, "m1", "blocks.5.m1", flat, hid, true)?,
+            m2: p.linear(g, "m2", "blocks.5.m2", hid, flat, true)?,
+            h: p.linear(g, "h", "blocks.5.h", flat, hid, true)?,
+            ln: p.norm(g, "ln", "blocks.5.ln", hid)?,
+            out: p.linear(g, "out", "blocks.5.out", hid, d, true)?,
+        })
+    })?;
+    let top = g.scoped("top", |g| p.mlp(g, "", "top.", &dims(6 * d, &cfg.top, 1)))?;
+    let mut heads = Vec::new();
+    if cfg.variant.is_detached() {
+        for (k, block) in BLOCKS.iter().enumerate() {
+            let h = g.scoped(&format!("{block}_head"), |g| {
+                p.linear(g, "linear", &format!("heads.{k}"), d, 1, true)
+            })?;
+            heads.push(h);
+        }
+    }
+    Ok(AllParams {
+        bottom,
+        interaction,
+        cross,
+        autoint,
+        deep,
+        masknet,
+        top,
+        heads,
+    })
+}
+
+// ---- forward --------------------------------------------------------------------------
+
+fn linear(g: &mut Graph, x: Tensor, l: Lin) -> Result<Tensor> {
+    Ok(g.linear_with(x, l.w, l.b)?)
+}
+
+/// The anchor's `MLP`: ReLU after every layer, the last one too when `last_relu`.
+fn mlp(g: &mut Graph, mut x: Tensor, layers: &[Lin], last_relu: bool) -> Result<Tensor> {
+    for (i, &l) in layers.iter().enumerate() {
+        x = linear(g, x, l)?;
+        if i + 1 < layers.len() || last_relu {
+            x = g.relu(x)?;
+        }
+    }
+    Ok(x)
+}
+
+fn cross(g: &mut Graph, e: Tensor, p: &CrossParams) -> Result<Tensor> {
+    let x0 = g.flatten(e)?;
+    let mut x = x0;
+    for (&u, &v) in p.u.iter().zip(&p.v) {
+        let low = linear(g, x, u)?;
+        let up = linear(g, low, v)?;
+        let gated = g.mul(x0, up)?;
+        x = g.add(gated, x)?;
+    }
+    let o = linear(g, x, p.out)?;
+    Ok(g.relu(o)?)
+}
+
+fn autoint(g: &mut Graph, e: Tensor, p: &AutoIntParams, cfg: &CtrConfig) -> Result<Tensor> {
+    let hw = cfg.heads * cfg.head_dim;
+    let mut x = e;
+    for l in 0..p.qkv.len() {
+        // columns [3][heads][head_dim], as the anchor's .view(B, F, 3, heads, dh)
+        let qkv = linear(g, x, p.qkv[l])?;
+        let q = g.slice(qkv, 2, 0, hw)?;
+        let k = g.slice(qkv, 2, hw, hw)?;
+        let v = g.slice(qkv, 2, 2 * hw, hw)?;
+        // head h in columns h·dh..(h+1)·dh of q, k, v and of the output
+        let a = g.attention(q, k, v, cfg.heads, false)?;
+        let o = linear(g, a, p.o[l])?;
+        let s = g.add(x, o)?;
+        x = g.layer_norm_with(s, p.ln[l].gamma, p.ln[l].beta, LAYER_NORM_EPS)?;
+    }
+    let xf = g.flatten(x)?;
+    let o = linear(g, xf, p.out)?;
+    Ok(g.relu(o)?)
+}
+
+fn masknet(g: &mut Graph, e: Tensor, p: &MaskNetParams) -> Result<Tensor> {
+    let xf = g.flatten(e)?;
+    let m = linear(g, xf, p.m1)?;
+    let m = g.relu(m)?;
+    let m = linear(g, m, p.m2)?;
+    let masked = g.mul(m, xf)?;
+    let h = linear(g, masked, p.h)?;
+    let h = g.layer_norm_with(h, p.ln.gamma, p.ln.beta, LAYER_NORM_EPS)?;
+    let h = g.relu(h)?;
+    let o = linear(g, h, p.out)?;
+    Ok(g.relu(o)?)
+}
+
+/// `Linear(dim, 1)` + BCE with the label: one auxiliary loss.
+fn aux_head(g: &mut Graph, o: Tensor, head: Lin, label: Tensor, batch: usize) -> Result<Tensor> {
+    let h = linear(g, o, head)?;
+    let h = g.reshape(h, &[batch])?;
+    Ok(g.bce_with_logits(h, label)?)
+}
+
+/// Builds the forward graph and registers its losses (see [`CtrModel`]). `float` is the
+/// type of parameters and activations: F32, or F64 for reference computations.
+pub fn build(cfg: &CtrConfig, float: DType) -> Result<CtrModel> {
+    cfg.validate()?;
+    ensure!(
+        matches!(float, DType::F32 | DType::F64),
+        "ctr model: float type must be f32 or f64, got {float}"
+    );
+    let mut g = Graph::new(float);
+    let (b, d, ns) = (cfg.batch, cfg.dim, cfg.num_sparse);
+    let detached = cfg.variant.is_detached();
+
+    let inputs = CtrInputs {
+        dense: g.input("dense", &[b, cfg.num_dense], float)?,
+        ids: g.input("ids", &[cfg.ids_per_batch()], DType::I32)?,
+        offsets: g.input("offsets", &[b * ns + 1], DType::I32)?,
+        label: g.input("label", &[b], float)?,
+    };
+
+    // The table first and the heads last, so that every variant gives each shared
+    // parameter the same position (and so the same default init) in the graph.
+    let field_rows = cfg.field_rows();
+    let table = g.scoped("embedding", |g| {
+        g.embedding_tables("tables", &field_rows, d)
+    })?;
+    let mut params = Vec::new();
+    let p = make_params(&mut g, cfg, &mut params).context("ctr model: parameters")?;
+
+    let pooled = g.scoped("embedding", |g| {
+        g.embedding_bag(table, inputs.ids, inputs.offsets, &field_rows)
+    })?;
+
+    let mut outs: Vec<(String, Tensor)> = Vec::with_capacity(6);
+    let mut aux_losses = Vec::new();
+    let mut head = |g: &mut Graph, k: usize, o: Tensor| -> Result<()> {
+        if detached {
+            let name = BLOCKS[k];
+            let l = g.scoped(&format!("{name}_head"), |g| {
+                aux_head(g, o, p.heads[k], inputs.label, b)
+            })?;
+            aux_losses.push((name.to_string(), l));
+        }
+        Ok(())
+    };
+
+    // block 0: b, the 27th field of E
+    let bottom = g.scoped(BLOCKS[0], |g| mlp(g, inputs.dense, &p.bottom, true))?;
+    head(&mut g, 0, bottom)?;
+    outs.push((BLOCKS[0].to_string(), bottom));
+
+    let e = g.scoped("embedding", |g| -> Result<Tensor> {
+        let b_in = if detached { g.detach(bottom)? } else { bottom };
+        let b_field = g.reshape(b_in, &[b, 1, d])?;
+        Ok(g.concat(&[pooled, b_field], 1)?)
+    })?;
+
+    for (k, &block) in BLOCKS.iter().enumerate().skip(1) {
+        let o = g.scoped(block, |g| -> Result<Tensor> {
+            match k {
+                1 => {
+                    let z = g.pairwise_dot(e)?;
+                    mlp(g, z, &p.interaction, true)
+                }
+                2 => cross(g, e, &p.cross),
+                3 => autoint(g, e, &p.autoint, cfg),
+                4 => {
+                    let xf = g.flatten(e)?;
+                    mlp(g, xf, &p.deep, true)
+                }
+                _ => masknet(g, e, &p.masknet),
+            }
+        })?;
+        head(&mut g, k, o)?;
+        outs.push((block.to_string(), o));
+    }
+
+    let (logit, main_loss) = g.scoped("top", |g| -> Result<(Tensor, Tensor)> {
+        // concat(o_2 .. o_6, b), each detached in the detached variants
+        let mut parts = Vec::with_capacity(6);
+        for &(_, o) in outs[1..].iter().chain(&outs[..1]) {
+            parts.push(if detached { g.detach(o)? } else { o });
+        }
+        let x = g.concat(&parts, 1)?;
+        let y = mlp(g, x, &p.top, false)?;
+        let logit = g.reshape(y, &[b])?;
+        let loss = g.bce_with_logits(logit, inputs.label)?;
+        Ok((logit, loss))
+    })?;
+
+    g.loss(main_loss, 1.0)?;
+    for &(_, l) in &aux_losses {
+        g.loss(l, cfg.aux_weight)?;
+    }
+
+    Ok(CtrModel {
+        graph: g,
+        inputs,
+        table,
+        logit,
+        main_loss,
+        aux_losses,
+        params,
+        block_outputs: outs,
+        cfg: cfg.clone(),
+        float,
+    })
+}
+
+// ---- feeding ------------------------------------------------------------------------------
+
+/// Offsets of fixed-size bags: `0, hot, 2·hot, .., batch·num_sparse·hot`.
+pub fn offsets(cfg: &CtrConfig) -> Vec<i32> {
+    (0..=cfg.batch * cfg.num_sparse)
+        .map(|i| (i * cfg.hot) as i32)
+        .collect()
+}
+
+/// The four input buffers of one batch (`dense`, `ids`, `offsets`, `label`), floats in
+/// `float`. `dense` is `[batch, num_dense]`, `rows` `[batch, num_sparse, hot]` rows local
+/// to each field's table (as `SyntheticCtr::fill_batch` makes them), `labels` `[batch]`.
+pub fn batch_buffers(
+    cfg: &CtrConfig,
+    float: DType,
+    dense: &[f32],
+    rows: &[u32],
+    labels: &[f32],
+) -> Result<(Buffer, Buffer, Buffer, Buffer)> {
+    ensure!(
+        dense.len() == cfg.batch * cfg.num_dense,
+        "ctr batch: dense has {} values, expected batch·num_dense = {}·{}",
+        dense.len(),
+        cfg.batch,
+        cfg.num_dense
+    );
+    ensure!(
+        rows.len() == cfg.ids_per_batch(),
+        "ctr batch: rows has {} ids, expected batch·num_sparse·hot = {}·{}·{}",
+        rows.len(),
+        cfg.batch,
+        cfg.num_sparse,
+        cfg.hot
+    );
+    ensure!(
+        labels.len() == cfg.batch,
+        "ctr batch: labels has {} values, expected batch = {}",
+        labels.len(),
+        cfg.batch
+    );
+    if let Some(i) = rows.iter().position(|&r| r as usize >= cfg.rows) {
+        bail!(
+            "ctr batch: id {i} (example {}, field {}) is row {} of a table of {} rows",
+            i / (cfg.num_sparse * cfg.hot),
+            (i / cfg.hot) % cfg.num_sparse,
+            rows[i],
+            cfg.rows
+        );
+    }
+    let floats = |v: &[f32]| -> Result<Buffer> {
+        Ok(match float {
+            DType::F32 => Buffer::F32(v.to_vec()),
+            DType::F64 => Buffer::F64(v.iter().map(|&x| x as f64).collect()),
+            other => bail!("ctr batch: float type must be f32 or f64, got {other}"),
+        })
+    };
+    let ids = Buffer::I32(rows.iter().map(|&r| r as i32).collect());
+    Ok((
+        floats(dense)?,
+        ids,
+        Buffer::I32(offsets(cfg)),
+        floats(labels)?,
+    ))
+}
+
+/// Feeds one batch (see [`batch_buffers`]) into a session of `m.graph` (or of a graph
+/// built from it, which keeps the input tensors).
+pub fn feed_batch(
+    session: &mut CpuSession,
+    m: &CtrModel,
+    dense: &[f32],
+    rows: &[u32],
+    labels: &[f32],
+) -> Result<()> {
+    let (d, i, o, l) = m.batch_buffers(dense, rows, labels)?;
+    session.feed(m.inputs.dense, d)?;
+    session.feed(m.inputs.ids, i)?;
+    session.feed(m.inputs.offsets, o)?;
+    session.feed(m.inputs.label, l)?;
+    Ok(())
+}

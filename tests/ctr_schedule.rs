@@ -1,0 +1,219 @@
+//! The ERASE plan of the CTR model: early programs on side streams, a minimal and
+//! checked set of cross-stream edges, and the same bits as the detached schedule.
+
+use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
+use erase::graph::{DType, OptimizerConfig, Phase};
+use erase::model::ctr::{CtrConfig, Variant};
+use erase::runtime::hb::check;
+use erase::runtime::memory::{alias_root, Placement};
+use erase::runtime::program::{random_order, ProgramRunner};
+use erase::runtime::schedule::{happens_before, vector_clocks, EdgeKind, StreamId};
+use erase::train::{plan_step, ScheduleOptions, StepPlan};
+
+fn tiny(variant: Variant) -> CtrConfig {
+    let mut c = CtrConfig::small().with_variant(variant);
+    c.batch = 8;
+    c.rows = 50;
+    c
+}
+
+fn plan(cfg: &CtrConfig, side: usize) -> StepPlan {
+    let s = ScheduleOptions {
+        side_streams: side,
+        ..Default::default()
+    };
+    plan_step(cfg, DType::F32, &OptimizerConfig::default(), &s).unwrap()
+}
+
+#[test]
+fn erase_plan_starts_every_block_backward_early_on_side_streams() {
+    let p = plan(&CtrConfig::small(), 4);
+    let prog = &p.program;
+    let g = &p.model.graph;
+    let last_forward = prog
+        .launches
+        .iter()
+        .rposition(|l| g.node(l.node).phase == Phase::Forward)
+        .unwrap();
+    let early: Vec<_> = p.partition.programs.iter().filter(|x| x.early).collect();
+    assert!(early.len() >= 5, "{} early programs", early.len());
+    let mut sides = std::collections::BTreeSet::new();
+    for bp in &early {
+        let first = prog
+            .launches
+            .iter()
+            .position(|l| l.node == bp.nodes[0])
+            .unwrap();
+        let s = prog.launches[first].stream;
+        assert_ne!(s, StreamId::MAIN, "program {} on the main stream", bp.name);
+        assert!(
+            first < last_forward,
+            "program {} starts after the last forward launch",
+            bp.name
+        );
+        sides.insert(s);
+    }
+    assert!(
+        sides.len() >= 2,
+        "early programs use {} side stream(s)",
+        sides.len()
+    );
+    let names: Vec<&str> = early.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "bottom",
+            "interaction",
+            "cross",
+            "autoint",
+            "deep",
+            "masknet"
+        ]
+    );
+    // the embedding table is shared by five blocks: its update waits for the last of them
+    let table_prog = p.partition.grad_complete[&p.model.table];
+    assert_eq!(p.partition.programs[table_prog].name, "masknet");
+    // baseline: one remainder, nothing early
+    let b = plan(&CtrConfig::small().with_variant(Variant::Baseline), 4);
+    assert!(b.partition.programs.iter().all(|x| !x.early));
+    assert_eq!(b.program.streams, 1);
+}
+
+#[test]
+fn schedule_is_deterministic_byte_for_byte() {
+    let a = plan(&CtrConfig::small(), 3);
+    let b = plan(&CtrConfig::small(), 3);
+    assert_eq!(a.program, b.program);
+    assert_eq!(
+        a.program.render(&a.model.graph),
+        b.program.render(&b.model.graph)
+    );
+    assert_eq!(a.memory, b.memory);
+}
+
+#[test]
+fn every_edge_and_every_placement_of_the_erase_plan_is_needed() {
+    let p = plan(&CtrConfig::small(), 4);
+    let (g, prog, mem) = (&p.model.graph, &p.program, &p.memory);
+    assert!(check(g, prog, mem).is_empty());
+    let mut tested = 0;
+    for (i, l) in prog.launches.iter().enumerate() {
+        for w in 0..l.waits.len() {
+            let mut broken = prog.clone();
+            broken.launches[i].waits.remove(w);
+            let hazards = check(g, &broken, mem);
+            if l.waits[w].kind == EdgeKind::Occupancy {
+                continue; // ordering for speed only, marked as such
+            }
+            assert!(
+                !hazards.is_empty(),
+                "removing '{}' went unnoticed",
+                l.waits[w].why
+            );
+            tested += 1;
+        }
+    }
+    assert!(tested >= 8, "only {tested} edges");
+    // every memory-reuse decision is safe only because of the order it relies on: moving
+    // the later tensor onto bytes of a tensor live at the same time must be caught
+    let clocks = vector_clocks(prog);
+    let at = |t| {
+        prog.launches
+            .iter()
+            .position(|l| l.node == g.info(t).producer)
+    };
+    let arena = mem.place.keys().map(|&k| (k, ())).collect();
+    let mut moved = 0;
+    for &(later, _) in mem.reuse.iter().take(40) {
+        let Some(a) = at(later) else { continue };
+        let rival = mem.place.iter().find(|(&t, pl)| {
+            alias_root(g, &arena, t) == t
+                && pl.offset != mem.place[&later].offset
+                && at(t).is_some_and(|b| {
+                    b != a
+                        && !happens_before(prog, &clocks, a, b)
+                        && !happens_before(prog, &clocks, b, a)
+                })
+        });
+        let Some((&rival, rpl)) = rival else { continue };
+        let mut bad = mem.clone();
+        for (t, pl) in mem.place.iter() {
+            if alias_root(g, &arena, *t) == later {
+                bad.place.insert(
+                    *t,
+                    Placement {
+                        offset: rpl.offset,
+                        ..*pl
+                    },
+                );
+            }
+        }
+        assert!(
+            !check(g, prog, &bad).is_empty(),
+            "placing '{}' over concurrent '{}' went unnoticed",
+            g.name(later),
+            g.name(rival)
+        );
+        moved += 1;
+    }
+    assert!(moved >= 10, "only {moved} placements tested");
+}
+
+/// Runs `steps` steps of a plan with the step-program runner; returns parameter bytes.
+fn run(p: &StepPlan, steps: usize, shuffle: Option<u64>) -> Vec<u8> {
+    let m = &p.model;
+    let c = &m.cfg;
+    let gen = SyntheticCtr::new(SyntheticConfig {
+        seed: 0,
+        rows: c.rows,
+        hot: c.hot,
+    });
+    let mut r = ProgramRunner::new(&m.graph, &p.program, &p.memory, 11, 2).unwrap();
+    let (mut d, mut rows, mut y) = (
+        vec![0f32; c.batch * 13],
+        vec![0u32; c.ids_per_batch()],
+        vec![0f32; c.batch],
+    );
+    for s in 0..steps {
+        gen.fill_batch(1, (s * c.batch) as u64, c.batch, &mut d, &mut rows, &mut y);
+        let (a, b, o, l) = m.batch_buffers(&d, &rows, &y).unwrap();
+        r.feed(m.inputs.dense, a).unwrap();
+        r.feed(m.inputs.ids, b).unwrap();
+        r.feed(m.inputs.offsets, o).unwrap();
+        r.feed(m.inputs.label, l).unwrap();
+        match shuffle {
+            Some(seed) => r
+                .run_order(&random_order(&p.program, seed * 100 + s as u64))
+                .unwrap(),
+            None => r.run().unwrap(),
+        }
+    }
+    let mut out: Vec<u8> = r.get(m.table).unwrap().bytes().to_vec();
+    for (_, t) in &m.params {
+        out.extend_from_slice(r.get(*t).unwrap().bytes());
+    }
+    out
+}
+
+#[test]
+fn erase_equals_detached_bit_for_bit_and_baseline_differs() {
+    let e = plan(&tiny(Variant::Erase), 4);
+    let d = plan(&tiny(Variant::Detached), 4);
+    let b = plan(&tiny(Variant::Baseline), 4);
+    let steps = 4;
+    let want = run(&d, steps, None);
+    assert!(
+        run(&e, steps, None) == want,
+        "erase (issue order) differs from detached"
+    );
+    for seed in 0..6 {
+        assert!(
+            run(&e, steps, Some(seed)) == want,
+            "erase (interleaving {seed}) differs from detached"
+        );
+    }
+    assert!(
+        run(&b, steps, None) != want,
+        "baseline should train differently"
+    );
+}
