@@ -8,7 +8,11 @@ pub use erase_graph as graph;
 pub use erase_ops as ops;
 pub use erase_runtime as runtime;
 
+pub mod bench;
+pub mod checkpoint;
 pub mod data;
+pub mod gpu;
+pub mod kernels;
 pub mod metrics;
 pub mod model;
 pub mod train;

@@ -115,6 +115,7 @@ fn cfg(kind: ScheduleKind, side: usize) -> ScheduleConfig {
         side_streams: side,
         occupancy: false,
         device: DeviceModel::h200(),
+        kernels: None,
     }
 }
 

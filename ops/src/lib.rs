@@ -3,6 +3,7 @@
 
 pub mod buffer;
 pub mod cpu;
+pub mod cuda;
 pub mod launch;
 
 pub use buffer::Buffer;

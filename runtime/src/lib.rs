@@ -1,6 +1,8 @@
 //! `erase-runtime`: devices and the execution of training steps.
 
 pub mod cpu;
+pub mod cuda;
+pub mod cuda_program;
 pub mod error;
 pub mod hb;
 pub mod init;

@@ -11,7 +11,7 @@ use crate::cpu::{initial_store, thread_pool};
 use crate::error::RuntimeError;
 use crate::memory::{alias_root, MemoryPlan};
 use crate::schedule::{EventId, StepProgram};
-use erase_graph::{DType, Graph, Tensor};
+use erase_graph::{Graph, Tensor};
 use erase_ops::{Buffer, NodeCall};
 
 pub struct ProgramRunner<'a> {
@@ -24,15 +24,6 @@ pub struct ProgramRunner<'a> {
     store: Vec<Option<Buffer>>,
     arena_set: BTreeMap<Tensor, ()>,
     pool: std::sync::Arc<rayon::ThreadPool>,
-}
-
-fn to_buffer(dtype: DType, bytes: &[u8]) -> Buffer {
-    match dtype {
-        DType::F32 => Buffer::F32(bytemuck::pod_collect_to_vec(bytes)),
-        DType::F64 => Buffer::F64(bytemuck::pod_collect_to_vec(bytes)),
-        DType::I32 => Buffer::I32(bytemuck::pod_collect_to_vec(bytes)),
-        DType::Bf16 => Buffer::Bf16(bytemuck::pod_collect_to_vec(bytes)),
-    }
 }
 
 impl<'a> ProgramRunner<'a> {
@@ -78,7 +69,10 @@ impl<'a> ProgramRunner<'a> {
         if let Some(pl) = self.plan.get(t) {
             let bytes: &[u8] = bytemuck::cast_slice(&self.arena);
             let n = self.g.shape(t).numel() * self.g.dtype(t).size_bytes();
-            return Some(to_buffer(self.g.dtype(t), &bytes[pl.offset..pl.offset + n]));
+            return Some(crate::cuda::buffer_from_bytes(
+                self.g.dtype(t),
+                &bytes[pl.offset..pl.offset + n],
+            ));
         }
         self.store.get(t.index()).and_then(|b| b.clone())
     }

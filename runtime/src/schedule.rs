@@ -12,8 +12,10 @@
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 
+use crate::cuda::KernelLibrary;
 use crate::occupancy::DeviceModel;
 use erase_graph::{Graph, NodeId, Partition, Phase, Tensor};
+use erase_ops::cuda::{cuda_plan, KernelCall, Operands};
 use erase_ops::{launch_spec, LaunchSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -53,6 +55,50 @@ pub struct ScheduleConfig {
     /// Apply the occupancy rule.
     pub occupancy: bool,
     pub device: DeviceModel,
+    /// The build's kernels: when present, each launch's footprint comes from the kernel
+    /// its CUDA plan really launches (grid, block, ptxas's registers and shared memory)
+    /// instead of the declared estimate.
+    pub kernels: Option<KernelLibrary>,
+}
+
+/// Replaces the declared footprint of `spec` with the real one of the heaviest call of
+/// the op's CUDA plan, when the kernel is in `lib`.
+fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrary) -> LaunchSpec {
+    let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
+    let ind: Vec<_> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
+    let outs: Vec<_> = n.outputs.iter().map(|&t| g.shape(t)).collect();
+    let outd: Vec<_> = n.outputs.iter().map(|&t| g.dtype(t)).collect();
+    let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
+    let o = Operands {
+        ins: &ins,
+        in_dtypes: &ind,
+        outs: &outs,
+        out_dtypes: &outd,
+        upd: &upd,
+    };
+    let Ok(plan) = cuda_plan(&n.op, &o) else {
+        return spec;
+    };
+    let size = |c: &KernelCall| {
+        u64::from(c.grid[0])
+            * u64::from(c.grid[1])
+            * u64::from(c.grid[2])
+            * u64::from(c.block[0] * c.block[1] * c.block[2])
+    };
+    let Some(call) = plan.calls.iter().max_by_key(|c| size(c)) else {
+        return spec;
+    };
+    let Some(info) = lib.find(call.kernel) else {
+        return spec;
+    };
+    LaunchSpec {
+        kernel: info.name,
+        grid: u64::from(call.grid[0]) * u64::from(call.grid[1]) * u64::from(call.grid[2]),
+        block: call.block[0] * call.block[1] * call.block[2],
+        regs_per_thread: info.regs,
+        smem_bytes: info.smem + call.smem,
+        ..spec
+    }
 }
 
 /// Why a cross-stream edge exists.
@@ -243,7 +289,10 @@ impl Builder<'_> {
             .chain(&n.updates)
             .map(|&t| g.shape(t))
             .collect();
-        let spec = launch_spec(&n.op, &ins, &outs, dt);
+        let mut spec = launch_spec(&n.op, &ins, &outs, dt);
+        if let (Some(sp), Some(lib)) = (spec.clone(), self.cfg.kernels.as_ref()) {
+            spec = Some(refine(sp, g, n, lib));
+        }
         let exclusive = self.cfg.occupancy
             && spec
                 .as_ref()

@@ -11,11 +11,12 @@ use erase::graph::{DType, OptimizerConfig, Phase};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::runtime::occupancy::DeviceModel;
 use erase::runtime::simulate::{simulate, SimConfig};
-use erase::train::{plan_step, train, ConsoleProgress, ScheduleOptions, TrainConfig};
+use erase::train::{plan_step, train_on, ConsoleProgress, Dispatch, ScheduleOptions, TrainConfig};
 
 #[derive(Parser)]
 #[command(
     name = "erase-ctr",
+    args_override_self = true,
     version,
     about = "Train the reference CTR model with early backward (ERASE), or print its step plan",
     long_about = "Train the reference CTR model of the spec (bottom MLP, DLRM interaction, DCNv2 cross, \
@@ -24,7 +25,7 @@ as one of three variants:\n\
   baseline  one graph, one backward at the end of the step\n\
   detached  each block cut off by a detach, with an auxiliary loss per block\n\
   erase     as detached, with each block's backward started early on a pool stream\n\n\
-This build runs on the CPU backend; the CUDA backend is not part of it yet."
+Runs on the CUDA device when there is one (blocking dispatch), else on the CPU backend."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -35,6 +36,9 @@ struct Cli {
 enum Cmd {
     /// Train on synthetic data and report loss, NE, AUC and examples per second.
     Train(TrainArgs),
+    /// Run baseline, detached and erase side by side (interleaved) and print QPS
+    /// p50/p90, the gain over baseline, NE, AUC and the NE gap.
+    Bench(BenchArgs),
     /// Print the step program (streams, events and why), peak memory, the
     /// happens-before check, and the simulator's predicted step time per variant.
     Plan(PlanArgs),
@@ -54,6 +58,23 @@ enum DeviceArg {
     Auto,
     Cpu,
     Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+enum DispatchArg {
+    /// One host thread issues every launch in schedule order.
+    Blocking,
+    /// The whole step captured once as a CUDA graph and replayed (CUDA only).
+    Graph,
+}
+
+impl From<DispatchArg> for Dispatch {
+    fn from(d: DispatchArg) -> Self {
+        match d {
+            DispatchArg::Blocking => Dispatch::Blocking,
+            DispatchArg::Graph => Dispatch::Graph,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -81,6 +102,11 @@ impl From<VariantArg> for Variant {
 
 #[derive(Args)]
 struct ModelArgs {
+    /// A TOML file of settings: keys of its [model], [train], [bench], [plan] and [data]
+    /// tables are this command's flags (e.g. `steps = 500`); flags given on the command
+    /// line win. `[data.schema]` describes the columns of `--data tsv:PATH`.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     /// Model sizes to start from; the flags below override single sizes.
     #[arg(long, value_enum, default_value = "small")]
     preset: Preset,
@@ -138,12 +164,23 @@ struct TrainArgs {
     /// Training steps.
     #[arg(long, default_value_t = 300)]
     steps: usize,
-    /// Where to train. This build has only the CPU backend.
+    /// How launches are issued on a CUDA device.
+    #[arg(long, value_enum, default_value = "blocking")]
+    dispatch: DispatchArg,
+    /// Where to train: the CUDA device when there is one (auto), or insist.
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
-    /// Training data. Only `synthetic` (the spec's generator) in this build.
+    /// Training data: `synthetic` (the spec's generator), `criteo:PATH` (Criteo's TSV
+    /// layout, plain or gzip) or `tsv:PATH` (columns described by `[data.schema]` in
+    /// --config). PATH is a file, a glob or a folder.
     #[arg(long, default_value = "synthetic")]
     data: String,
+    /// Stop at the first malformed line instead of counting and skipping it.
+    #[arg(long)]
+    strict: bool,
+    /// Keep a binary cache of parsed data here (parsed once, memory-mapped after).
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<std::path::PathBuf>,
     /// Seed of parameter initialisation.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -165,6 +202,47 @@ struct TrainArgs {
     /// Write one JSON object per step and per evaluation to this file.
     #[arg(long)]
     metrics: Option<std::path::PathBuf>,
+    /// Save parameters and optimizer state here at the end (safetensors, written
+    /// atomically).
+    #[arg(long, value_name = "FILE")]
+    checkpoint: Option<std::path::PathBuf>,
+    /// Also save the checkpoint every N steps.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    checkpoint_every: usize,
+    /// Continue from a checkpoint written with the same configuration; the result is
+    /// bit-identical to a run that never stopped.
+    #[arg(long, value_name = "FILE")]
+    resume: Option<std::path::PathBuf>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Untimed steps per variant first.
+    #[arg(long, default_value_t = 50)]
+    warmup: usize,
+    /// Timed steps per variant.
+    #[arg(long, default_value_t = 200)]
+    steps: usize,
+    /// Steps of one variant before the next takes over.
+    #[arg(long, default_value_t = 10)]
+    chunk: usize,
+    /// Where to run (as for train).
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
+    /// Dispatch modes to measure, comma separated (graph needs a CUDA device).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "blocking")]
+    dispatch: Vec<DispatchArg>,
+    /// Held-out examples for NE and AUC at the end.
+    #[arg(long, default_value_t = 20_000)]
+    eval_examples: usize,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Also write the rows as JSON to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -186,23 +264,74 @@ struct PlanArgs {
 }
 
 fn run_train(a: &TrainArgs) -> Result<()> {
-    match a.device {
-        DeviceArg::Cuda => bail!(
-            "--device cuda: this build of erase-ctr has no CUDA backend yet; use --device cpu (or auto)"
-        ),
-        DeviceArg::Auto | DeviceArg::Cpu => {}
-    }
-    if a.data != "synthetic" {
-        bail!(
-            "--data {}: only 'synthetic' is supported by this build",
-            a.data
-        );
-    }
+    let dev = open(a.device)?;
+    let schema = match &a.model.config {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?;
+            let table: toml::Table = text
+                .parse()
+                .with_context(|| format!("{} is not valid TOML", p.display()))?;
+            match table.get("data").and_then(|d| d.get("schema")) {
+                Some(_) => Some(
+                    erase::data::TsvSchema::from_toml(&text)
+                        .with_context(|| format!("{}: [data.schema]", p.display()))?,
+                ),
+                None => None,
+            }
+        }
+        None => None,
+    };
+    let source = erase::data::parse_data_arg(&a.data, schema.as_ref()).context("--data")?;
     if a.steps == 0 {
         bail!("--steps must be at least 1");
     }
     let variant = Variant::from(a.variant);
-    let model = a.model.config(variant)?;
+    let mut model = a.model.config(variant)?;
+    let data = match source {
+        None => erase::train::Data::Synthetic,
+        Some(src) => {
+            let opts = erase::data::LoadOptions {
+                strict: a.strict,
+                cache_dir: a.cache_dir.clone(),
+            };
+            let t0 = std::time::Instant::now();
+            let (train, eval, report) = erase::data::load(&src, &opts)?;
+            eprintln!("{report}");
+            eprintln!(
+                "loaded {} training examples in {:.1} s",
+                train.len(),
+                t0.elapsed().as_secs_f64()
+            );
+            let (train, eval) = match eval {
+                Some(e) => (std::sync::Arc::new(train), std::sync::Arc::new(e)),
+                None => {
+                    // no split in the source: hold out the last tenth
+                    let (tr, ev) = train
+                        .split_tail(0.1)
+                        .context("holding out a tenth for evaluation")?;
+                    (std::sync::Arc::new(tr), std::sync::Arc::new(ev))
+                }
+            };
+            model.num_dense = train.num_dense;
+            model.num_sparse = train.num_sparse;
+            model.hot = 1;
+            model.validate().context("the model for this data")?;
+            eprintln!(
+                "data: {} train / {} held-out examples, {} dense and {} categorical fields, {:.2} % positive",
+                train.len(),
+                eval.len(),
+                train.num_dense,
+                train.num_sparse,
+                100.0 * train.positive_rate()
+            );
+            erase::train::Data::Table {
+                train,
+                eval,
+                source: a.data.clone(),
+            }
+        }
+    };
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -217,7 +346,15 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         schedule: a.model.schedule(),
         optimizer: OptimizerConfig::default(),
         warmup: a.warmup.min(a.steps.saturating_sub(1)),
+        checkpoint: a.checkpoint.clone(),
+        checkpoint_every: a.checkpoint_every,
+        resume: a.resume.clone(),
+        dispatch: a.dispatch.into(),
+        data,
     };
+    if a.checkpoint_every > 0 && a.checkpoint.is_none() {
+        bail!("--checkpoint-every needs --checkpoint FILE");
+    }
     let jsonl = match &a.metrics {
         Some(p) => Some(
             std::fs::File::create(p)
@@ -225,14 +362,25 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         ),
         None => None,
     };
+    let where_ = match &dev {
+        Some(d) => format!(
+            "{} ({} dispatch)",
+            d.name,
+            Dispatch::from(a.dispatch).as_str()
+        ),
+        None => format!("the CPU ({threads} threads)"),
+    };
     eprintln!(
-        "erase-ctr: training '{variant}' on the CPU ({threads} threads): batch {}, {} tables x {} rows x dim {}, {} steps, synthetic data (seed {})",
-        model.batch, model.num_sparse, model.rows, model.dim, a.steps, a.data_seed
+        "erase-ctr: training '{variant}' on {where_}: batch {}, {} tables x {} rows x dim {}, {} steps, data {} (seed {})",
+        model.batch, model.num_sparse, model.rows, model.dim, a.steps, a.data, a.data_seed
     );
     let mut progress = ConsoleProgress::new(jsonl);
-    let r = train(&cfg, &mut progress)?;
+    let r = train_on(&cfg, dev.as_ref(), &mut progress)?;
     println!();
-    println!("summary ({variant}, CPU)");
+    println!(
+        "summary ({variant}, {})",
+        if dev.is_some() { "CUDA" } else { "CPU" }
+    );
     println!("  steps             {}", r.losses.len());
     println!(
         "  first / last loss {:.4} / {:.4}",
@@ -260,6 +408,56 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         r.launches,
         r.arena_bytes as f64 / (1 << 20) as f64
     );
+    Ok(())
+}
+
+fn open(device: DeviceArg) -> Result<Option<erase::runtime::cuda::CudaDevice>> {
+    Ok(match device {
+        DeviceArg::Cpu => None,
+        DeviceArg::Cuda => Some(erase::gpu::open_device().context("--device cuda")?),
+        DeviceArg::Auto => match erase::gpu::open_device() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!("erase-ctr: no usable CUDA device ({e:#}); running on the CPU");
+                None
+            }
+        },
+    })
+}
+
+fn run_bench(a: &BenchArgs) -> Result<()> {
+    if a.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let model = a.model.config(Variant::Erase)?;
+    let dev = open(a.device)?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let cfg = erase::bench::BenchConfig {
+        model: model.clone(),
+        variants: Variant::ALL.to_vec(),
+        warmup: a.warmup,
+        steps: a.steps,
+        chunk: a.chunk,
+        seed: 0,
+        data_seed: 0,
+        eval_examples: a.eval_examples.max(model.batch),
+        threads,
+        schedule: a.model.schedule(),
+        optimizer: OptimizerConfig::default(),
+        dispatch: a.dispatch.iter().map(|&d| d.into()).collect(),
+    };
+    let name = dev
+        .as_ref()
+        .map_or_else(|| format!("CPU ({threads} threads)"), |d| d.name.clone());
+    eprintln!("erase-ctr bench on {name}: {} warm-up + {} timed steps per variant, interleaved in chunks of {}", a.warmup, a.steps, a.chunk);
+    let rows = erase::bench::bench(&cfg, dev.as_ref(), &mut |m| eprintln!("  {m}"))?;
+    print!("{}", erase::bench::render(&rows, &name, model.batch));
+    if let Some(p) = &a.json {
+        std::fs::write(p, erase::bench::to_json(&rows))
+            .with_context(|| format!("--json {}", p.display()))?;
+    }
     Ok(())
 }
 
@@ -401,11 +599,99 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// Puts the flags a `--config FILE` holds before the command line's own, so that the
+/// command line wins (later flags override earlier ones).
+fn expand_config(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>> {
+    let strs: Vec<String> = args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let pos = strs
+        .iter()
+        .position(|a| a == "--config" || a.starts_with("--config="));
+    let Some(pos) = pos else { return Ok(args) };
+    let path = match strs[pos].strip_prefix("--config=") {
+        Some(p) => p.to_string(),
+        None => strs
+            .get(pos + 1)
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("--config needs a FILE"))?,
+    };
+    let text = std::fs::read_to_string(&path).with_context(|| format!("--config {path}"))?;
+    let table: toml::Table = text
+        .parse()
+        .with_context(|| format!("{path} is not valid TOML"))?;
+    let sub = strs.get(1).cloned().unwrap_or_default();
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let subcmd = cmd
+        .find_subcommand(&sub)
+        .ok_or_else(|| anyhow::anyhow!("--config must follow a subcommand"))?;
+    let mut extra: Vec<std::ffi::OsString> = Vec::new();
+    for (section, body) in &table {
+        let Some(body) = body.as_table() else {
+            bail!("{path}: `{section}` must be a table such as [train]");
+        };
+        for (key, value) in body {
+            if section == "data" && key == "schema" {
+                continue; // read by the data loader
+            }
+            let flag = key.replace('_', "-");
+            let Some(arg) = subcmd
+                .get_arguments()
+                .find(|a| a.get_long() == Some(flag.as_str()))
+            else {
+                bail!(
+                    "{path}: [{section}] {key} is not a setting of `erase-ctr {sub}` (see --help)"
+                );
+            };
+            let takes_value = arg.get_action().takes_values();
+            match value {
+                toml::Value::Boolean(b) if !takes_value => {
+                    if *b {
+                        extra.push(format!("--{flag}").into());
+                    }
+                }
+                toml::Value::String(v) => extra.extend([format!("--{flag}").into(), v.into()]),
+                toml::Value::Integer(v) => {
+                    extra.extend([format!("--{flag}").into(), v.to_string().into()])
+                }
+                toml::Value::Float(v) => {
+                    extra.extend([format!("--{flag}").into(), v.to_string().into()])
+                }
+                toml::Value::Boolean(v) => extra.extend([
+                    format!("--{flag}").into(),
+                    if *v { "on" } else { "off" }.into(),
+                ]),
+                toml::Value::Array(items) => {
+                    let parts: Vec<String> = items
+                        .iter()
+                        .map(|i| i.as_str().map_or_else(|| i.to_string(), str::to_string))
+                        .collect();
+                    extra.extend([format!("--{flag}").into(), parts.join(",").into()]);
+                }
+                other => bail!("{path}: [{section}] {key} = {other} is not a flag value"),
+            }
+        }
+    }
+    let mut out: Vec<std::ffi::OsString> = args[..2.min(args.len())].to_vec();
+    out.extend(extra);
+    out.extend(args.into_iter().skip(2));
+    Ok(out)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let args = match expand_config(std::env::args_os().collect()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("erase-ctr: error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let cli = Cli::parse_from(args);
     let r = match &cli.cmd {
         Cmd::Train(a) => run_train(a),
         Cmd::Plan(a) => run_plan(a),
+        Cmd::Bench(a) => run_bench(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

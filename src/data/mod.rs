@@ -1,1 +1,9 @@
 pub mod synthetic;
+pub mod table;
+
+mod cache;
+mod criteo;
+mod tsv;
+
+pub use criteo::{CRITEO_DENSE, CRITEO_SPARSE};
+pub use table::{load, parse_data_arg, DataSource, Examples, LoadOptions, LoadReport, TsvSchema};

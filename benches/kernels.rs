@@ -1,0 +1,332 @@
+//! Kernel benchmarks on the GPU: bf16 GEMM at 4096³ and at every GEMM shape of the CTR
+//! model (forward, data gradient, weight gradient), fused attention forward+backward,
+//! embedding bag forward and backward+update, and a copy for the bandwidth ceiling.
+//! Prints a table; with `--json FILE` also writes one JSON object per line, which
+//! `scripts/torch_kernels.py` reads to put PyTorch's times beside ours.
+//!
+//! `cargo bench --bench kernels -- [--json FILE] [--quick]`
+
+use std::collections::BTreeSet;
+use std::io::Write as _;
+
+use erase::graph::{DType, Op, OptimizerConfig, Shape};
+use erase::model::ctr::CtrConfig;
+use erase::ops::Buffer;
+use erase::runtime::cuda::CudaDevice;
+use erase::runtime::init::{splitmix64, to_unit};
+use erase::train::{plan_step, ScheduleOptions};
+
+fn rand(seed: u64, n: usize, scale: f32) -> Buffer {
+    Buffer::F32(
+        (0..n)
+            .map(|i| scale * (2.0 * to_unit(splitmix64(seed * 7919 + i as u64)) as f32 - 1.0))
+            .collect(),
+    )
+}
+
+struct Row {
+    name: String,
+    kind: &'static str,
+    ms: f64,
+    flops: f64,
+    bytes: f64,
+    /// Shape description PyTorch's side needs (JSON fragment).
+    torch: String,
+}
+
+struct Bench<'a> {
+    dev: &'a CudaDevice,
+    iters: usize,
+    rows: Vec<Row>,
+}
+
+impl Bench<'_> {
+    fn time(
+        &mut self,
+        op: &Op,
+        ins: &[(Shape, Buffer)],
+        outs: &[(Shape, DType)],
+        upd: &[(Shape, Buffer)],
+    ) -> f64 {
+        let i: Vec<(&Shape, &Buffer)> = ins.iter().map(|(s, b)| (s, b)).collect();
+        let u: Vec<(&Shape, &Buffer)> = upd.iter().map(|(s, b)| (s, b)).collect();
+        match self.dev.time_node(op, &i, outs, &u, 3, self.iters) {
+            Ok(ms) => ms,
+            Err(e) => {
+                eprintln!("{}: {e}", op.name());
+                f64::NAN
+            }
+        }
+    }
+
+    /// `[m,k]·[k,n]` style GEMMs: kind is linear (x·wᵀ+b), dx (dy·w), dw (dyᵀ·x) or mm.
+    fn gemm(&mut self, kind: &'static str, m: usize, n: usize, k: usize) {
+        type Case = (Op, Vec<(Shape, Buffer)>, Vec<(Shape, DType)>);
+        let (op, ins, outs): Case = match kind {
+            "linear" => (
+                Op::Linear { bias: true },
+                vec![
+                    (Shape::new(&[m, k]), rand(1, m * k, 1.0)),
+                    (Shape::new(&[n, k]), rand(2, n * k, 0.1)),
+                    (Shape::new(&[n]), rand(3, n, 0.1)),
+                ],
+                vec![(Shape::new(&[m, n]), DType::F32)],
+            ),
+            "dx" => (
+                Op::LinearGradInput,
+                vec![
+                    (Shape::new(&[m, n]), rand(1, m * n, 1.0)),
+                    (Shape::new(&[n, k]), rand(2, n * k, 0.1)),
+                ],
+                vec![(Shape::new(&[m, k]), DType::F32)],
+            ),
+            "dw" => (
+                Op::LinearGradWeight,
+                vec![
+                    (Shape::new(&[m, n]), rand(1, m * n, 1.0)),
+                    (Shape::new(&[m, k]), rand(2, m * k, 1.0)),
+                ],
+                vec![(Shape::new(&[n, k]), DType::F32)],
+            ),
+            _ => (
+                Op::MatMul {
+                    ta: false,
+                    tb: false,
+                },
+                vec![
+                    (Shape::new(&[m, k]), rand(1, m * k, 1.0)),
+                    (Shape::new(&[k, n]), rand(2, k * n, 1.0)),
+                ],
+                vec![(Shape::new(&[m, n]), DType::F32)],
+            ),
+        };
+        let ms = self.time(&op, &ins, &outs, &[]);
+        self.rows.push(Row {
+            name: format!("gemm {kind} M={m} N={n} K={k}"),
+            kind: "gemm",
+            ms,
+            flops: 2.0 * (m * n * k) as f64,
+            bytes: 4.0 * (m * k + n * k + m * n) as f64,
+            torch: format!("{{\"op\":\"gemm\",\"kind\":\"{kind}\",\"m\":{m},\"n\":{n},\"k\":{k}}}"),
+        });
+    }
+
+    fn attention(&mut self, b: usize, h: usize, s: usize, dh: usize) {
+        let w = h * dh;
+        let x = |seed| (Shape::new(&[b, s, w]), rand(seed, b * s * w, 1.0));
+        let (q, k, v) = (x(1), x(2), x(3));
+        let fwd = Op::Attention {
+            heads: h,
+            causal: false,
+        };
+        let outs = vec![
+            (Shape::new(&[b, s, w]), DType::F32),
+            (Shape::new(&[b, h, s]), DType::F32),
+        ];
+        let ins = vec![q.clone(), k.clone(), v.clone()];
+        let f_ms = self.time(&fwd, &ins, &outs, &[]);
+        // backward inputs: do, q, k, v, o, lse (o and lse from a forward run)
+        let i: Vec<(&Shape, &Buffer)> = ins.iter().map(|(s, b)| (s, b)).collect();
+        let fo = self
+            .dev
+            .run_node(&fwd, &i, &outs, &mut [])
+            .unwrap_or_default();
+        let b_ms = if fo.len() == 2 {
+            let bins = vec![
+                x(4),
+                q,
+                k,
+                v,
+                (Shape::new(&[b, s, w]), fo[0].clone()),
+                (Shape::new(&[b, h, s]), fo[1].clone()),
+            ];
+            let bouts = vec![(Shape::new(&[b, s, w]), DType::F32); 3];
+            self.time(
+                &Op::AttentionGrad {
+                    heads: h,
+                    causal: false,
+                },
+                &bins,
+                &bouts,
+                &[],
+            )
+        } else {
+            f64::NAN
+        };
+        let flops = 4.0 * (b * h * s * s * dh) as f64;
+        self.rows.push(Row {
+            name: format!("attention fwd+bwd B={b} H={h} S={s} D={dh}"),
+            kind: "attention",
+            ms: f_ms + b_ms,
+            flops: 3.5 * flops,
+            bytes: 4.0 * (b * s * w * 11) as f64,
+            torch: format!("{{\"op\":\"sdpa\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{dh}}}"),
+        });
+    }
+
+    fn embedding(&mut self, batch: usize, fields: usize, rows: usize, d: usize) {
+        let field_rows = vec![rows; fields];
+        let nnz = batch * fields;
+        let ids: Vec<i32> = (0..nnz)
+            .map(|i| (splitmix64(i as u64) % rows as u64) as i32)
+            .collect();
+        let offsets: Vec<i32> = (0..=nnz as i32).collect();
+        let table = (
+            Shape::new(&[rows * fields, d]),
+            rand(5, rows * fields * d, 0.01),
+        );
+        let ids = (Shape::new(&[nnz]), Buffer::I32(ids));
+        let offs = (Shape::new(&[nnz + 1]), Buffer::I32(offsets));
+        let fwd = Op::EmbeddingBag {
+            field_rows: field_rows.clone(),
+        };
+        let ms = self.time(
+            &fwd,
+            &[table.clone(), ids.clone(), offs.clone()],
+            &[(Shape::new(&[batch, fields, d]), DType::F32)],
+            &[],
+        );
+        // the bytes a lookup must move: each looked-up row read once, each bag written once
+        let bytes = (2 * nnz * d * 4) as f64;
+        self.rows.push(Row {
+            name: format!("embedding_bag fwd B={batch} F={fields} rows={rows} D={d}"),
+            kind: "bytes",
+            ms,
+            flops: 0.0,
+            bytes,
+            torch: format!("{{\"op\":\"embedding_bag\",\"b\":{batch},\"f\":{fields},\"rows\":{rows},\"d\":{d}}}"),
+        });
+        let upd = Op::RowwiseAdagrad {
+            lr: 0.01,
+            eps: 1e-8,
+            field_rows,
+        };
+        let dp = (Shape::new(&[batch, fields, d]), rand(6, nnz * d, 1.0));
+        let acc = (
+            Shape::new(&[rows * fields]),
+            Buffer::F32(vec![0.0; rows * fields]),
+        );
+        let ms = self.time(&upd, &[ids, offs, dp], &[], &[table, acc]);
+        self.rows.push(Row {
+            name: format!("embedding bwd+rowwise adagrad B={batch} F={fields}"),
+            kind: "bytes",
+            ms,
+            flops: 0.0,
+            // gradient read, rows read and written, accumulators read and written
+            bytes: (3 * nnz * d * 4 + 2 * nnz * 4) as f64,
+            torch: "{\"op\":\"none\"}".into(),
+        });
+    }
+
+    fn copy(&mut self, n: usize) {
+        let ms = self.time(
+            &Op::Reshape,
+            &[(Shape::new(&[n]), rand(9, n, 1.0))],
+            &[(Shape::new(&[n]), DType::F32)],
+            &[],
+        );
+        self.rows.push(Row {
+            name: format!("copy {} MiB", (n * 4) >> 20),
+            kind: "bytes",
+            ms,
+            flops: 0.0,
+            bytes: (2 * n * 4) as f64,
+            torch: format!("{{\"op\":\"copy\",\"n\":{n}}}"),
+        });
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let json = args
+        .iter()
+        .position(|a| a == "--json")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let quick = args.iter().any(|a| a == "--quick");
+    let dev = match erase::gpu::open_device() {
+        Ok(d) => d,
+        Err(e) => {
+            println!("skipped: no CUDA device ({e:#})");
+            return;
+        }
+    };
+    println!(
+        "device: {} ({} SMs), PTX {:?}",
+        dev.name, dev.sms, dev.target
+    );
+    let mut b = Bench {
+        dev: &dev,
+        iters: if quick { 5 } else { 20 },
+        rows: Vec::new(),
+    };
+    b.copy(1 << 28);
+    b.gemm("mm", 4096, 4096, 4096);
+    // every GEMM shape of the spec's CTR model at batch 4096
+    let cfg = CtrConfig::default();
+    let mut shapes = BTreeSet::new();
+    if let Ok(p) = plan_step(
+        &cfg,
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions::default(),
+    ) {
+        let g = &p.model.graph;
+        for l in &p.program.launches {
+            let n = g.node(l.node);
+            let s = |i: usize| g.shape(n.inputs[i]).clone();
+            match n.op {
+                Op::Linear { .. } => {
+                    let (x, w) = (s(0), s(1));
+                    shapes.insert(("linear", x.rows(), w.dims()[0], w.dims()[1]));
+                }
+                Op::LinearGradInput => {
+                    let (dy, w) = (s(0), s(1));
+                    shapes.insert(("dx", dy.rows(), w.dims()[0], w.dims()[1]));
+                }
+                Op::LinearGradWeight => {
+                    let (dy, x) = (s(0), s(1));
+                    shapes.insert(("dw", dy.rows(), dy.last(), x.last()));
+                }
+                _ => {}
+            }
+        }
+    }
+    for (kind, m, n, k) in shapes {
+        b.gemm(kind, m, n, k);
+    }
+    b.attention(4096, 2, 27, 32);
+    b.attention(8, 8, 2048, 64);
+    b.embedding(4096, 26, 100_000, 64);
+
+    let copy_bw = b.rows.first().map_or(f64::NAN, |r| r.bytes / (r.ms * 1e-3));
+    println!(
+        "{:<58} {:>10} {:>10} {:>10} {:>8}",
+        "benchmark", "µs", "TFLOP/s", "GB/s", "of copy"
+    );
+    let mut f = json.as_ref().and_then(|p| std::fs::File::create(p).ok());
+    for r in &b.rows {
+        let s = r.ms * 1e-3;
+        let (tf, gb) = (r.flops / s / 1e12, r.bytes / s / 1e9);
+        let frac = if r.kind == "bytes" {
+            format!("{:.0} %", 100.0 * r.bytes / s / copy_bw)
+        } else {
+            String::new()
+        };
+        println!(
+            "{:<58} {:>10.1} {:>10.1} {:>10.0} {:>8}",
+            r.name,
+            r.ms * 1e3,
+            tf,
+            gb,
+            frac
+        );
+        if let Some(f) = &mut f {
+            let _ = writeln!(
+                f,
+                "{{\"name\":\"{}\",\"ms\":{},\"flops\":{},\"bytes\":{},\"torch\":{}}}",
+                r.name, r.ms, r.flops, r.bytes, r.torch
+            );
+        }
+    }
+}

@@ -1,0 +1,557 @@
+// Fused multi-head attention, forward and backward, in the FlashAttention-2 manner, on
+// bf16 tensor cores (mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+).
+//
+// Tensors are f32 [B, S, H·Dh] (head h = columns h·Dh .. (h+1)·Dh), lse and D are f32
+// [B, H, S]; scale = 1/sqrt(Dh) comes from the plan. The matmul operands (q, k, v, do,
+// and the probabilities P and dS = P∘(dP − D)) are rounded to bf16 (nearest even);
+// scores, the softmax statistics and every accumulator stay f32. Dh is a template
+// parameter (32, 64: kernels attn_*_d32, attn_*_d64); S is any length (tiles are guarded
+// and zero-filled; keys past S and, when causal, keys after the query are masked).
+//
+// Tiling: a CTA is 4 warps (128 threads) and owns 64 rows (queries, or keys for dk/dv);
+// each warp owns 16 of them and keeps its operand fragments and accumulators in
+// registers; the other side streams through shared memory in tiles of 64 rows, stored
+// as bf16 [64][Dh + 8] (padding makes ldmatrix conflict-free). The score tile of a warp
+// (16 x 64, f32 accumulators) is turned into the A fragments of the next mma in registers.
+//
+//   attn_fwd_d{32,64}      grid (ceil(S/64), H, B): per key tile: S = Q·Kᵀ, online
+//                          softmax (running max m and sum l per row, f32, exp2 domain),
+//                          O = O·α + P·V; at the end o = O / l, lse = m·ln2 + ln l.
+//                          Never materialises [S, S]. Causal CTAs stop at the diagonal.
+//   attn_bwd_prep          D_i = Σ_c bf16(do_ic)·o_ic, one warp per row (fixed tree).
+//   attn_bwd_dkdv_d{32,64} grid (ceil(S/64), H, B): one CTA per key tile loops over all
+//                          query tiles (causal: from the diagonal): Pᵀ = exp(K·Qᵀ·scale −
+//                          lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D),
+//                          dK += dSᵀ·Q; dk = scale·dK.
+//   attn_bwd_dq_d{32,64}   grid (ceil(S/64), H, B): one CTA per query tile loops over the
+//                          key tiles, recomputing P and dP: dQ += dS·K; dq = scale·dQ.
+//   attn_bwd_small_d{32,64} S ≤ 64 (the CTR model's 27 fields): grid (1, H, B), one CTA
+//                          does all three: D, then dK, dV as above, dSᵀ to shared memory
+//                          (bf16), then dQ = dS·K by query rows; no scratch, one launch.
+// Every output element is written by exactly one thread after a fixed-order reduction:
+// no atomics, bit-identical results run to run.
+//
+// Bound: forward 4·B·H·S²·Dh FLOPs (halved when causal) on tensor cores; backward 10·B·H·S²·Dh
+// useful (5 products), 14 executed (the dq pass recomputes S and dP), against
+// 4·B·S·H·Dh·(4 fwd | 8 bwd) bytes plus one K/V (or Q/dO) re-read per 64-row tile. For
+// S ≥ 128 the tensor-core work dominates; for short sequences (S = 27: B·H CTAs of one
+// tile) the kernels are memory-bound.
+#include "common.cuh"
+
+namespace {
+
+constexpr int ATTN_ROWS = 64;  // rows of a CTA, and of a streamed tile
+constexpr int ATTN_THREADS = 128;
+constexpr float ATTN_LOG2E = 1.4426950408889634f;
+constexpr float ATTN_LN2 = 0.6931471805599453f;
+
+__device__ __forceinline__ uint32_t attn_pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void attn_ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void attn_ldsm_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void attn_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Rows r0 .. r0+63 of one head (`src` points at the head's column 0 of row 0; rows are
+// `ld` floats apart) to bf16 shared memory, zero past row S.
+template <int D>
+__device__ __forceinline__ void attn_load_tile(__nv_bfloat16 (*dst)[D + 8], const float* __restrict__ src,
+                                               long long ld, int r0, int S, int tid) {
+    constexpr int CPR = D / 4;
+    constexpr int PER = ATTN_ROWS * CPR / ATTN_THREADS;
+    // rows are H·Dh floats apart (a multiple of 4): float4 loads unless the tensor itself
+    // is not 16-byte aligned (the runtime's arena aligns to 256; this is a fallback)
+    const bool vec = (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+    float4 v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int id = tid + i * ATTN_THREADS;
+        const int r = r0 + id / CPR, c = (id % CPR) * 4;
+        const float* p = src + static_cast<long long>(r) * ld + c;
+        v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < S) {
+            if (vec) v[i] = __ldg(reinterpret_cast<const float4*>(p));
+            else v[i] = make_float4(__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3));
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int id = tid + i * ATTN_THREADS;
+        uint2 p;
+        p.x = attn_pack_bf16(v[i].x, v[i].y);
+        p.y = attn_pack_bf16(v[i].z, v[i].w);
+        *reinterpret_cast<uint2*>(&dst[id / CPR][(id % CPR) * 4]) = p;
+    }
+}
+
+// A fragments (16 rows from `row0`, k = Dh) of a row-major [rows][Dh] shared tile.
+template <int D>
+__device__ __forceinline__ void attn_load_a(uint32_t (&f)[D / 16][4], __nv_bfloat16 (*s)[D + 8], int row0,
+                                            int lane) {
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc)
+        attn_ldsm_x4(f[kc], &s[row0 + (lane & 7) + ((lane >> 3) & 1) * 8][kc * 16 + (lane >> 4) * 8]);
+}
+
+// acc[16 x 64] += A[16 x Dh] · Tᵀ, T a [64][Dh] shared tile (B operand k = Dh, n = T's rows).
+template <int D>
+__device__ __forceinline__ void attn_mma_abt(float (&acc)[8][4], const uint32_t (&a)[D / 16][4],
+                                             __nv_bfloat16 (*s)[D + 8], int lane) {
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            uint32_t r[4];
+            attn_ldsm_x4(r, &s[np * 16 + (lane & 7) + (lane >> 4) * 8][kc * 16 + ((lane >> 3) & 1) * 8]);
+            attn_mma(acc[2 * np], a[kc], r[0], r[1]);
+            attn_mma(acc[2 * np + 1], a[kc], r[2], r[3]);
+        }
+    }
+}
+
+// acc[16 x Dh] += P[16 x 64] · T, P in accumulator layout (rounded to bf16 here), T a
+// [64][Dh] shared tile (B operand k = T's rows, n = Dh).
+template <int D>
+__device__ __forceinline__ void attn_mma_pt(float (&acc)[D / 8][4], const float (&p)[8][4],
+                                            __nv_bfloat16 (*s)[D + 8], int lane) {
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+        uint32_t a[4];
+        a[0] = attn_pack_bf16(p[2 * kc][0], p[2 * kc][1]);
+        a[1] = attn_pack_bf16(p[2 * kc][2], p[2 * kc][3]);
+        a[2] = attn_pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]);
+        a[3] = attn_pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t r[4];
+            attn_ldsm_x4_trans(r, &s[kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][dp * 16 + (lane >> 4) * 8]);
+            attn_mma(acc[2 * dp], a, r[0], r[1]);
+            attn_mma(acc[2 * dp + 1], a, r[2], r[3]);
+        }
+    }
+}
+
+template <int N, int M>
+__device__ __forceinline__ void attn_zero(float (&a)[N][M]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < M; ++j) a[i][j] = 0.f;
+}
+
+// Rows (i_r = row0 + g + 8r) of a [16 x Dh] accumulator, times `mul`, to dst rows < S.
+template <int D>
+__device__ __forceinline__ void attn_store_rows(float* __restrict__ dst, long long ld, const float (&acc)[D / 8][4],
+                                                int row0, int S, float mul0, float mul1, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const bool vec = (reinterpret_cast<uintptr_t>(dst) & 7) == 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = row0 + g + 8 * r;
+        if (i >= S) continue;
+        const float mul = r ? mul1 : mul0;
+        float* row = dst + static_cast<long long>(i) * ld;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+            const float x = acc[dn][2 * r] * mul, y = acc[dn][2 * r + 1] * mul;
+            if (vec) {
+                *reinterpret_cast<float2*>(row + dn * 8 + 2 * t) = make_float2(x, y);
+            } else {
+                row[dn * 8 + 2 * t] = x;
+                row[dn * 8 + 2 * t + 1] = y;
+            }
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const float* __restrict__ k,
+                                              const float* __restrict__ v, float* __restrict__ o,
+                                              float* __restrict__ lse, int S, int H, int causal, float scale) {
+    constexpr int LD = D + 8;
+    __shared__ __align__(16) __nv_bfloat16 sQ[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sK[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sV[ATTN_ROWS][LD];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, q0 = blockIdx.x * ATTN_ROWS;
+    const long long W = static_cast<long long>(H) * D;
+    const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    const float sl2 = scale * ATTN_LOG2E;
+
+    attn_load_tile<D>(sQ, q + base, W, q0, S, tid);
+    __syncthreads();
+    uint32_t qf[D / 16][4];
+    attn_load_a<D>(qf, sQ, warp * 16, lane);
+
+    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float oacc[D / 8][4];
+    attn_zero(oacc);
+
+    const int tiles = (S + ATTN_ROWS - 1) / ATTN_ROWS;
+    const int kt_end = causal ? min(tiles, static_cast<int>(blockIdx.x) + 1) : tiles;
+    for (int kt = 0; kt < kt_end; ++kt) {
+        const int k0 = kt * ATTN_ROWS;
+        __syncthreads();  // the previous tile's readers are done
+        attn_load_tile<D>(sK, k + base, W, k0, S, tid);
+        attn_load_tile<D>(sV, v + base, W, k0, S, tid);
+        __syncthreads();
+
+        float s[8][4];
+        attn_zero(s);
+        attn_mma_abt<D>(s, qf, sK, lane);
+
+        float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = k0 + ni * 8 + 2 * t + (e & 1), r = e >> 1;
+                const bool ok = j < S && (!causal || j <= row[r]);
+                s[ni][e] = ok ? s[ni][e] * sl2 : -INFINITY;
+                mt[r] = fmaxf(mt[r], s[ni][e]);
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+            const float mn = fmaxf(m[r], mt[r]);
+            const float mu = mn == -INFINITY ? 0.f : mn;
+            const float alpha = exp2f(m[r] - mu);
+            m[r] = mn;
+            l[r] *= alpha;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+                oacc[dn][2 * r] *= alpha;
+                oacc[dn][2 * r + 1] *= alpha;
+            }
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[ni][2 * r + e] - mu);
+                    s[ni][2 * r + e] = p;
+                    l[r] += p;
+                }
+        }
+        attn_mma_pt<D>(oacc, s, sV, lane);
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        if (t == 0 && row[r] < S)
+            lse[(static_cast<long long>(b) * H + h) * S + row[r]] = m[r] * ATTN_LN2 + logf(l[r]);
+    }
+    attn_store_rows<D>(o + base, W, oacc, q0 + warp * 16, S, 1.f / l[0], 1.f / l[1], lane);
+}
+
+template <int D>
+__device__ __forceinline__ void attn_bwd_dkdv_body(const float* __restrict__ dO, const float* __restrict__ q,
+                                                   const float* __restrict__ k, const float* __restrict__ v,
+                                                   const float* __restrict__ lse, const float* __restrict__ Dv,
+                                                   float* __restrict__ dk, float* __restrict__ dv, int S, int H,
+                                                   int causal, float scale) {
+    constexpr int LD = D + 8;
+    __shared__ __align__(16) __nv_bfloat16 sK[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sV[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sQ[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sdO[ATTN_ROWS][LD];
+    __shared__ float sL[ATTN_ROWS], sD[ATTN_ROWS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, kt = blockIdx.x, j0 = kt * ATTN_ROWS;
+    const long long W = static_cast<long long>(H) * D;
+    const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    const long long lbase = (static_cast<long long>(b) * H + h) * S;
+    const float sl2 = scale * ATTN_LOG2E;
+
+    attn_load_tile<D>(sK, k + base, W, j0, S, tid);
+    attn_load_tile<D>(sV, v + base, W, j0, S, tid);
+    __syncthreads();
+    uint32_t kf[D / 16][4], vf[D / 16][4];
+    attn_load_a<D>(kf, sK, warp * 16, lane);
+    attn_load_a<D>(vf, sV, warp * 16, lane);
+
+    const int key[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
+    float dkacc[D / 8][4], dvacc[D / 8][4];
+    attn_zero(dkacc);
+    attn_zero(dvacc);
+
+    const int tiles = (S + ATTN_ROWS - 1) / ATTN_ROWS;
+    for (int qt = causal ? kt : 0; qt < tiles; ++qt) {
+        const int i0 = qt * ATTN_ROWS;
+        __syncthreads();
+        attn_load_tile<D>(sQ, q + base, W, i0, S, tid);
+        attn_load_tile<D>(sdO, dO + base, W, i0, S, tid);
+        if (tid < ATTN_ROWS) {
+            const bool ok = i0 + tid < S;
+            sL[tid] = ok ? __ldg(lse + lbase + i0 + tid) * ATTN_LOG2E : 0.f;
+            sD[tid] = ok ? __ldg(Dv + lbase + i0 + tid) : 0.f;
+        }
+        __syncthreads();
+
+        // Pᵀ (16 keys x 64 queries) = exp(K·Qᵀ·scale − lse)
+        float p[8][4];
+        attn_zero(p);
+        attn_mma_abt<D>(p, kf, sQ, lane);
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ci = ni * 8 + 2 * t + (e & 1), i = i0 + ci, j = key[e >> 1];
+                const bool ok = i < S && j < S && (!causal || j <= i);
+                p[ni][e] = ok ? exp2f(p[ni][e] * sl2 - sL[ci]) : 0.f;
+            }
+        // dV += Pᵀ·dO
+        attn_mma_pt<D>(dvacc, p, sdO, lane);
+        // dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D)
+        float dp[8][4];
+        attn_zero(dp);
+        attn_mma_abt<D>(dp, vf, sdO, lane);
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[ni][e] *= dp[ni][e] - sD[ni * 8 + 2 * t + (e & 1)];
+        // dK += dSᵀ·Q
+        attn_mma_pt<D>(dkacc, p, sQ, lane);
+    }
+    attn_store_rows<D>(dk + base, W, dkacc, j0 + warp * 16, S, scale, scale, lane);
+    attn_store_rows<D>(dv + base, W, dvacc, j0 + warp * 16, S, 1.f, 1.f, lane);
+}
+
+template <int D>
+__device__ __forceinline__ void attn_bwd_dq_body(const float* __restrict__ dO, const float* __restrict__ q,
+                                                 const float* __restrict__ k, const float* __restrict__ v,
+                                                 const float* __restrict__ lse, const float* __restrict__ Dv,
+                                                 float* __restrict__ dq, int S, int H, int causal, float scale) {
+    constexpr int LD = D + 8;
+    __shared__ __align__(16) __nv_bfloat16 sQ[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sdO[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sK[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sV[ATTN_ROWS][LD];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, qt = blockIdx.x, i0 = qt * ATTN_ROWS;
+    const long long W = static_cast<long long>(H) * D;
+    const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    const long long lbase = (static_cast<long long>(b) * H + h) * S;
+    const float sl2 = scale * ATTN_LOG2E;
+
+    attn_load_tile<D>(sQ, q + base, W, i0, S, tid);
+    attn_load_tile<D>(sdO, dO + base, W, i0, S, tid);
+    __syncthreads();
+    uint32_t qf[D / 16][4], dof[D / 16][4];
+    attn_load_a<D>(qf, sQ, warp * 16, lane);
+    attn_load_a<D>(dof, sdO, warp * 16, lane);
+
+    const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    float L[2], Di[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const bool ok = row[r] < S;
+        L[r] = ok ? __ldg(lse + lbase + row[r]) * ATTN_LOG2E : 0.f;
+        Di[r] = ok ? __ldg(Dv + lbase + row[r]) : 0.f;
+    }
+    float dqacc[D / 8][4];
+    attn_zero(dqacc);
+
+    const int tiles = (S + ATTN_ROWS - 1) / ATTN_ROWS;
+    const int kt_end = causal ? min(tiles, qt + 1) : tiles;
+    for (int kt = 0; kt < kt_end; ++kt) {
+        const int j0 = kt * ATTN_ROWS;
+        __syncthreads();
+        attn_load_tile<D>(sK, k + base, W, j0, S, tid);
+        attn_load_tile<D>(sV, v + base, W, j0, S, tid);
+        __syncthreads();
+
+        float p[8][4];
+        attn_zero(p);
+        attn_mma_abt<D>(p, qf, sK, lane);
+        float dp[8][4];
+        attn_zero(dp);
+        attn_mma_abt<D>(dp, dof, sV, lane);
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = j0 + ni * 8 + 2 * t + (e & 1), r = e >> 1, i = row[r];
+                const bool ok = i < S && j < S && (!causal || j <= i);
+                const float pe = ok ? exp2f(p[ni][e] * sl2 - L[r]) : 0.f;
+                p[ni][e] = pe * (dp[ni][e] - Di[r]);
+            }
+        // dQ += dS·K
+        attn_mma_pt<D>(dqacc, p, sK, lane);
+    }
+    attn_store_rows<D>(dq + base, W, dqacc, i0 + warp * 16, S, scale, scale, lane);
+}
+
+
+// S ≤ 64: one CTA per (b, h) holds every query and key, so the three gradients come out
+// of one pass: D from do and o, dK and dV as in attn_bwd_dkdv (warps own 16 keys), dSᵀ to
+// shared memory as bf16, then dQ = dS·K with warps owning 16 queries. No scratch.
+template <int D>
+__device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO, const float* __restrict__ q,
+                                                    const float* __restrict__ k, const float* __restrict__ v,
+                                                    const float* __restrict__ o, const float* __restrict__ lse,
+                                                    float* __restrict__ dq, float* __restrict__ dk,
+                                                    float* __restrict__ dv, int S, int H, int causal, float scale) {
+    constexpr int LD = D + 8;
+    __shared__ __align__(16) __nv_bfloat16 sK[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sV[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sQ[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sdO[ATTN_ROWS][LD];
+    __shared__ __align__(16) __nv_bfloat16 sdS[ATTN_ROWS][ATTN_ROWS + 8];  // [key][query]
+    __shared__ float sL[ATTN_ROWS], sD[ATTN_ROWS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const long long W = static_cast<long long>(H) * D;
+    const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    const long long lbase = (static_cast<long long>(b) * H + h) * S;
+    const float sl2 = scale * ATTN_LOG2E;
+
+    attn_load_tile<D>(sK, k + base, W, 0, S, tid);
+    attn_load_tile<D>(sV, v + base, W, 0, S, tid);
+    attn_load_tile<D>(sQ, q + base, W, 0, S, tid);
+    attn_load_tile<D>(sdO, dO + base, W, 0, S, tid);
+    if (tid < ATTN_ROWS) sL[tid] = tid < S ? __ldg(lse + lbase + tid) * ATTN_LOG2E : 0.f;
+    // D_i = Σ_c bf16(do_ic)·o_ic, the same order as attn_bwd_prep: warp w takes rows w, w+4, ..
+    for (int i = warp; i < ATTN_ROWS; i += ATTN_THREADS / 32) {
+        float d = 0.f;
+        if (i < S) {
+            const float* dor = dO + base + static_cast<long long>(i) * W;
+            const float* orow = o + base + static_cast<long long>(i) * W;
+            for (int c = lane; c < D; c += 32) d += erase_round_bf16(__ldg(dor + c)) * __ldg(orow + c);
+        }
+        d = erase_warp_sum(d);
+        if (lane == 0) sD[i] = d;
+    }
+    __syncthreads();
+
+    {
+        uint32_t kf[D / 16][4], vf[D / 16][4];
+        attn_load_a<D>(kf, sK, warp * 16, lane);
+        attn_load_a<D>(vf, sV, warp * 16, lane);
+        const int key[2] = {warp * 16 + g, warp * 16 + g + 8};
+        float dkacc[D / 8][4], dvacc[D / 8][4];
+        attn_zero(dkacc);
+        attn_zero(dvacc);
+        float p[8][4];
+        attn_zero(p);
+        attn_mma_abt<D>(p, kf, sQ, lane);
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = ni * 8 + 2 * t + (e & 1), j = key[e >> 1];
+                const bool ok = i < S && j < S && (!causal || j <= i);
+                p[ni][e] = ok ? exp2f(p[ni][e] * sl2 - sL[i]) : 0.f;
+            }
+        attn_mma_pt<D>(dvacc, p, sdO, lane);
+        float dp[8][4];
+        attn_zero(dp);
+        attn_mma_abt<D>(dp, vf, sdO, lane);
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[ni][e] *= dp[ni][e] - sD[ni * 8 + 2 * t + (e & 1)];
+        attn_mma_pt<D>(dkacc, p, sQ, lane);
+        // dSᵀ rounded as attn_mma_pt rounds it, for dQ
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                *reinterpret_cast<uint32_t*>(&sdS[key[r]][ni * 8 + 2 * t]) =
+                    attn_pack_bf16(p[ni][2 * r], p[ni][2 * r + 1]);
+        attn_store_rows<D>(dk + base, W, dkacc, warp * 16, S, scale, scale, lane);
+        attn_store_rows<D>(dv + base, W, dvacc, warp * 16, S, 1.f, 1.f, lane);
+    }
+    __syncthreads();
+
+    // dQ (16 queries of this warp x Dh) = dS·K: A = dS from sdS[key][query] (.trans),
+    // B = K from sK[key][d] (.trans)
+    float dqacc[D / 8][4];
+    attn_zero(dqacc);
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+        uint32_t a[4];
+        attn_ldsm_x4_trans(a, &sdS[kc * 16 + (lane & 7) + (lane >> 4) * 8][warp * 16 + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+        for (int dp2 = 0; dp2 < D / 16; ++dp2) {
+            uint32_t r[4];
+            attn_ldsm_x4_trans(r, &sK[kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][dp2 * 16 + (lane >> 4) * 8]);
+            attn_mma(dqacc[2 * dp2], a, r[0], r[1]);
+            attn_mma(dqacc[2 * dp2 + 1], a, r[2], r[3]);
+        }
+    }
+    attn_store_rows<D>(dq + base, W, dqacc, warp * 16, S, scale, scale, lane);
+}
+
+}  // namespace
+
+// attn_fwd_d*(q, k, v, o, lse, S, H, causal, scale): grid (ceil(S/64), H, B), block 128.
+#define ERASE_ATTN_KERNELS(DH)                                                                               \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS)                                                        \
+        attn_fwd_d##DH(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, \
+                       float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) { \
+        attn_fwd_body<DH>(q, k, v, o, lse, S, H, causal, scale);                                            \
+    }                                                                                                        \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_dkdv_d##DH(                                   \
+        const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
+        const float* __restrict__ v, const float* __restrict__ lse, const float* __restrict__ Dv,            \
+        float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal, float scale) {             \
+        attn_bwd_dkdv_body<DH>(dO, q, k, v, lse, Dv, dk, dv, S, H, causal, scale);                          \
+    }                                                                                                        \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_dq_d##DH(                                     \
+        const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
+        const float* __restrict__ v, const float* __restrict__ lse, const float* __restrict__ Dv,            \
+        float* __restrict__ dq, int S, int H, int causal, float scale) {                                     \
+        attn_bwd_dq_body<DH>(dO, q, k, v, lse, Dv, dq, S, H, causal, scale);                                \
+    }                                                                                                        \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_small_d##DH(                                  \
+        const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
+        const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,             \
+        float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal,    \
+        float scale) {                                                                                       \
+        attn_bwd_small_body<DH>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                      \
+    }
+
+ERASE_ATTN_KERNELS(32)
+ERASE_ATTN_KERNELS(64)
+
+// D[(b·H + h)·S + i] = Σ_c bf16(do[b, i, h·Dh + c])·o[b, i, h·Dh + c]: one warp per row
+// (b, h, i), lanes over c, then a fixed-order warp tree. Block 256 (8 rows), grid
+// ceil(B·H·S / 8).
+ERASE_KERNEL void __launch_bounds__(256)
+    attn_bwd_prep(const float* __restrict__ dO, const float* __restrict__ o, float* __restrict__ Dv, int B, int S,
+                  int H, int Dh) {
+    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    const long long rows = static_cast<long long>(B) * H * S;
+    if (w >= rows) return;  // whole warps leave together
+    const long long i = w % S, bh = w / S, h = bh % H, b = bh / H;
+    const long long base = ((b * S + i) * H + h) * Dh;
+    float s = 0.f;
+    for (int c = lane; c < Dh; c += 32) s += erase_round_bf16(__ldg(dO + base + c)) * __ldg(o + base + c);
+    s = erase_warp_sum(s);
+    if (lane == 0) Dv[w] = s;
+}

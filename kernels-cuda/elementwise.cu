@@ -1,0 +1,238 @@
+// Elementwise maps and copies: add/mul with suffix broadcasting, scale, the activations
+// and their gradients, casts, the n-ary gradient sum, fills, the step counter, and the
+// shape ops (concat/slice/pad as strided row copies, reshape/detach as a plain copy).
+//
+// Tiling: 1-D grid-stride loops; 256 threads per CTA, a grid of at most a few thousand
+// CTAs (the plan caps it), each thread one element per iteration, consecutive threads on
+// consecutive elements so every warp access is one or a few 128-byte transactions.
+// Bound: memory bandwidth (4-12 bytes per element, a handful of FLOPs; GELU ~20 FLOPs and
+// a tanhf, still memory-bound on an H200). No reductions: every output element is a pure
+// function of its inputs, so results are deterministic. The arithmetic is written with
+// erase_mul/erase_add (no FMA contraction) so the maps reproduce the CPU reference's
+// rounding; only expf/tanhf may differ from the host libm by an ulp or two.
+#include "common.cuh"
+
+#define EW_LOOP(i, n) for (long long i = erase_gtid(); i < (n); i += erase_gstride())
+
+// ---- binary with suffix broadcasting ---------------------------------------------------
+
+// c[i] = a[i] (+|*) b[i % nb]; `b`'s shape is a suffix of `a`'s, so `nb` divides `n`.
+// The modulo is taken once per thread, then advanced by the grid stride.
+template <bool MUL>
+__device__ __forceinline__ void binary_bcast(const float* __restrict__ a, const float* __restrict__ b,
+                                             float* __restrict__ c, long long n, long long nb) {
+    if (nb <= 0) return;
+    long long i = erase_gtid();
+    const long long stride = erase_gstride();
+    if (i >= n) return;
+    long long j = i % nb;
+    const long long step = stride % nb;
+    for (; i < n; i += stride) {
+        const float x = a[i], y = __ldg(b + j);
+        c[i] = MUL ? erase_mul(x, y) : erase_add(x, y);
+        j += step;
+        if (j >= nb) j -= nb;
+    }
+}
+
+ERASE_KERNEL void ew_add(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                         long long n, long long nb) {
+    binary_bcast<false>(a, b, c, n, nb);
+}
+
+ERASE_KERNEL void ew_mul(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                         long long n, long long nb) {
+    binary_bcast<true>(a, b, c, n, nb);
+}
+
+// ---- unary maps ------------------------------------------------------------------------
+
+ERASE_KERNEL void ew_scale(const float* __restrict__ x, float* __restrict__ y, long long n, float f) {
+    EW_LOOP(i, n) y[i] = erase_mul(x[i], f);
+}
+
+ERASE_KERNEL void ew_relu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    EW_LOOP(i, n) {
+        const float v = x[i];
+        y[i] = v > 0.0f ? v : 0.0f;  // NaN and -0 give +0, as the reference
+    }
+}
+
+// The tanh approximation, term for term as ops/src/cpu/kernels.rs::gelu (f32 constants
+// rounded from the same f64 values).
+#define GELU_C ((float)0.7978845608028654)  // f64 -> f32, as T::from_f64
+#define GELU_A ((float)0.044715)
+
+__device__ __forceinline__ float gelu_f(float x) {
+    const float x3 = erase_mul(erase_mul(erase_mul(GELU_A, x), x), x);
+    const float u = erase_mul(GELU_C, erase_add(x, x3));
+    return erase_mul(erase_mul(0.5f, x), erase_add(1.0f, tanhf(u)));
+}
+
+__device__ __forceinline__ float gelu_grad_f(float x) {
+    const float x3 = erase_mul(erase_mul(erase_mul(GELU_A, x), x), x);
+    const float u = erase_mul(GELU_C, erase_add(x, x3));
+    const float t = tanhf(u);
+    const float a3 = erase_mul(3.0f, GELU_A);
+    const float left = erase_mul(0.5f, erase_add(1.0f, t));
+    const float sech2 = erase_sub(1.0f, erase_mul(t, t));
+    const float inner = erase_add(1.0f, erase_mul(erase_mul(a3, x), x));
+    const float right = erase_mul(erase_mul(erase_mul(erase_mul(0.5f, x), sech2), GELU_C), inner);
+    return erase_add(left, right);
+}
+
+ERASE_KERNEL void ew_gelu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    EW_LOOP(i, n) y[i] = gelu_f(x[i]);
+}
+
+ERASE_KERNEL void ew_sigmoid(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    EW_LOOP(i, n) y[i] = erase_sigmoid(x[i]);
+}
+
+// dx = y > 0 ? dy : 0 (`y` is relu's output)
+ERASE_KERNEL void ew_relu_grad(const float* __restrict__ dy, const float* __restrict__ y, float* __restrict__ dx,
+                               long long n) {
+    EW_LOOP(i, n) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+// dx = dy · gelu'(x)
+ERASE_KERNEL void ew_gelu_grad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dx,
+                               long long n) {
+    EW_LOOP(i, n) dx[i] = erase_mul(dy[i], gelu_grad_f(x[i]));
+}
+
+// dx = dy · y · (1 - y) (`y` is the sigmoid's output)
+ERASE_KERNEL void ew_sigmoid_grad(const float* __restrict__ dy, const float* __restrict__ y,
+                                  float* __restrict__ dx, long long n) {
+    EW_LOOP(i, n) {
+        const float s = y[i];
+        dx[i] = erase_mul(erase_mul(dy[i], s), erase_sub(1.0f, s));
+    }
+}
+
+// ---- casts -----------------------------------------------------------------------------
+// Element type codes: 0 f32, 1 bf16 (stored as its 16 bits), 2 i32. f32 -> bf16 rounds to
+// nearest even (NaN stays NaN), float -> i32 truncates and saturates with NaN -> 0 (PTX
+// cvt.rzi.sat, which is Rust's `as`), i32 -> bf16 rounds the exact integer once.
+
+__device__ __forceinline__ float cast_load_f32(const void* x, long long i, int from) {
+    if (from == 0) return ((const float*)x)[i];
+    if (from == 1) return __uint_as_float((unsigned)((const unsigned short*)x)[i] << 16);
+    return (float)((const int*)x)[i];
+}
+
+ERASE_KERNEL void ew_cast(const void* __restrict__ x, void* __restrict__ y, long long n, int from, int to) {
+    EW_LOOP(i, n) {
+        if (to == 1) {
+            __nv_bfloat16 b;
+            if (from == 2)
+                b = __int2bfloat16_rn(((const int*)x)[i]);
+            else
+                b = __float2bfloat16_rn(cast_load_f32(x, i, from));
+            ((__nv_bfloat16*)y)[i] = b;
+        } else if (to == 2) {
+            ((int*)y)[i] = from == 2 ? ((const int*)x)[i] : __float2int_rz(cast_load_f32(x, i, from));
+        } else {
+            ((float*)y)[i] = cast_load_f32(x, i, from);
+        }
+    }
+}
+
+// ---- n-ary gradient sum ----------------------------------------------------------------
+
+// y = p0 + p1 + ... + p(k-1), left to right (k <= 8). More inputs chain calls: the next
+// call passes `y` itself as its p0, so the order stays the inputs' order.
+ERASE_KERNEL void ew_grad_sum(float* y, long long n, int k, const float* p0, const float* p1, const float* p2,
+                              const float* p3, const float* p4, const float* p5, const float* p6, const float* p7) {
+    EW_LOOP(i, n) {
+        float s = p0[i];
+        if (k > 1) s = erase_add(s, p1[i]);
+        if (k > 2) s = erase_add(s, p2[i]);
+        if (k > 3) s = erase_add(s, p3[i]);
+        if (k > 4) s = erase_add(s, p4[i]);
+        if (k > 5) s = erase_add(s, p5[i]);
+        if (k > 6) s = erase_add(s, p6[i]);
+        if (k > 7) s = erase_add(s, p7[i]);
+        y[i] = s;
+    }
+}
+
+// ---- fills and the step counter --------------------------------------------------------
+
+// y[i] = s[0] · scale (the gradient of sum/mean)
+ERASE_KERNEL void ew_fill_scaled(const float* __restrict__ s, float* __restrict__ y, long long n, float scale) {
+    const float v = erase_mul(__ldg(s), scale);
+    EW_LOOP(i, n) y[i] = v;
+}
+
+// y[i] = v (32-bit words: zero fill of f32 or i32)
+ERASE_KERNEL void ew_fill_u32(unsigned* __restrict__ y, long long n, unsigned v) {
+    EW_LOOP(i, n) y[i] = v;
+}
+
+// step += 1, saturating (one i32)
+ERASE_KERNEL void step_increment(int* step) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const int s = *step;
+        *step = s == 0x7fffffff ? s : s + 1;
+    }
+}
+
+// ---- copies: reshape/detach, concat, slice, pad ----------------------------------------
+// Instantiated for 32-bit (f32, i32) and 16-bit (bf16) elements.
+
+template <typename T>
+__device__ __forceinline__ void copy_flat(const T* __restrict__ x, T* __restrict__ y, long long n) {
+    EW_LOOP(i, n) y[i] = x[i];
+}
+
+// For o < outer and c < chunk: y[o·dst_row + dst_off + c] = x[o·src_row + src_off + c].
+// Concat places each input (chunk = its axis length · inner) into the output row; slice
+// takes a chunk out of each input row.
+template <typename T>
+__device__ __forceinline__ void copy_rows(const T* __restrict__ x, T* __restrict__ y, long long outer, long long chunk,
+                                          long long src_row, long long src_off, long long dst_row, long long dst_off) {
+    if (chunk <= 0) return;
+    const long long n = outer * chunk;
+    EW_LOOP(i, n) {
+        const long long o = erase_udiv(i, chunk), c = i - o * chunk;
+        y[o * dst_row + dst_off + c] = x[o * src_row + src_off + c];
+    }
+}
+
+// Every element of y [outer, dst_row]: x's row chunk at `off`, zero elsewhere.
+template <typename T>
+__device__ __forceinline__ void pad_rows(const T* __restrict__ x, T* __restrict__ y, long long outer, long long dst_row,
+                                         long long chunk, long long off) {
+    if (dst_row <= 0) return;
+    const long long n = outer * dst_row;
+    EW_LOOP(i, n) {
+        const long long o = erase_udiv(i, dst_row), c = i - o * dst_row - off;
+        y[i] = (c >= 0 && c < chunk) ? x[o * chunk + c] : (T)0;
+    }
+}
+
+ERASE_KERNEL void ew_copy_u32(const unsigned* __restrict__ x, unsigned* __restrict__ y, long long n) {
+    copy_flat(x, y, n);
+}
+ERASE_KERNEL void ew_copy_u16(const unsigned short* __restrict__ x, unsigned short* __restrict__ y, long long n) {
+    copy_flat(x, y, n);
+}
+ERASE_KERNEL void ew_copy_rows_u32(const unsigned* __restrict__ x, unsigned* __restrict__ y, long long outer,
+                                   long long chunk, long long src_row, long long src_off, long long dst_row,
+                                   long long dst_off) {
+    copy_rows(x, y, outer, chunk, src_row, src_off, dst_row, dst_off);
+}
+ERASE_KERNEL void ew_copy_rows_u16(const unsigned short* __restrict__ x, unsigned short* __restrict__ y,
+                                   long long outer, long long chunk, long long src_row, long long src_off,
+                                   long long dst_row, long long dst_off) {
+    copy_rows(x, y, outer, chunk, src_row, src_off, dst_row, dst_off);
+}
+ERASE_KERNEL void ew_pad_rows_u32(const unsigned* __restrict__ x, unsigned* __restrict__ y, long long outer,
+                                  long long dst_row, long long chunk, long long off) {
+    pad_rows(x, y, outer, dst_row, chunk, off);
+}
+ERASE_KERNEL void ew_pad_rows_u16(const unsigned short* __restrict__ x, unsigned short* __restrict__ y,
+                                  long long outer, long long dst_row, long long chunk, long long off) {
+    pad_rows(x, y, outer, dst_row, chunk, off);
+}

@@ -1,0 +1,119 @@
+// Dense optimizers over all parameters in one launch: Adam (PyTorch's form, as
+// ops/src/cpu/kernels.rs::adam) and SGD.
+//
+// Launch arguments are scalars and pointers only, so the parameter list travels through a
+// table in scratch memory: optim_table_build (one tiny launch per 32 tensors, before the
+// update) writes one OptRec per tensor from its arguments; the update kernel then reads
+// the table. Every tensor is cut into chunks of OPT_CHUNK elements; chunk_start is the
+// index of a tensor's first chunk in the concatenation of all tensors' chunks.
+//
+// adam_multi_tensor / sgd_multi_tensor: one 256-thread CTA per chunk (grid = total
+// chunks); thread 0 finds the chunk's tensor by binary search over chunk_start, then each
+// thread updates elements t, t+256, t+512, t+768 of the chunk (coalesced). Adam's bias
+// corrections come from the step counter in device memory (never a launch argument, so a
+// captured graph replays correctly): bc1 = 1 - β1^step, bc2 = 1 - β2^step in f64 with the
+// same square-and-multiply powi as Rust, step size lr/bc1 and sqrt(bc2) rounded to f32,
+// then the f32 update written without FMA contraction: the result is bit-identical to the
+// CPU reference. Bound: memory (Adam 28 bytes per element, SGD 12).
+#include "common.cuh"
+
+#define OPT_CHUNK 1024
+#define OPT_THREADS 256
+
+struct OptRec {
+    float* p;
+    const float* g;
+    float* m;
+    float* v;
+    long long numel;
+    long long chunk_start;
+};
+
+#define OPT_REC_PARAMS(k) float *p##k, const float *g##k, float *m##k, float *v##k, long long n##k, long long c##k
+#define OPT_REC_SET(k)                                                  \
+    if (threadIdx.x == k && k < count) {                                \
+        OptRec r;                                                       \
+        r.p = p##k;                                                     \
+        r.g = g##k;                                                     \
+        r.m = m##k;                                                     \
+        r.v = v##k;                                                     \
+        r.numel = n##k;                                                 \
+        r.chunk_start = c##k;                                           \
+        table[first + k] = r;                                           \
+    }
+
+// table[first + k] = record k, for k < count (<= 32). One CTA of 32 threads.
+ERASE_KERNEL void optim_table_build(OptRec* table, int first, int count, OPT_REC_PARAMS(0), OPT_REC_PARAMS(1), OPT_REC_PARAMS(2), OPT_REC_PARAMS(3), OPT_REC_PARAMS(4), OPT_REC_PARAMS(5), OPT_REC_PARAMS(6), OPT_REC_PARAMS(7), OPT_REC_PARAMS(8), OPT_REC_PARAMS(9), OPT_REC_PARAMS(10), OPT_REC_PARAMS(11), OPT_REC_PARAMS(12), OPT_REC_PARAMS(13), OPT_REC_PARAMS(14), OPT_REC_PARAMS(15), OPT_REC_PARAMS(16), OPT_REC_PARAMS(17), OPT_REC_PARAMS(18), OPT_REC_PARAMS(19), OPT_REC_PARAMS(20), OPT_REC_PARAMS(21), OPT_REC_PARAMS(22), OPT_REC_PARAMS(23), OPT_REC_PARAMS(24), OPT_REC_PARAMS(25), OPT_REC_PARAMS(26), OPT_REC_PARAMS(27), OPT_REC_PARAMS(28), OPT_REC_PARAMS(29), OPT_REC_PARAMS(30), OPT_REC_PARAMS(31)) {
+    OPT_REC_SET(0) OPT_REC_SET(1) OPT_REC_SET(2) OPT_REC_SET(3) OPT_REC_SET(4) OPT_REC_SET(5) OPT_REC_SET(6) OPT_REC_SET(7) OPT_REC_SET(8) OPT_REC_SET(9) OPT_REC_SET(10) OPT_REC_SET(11) OPT_REC_SET(12) OPT_REC_SET(13) OPT_REC_SET(14) OPT_REC_SET(15) OPT_REC_SET(16) OPT_REC_SET(17) OPT_REC_SET(18) OPT_REC_SET(19) OPT_REC_SET(20) OPT_REC_SET(21) OPT_REC_SET(22) OPT_REC_SET(23) OPT_REC_SET(24) OPT_REC_SET(25) OPT_REC_SET(26) OPT_REC_SET(27) OPT_REC_SET(28) OPT_REC_SET(29) OPT_REC_SET(30) OPT_REC_SET(31)
+}
+
+// The tensor that owns chunk `b`: the last record with chunk_start <= b.
+__device__ __forceinline__ int opt_find(const OptRec* __restrict__ t, int nt, long long b) {
+    int lo = 0, hi = nt;  // first record with chunk_start > b is in [lo, hi]
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (t[mid].chunk_start <= b)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo - 1;
+}
+
+ERASE_KERNEL void adam_multi_tensor(const OptRec* __restrict__ table, int nt, long long total_chunks,
+                                    const int* __restrict__ step, long long lr_bits, long long beta1_bits,
+                                    long long beta2_bits, float eps) {
+    __shared__ int s_tensor;
+    __shared__ float s_coef[4];  // step_size, bc2_sqrt, beta1, beta2 (f32)
+    const long long b = blockIdx.x;
+    if (b >= total_chunks) return;
+    if (threadIdx.x == 0) {
+        s_tensor = opt_find(table, nt, b);
+        const double lr = erase_f64_from_bits(lr_bits);
+        const double b1 = erase_f64_from_bits(beta1_bits), b2 = erase_f64_from_bits(beta2_bits);
+        const int st = *step;
+        const double bc1 = 1.0 - erase_powi(b1, st);
+        const double bc2 = 1.0 - erase_powi(b2, st);
+        s_coef[0] = (float)(lr / bc1);
+        s_coef[1] = (float)sqrt(bc2);
+        s_coef[2] = (float)b1;
+        s_coef[3] = (float)b2;
+    }
+    __syncthreads();
+    const int ti = s_tensor;
+    if (ti < 0) return;
+    const OptRec r = table[ti];
+    const float step_size = s_coef[0], bc2_sqrt = s_coef[1], b1 = s_coef[2], b2 = s_coef[3];
+    const float omb1 = erase_sub(1.0f, b1), omb2 = erase_sub(1.0f, b2);
+    const long long e0 = (b - r.chunk_start) * OPT_CHUNK;
+#pragma unroll
+    for (int k = 0; k < OPT_CHUNK / OPT_THREADS; ++k) {
+        const long long e = e0 + k * OPT_THREADS + threadIdx.x;
+        if (e < r.numel) {
+            const float g = r.g[e];
+            const float m = erase_add(erase_mul(b1, r.m[e]), erase_mul(omb1, g));
+            const float v = erase_add(erase_mul(b2, r.v[e]), erase_mul(erase_mul(omb2, g), g));
+            const float denom = erase_add(erase_div(erase_sqrt(v), bc2_sqrt), eps);
+            r.m[e] = m;
+            r.v[e] = v;
+            r.p[e] = erase_sub(r.p[e], erase_div(erase_mul(step_size, m), denom));
+        }
+    }
+}
+
+ERASE_KERNEL void sgd_multi_tensor(const OptRec* __restrict__ table, int nt, long long total_chunks, float lr) {
+    __shared__ int s_tensor;
+    const long long b = blockIdx.x;
+    if (b >= total_chunks) return;
+    if (threadIdx.x == 0) s_tensor = opt_find(table, nt, b);
+    __syncthreads();
+    const int ti = s_tensor;
+    if (ti < 0) return;
+    const OptRec r = table[ti];
+    const long long e0 = (b - r.chunk_start) * OPT_CHUNK;
+#pragma unroll
+    for (int k = 0; k < OPT_CHUNK / OPT_THREADS; ++k) {
+        const long long e = e0 + k * OPT_THREADS + threadIdx.x;
+        if (e < r.numel) r.p[e] = erase_sub(r.p[e], erase_mul(lr, r.g[e]));
+    }
+}

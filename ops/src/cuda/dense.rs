@@ -1,0 +1,640 @@
+//! GEMM-shaped ops (linear and its gradients, matmul) and fused attention.
+//!
+//! GEMMs run `gemm_bf16_<layout>_<tile>` (kernels-cuda/gemm.cu): layout `nn`/`nt`/`tn`/`tt`
+//! says which operand is stored transposed (MatMul's `ta`, `tb` on row-major storage), the
+//! tile is 128x128 when the output fills a wave of them, else 64x64. When the output has
+//! too few tiles to fill the GPU and K is long (LinearGradWeight reduces over all rows),
+//! K is split over the grid's z: each split writes an f32 partial to scratch 0 and
+//! `gemm_splitk_reduce` sums them in split order, so the result is deterministic.
+//! Attention runs the FlashAttention-2 kernels of kernels-cuda/attention.cu.
+
+use super::{blocks, CudaPlan, KArg, KernelCall, Operands};
+use erase_graph::{DType, Op, Shape};
+
+/// Kernels these plans launch.
+pub(crate) const KERNELS: &[&str] = &[
+    "gemm_bf16_nn_128x128",
+    "gemm_bf16_nn_64x64",
+    "gemm_bf16_nt_128x128",
+    "gemm_bf16_nt_64x64",
+    "gemm_bf16_tn_128x128",
+    "gemm_bf16_tn_64x64",
+    "gemm_bf16_tt_128x128",
+    "gemm_bf16_tt_64x64",
+    "gemm_splitk_reduce",
+    "attn_fwd_d32",
+    "attn_fwd_d64",
+    "attn_bwd_prep",
+    "attn_bwd_dkdv_d32",
+    "attn_bwd_dkdv_d64",
+    "attn_bwd_dq_d32",
+    "attn_bwd_dq_d64",
+    "attn_bwd_small_d32",
+    "attn_bwd_small_d64",
+];
+
+/// Streaming multiprocessors of the target (H200); only tiling heuristics depend on it.
+const SMS: usize = 132;
+/// The GEMM kernels' k step; a split's K range is a multiple of it.
+const BK: usize = 32;
+/// Fewest k a split-K part gets.
+const MIN_K_PER_SPLIT: usize = 256;
+/// Grid dimensions y and z are limited to this.
+const GRID_YZ: usize = 65_535;
+
+pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
+    let p = match op {
+        Op::Linear { bias } => linear(o, *bias),
+        Op::LinearGradInput => linear_grad_input(o),
+        Op::LinearGradWeight => linear_grad_weight(o),
+        Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
+        Op::Attention { heads, causal } => attention(o, *heads, *causal),
+        Op::AttentionGrad { heads, causal } => attention_grad(o, *heads, *causal),
+        _ => return None,
+    };
+    Some(p.map_err(|e| format!("{}: {e}", op.name())))
+}
+
+fn check_f32(o: &Operands, ins: usize, outs: usize) -> Result<(), String> {
+    if o.ins.len() != ins || o.outs.len() != outs {
+        return Err(format!(
+            "expected {ins} inputs and {outs} outputs, got {} and {}",
+            o.ins.len(),
+            o.outs.len()
+        ));
+    }
+    match o
+        .in_dtypes
+        .iter()
+        .chain(o.out_dtypes)
+        .find(|d| **d != DType::F32)
+    {
+        Some(d) => Err(format!("the CUDA kernel computes f32 tensors, not {d}")),
+        None => Ok(()),
+    }
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32, String> {
+    i32::try_from(v).map_err(|_| format!("{what} = {v} is too large for the kernel"))
+}
+
+fn i64_of(v: usize) -> KArg {
+    KArg::I64(v as i64)
+}
+
+/// One (batched) GEMM `C = op(A)·op(B)` (+ bias) over row-major operands.
+struct Gemm {
+    ta: bool,
+    tb: bool,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: KArg,
+    b: KArg,
+    bias: Option<KArg>,
+    lda: usize,
+    ldb: usize,
+    batch_a: usize,
+    batch_b: usize,
+}
+
+fn gemm_kernel(ta: bool, tb: bool, big: bool) -> &'static str {
+    match (ta, tb, big) {
+        (false, false, true) => "gemm_bf16_nn_128x128",
+        (false, false, false) => "gemm_bf16_nn_64x64",
+        (false, true, true) => "gemm_bf16_nt_128x128",
+        (false, true, false) => "gemm_bf16_nt_64x64",
+        (true, false, true) => "gemm_bf16_tn_128x128",
+        (true, false, false) => "gemm_bf16_tn_64x64",
+        (true, true, true) => "gemm_bf16_tt_128x128",
+        (true, true, false) => "gemm_bf16_tt_64x64",
+    }
+}
+
+fn gemm(g: Gemm) -> Result<CudaPlan, String> {
+    let Gemm { batch, m, n, k, .. } = g;
+    if batch * m * n == 0 {
+        return Ok(CudaPlan::default());
+    }
+    let (mi, ni, ki) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(k, "K")?);
+    // 128x128 tiles when they fill at least one wave of the GPU, else 64x64
+    let big =
+        m >= 128 && n >= 128 && blocks(m, 128) as usize * blocks(n, 128) as usize * batch >= SMS;
+    let (bm, bn, threads) = if big { (128, 128, 256) } else { (64, 64, 128) };
+    if blocks(n, bn) as usize > GRID_YZ
+        || batch > GRID_YZ
+        || batch * m * n / 32 >= i32::MAX as usize
+    {
+        return Err(format!(
+            "a {batch} x [{m}, {n}] output needs more CTAs than a grid holds"
+        ));
+    }
+    // split K when the output tiles leave the GPU idle: a wave is one 128x128 CTA or
+    // about four 64x64 CTAs per SM (by their registers); the 128x128 tile is only chosen
+    // when it fills a wave, so only the 64x64 tile splits
+    let tiles = blocks(m, bm) as usize * blocks(n, bn) as usize * batch;
+    let want = if big { SMS } else { 4 * SMS };
+    let mut splits = 1;
+    if tiles < want && k >= 2 * MIN_K_PER_SPLIT {
+        splits = want
+            .div_ceil(tiles)
+            .min(k / MIN_K_PER_SPLIT)
+            .min(GRID_YZ / batch)
+            .max(1);
+    }
+    let k_split = k.div_ceil(splits).div_ceil(BK).max(1) * BK;
+    let splits = k.div_ceil(k_split).max(1);
+    let flags = i32::from(g.bias.is_some());
+    let count = batch * m * n;
+    let grid = [blocks(m, bm), blocks(n, bn), (splits * batch) as u32];
+    let block = [threads, 1, 1];
+    let kernel = gemm_kernel(g.ta, g.tb, big);
+    let args = |c: KArg, flags: i32| {
+        vec![
+            g.a,
+            g.b,
+            c,
+            g.bias.unwrap_or(g.a),
+            KArg::I32(mi),
+            KArg::I32(ni),
+            KArg::I32(ki),
+            i64_of(g.lda),
+            i64_of(g.ldb),
+            i64_of(n),
+            i64_of(g.batch_a),
+            i64_of(g.batch_b),
+            i64_of(m * n),
+            KArg::I32(batch as i32),
+            KArg::I32(k_split as i32),
+            i64_of(count),
+            KArg::I32(flags),
+        ]
+    };
+    if splits == 1 {
+        return Ok(CudaPlan {
+            calls: vec![KernelCall {
+                kernel,
+                grid,
+                block,
+                smem: 0,
+                args: args(KArg::Out(0), flags),
+            }],
+            scratch: vec![],
+        });
+    }
+    let reduce = KernelCall {
+        kernel: "gemm_splitk_reduce",
+        grid: [blocks(count, 32), 1, 1],
+        block: [32, 8, 1],
+        smem: 0,
+        args: vec![
+            KArg::Scratch(0),
+            g.bias.unwrap_or(KArg::Scratch(0)),
+            KArg::Out(0),
+            i64_of(count),
+            KArg::I32(ni),
+            KArg::I32(splits as i32),
+            i64_of(count),
+            KArg::I32(flags),
+        ],
+    };
+    Ok(CudaPlan {
+        calls: vec![
+            KernelCall {
+                kernel,
+                grid,
+                block,
+                smem: 0,
+                args: args(KArg::Scratch(0), 0),
+            },
+            reduce,
+        ],
+        scratch: vec![splits * count * 4],
+    })
+}
+
+fn matrix(s: &Shape, what: &str) -> Result<(usize, usize), String> {
+    match s.dims() {
+        [r, c] => Ok((*r, *c)),
+        d => Err(format!("{what} must be a matrix, got shape {d:?}")),
+    }
+}
+
+/// `[x, w, b?] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b).
+fn linear(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
+    check_f32(o, 2 + usize::from(bias), 1)?;
+    let (n, k) = matrix(o.ins[1], "the weight")?;
+    if o.ins[0].last() != k {
+        return Err(format!(
+            "input {} does not match weight [{n}, {k}]",
+            o.ins[0]
+        ));
+    }
+    if bias && o.ins[2].numel() != n {
+        return Err(format!(
+            "bias {} does not match weight [{n}, {k}]",
+            o.ins[2]
+        ));
+    }
+    let m = o.ins[0].rows();
+    gemm(Gemm {
+        ta: false,
+        tb: true,
+        batch: 1,
+        m,
+        n,
+        k,
+        a: KArg::In(0),
+        b: KArg::In(1),
+        bias: bias.then_some(KArg::In(2)),
+        lda: k,
+        ldb: k,
+        batch_a: 0,
+        batch_b: 0,
+    })
+}
+
+/// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K].
+fn linear_grad_input(o: &Operands) -> Result<CudaPlan, String> {
+    check_f32(o, 2, 1)?;
+    let (n, k) = matrix(o.ins[1], "the weight")?;
+    if o.ins[0].last() != n {
+        return Err(format!("dy {} does not match weight [{n}, {k}]", o.ins[0]));
+    }
+    gemm(Gemm {
+        ta: false,
+        tb: false,
+        batch: 1,
+        m: o.ins[0].rows(),
+        n: k,
+        k: n,
+        a: KArg::In(0),
+        b: KArg::In(1),
+        bias: None,
+        lda: n,
+        ldb: k,
+        batch_a: 0,
+        batch_b: 0,
+    })
+}
+
+/// `[dy, x] -> [dw]`: dw[N,K] = dy[M,N]ᵀ·x[M,K], K-dimension of the GEMM = the M rows.
+fn linear_grad_weight(o: &Operands) -> Result<CudaPlan, String> {
+    check_f32(o, 2, 1)?;
+    let (n, k) = matrix(o.outs[0], "the weight gradient")?;
+    let rows = o.ins[0].rows();
+    if o.ins[0].last() != n || o.ins[1].last() != k || o.ins[1].rows() != rows {
+        return Err(format!(
+            "dy {} and x {} do not match dw [{n}, {k}]",
+            o.ins[0], o.ins[1]
+        ));
+    }
+    gemm(Gemm {
+        ta: true,
+        tb: false,
+        batch: 1,
+        m: n,
+        n: k,
+        k: rows,
+        a: KArg::In(0),
+        b: KArg::In(1),
+        bias: None,
+        lda: n,
+        ldb: k,
+        batch_a: 0,
+        batch_b: 0,
+    })
+}
+
+/// `[a, b] -> [c]`: c = op(a)·op(b) over the last two dims, with an optional equal
+/// leading batch dim.
+fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
+    check_f32(o, 2, 1)?;
+    let (da, db) = (o.ins[0].dims(), o.ins[1].dims());
+    let (batch, (ra, ca), (rb, cb)) = match (da, db) {
+        ([ra, ca], [rb, cb]) => (1, (*ra, *ca), (*rb, *cb)),
+        ([ba, ra, ca], [bb, rb, cb]) if ba == bb => (*ba, (*ra, *ca), (*rb, *cb)),
+        _ => {
+            return Err(format!(
+                "operands {} and {} are not two matrices or two equal batches",
+                o.ins[0], o.ins[1]
+            ))
+        }
+    };
+    let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
+    let (kb, n) = if tb { (cb, rb) } else { (rb, cb) };
+    if k != kb {
+        return Err(format!(
+            "inner dims differ: op(a) is [{m}, {k}], op(b) [{kb}, {n}]"
+        ));
+    }
+    gemm(Gemm {
+        ta,
+        tb,
+        batch,
+        m,
+        n,
+        k,
+        a: KArg::In(0),
+        b: KArg::In(1),
+        bias: None,
+        lda: ca,
+        ldb: cb,
+        batch_a: ra * ca,
+        batch_b: rb * cb,
+    })
+}
+
+/// Geometry of an attention node: `[B, S, H·Dh]`.
+struct Attn {
+    b: usize,
+    s: usize,
+    heads: usize,
+    dh: usize,
+}
+
+impl Attn {
+    fn new(x: &Shape, heads: usize) -> Result<Self, String> {
+        let [b, s, w] = *x.dims() else {
+            return Err(format!("q must be [B, S, H·Dh], got {x}"));
+        };
+        if heads == 0 || w % heads != 0 {
+            return Err(format!("width {w} is not a multiple of {heads} heads"));
+        }
+        let dh = w / heads;
+        if dh != 32 && dh != 64 {
+            return Err(format!("head dim {dh} has no CUDA kernel (32 and 64 do)"));
+        }
+        if heads > GRID_YZ || b > GRID_YZ {
+            return Err(format!(
+                "{b} batches of {heads} heads need more CTAs than a grid holds"
+            ));
+        }
+        i32_of(s * heads * dh, "S·H·Dh")?;
+        i32_of(b * heads * s, "B·H·S")?;
+        Ok(Attn { b, s, heads, dh })
+    }
+
+    fn empty(&self) -> bool {
+        self.b * self.s == 0
+    }
+
+    fn grid(&self) -> [u32; 3] {
+        [blocks(self.s, 64), self.heads as u32, self.b as u32]
+    }
+
+    /// The kernels' trailing arguments: S, H, causal, scale.
+    fn tail(&self, causal: bool) -> [KArg; 4] {
+        [
+            KArg::I32(self.s as i32),
+            KArg::I32(self.heads as i32),
+            KArg::I32(i32::from(causal)),
+            KArg::F32((1.0 / (self.dh as f64).sqrt()) as f32),
+        ]
+    }
+}
+
+fn same_shapes(o: &Operands, idx: &[usize], what: &str) -> Result<(), String> {
+    let first = o.ins[idx[0]];
+    match idx.iter().find(|&&i| o.ins[i] != first) {
+        Some(&i) => Err(format!(
+            "{what}: input {i} is {}, input {} is {first}",
+            o.ins[i], idx[0]
+        )),
+        None => Ok(()),
+    }
+}
+
+/// `[q, k, v] -> [o, lse]`.
+fn attention(o: &Operands, heads: usize, causal: bool) -> Result<CudaPlan, String> {
+    check_f32(o, 3, 2)?;
+    same_shapes(o, &[0, 1, 2], "q, k and v differ")?;
+    let a = Attn::new(o.ins[0], heads)?;
+    if a.empty() {
+        return Ok(CudaPlan::default());
+    }
+    let mut args = vec![
+        KArg::In(0),
+        KArg::In(1),
+        KArg::In(2),
+        KArg::Out(0),
+        KArg::Out(1),
+    ];
+    args.extend(a.tail(causal));
+    let kernel = if a.dh == 32 {
+        "attn_fwd_d32"
+    } else {
+        "attn_fwd_d64"
+    };
+    Ok(CudaPlan {
+        calls: vec![KernelCall {
+            kernel,
+            grid: a.grid(),
+            block: [128, 1, 1],
+            smem: 0,
+            args,
+        }],
+        scratch: vec![],
+    })
+}
+
+/// `[do, q, k, v, o, lse] -> [dq, dk, dv]`: for S ≤ 64 one fused kernel; else
+/// `attn_bwd_prep` (scratch 0 gets D = rowsum(bf16(do)∘o)), then dk/dv by key tile and dq
+/// by query tile.
+fn attention_grad(o: &Operands, heads: usize, causal: bool) -> Result<CudaPlan, String> {
+    check_f32(o, 6, 3)?;
+    same_shapes(o, &[0, 1, 2, 3, 4], "do, q, k, v and o differ")?;
+    let a = Attn::new(o.ins[1], heads)?;
+    if o.ins[5].numel() != a.b * a.heads * a.s {
+        return Err(format!(
+            "lse {} is not [B, H, S] = [{}, {}, {}]",
+            o.ins[5], a.b, a.heads, a.s
+        ));
+    }
+    if a.empty() {
+        return Ok(CudaPlan::default());
+    }
+    if a.s <= 64 {
+        // one tile of queries and keys: D, dk, dv and dq in one CTA per (batch, head)
+        let mut args: Vec<KArg> = (0..6).map(KArg::In).collect();
+        args.extend([KArg::Out(0), KArg::Out(1), KArg::Out(2)]);
+        args.extend(a.tail(causal));
+        let kernel = if a.dh == 32 {
+            "attn_bwd_small_d32"
+        } else {
+            "attn_bwd_small_d64"
+        };
+        return Ok(CudaPlan {
+            calls: vec![KernelCall {
+                kernel,
+                grid: a.grid(),
+                block: [128, 1, 1],
+                smem: 0,
+                args,
+            }],
+            scratch: vec![],
+        });
+    }
+    let rows = a.b * a.heads * a.s;
+    let prep = KernelCall {
+        kernel: "attn_bwd_prep",
+        grid: [blocks(rows, 8), 1, 1],
+        block: [256, 1, 1],
+        smem: 0,
+        args: vec![
+            KArg::In(0),
+            KArg::In(4),
+            KArg::Scratch(0),
+            KArg::I32(a.b as i32),
+            KArg::I32(a.s as i32),
+            KArg::I32(a.heads as i32),
+            KArg::I32(a.dh as i32),
+        ],
+    };
+    let ins = [
+        KArg::In(0),
+        KArg::In(1),
+        KArg::In(2),
+        KArg::In(3),
+        KArg::In(5),
+        KArg::Scratch(0),
+    ];
+    let mut dkdv_args = ins.to_vec();
+    dkdv_args.extend([KArg::Out(1), KArg::Out(2)]);
+    dkdv_args.extend(a.tail(causal));
+    let mut dq_args = ins.to_vec();
+    dq_args.push(KArg::Out(0));
+    dq_args.extend(a.tail(causal));
+    let (dkdv, dq) = if a.dh == 32 {
+        ("attn_bwd_dkdv_d32", "attn_bwd_dq_d32")
+    } else {
+        ("attn_bwd_dkdv_d64", "attn_bwd_dq_d64")
+    };
+    Ok(CudaPlan {
+        calls: vec![
+            prep,
+            KernelCall {
+                kernel: dkdv,
+                grid: a.grid(),
+                block: [128, 1, 1],
+                smem: 0,
+                args: dkdv_args,
+            },
+            KernelCall {
+                kernel: dq,
+                grid: a.grid(),
+                block: [128, 1, 1],
+                smem: 0,
+                args: dq_args,
+            },
+        ],
+        scratch: vec![rows * 4],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan_of(op: &Op, ins: &[&[usize]], outs: &[&[usize]]) -> Result<CudaPlan, String> {
+        let ins: Vec<Shape> = ins.iter().map(|d| Shape::new(d)).collect();
+        let outs: Vec<Shape> = outs.iter().map(|d| Shape::new(d)).collect();
+        let (ir, or): (Vec<&Shape>, Vec<&Shape>) = (ins.iter().collect(), outs.iter().collect());
+        let (idt, odt) = (vec![DType::F32; ir.len()], vec![DType::F32; or.len()]);
+        let o = Operands {
+            ins: &ir,
+            in_dtypes: &idt,
+            outs: &or,
+            out_dtypes: &odt,
+            upd: &[],
+        };
+        plan(op, &o).expect("a dense op")
+    }
+
+    fn attention_grad_plan(s: usize) -> Result<CudaPlan, String> {
+        let x: &[usize] = &[1, s, 64];
+        let op = Op::AttentionGrad {
+            heads: 1,
+            causal: false,
+        };
+        plan_of(&op, &[x, x, x, x, x, &[1, 1, s]], &[x, x, x])
+    }
+
+    #[test]
+    fn every_plan_names_a_listed_kernel() {
+        let plans = [
+            plan_of(
+                &Op::Linear { bias: true },
+                &[&[4096, 27, 13], &[64, 13], &[64]],
+                &[&[4096, 27, 64]],
+            ),
+            plan_of(
+                &Op::LinearGradWeight,
+                &[&[110_592, 1], &[110_592, 351]],
+                &[&[1, 351]],
+            ),
+            plan_of(
+                &Op::MatMul { ta: true, tb: true },
+                &[&[3, 5, 7], &[3, 9, 5]],
+                &[&[3, 7, 9]],
+            ),
+            plan_of(
+                &Op::Attention {
+                    heads: 2,
+                    causal: true,
+                },
+                &[&[3, 27, 64], &[3, 27, 64], &[3, 27, 64]],
+                &[&[3, 27, 64], &[3, 2, 27]],
+            ),
+            attention_grad_plan(27),
+            attention_grad_plan(100),
+        ];
+        for p in plans {
+            let p = p.expect("plan");
+            for c in &p.calls {
+                assert!(KERNELS.contains(&c.kernel), "{} is not listed", c.kernel);
+            }
+        }
+    }
+
+    #[test]
+    fn long_reductions_split_k_in_a_fixed_number_of_parts() {
+        let p = plan_of(
+            &Op::LinearGradWeight,
+            &[&[110_592, 1], &[110_592, 351]],
+            &[&[1, 351]],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 2);
+        assert_eq!(p.calls[1].kernel, "gemm_splitk_reduce");
+        let KArg::I32(splits) = p.calls[1].args[5] else {
+            panic!("splits")
+        };
+        assert!(splits > 1);
+        assert_eq!(p.scratch, vec![splits as usize * 351 * 4]);
+        assert_eq!(p.calls[0].grid[2], splits as u32);
+        // a square GEMM that fills the GPU needs no split
+        let p = plan_of(
+            &Op::Linear { bias: false },
+            &[&[4096, 1024], &[1024, 1024]],
+            &[&[4096, 1024]],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].kernel, "gemm_bf16_nt_128x128");
+    }
+
+    #[test]
+    fn unsupported_head_dims_are_errors() {
+        let e = plan_of(
+            &Op::Attention {
+                heads: 2,
+                causal: false,
+            },
+            &[&[1, 8, 96], &[1, 8, 96], &[1, 8, 96]],
+            &[&[1, 8, 96], &[1, 2, 8]],
+        );
+        assert!(e.unwrap_err().contains("head dim 48"));
+    }
+}

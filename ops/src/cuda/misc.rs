@@ -1,0 +1,1391 @@
+//! Everything but GEMMs and attention: elementwise ops, activations, layer norm, shape ops,
+//! the DLRM interaction, embedding bags, losses, reductions and optimizers.
+//!
+//! Kernels live in `kernels-cuda/{elementwise,norm,reduce,interaction,loss,optim,
+//! embedding_bag}.cu`; each file's header says how it tiles the work. Launch-argument
+//! conventions: element counts and strides are `I64` (`long long`), small dims `I32`,
+//! hyper-parameters `F32` rounded from the op's f64 the way the CPU reference rounds them,
+//! except where the reference computes in f64 (Adam's learning rate and betas), which
+//! travel bit for bit as `I64(f64::to_bits)`.
+
+use super::{blocks, CudaPlan, KArg, KernelCall, Operands};
+use erase_graph::{DType, Op, Shape};
+use KArg::{Out, Scratch, Upd, F32, I32, I64};
+
+/// Kernels these plans launch.
+pub(crate) const KERNELS: &[&str] = &[
+    // elementwise.cu
+    "ew_add",
+    "ew_mul",
+    "ew_scale",
+    "ew_relu",
+    "ew_gelu",
+    "ew_sigmoid",
+    "ew_relu_grad",
+    "ew_gelu_grad",
+    "ew_sigmoid_grad",
+    "ew_cast",
+    "ew_grad_sum",
+    "ew_fill_scaled",
+    "ew_fill_u32",
+    "step_increment",
+    "ew_copy_u32",
+    "ew_copy_u16",
+    "ew_copy_rows_u32",
+    "ew_copy_rows_u16",
+    "ew_pad_rows_u32",
+    "ew_pad_rows_u16",
+    // norm.cu
+    "layer_norm_fwd",
+    "layer_norm_bwd_dx",
+    "layer_norm_bwd_dgb_partial",
+    // reduce.cu
+    "sum_to_shape_partial",
+    "colsum_final",
+    // interaction.cu
+    "pairwise_dot_fwd",
+    "pairwise_dot_fwd_gmem",
+    "pairwise_dot_bwd",
+    "pairwise_dot_bwd_gmem",
+    // loss.cu
+    "loss_partial",
+    "loss_partial_f64",
+    "loss_final",
+    "softmax_xent_rows",
+    "bce_grad",
+    "softmax_xent_grad",
+    // optim.cu
+    "optim_table_build",
+    "adam_multi_tensor",
+    "sgd_multi_tensor",
+    // embedding_bag.cu
+    "emb_meta_build",
+    "embedding_bag_fwd",
+    "embedding_bag_fwd_v4",
+    "emb_sort_keys",
+    "emb_radix_hist",
+    "emb_radix_scan",
+    "emb_radix_scatter",
+    "emb_seg_chunks",
+    "emb_seg_tails",
+    "emb_adagrad_apply",
+];
+
+/// Threads of a 1-D elementwise CTA.
+const EW_THREADS: u32 = 256;
+/// Grid-stride kernels launch at most this many CTAs (8 waves of a 132-SM H200 at 8
+/// CTAs an SM); larger tensors loop.
+const MAX_BLOCKS: u32 = 8192;
+/// Default dynamic shared memory limit (no opt-in attribute needed below it).
+const SMEM_DEFAULT: usize = 48 * 1024;
+/// Tensors per optimizer-table or embedding-meta builder launch (the kernels' signature).
+const BUILD_SLOTS: usize = 32;
+/// Elements per optimizer chunk (`OPT_CHUNK` in optim.cu).
+const OPT_CHUNK: usize = 1024;
+/// Bytes of one optimizer table record (`OptRec` in optim.cu: 4 pointers, 2 i64).
+const OPT_REC_BYTES: usize = 48;
+/// Pairs per radix-sort tile (`EMB_TILE`) and sorted positions per segment chunk
+/// (`EMB_CHUNK`) in embedding_bag.cu.
+const EMB_TILE: usize = 2048;
+const EMB_CHUNK: usize = 32;
+
+fn kc(
+    kernel: &'static str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    smem: u32,
+    args: Vec<KArg>,
+) -> KernelCall {
+    KernelCall {
+        kernel,
+        grid,
+        block,
+        smem,
+        args,
+    }
+}
+
+/// A 1-D grid-stride launch over `n` elements.
+fn ew(kernel: &'static str, n: usize, args: Vec<KArg>) -> KernelCall {
+    kc(
+        kernel,
+        [blocks(n, EW_THREADS as usize).min(MAX_BLOCKS), 1, 1],
+        [EW_THREADS, 1, 1],
+        0,
+        args,
+    )
+}
+
+/// A warp-per-row launch over `rows` rows (8 warps a CTA).
+fn warp_rows(kernel: &'static str, rows: usize, args: Vec<KArg>) -> KernelCall {
+    kc(
+        kernel,
+        [blocks(rows, 8).min(MAX_BLOCKS), 1, 1],
+        [256, 1, 1],
+        0,
+        args,
+    )
+}
+
+fn n64(n: usize) -> KArg {
+    I64(n as i64)
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32, String> {
+    i32::try_from(v).map_err(|_| format!("{what} = {v} does not fit the kernels' i32"))
+}
+
+fn plan_of(calls: Vec<KernelCall>, scratch: Vec<usize>) -> CudaPlan {
+    CudaPlan { calls, scratch }
+}
+
+/// Checks the operand counts and element types.
+fn expect(op: &Op, o: &Operands, ins: &[DType], outs: &[DType]) -> Result<(), String> {
+    if o.ins.len() != ins.len()
+        || o.in_dtypes.len() != ins.len()
+        || o.outs.len() != outs.len()
+        || o.out_dtypes.len() != outs.len()
+    {
+        return Err(format!(
+            "{}: expected {} inputs and {} outputs, got {} and {}",
+            op.name(),
+            ins.len(),
+            outs.len(),
+            o.ins.len(),
+            o.outs.len()
+        ));
+    }
+    for (i, (got, want)) in o.in_dtypes.iter().zip(ins).enumerate() {
+        if got != want {
+            return Err(format!(
+                "{}: input {i} is {got}, the CUDA kernel takes {want}",
+                op.name()
+            ));
+        }
+    }
+    for (i, (got, want)) in o.out_dtypes.iter().zip(outs).enumerate() {
+        if got != want {
+            return Err(format!(
+                "{}: output {i} is {got}, the CUDA kernel writes {want}",
+                op.name()
+            ));
+        }
+    }
+    Ok(())
+}
+
+const F: DType = DType::F32;
+const I: DType = DType::I32;
+
+pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
+    let p = match op {
+        Op::Leaf(_)
+        | Op::Linear { .. }
+        | Op::LinearGradInput
+        | Op::LinearGradWeight
+        | Op::MatMul { .. }
+        | Op::Attention { .. }
+        | Op::AttentionGrad { .. } => return None,
+        Op::Add => binary(op, o, "ew_add"),
+        Op::Mul => binary(op, o, "ew_mul"),
+        Op::Scale { factor } => expect(op, o, &[F], &[F]).map(|_| {
+            let n = o.outs[0].numel();
+            plan_of(
+                vec![ew(
+                    "ew_scale",
+                    n,
+                    vec![KArg::In(0), Out(0), n64(n), F32(*factor as f32)],
+                )],
+                vec![],
+            )
+        }),
+        Op::Relu => unary(op, o, "ew_relu"),
+        Op::Gelu => unary(op, o, "ew_gelu"),
+        Op::Sigmoid => unary(op, o, "ew_sigmoid"),
+        Op::ReluGrad => unary_grad(op, o, "ew_relu_grad"),
+        Op::GeluGrad => unary_grad(op, o, "ew_gelu_grad"),
+        Op::SigmoidGrad => unary_grad(op, o, "ew_sigmoid_grad"),
+        Op::Cast { to } => cast(op, o, *to),
+        Op::Reshape | Op::Detach => copy(op, o),
+        Op::Concat { axis } => concat(op, o, *axis),
+        Op::Slice { axis, start, len } => slice(op, o, *axis, *start, *len),
+        Op::Pad { axis, start, full } => pad(op, o, *axis, *start, *full),
+        Op::LayerNorm { eps } => layer_norm(op, o, *eps),
+        Op::LayerNormGrad => layer_norm_grad(op, o),
+        Op::SumToShape => sum_to_shape(op, o),
+        Op::PairwiseDot => pairwise_dot(op, o, false),
+        Op::PairwiseDotGrad => pairwise_dot(op, o, true),
+        Op::EmbeddingBag { field_rows } => embedding_bag(op, o, field_rows),
+        Op::EmbeddingBagGradDense { field_rows } => embedding_bag_grad_dense(op, o, field_rows),
+        Op::RowwiseAdagrad {
+            lr,
+            eps,
+            field_rows,
+        } => rowwise_adagrad(op, o, *lr, *eps, field_rows),
+        Op::BceWithLogits => bce(op, o),
+        Op::BceWithLogitsGrad => expect(op, o, &[F, F, F], &[F]).map(|_| {
+            let n = o.ins[1].numel();
+            plan_of(
+                vec![ew(
+                    "bce_grad",
+                    n,
+                    vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0), n64(n)],
+                )],
+                vec![],
+            )
+        }),
+        Op::SoftmaxCrossEntropy => softmax_xent(op, o),
+        Op::SoftmaxCrossEntropyGrad => softmax_xent_grad(op, o),
+        Op::Sum => full_sum(op, o, false),
+        Op::Mean => full_sum(op, o, true),
+        Op::Broadcast { scale } => expect(op, o, &[F], &[F]).map(|_| {
+            let n = o.outs[0].numel();
+            plan_of(
+                vec![ew(
+                    "ew_fill_scaled",
+                    n,
+                    vec![KArg::In(0), Out(0), n64(n), F32(*scale as f32)],
+                )],
+                vec![],
+            )
+        }),
+        Op::GradSum => grad_sum(op, o),
+        Op::StepIncrement => step_increment(op, o),
+        Op::Sgd { lr } => sgd(op, o, *lr),
+        Op::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => adam(op, o, *lr, *beta1, *beta2, *eps),
+    };
+    Some(p)
+}
+
+// ---- elementwise -------------------------------------------------------------------------
+
+fn binary(op: &Op, o: &Operands, kernel: &'static str) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F], &[F])?;
+    let (n, nb) = (o.ins[0].numel(), o.ins[1].numel());
+    if o.outs[0].numel() != n || (n > 0 && (nb == 0 || !n.is_multiple_of(nb))) {
+        return Err(format!(
+            "{}: b {} must be a suffix of a {} and c {} must be a's shape",
+            op.name(),
+            o.ins[1],
+            o.ins[0],
+            o.outs[0]
+        ));
+    }
+    Ok(plan_of(
+        vec![ew(
+            kernel,
+            n,
+            vec![KArg::In(0), KArg::In(1), Out(0), n64(n), n64(nb)],
+        )],
+        vec![],
+    ))
+}
+
+fn unary(op: &Op, o: &Operands, kernel: &'static str) -> Result<CudaPlan, String> {
+    expect(op, o, &[F], &[F])?;
+    let n = o.outs[0].numel();
+    Ok(plan_of(
+        vec![ew(kernel, n, vec![KArg::In(0), Out(0), n64(n)])],
+        vec![],
+    ))
+}
+
+fn unary_grad(op: &Op, o: &Operands, kernel: &'static str) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F], &[F])?;
+    let n = o.outs[0].numel();
+    Ok(plan_of(
+        vec![ew(
+            kernel,
+            n,
+            vec![KArg::In(0), KArg::In(1), Out(0), n64(n)],
+        )],
+        vec![],
+    ))
+}
+
+/// The element-type code of `ew_cast` (0 f32, 1 bf16, 2 i32).
+fn cast_code(d: DType) -> Result<i32, String> {
+    match d {
+        DType::F32 => Ok(0),
+        DType::Bf16 => Ok(1),
+        DType::I32 => Ok(2),
+        DType::F64 => Err("the CUDA backend has no f64 tensors".into()),
+    }
+}
+
+fn cast(op: &Op, o: &Operands, to: DType) -> Result<CudaPlan, String> {
+    let from = *o.in_dtypes.first().ok_or("cast: no input")?;
+    expect(op, o, &[from], &[to])?;
+    if from == to {
+        return copy(op, o);
+    }
+    let n = o.outs[0].numel();
+    Ok(plan_of(
+        vec![ew(
+            "ew_cast",
+            n,
+            vec![
+                KArg::In(0),
+                Out(0),
+                n64(n),
+                I32(cast_code(from)?),
+                I32(cast_code(to)?),
+            ],
+        )],
+        vec![],
+    ))
+}
+
+/// The copy kernels for an element type: (flat, rows, pad).
+fn copy_kernels(op: &Op, d: DType) -> Result<[&'static str; 3], String> {
+    match d.size_bytes() {
+        4 => Ok(["ew_copy_u32", "ew_copy_rows_u32", "ew_pad_rows_u32"]),
+        2 => Ok(["ew_copy_u16", "ew_copy_rows_u16", "ew_pad_rows_u16"]),
+        _ => Err(format!("{}: no CUDA copy of {d} elements", op.name())),
+    }
+}
+
+/// Reshape/detach (and a cast to the same type): a plain copy (the runtime may alias
+/// instead of launching it).
+fn copy(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    let d = *o
+        .in_dtypes
+        .first()
+        .ok_or_else(|| format!("{}: no input", op.name()))?;
+    expect(op, o, &[d], &[d])?;
+    let n = o.outs[0].numel();
+    if o.ins[0].numel() != n {
+        return Err(format!(
+            "{}: {} and {} differ in size",
+            op.name(),
+            o.ins[0],
+            o.outs[0]
+        ));
+    }
+    let [flat, _, _] = copy_kernels(op, d)?;
+    Ok(plan_of(
+        vec![ew(flat, n, vec![KArg::In(0), Out(0), n64(n)])],
+        vec![],
+    ))
+}
+
+/// Elements before and after `axis` of `dims`.
+fn around(op: &Op, s: &Shape, axis: usize) -> Result<(usize, usize, usize), String> {
+    let d = s.dims();
+    if axis >= d.len() {
+        return Err(format!("{}: axis {axis} out of range for {s}", op.name()));
+    }
+    Ok((
+        d[..axis].iter().product(),
+        d[axis],
+        d[axis + 1..].iter().product(),
+    ))
+}
+
+/// `y[o·dst_row + dst_off + c] = x[o·src_row + src_off + c]` for `o < outer, c < chunk`.
+#[allow(clippy::too_many_arguments)]
+fn copy_rows(
+    kernel: &'static str,
+    src: KArg,
+    outer: usize,
+    chunk: usize,
+    src_row: usize,
+    src_off: usize,
+    dst_row: usize,
+    dst_off: usize,
+) -> KernelCall {
+    ew(
+        kernel,
+        outer * chunk,
+        vec![
+            src,
+            Out(0),
+            n64(outer),
+            n64(chunk),
+            n64(src_row),
+            n64(src_off),
+            n64(dst_row),
+            n64(dst_off),
+        ],
+    )
+}
+
+fn concat(op: &Op, o: &Operands, axis: usize) -> Result<CudaPlan, String> {
+    let d = *o.out_dtypes.first().ok_or("concat: no output")?;
+    let want: Vec<DType> = vec![d; o.ins.len()];
+    expect(op, o, &want, &[d])?;
+    let [_, rows, _] = copy_kernels(op, d)?;
+    let (outer, total, inner) = around(op, o.outs[0], axis)?;
+    let mut calls = Vec::new();
+    let mut start = 0;
+    for (i, s) in o.ins.iter().enumerate() {
+        let (_, len, _) = around(op, s, axis)?;
+        if s.numel() != outer * len * inner {
+            return Err(format!(
+                "concat: input {i} {s} does not fit the output {}",
+                o.outs[0]
+            ));
+        }
+        if outer * len * inner > 0 {
+            calls.push(copy_rows(
+                rows,
+                KArg::In(i),
+                outer,
+                len * inner,
+                len * inner,
+                0,
+                total * inner,
+                start * inner,
+            ));
+        }
+        start += len;
+    }
+    if start != total {
+        return Err(format!(
+            "concat: inputs hold {start} entries of axis {axis}, the output {total}"
+        ));
+    }
+    Ok(plan_of(calls, vec![]))
+}
+
+fn slice(op: &Op, o: &Operands, axis: usize, start: usize, len: usize) -> Result<CudaPlan, String> {
+    let d = *o.in_dtypes.first().ok_or("slice: no input")?;
+    expect(op, o, &[d], &[d])?;
+    let [_, rows, _] = copy_kernels(op, d)?;
+    let (outer, total, inner) = around(op, o.ins[0], axis)?;
+    if start + len > total || o.outs[0].numel() != outer * len * inner {
+        return Err(format!(
+            "slice: {start}+{len} of axis {axis} of {} into {}",
+            o.ins[0], o.outs[0]
+        ));
+    }
+    let calls = if outer * len * inner > 0 {
+        vec![copy_rows(
+            rows,
+            KArg::In(0),
+            outer,
+            len * inner,
+            total * inner,
+            start * inner,
+            len * inner,
+            0,
+        )]
+    } else {
+        vec![]
+    };
+    Ok(plan_of(calls, vec![]))
+}
+
+fn pad(op: &Op, o: &Operands, axis: usize, start: usize, full: usize) -> Result<CudaPlan, String> {
+    let d = *o.in_dtypes.first().ok_or("pad: no input")?;
+    expect(op, o, &[d], &[d])?;
+    let [_, _, padk] = copy_kernels(op, d)?;
+    let (outer, total, inner) = around(op, o.outs[0], axis)?;
+    let len = around(op, o.ins[0], axis)?.1;
+    if total != full || start + len > full || o.ins[0].numel() != outer * len * inner {
+        return Err(format!(
+            "pad: {} at {start} of axis {axis} into {}",
+            o.ins[0], o.outs[0]
+        ));
+    }
+    let n = outer * full * inner;
+    Ok(plan_of(
+        vec![ew(
+            padk,
+            n,
+            vec![
+                KArg::In(0),
+                Out(0),
+                n64(outer),
+                n64(full * inner),
+                n64(len * inner),
+                n64(start * inner),
+            ],
+        )],
+        vec![],
+    ))
+}
+
+fn grad_sum(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    let k = o.ins.len();
+    if k == 0 {
+        return Err("grad_sum: no inputs".into());
+    }
+    expect(op, o, &vec![F; k], &[F])?;
+    let n = o.outs[0].numel();
+    if let Some(s) = o.ins.iter().find(|s| s.numel() != n) {
+        return Err(format!(
+            "grad_sum: input {s} differs from the output {}",
+            o.outs[0]
+        ));
+    }
+    // first call: inputs 0..8; each next call: the running sum, then 7 more inputs
+    let mut calls = Vec::new();
+    let mut next = 0;
+    while next < k {
+        let mut ptrs: Vec<KArg> = Vec::with_capacity(8);
+        if next > 0 {
+            ptrs.push(Out(0));
+        }
+        while ptrs.len() < 8 && next < k {
+            ptrs.push(KArg::In(next));
+            next += 1;
+        }
+        let used = ptrs.len() as i32;
+        while ptrs.len() < 8 {
+            ptrs.push(ptrs[0]);
+        }
+        let mut args = vec![Out(0), n64(n), I32(used)];
+        args.extend(ptrs);
+        calls.push(ew("ew_grad_sum", n, args));
+    }
+    Ok(plan_of(calls, vec![]))
+}
+
+fn step_increment(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[], &[])?;
+    if o.upd.len() != 1 || o.upd[0].numel() != 1 {
+        return Err("step_increment: the step counter must be one i32".into());
+    }
+    Ok(plan_of(
+        vec![kc("step_increment", [1, 1, 1], [32, 1, 1], 0, vec![Upd(0)])],
+        vec![],
+    ))
+}
+
+// ---- layer norm and column reductions ---------------------------------------------------------
+
+/// Row slices of a deterministic two-pass column reduction over `rows × cols`: enough
+/// CTAs to fill the GPU, at least 64 rows (8 a thread) per slice. A function of the shape
+/// only, so the summation order never changes. Returns (slices, rows per slice).
+fn col_slices(rows: usize, cols: usize) -> (usize, usize) {
+    let col_blocks = cols.div_ceil(32).max(1);
+    let s = rows
+        .div_ceil(64)
+        .min((2048 / col_blocks).max(1))
+        .clamp(1, 1024);
+    let per = rows.div_ceil(s).max(1);
+    (rows.div_ceil(per).max(1), per)
+}
+
+/// Pass 1 into `part` (or straight into the outputs when one slice suffices) and pass 2.
+/// `partial(slices, rows_per_slice, targets)` makes pass 1 given where it writes.
+fn column_reduce(
+    calls: &mut Vec<KernelCall>,
+    scratch: &mut Vec<usize>,
+    rows: usize,
+    cols: usize,
+    outs: &[KArg],
+    partial: impl Fn(u32, usize, &[KArg]) -> KernelCall,
+) {
+    let (s, per) = col_slices(rows, cols);
+    if s == 1 {
+        calls.push(partial(1, per, outs));
+        return;
+    }
+    let parts: Vec<KArg> = outs
+        .iter()
+        .map(|_| {
+            scratch.push(s * cols * 4);
+            Scratch(scratch.len() - 1)
+        })
+        .collect();
+    calls.push(partial(s as u32, per, &parts));
+    for (p, out) in parts.iter().zip(outs) {
+        calls.push(kc(
+            "colsum_final",
+            [blocks(cols, 32), 1, 1],
+            [32, 8, 1],
+            0,
+            vec![*p, *out, I32(s as i32), n64(cols)],
+        ));
+    }
+}
+
+fn layer_norm(op: &Op, o: &Operands, eps: f64) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F, F], &[F, F, F])?;
+    let d = o.ins[1].numel();
+    let n = o.ins[0].numel();
+    if d == 0 || !n.is_multiple_of(d) || o.ins[2].numel() != d || o.outs[0].numel() != n {
+        return Err(format!(
+            "layer_norm: x {} with gamma {}",
+            o.ins[0], o.ins[1]
+        ));
+    }
+    let rows = n / d;
+    if o.outs[1].numel() != rows || o.outs[2].numel() != rows {
+        return Err(format!(
+            "layer_norm: mean {} / rstd {} must hold {rows} rows",
+            o.outs[1], o.outs[2]
+        ));
+    }
+    let args = vec![
+        KArg::In(0),
+        KArg::In(1),
+        KArg::In(2),
+        Out(0),
+        Out(1),
+        Out(2),
+        n64(rows),
+        I32(i32_of(d, "layer_norm width")?),
+        F32(eps as f32),
+    ];
+    Ok(plan_of(
+        vec![warp_rows("layer_norm_fwd", rows, args)],
+        vec![],
+    ))
+}
+
+fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F, F, F, F], &[F, F, F])?;
+    let d = o.ins[2].numel();
+    let n = o.ins[1].numel();
+    if d == 0 || !n.is_multiple_of(d) || o.ins[0].numel() != n || o.outs[0].numel() != n {
+        return Err(format!(
+            "layer_norm_grad: x {} with gamma {}",
+            o.ins[1], o.ins[2]
+        ));
+    }
+    let rows = n / d;
+    if o.ins[3].numel() != rows
+        || o.ins[4].numel() != rows
+        || o.outs[1].numel() != d
+        || o.outs[2].numel() != d
+    {
+        return Err(format!(
+            "layer_norm_grad: statistics or parameter gradients do not fit {} rows of {d}",
+            rows
+        ));
+    }
+    let di = i32_of(d, "layer_norm width")?;
+    let mut calls = vec![warp_rows(
+        "layer_norm_bwd_dx",
+        rows,
+        vec![
+            KArg::In(0),
+            KArg::In(1),
+            KArg::In(2),
+            KArg::In(3),
+            KArg::In(4),
+            Out(0),
+            n64(rows),
+            I32(di),
+            F32((1.0 / d as f64) as f32),
+        ],
+    )];
+    let mut scratch = Vec::new();
+    column_reduce(
+        &mut calls,
+        &mut scratch,
+        rows,
+        d,
+        &[Out(1), Out(2)],
+        |s, per, t| {
+            kc(
+                "layer_norm_bwd_dgb_partial",
+                [blocks(d, 32), s, 1],
+                [32, 8, 1],
+                0,
+                vec![
+                    KArg::In(0),
+                    KArg::In(1),
+                    KArg::In(3),
+                    KArg::In(4),
+                    t[0],
+                    t[1],
+                    n64(rows),
+                    I32(di),
+                    n64(per),
+                ],
+            )
+        },
+    );
+    Ok(plan_of(calls, scratch))
+}
+
+fn sum_to_shape(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F], &[F])?;
+    let n = o.outs[0].numel();
+    let total = o.ins[0].numel();
+    if n == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    if !total.is_multiple_of(n) {
+        return Err(format!(
+            "sum_to_shape: {} does not reduce to {}",
+            o.ins[0], o.outs[0]
+        ));
+    }
+    let rows = total / n;
+    let mut calls = Vec::new();
+    let mut scratch = Vec::new();
+    column_reduce(&mut calls, &mut scratch, rows, n, &[Out(0)], |s, per, t| {
+        kc(
+            "sum_to_shape_partial",
+            [blocks(n, 32), s, 1],
+            [32, 8, 1],
+            0,
+            vec![KArg::In(0), t[0], n64(rows), n64(n), n64(per)],
+        )
+    });
+    Ok(plan_of(calls, scratch))
+}
+
+// ---- interaction -------------------------------------------------------------------------------
+
+fn pairwise_dot(op: &Op, o: &Operands, grad: bool) -> Result<CudaPlan, String> {
+    if grad {
+        expect(op, o, &[F, F], &[F])?;
+    } else {
+        expect(op, o, &[F], &[F])?;
+    }
+    let e = o.ins[usize::from(grad)];
+    let [b, f, d] = e.dims() else {
+        return Err(format!("{}: e {e} must be [B, F, D]", op.name()));
+    };
+    let (b, f, d) = (*b, *f, *d);
+    let pairs = f * f.saturating_sub(1) / 2;
+    let out_n = if grad { b * f * d } else { b * pairs };
+    if o.outs[0].numel() != out_n || (grad && o.ins[0].numel() != b * pairs) {
+        return Err(format!("{}: shapes do not fit e {e}", op.name()));
+    }
+    if out_n == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    let ld = d | 1;
+    let smem = (f * ld + if grad { f * f } else { 0 }) * 4;
+    let fits = smem <= SMEM_DEFAULT;
+    let kernel = match (grad, fits) {
+        (false, true) => "pairwise_dot_fwd",
+        (false, false) => "pairwise_dot_fwd_gmem",
+        (true, true) => "pairwise_dot_bwd",
+        (true, false) => "pairwise_dot_bwd_gmem",
+    };
+    let mut args = if grad {
+        vec![KArg::In(0), KArg::In(1)]
+    } else {
+        vec![KArg::In(0)]
+    };
+    args.extend([
+        Out(0),
+        n64(b),
+        I32(i32_of(f, "fields")?),
+        I32(i32_of(d, "dim")?),
+    ]);
+    let grid = b.min(1 << 20) as u32;
+    let threads = if grad { 256 } else { 128 };
+    Ok(plan_of(
+        vec![kc(
+            kernel,
+            [grid, 1, 1],
+            [threads, 1, 1],
+            if fits { smem as u32 } else { 0 },
+            args,
+        )],
+        vec![],
+    ))
+}
+
+// ---- losses and full reductions ---------------------------------------------------------------
+
+/// CTAs of a two-pass f64 reduction over `n` values: ~8 values a thread, at most 2048.
+fn loss_blocks(n: usize) -> usize {
+    n.div_ceil(256 * 8).clamp(1, 2048)
+}
+
+/// `loss_partial` (mode 0 sum of x, 1 BCE terms) then `loss_final`.
+fn reduce_to_scalar(x: KArg, y: KArg, n: usize, mode: i32, mean: bool) -> CudaPlan {
+    let g = loss_blocks(n);
+    plan_of(
+        vec![
+            kc(
+                "loss_partial",
+                [g as u32, 1, 1],
+                [256, 1, 1],
+                0,
+                vec![x, y, n64(n), I32(mode), Scratch(0)],
+            ),
+            kc(
+                "loss_final",
+                [1, 1, 1],
+                [256, 1, 1],
+                0,
+                vec![
+                    Scratch(0),
+                    I32(g as i32),
+                    Out(0),
+                    I32(i32::from(mean)),
+                    n64(n),
+                ],
+            ),
+        ],
+        vec![8 * g],
+    )
+}
+
+fn scalar_out(op: &Op, o: &Operands) -> Result<(), String> {
+    if o.outs[0].numel() != 1 {
+        return Err(format!(
+            "{}: the output {} must be a scalar",
+            op.name(),
+            o.outs[0]
+        ));
+    }
+    Ok(())
+}
+
+fn full_sum(op: &Op, o: &Operands, mean: bool) -> Result<CudaPlan, String> {
+    expect(op, o, &[F], &[F])?;
+    scalar_out(op, o)?;
+    Ok(reduce_to_scalar(
+        KArg::In(0),
+        KArg::In(0),
+        o.ins[0].numel(),
+        0,
+        mean,
+    ))
+}
+
+fn bce(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F], &[F])?;
+    scalar_out(op, o)?;
+    let n = o.ins[0].numel();
+    if o.ins[1].numel() != n {
+        return Err(format!(
+            "bce_with_logits: logit {} and label {} differ in size",
+            o.ins[0], o.ins[1]
+        ));
+    }
+    Ok(reduce_to_scalar(KArg::In(0), KArg::In(1), n, 1, true))
+}
+
+/// (rows, classes) of softmax cross-entropy logits with their labels.
+fn xent_dims(op: &Op, logits: &Shape, labels: &Shape) -> Result<(usize, usize), String> {
+    let [n, c] = logits.dims() else {
+        return Err(format!("{}: logits {logits} must be [N, C]", op.name()));
+    };
+    if labels.numel() != *n {
+        return Err(format!("{}: labels {labels} must hold {n} rows", op.name()));
+    }
+    Ok((*n, *c))
+}
+
+fn softmax_xent(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, I], &[F])?;
+    scalar_out(op, o)?;
+    let (n, c) = xent_dims(op, o.ins[0], o.ins[1])?;
+    let g = loss_blocks(n);
+    Ok(plan_of(
+        vec![
+            warp_rows(
+                "softmax_xent_rows",
+                n,
+                vec![
+                    KArg::In(0),
+                    KArg::In(1),
+                    Scratch(0),
+                    n64(n),
+                    I32(i32_of(c, "classes")?),
+                ],
+            ),
+            kc(
+                "loss_partial_f64",
+                [g as u32, 1, 1],
+                [256, 1, 1],
+                0,
+                vec![Scratch(0), n64(n), Scratch(1)],
+            ),
+            kc(
+                "loss_final",
+                [1, 1, 1],
+                [256, 1, 1],
+                0,
+                vec![Scratch(1), I32(g as i32), Out(0), I32(1), n64(n)],
+            ),
+        ],
+        vec![8 * n.max(1), 8 * g],
+    ))
+}
+
+fn softmax_xent_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F, I], &[F])?;
+    let (n, c) = xent_dims(op, o.ins[1], o.ins[2])?;
+    if o.outs[0].numel() != n * c {
+        return Err(format!(
+            "softmax_cross_entropy_grad: dlogits {} must be [{n}, {c}]",
+            o.outs[0]
+        ));
+    }
+    Ok(plan_of(
+        vec![warp_rows(
+            "softmax_xent_grad",
+            n,
+            vec![
+                KArg::In(0),
+                KArg::In(1),
+                KArg::In(2),
+                Out(0),
+                n64(n),
+                I32(i32_of(c, "classes")?),
+            ],
+        )],
+        vec![],
+    ))
+}
+
+// ---- optimizers ----------------------------------------------------------------------------------
+
+/// The table of (param, grad, m, v, numel, first chunk) records in scratch 0, built by
+/// `optim_table_build` launches of 32 records each; returns the calls and the total
+/// number of chunks.
+fn optim_table(tensors: &[[KArg; 4]], numels: &[usize]) -> (Vec<KernelCall>, usize) {
+    let mut calls = Vec::new();
+    let mut starts = Vec::with_capacity(numels.len());
+    let mut total = 0;
+    for &n in numels {
+        starts.push(total);
+        total += n.div_ceil(OPT_CHUNK);
+    }
+    for first in (0..tensors.len()).step_by(BUILD_SLOTS) {
+        let count = BUILD_SLOTS.min(tensors.len() - first);
+        let mut args = vec![Scratch(0), I32(first as i32), I32(count as i32)];
+        for k in 0..BUILD_SLOTS {
+            // unused slots repeat the first record (never written: k >= count)
+            let i = if k < count { first + k } else { first };
+            args.extend(tensors[i]);
+            args.push(n64(numels[i]));
+            args.push(n64(starts[i]));
+        }
+        calls.push(kc("optim_table_build", [1, 1, 1], [32, 1, 1], 0, args));
+    }
+    (calls, total)
+}
+
+fn check_pairs(op: &Op, o: &Operands, grads: &[&Shape], n: usize) -> Result<(), String> {
+    if o.upd.len() != n * if matches!(op, Op::Adam { .. }) { 3 } else { 1 } {
+        return Err(format!(
+            "{}: {} updated tensors for {n} gradients",
+            op.name(),
+            o.upd.len()
+        ));
+    }
+    for (i, g) in grads.iter().enumerate() {
+        let same = o
+            .upd
+            .iter()
+            .skip(i)
+            .step_by(n.max(1))
+            .all(|u| u.numel() == g.numel());
+        if !same {
+            return Err(format!(
+                "{}: gradient {i} {g} does not match its parameter/state",
+                op.name()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn sgd(op: &Op, o: &Operands, lr: f64) -> Result<CudaPlan, String> {
+    let n = o.ins.len();
+    expect(op, o, &vec![F; n], &[])?;
+    check_pairs(op, o, o.ins, n)?;
+    let numels: Vec<usize> = o.ins.iter().map(|s| s.numel()).collect();
+    let recs: Vec<[KArg; 4]> = (0..n)
+        .map(|i| [Upd(i), KArg::In(i), Upd(i), Upd(i)])
+        .collect();
+    let (mut calls, chunks) = optim_table(&recs, &numels);
+    if chunks == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    calls.push(kc(
+        "sgd_multi_tensor",
+        [chunks as u32, 1, 1],
+        [256, 1, 1],
+        0,
+        vec![
+            Scratch(0),
+            I32(i32_of(n, "tensors")?),
+            n64(chunks),
+            F32(lr as f32),
+        ],
+    ));
+    Ok(plan_of(calls, vec![OPT_REC_BYTES * n]))
+}
+
+fn adam(
+    op: &Op,
+    o: &Operands,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+) -> Result<CudaPlan, String> {
+    let n = o.ins.len().saturating_sub(1);
+    let mut want = vec![I];
+    want.extend(vec![F; n]);
+    expect(op, o, &want, &[])?;
+    if o.ins[0].numel() != 1 {
+        return Err(format!("adam: the step {} must be one i32", o.ins[0]));
+    }
+    check_pairs(op, o, &o.ins[1..], n)?;
+    let numels: Vec<usize> = o.ins[1..].iter().map(|s| s.numel()).collect();
+    let recs: Vec<[KArg; 4]> = (0..n)
+        .map(|i| [Upd(i), KArg::In(1 + i), Upd(n + i), Upd(2 * n + i)])
+        .collect();
+    let (mut calls, chunks) = optim_table(&recs, &numels);
+    if chunks == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    calls.push(kc(
+        "adam_multi_tensor",
+        [chunks as u32, 1, 1],
+        [256, 1, 1],
+        0,
+        vec![
+            Scratch(0),
+            I32(i32_of(n, "tensors")?),
+            n64(chunks),
+            KArg::In(0),
+            I64(lr.to_bits() as i64),
+            I64(beta1.to_bits() as i64),
+            I64(beta2.to_bits() as i64),
+            F32(eps as f32),
+        ],
+    ));
+    Ok(plan_of(calls, vec![OPT_REC_BYTES * n]))
+}
+
+// ---- embedding bags --------------------------------------------------------------------------------
+
+/// Field geometry: the `emb_meta_build` calls writing (base, rows) per field into
+/// `Scratch(0)`, the total rows, and the scratch bytes of the meta table.
+fn emb_meta(op: &Op, field_rows: &[usize]) -> Result<(Vec<KernelCall>, usize), String> {
+    if field_rows.is_empty() {
+        return Err(format!("{}: no fields", op.name()));
+    }
+    let mut bases = Vec::with_capacity(field_rows.len());
+    let mut total = 0usize;
+    for &r in field_rows {
+        bases.push(total);
+        total += r;
+    }
+    if total >= i32::MAX as usize {
+        return Err(format!(
+            "{}: {total} table rows do not fit the kernels' i32 row keys",
+            op.name()
+        ));
+    }
+    let mut calls = Vec::new();
+    for first in (0..field_rows.len()).step_by(BUILD_SLOTS) {
+        let count = BUILD_SLOTS.min(field_rows.len() - first);
+        let mut args = vec![Scratch(0), I32(first as i32), I32(count as i32)];
+        for k in 0..BUILD_SLOTS {
+            let i = if k < count { first + k } else { first };
+            args.push(n64(bases[i]));
+            args.push(n64(field_rows[i]));
+        }
+        calls.push(kc("emb_meta_build", [1, 1, 1], [32, 1, 1], 0, args));
+    }
+    Ok((calls, total))
+}
+
+/// Ids and offsets must be i32 vectors; returns (ids, offsets) counts.
+fn emb_ids(op: &Op, ids: &Shape, offsets: &Shape) -> Result<(usize, usize), String> {
+    let n_ids = ids.numel();
+    if n_ids >= i32::MAX as usize {
+        return Err(format!("{}: {n_ids} ids do not fit i32 offsets", op.name()));
+    }
+    Ok((n_ids, offsets.numel()))
+}
+
+fn embedding_bag(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, I, I], &[F])?;
+    let (mut calls, total) = emb_meta(op, field_rows)?;
+    let [rows, d] = o.ins[0].dims() else {
+        return Err(format!(
+            "embedding_bag: table {} must be [rows, D]",
+            o.ins[0]
+        ));
+    };
+    let (rows, d) = (*rows, *d);
+    if rows != total {
+        return Err(format!(
+            "embedding_bag: table {} must have Σ rows = {total}",
+            o.ins[0]
+        ));
+    }
+    let (n_ids, n_off) = emb_ids(op, o.ins[1], o.ins[2])?;
+    let out_n = o.outs[0].numel();
+    if d == 0 || out_n == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    let n_bags = out_n / d;
+    let mut args = vec![
+        KArg::In(0),
+        KArg::In(1),
+        KArg::In(2),
+        Scratch(0),
+        Out(0),
+        n64(n_ids),
+        n64(n_off),
+        n64(n_bags),
+        I32(field_rows.len() as i32),
+        I32(i32_of(d, "embedding dim")?),
+        n64(total),
+    ];
+    if d % 4 == 0 {
+        // a group of `lanes` lanes (a power of two <= 32) per bag, float4 columns
+        let lanes = (d / 4).next_power_of_two().min(32);
+        args.push(I32(lanes.trailing_zeros() as i32));
+        let per_cta = 256 / lanes;
+        calls.push(kc(
+            "embedding_bag_fwd_v4",
+            [blocks(n_bags, per_cta).min(MAX_BLOCKS), 1, 1],
+            [256, 1, 1],
+            0,
+            args,
+        ));
+    } else {
+        calls.push(warp_rows("embedding_bag_fwd", n_bags, args));
+    }
+    Ok(plan_of(calls, vec![16 * field_rows.len()]))
+}
+
+/// Where the segment sums of the backward go.
+enum SegDst {
+    /// `dtable[row]`: the dense gradient (output 0).
+    Dense,
+    /// `G[run start]` in the given scratch buffer, for Adagrad.
+    ByPosition(usize),
+}
+
+/// The backward's shared part: meta (scratch 0), occurrence keys, the radix sort (scratch
+/// 1-5), the chunked segment sums (scratch 6-7). `ids`/`offsets`/`dy` are the operands;
+/// returns the calls, the scratch sizes and the scratch holding the sorted rows.
+#[allow(clippy::too_many_arguments)]
+fn emb_backward(
+    calls: &mut Vec<KernelCall>,
+    scratch: &mut Vec<usize>,
+    field_rows: &[usize],
+    total: usize,
+    (ids, offsets, dy): (KArg, KArg, KArg),
+    n_ids: usize,
+    n_bags: usize,
+    d: usize,
+    dst: SegDst,
+) -> Result<usize, String> {
+    let n = n_ids;
+    let sentinel = total as i32;
+    let tiles = n.div_ceil(EMB_TILE).max(1);
+    let chunks = n.div_ceil(EMB_CHUNK).max(1);
+    let col_tiles = d.div_ceil(32);
+    let di = i32_of(d, "embedding dim")?;
+    let nb = i32_of(n_bags, "bags")?;
+    scratch.extend([
+        16 * field_rows.len(), // 0 meta
+        4 * n,                 // 1 keys a
+        4 * n,                 // 2 values a
+        4 * n,                 // 3 keys b
+        4 * n,                 // 4 values b
+        4 * 256 * tiles,       // 5 histogram
+        4 * chunks * d,        // 6 part_first
+        4 * chunks * d,        // 7 part_last
+    ]);
+    calls.push(ew(
+        "emb_sort_keys",
+        n,
+        vec![
+            ids,
+            offsets,
+            Scratch(0),
+            Scratch(1),
+            Scratch(2),
+            I32(n as i32),
+            I32(nb),
+            I32(field_rows.len() as i32),
+            I32(sentinel),
+        ],
+    ));
+    // LSD passes of 8 bits over the bits the keys use (the sentinel is the largest key)
+    let bits = 32 - (sentinel as u32).leading_zeros();
+    let passes = bits.div_ceil(8);
+    let (mut k_in, mut v_in, mut k_out, mut v_out) = (1, 2, 3, 4);
+    for p in 0..passes {
+        let shift = I32(8 * p as i32);
+        calls.push(kc(
+            "emb_radix_hist",
+            [tiles as u32, 1, 1],
+            [256, 1, 1],
+            0,
+            vec![Scratch(k_in), I32(n as i32), shift, Scratch(5)],
+        ));
+        calls.push(kc(
+            "emb_radix_scan",
+            [1, 1, 1],
+            [1024, 1, 1],
+            0,
+            vec![Scratch(5), n64(256 * tiles)],
+        ));
+        calls.push(kc(
+            "emb_radix_scatter",
+            [tiles as u32, 1, 1],
+            [256, 1, 1],
+            0,
+            vec![
+                Scratch(k_in),
+                Scratch(v_in),
+                Scratch(k_out),
+                Scratch(v_out),
+                I32(n as i32),
+                shift,
+                Scratch(5),
+            ],
+        ));
+        std::mem::swap(&mut k_in, &mut k_out);
+        std::mem::swap(&mut v_in, &mut v_out);
+    }
+    let (dst_arg, by_row) = match dst {
+        SegDst::Dense => (Out(0), 1),
+        SegDst::ByPosition(s) => (Scratch(s), 0),
+    };
+    let warps = chunks * col_tiles;
+    calls.push(warp_rows(
+        "emb_seg_chunks",
+        warps,
+        vec![
+            Scratch(k_in),
+            Scratch(v_in),
+            dy,
+            I32(n as i32),
+            I32(di),
+            I32(nb),
+            I32(sentinel),
+            Scratch(6),
+            Scratch(7),
+            dst_arg,
+            I32(by_row),
+        ],
+    ));
+    calls.push(warp_rows(
+        "emb_seg_tails",
+        warps,
+        vec![
+            Scratch(k_in),
+            I32(n as i32),
+            I32(di),
+            I32(sentinel),
+            Scratch(6),
+            Scratch(7),
+            dst_arg,
+            I32(by_row),
+        ],
+    ));
+    Ok(k_in)
+}
+
+fn embedding_bag_grad_dense(
+    op: &Op,
+    o: &Operands,
+    field_rows: &[usize],
+) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, I, I], &[F])?;
+    let (mut calls, total) = emb_meta(op, field_rows)?;
+    let [rows, d] = o.outs[0].dims() else {
+        return Err(format!(
+            "embedding_bag_grad_dense: dtable {} must be [rows, D]",
+            o.outs[0]
+        ));
+    };
+    let (rows, d) = (*rows, *d);
+    if rows != total {
+        return Err(format!(
+            "embedding_bag_grad_dense: dtable {} must have Σ rows = {total}",
+            o.outs[0]
+        ));
+    }
+    let (n_ids, n_off) = emb_ids(op, o.ins[1], o.ins[2])?;
+    let zero = ew(
+        "ew_fill_u32",
+        rows * d,
+        vec![Out(0), n64(rows * d), KArg::U32(0)],
+    );
+    if n_ids == 0 || d == 0 {
+        return Ok(plan_of(vec![zero], vec![]));
+    }
+    let n_bags = (o.ins[0].numel() / d).min(n_off.saturating_sub(1));
+    let mut scratch = Vec::new();
+    calls.push(zero);
+    emb_backward(
+        &mut calls,
+        &mut scratch,
+        field_rows,
+        total,
+        (KArg::In(1), KArg::In(2), KArg::In(0)),
+        n_ids,
+        n_bags,
+        d,
+        SegDst::Dense,
+    )?;
+    Ok(plan_of(calls, scratch))
+}
+
+fn rowwise_adagrad(
+    op: &Op,
+    o: &Operands,
+    lr: f64,
+    eps: f64,
+    field_rows: &[usize],
+) -> Result<CudaPlan, String> {
+    expect(op, o, &[I, I, F], &[])?;
+    let (mut calls, total) = emb_meta(op, field_rows)?;
+    let d = o.ins[2].last();
+    if o.upd.len() != 2 || o.upd[0].dims() != [total, d] || o.upd[1].numel() != total {
+        return Err(format!(
+            "rowwise_adagrad: table and accumulator must be [{total}, {d}] and [{total}] for dpooled {}",
+            o.ins[2]
+        ));
+    }
+    let (n_ids, n_off) = emb_ids(op, o.ins[0], o.ins[1])?;
+    if n_ids == 0 || d == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    let n_bags = (o.ins[2].numel() / d).min(n_off.saturating_sub(1));
+    let mut scratch = Vec::new();
+    let g = 8; // scratch index of G
+    let sorted = emb_backward(
+        &mut calls,
+        &mut scratch,
+        field_rows,
+        total,
+        (KArg::In(0), KArg::In(1), KArg::In(2)),
+        n_ids,
+        n_bags,
+        d,
+        SegDst::ByPosition(g),
+    )?;
+    scratch.push(4 * n_ids * d);
+    debug_assert_eq!(scratch.len(), g + 1);
+    calls.push(warp_rows(
+        "emb_adagrad_apply",
+        n_ids,
+        vec![
+            Scratch(sorted),
+            Scratch(g),
+            I32(n_ids as i32),
+            I32(i32_of(d, "embedding dim")?),
+            I32(total as i32),
+            Upd(0),
+            Upd(1),
+            F32(lr as f32),
+            F32(eps as f32),
+            F32((1.0 / d as f64) as f32),
+        ],
+    ));
+    Ok(plan_of(calls, scratch))
+}

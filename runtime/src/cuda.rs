@@ -1,0 +1,657 @@
+//! The CUDA device, through cudarc's driver bindings loaded at run time: nothing CUDA is
+//! needed to build or start; a machine without a driver or a GPU gets a clear error.
+//!
+//! This layer is thin on purpose: raw streams (the main one at the highest priority),
+//! events, device allocations and kernel launches from the ops' [`KernelCall`]s. cudarc's
+//! safe layer tracks reads and writes per buffer and would make streams wait on each
+//! other; here the only cross-stream order is the step program's own events.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+use erase_graph::{DType, Op, Shape};
+use erase_ops::cuda::{cuda_plan, KArg, KernelCall, Operands};
+use erase_ops::Buffer;
+
+use crate::error::RuntimeError;
+
+/// The PTX of one `kernels-cuda/*.cu` file for both targets.
+#[derive(Debug)]
+pub struct PtxModule {
+    pub file: &'static str,
+    pub sm90a: &'static str,
+    pub sm80: &'static str,
+}
+
+/// One kernel's resources as ptxas reports them for sm_90a.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelInfo {
+    pub name: &'static str,
+    pub file: &'static str,
+    pub regs: u32,
+    /// Static shared memory, bytes.
+    pub smem: u32,
+    /// Spilled bytes (stores).
+    pub spill: u32,
+}
+
+/// The kernels a build embeds (empty when it was built without nvcc).
+#[derive(Debug, Clone, Copy)]
+pub struct KernelLibrary {
+    pub modules: &'static [PtxModule],
+    pub kernels: &'static [KernelInfo],
+}
+
+impl KernelLibrary {
+    pub fn find(&self, name: &str) -> Option<&KernelInfo> {
+        self.kernels.iter().find(|k| k.name == name)
+    }
+}
+
+/// Which PTX to load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PtxTarget {
+    Sm90a,
+    Sm80,
+}
+
+fn driver_err(what: &str, e: result::DriverError) -> RuntimeError {
+    RuntimeError::Device(format!("{what}: {e:?}"))
+}
+
+/// A device allocation, freed on drop.
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            // SAFETY: `ptr` came from `malloc_sync` and is freed exactly once, here.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// A raw stream, destroyed on drop.
+pub struct Stream {
+    raw: sys::CUstream,
+}
+
+impl Stream {
+    pub fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    pub fn synchronize(&self) -> Result<(), RuntimeError> {
+        // SAFETY: `raw` is a live stream created by this module.
+        unsafe { result::stream::synchronize(self.raw) }
+            .map_err(|e| driver_err("stream synchronize", e))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: created by `cuStreamCreateWithPriority`, destroyed once.
+        let _ = unsafe { result::stream::destroy(self.raw) };
+    }
+}
+
+/// A raw event (timing enabled only when asked), destroyed on drop.
+pub struct Event {
+    raw: sys::CUevent,
+}
+
+impl Event {
+    pub fn raw(&self) -> sys::CUevent {
+        self.raw
+    }
+
+    pub fn record(&self, s: &Stream) -> Result<(), RuntimeError> {
+        // SAFETY: both handles are live and belong to the current context.
+        unsafe { result::event::record(self.raw, s.raw) }.map_err(|e| driver_err("event record", e))
+    }
+
+    /// Makes `s` wait for the work recorded before this event.
+    pub fn wait_on(&self, s: &Stream) -> Result<(), RuntimeError> {
+        // SAFETY: both handles are live and belong to the current context.
+        unsafe {
+            result::stream::wait_event(
+                s.raw,
+                self.raw,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| driver_err("stream wait", e))
+    }
+
+    pub fn synchronize(&self) -> Result<(), RuntimeError> {
+        // SAFETY: live event.
+        unsafe { result::event::synchronize(self.raw) }
+            .map_err(|e| driver_err("event synchronize", e))
+    }
+
+    /// Milliseconds from `start` to this event (both recorded with timing).
+    pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32, RuntimeError> {
+        // SAFETY: both events are live and have completed (callers synchronize first).
+        unsafe { result::event::elapsed(start.raw, self.raw) }
+            .map_err(|e| driver_err("event elapsed", e))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by `event::create`, destroyed once.
+        let _ = unsafe { result::event::destroy(self.raw) };
+    }
+}
+
+/// A kernel launch with its function and argument bytes resolved.
+pub struct PreparedLaunch {
+    f: sys::CUfunction,
+    pub call: KernelCall,
+    slots: Vec<[u8; 8]>,
+}
+
+// SAFETY: a function handle and plain bytes; usable from any thread with the context.
+unsafe impl Send for PreparedLaunch {}
+
+/// A CUDA device with the kernel library loaded.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    modules: Vec<sys::CUmodule>,
+    functions: BTreeMap<&'static str, sys::CUfunction>,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub sms: u32,
+    pub target: PtxTarget,
+    library: KernelLibrary,
+}
+
+// SAFETY: the driver's handles (module, function) may be used from any thread once the
+// context is current there; every entry point below binds the context first.
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; the handles are only read after construction.
+unsafe impl Sync for CudaDevice {}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        for &m in &self.modules {
+            // SAFETY: loaded by `module::load_data`, unloaded once; no launch outlives the
+            // device (every method that launches synchronizes or hands back a stream the
+            // caller synchronizes before dropping the device).
+            let _ = unsafe { result::module::unload(m) };
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` and loads `lib`. `ERASE_PTX=sm80` forces the sm_80 PTX on a
+    /// Hopper GPU (to test the portable path).
+    pub fn open(lib: KernelLibrary, ordinal: usize) -> Result<Self, RuntimeError> {
+        if lib.modules.is_empty() {
+            return Err(RuntimeError::Device(
+                "this build has no CUDA kernels: nvcc was not found when it was built; run scripts/install-nvcc.sh and rebuild".into(),
+            ));
+        }
+        // SAFETY: only asks whether the driver library can be loaded.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(RuntimeError::Device(
+                "no CUDA driver (libcuda.so) on this machine".into(),
+            ));
+        }
+        result::init().map_err(|e| driver_err("cuInit", e))?;
+        let count = result::device::get_count().map_err(|e| driver_err("device count", e))?;
+        if count <= ordinal as i32 {
+            return Err(RuntimeError::Device(format!(
+                "no CUDA device {ordinal} ({count} found)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("creating the context", e))?;
+        // SAFETY: tracking is off before anything is allocated through the context; this
+        // module never uses cudarc's tracked slices.
+        unsafe { ctx.disable_event_tracking() };
+        ctx.bind_to_thread()
+            .map_err(|e| driver_err("binding the context", e))?;
+        let name = ctx.name().map_err(|e| driver_err("device name", e))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| driver_err("compute capability", e))?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_err("SM count", e))? as u32;
+        let forced = std::env::var("ERASE_PTX").ok();
+        let target = match forced.as_deref() {
+            Some("sm80") => PtxTarget::Sm80,
+            Some("sm90a") | None if cc == (9, 0) => PtxTarget::Sm90a,
+            Some("sm90a") => {
+                return Err(RuntimeError::Device(format!(
+                    "ERASE_PTX=sm90a needs an sm_90 GPU; {name} is sm_{}{}",
+                    cc.0, cc.1
+                )))
+            }
+            Some(other) if other != "sm80" => {
+                return Err(RuntimeError::Device(format!(
+                    "ERASE_PTX={other}: expected sm90a or sm80"
+                )))
+            }
+            _ if cc.0 >= 8 => PtxTarget::Sm80,
+            _ => {
+                return Err(RuntimeError::Device(format!(
+                    "{name} is sm_{}{}; the kernels need sm_80 or newer",
+                    cc.0, cc.1
+                )))
+            }
+        };
+        let mut dev = CudaDevice {
+            ctx,
+            modules: Vec::new(),
+            functions: BTreeMap::new(),
+            name,
+            compute_capability: cc,
+            sms,
+            target,
+            library: lib,
+        };
+        for m in lib.modules {
+            let src = match target {
+                PtxTarget::Sm90a => m.sm90a,
+                PtxTarget::Sm80 => m.sm80,
+            };
+            let c = CString::new(src)
+                .map_err(|_| RuntimeError::Device(format!("PTX of {} holds a NUL byte", m.file)))?;
+            // SAFETY: `c` is a NUL-terminated PTX image that outlives the call.
+            let module = unsafe { result::module::load_data(c.as_ptr() as *const c_void) }
+                .map_err(|e| driver_err(&format!("loading the PTX of {}.cu", m.file), e))?;
+            dev.modules.push(module);
+            for k in lib.kernels.iter().filter(|k| k.file == m.file) {
+                let cname = CString::new(k.name)
+                    .map_err(|_| RuntimeError::Device(format!("bad kernel name {}", k.name)))?;
+                // SAFETY: `module` was just loaded and is alive.
+                let f = unsafe { result::module::get_function(module, cname) }
+                    .map_err(|e| driver_err(&format!("kernel {} in {}.cu", k.name, m.file), e))?;
+                dev.functions.insert(k.name, f);
+            }
+        }
+        Ok(dev)
+    }
+
+    pub fn library(&self) -> KernelLibrary {
+        self.library
+    }
+
+    fn bind(&self) -> Result<(), RuntimeError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the context", e))
+    }
+
+    pub fn function(&self, name: &str) -> Result<sys::CUfunction, RuntimeError> {
+        self.functions.get(name).copied().ok_or_else(|| {
+            RuntimeError::Device(format!("kernel '{name}' is not in this build's PTX"))
+        })
+    }
+
+    /// `bytes` of device memory (contents undefined).
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer, RuntimeError> {
+        self.bind()?;
+        if bytes == 0 {
+            return Ok(DeviceBuffer { ptr: 0, bytes: 0 });
+        }
+        // SAFETY: a plain device allocation of a positive size.
+        let ptr = unsafe { result::malloc_sync(bytes) }
+            .map_err(|e| driver_err(&format!("allocating {bytes} bytes"), e))?;
+        Ok(DeviceBuffer { ptr, bytes })
+    }
+
+    /// Sets every byte of `b` to `value` (0xFF makes f32 NaN: poison).
+    pub fn fill(&self, b: &DeviceBuffer, value: u8) -> Result<(), RuntimeError> {
+        if b.bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `b` is a live allocation of `b.bytes` bytes.
+        unsafe { result::memset_d8_sync(b.ptr, value, b.bytes) }
+            .map_err(|e| driver_err("memset", e))
+    }
+
+    pub fn upload(&self, b: &DeviceBuffer, offset: usize, data: &[u8]) -> Result<(), RuntimeError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if offset + data.len() > b.bytes {
+            return Err(RuntimeError::Device(format!(
+                "upload of {} bytes at {offset} overflows a buffer of {}",
+                data.len(),
+                b.bytes
+            )));
+        }
+        self.bind()?;
+        // SAFETY: the destination range lies inside the live allocation (checked above).
+        unsafe { result::memcpy_htod_sync(b.ptr + offset as u64, data) }
+            .map_err(|e| driver_err("copy to device", e))
+    }
+
+    pub fn download(
+        &self,
+        b: &DeviceBuffer,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), RuntimeError> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        if offset + out.len() > b.bytes {
+            return Err(RuntimeError::Device(format!(
+                "download of {} bytes at {offset} overflows a buffer of {}",
+                out.len(),
+                b.bytes
+            )));
+        }
+        self.bind()?;
+        // SAFETY: the source range lies inside the live allocation (checked above).
+        unsafe { result::memcpy_dtoh_sync(out, b.ptr + offset as u64) }
+            .map_err(|e| driver_err("copy to host", e))
+    }
+
+    /// A non-blocking stream; `highest` gives it the greatest priority the device has.
+    pub fn stream(&self, highest: bool) -> Result<Stream, RuntimeError> {
+        self.bind()?;
+        let (mut least, mut greatest) = (0i32, 0i32);
+        // SAFETY: out-pointers to two live i32s; the context is current.
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }
+            .result()
+            .map_err(|e| driver_err("stream priorities", e))?;
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        let prio = if highest { greatest } else { least };
+        // SAFETY: out-pointer to a live handle; flags and priority are valid values.
+        unsafe {
+            sys::cuStreamCreateWithPriority(
+                &mut raw,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                prio,
+            )
+        }
+        .result()
+        .map_err(|e| driver_err("creating a stream", e))?;
+        Ok(Stream { raw })
+    }
+
+    pub fn event(&self, timing: bool) -> Result<Event, RuntimeError> {
+        self.bind()?;
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let raw = result::event::create(flags).map_err(|e| driver_err("creating an event", e))?;
+        Ok(Event { raw })
+    }
+
+    /// The most threads a CTA of `kernel` may have (its launch bounds and registers).
+    pub fn max_threads_per_block(&self, kernel: &str) -> Result<u32, RuntimeError> {
+        let f = self.function(kernel)?;
+        self.bind()?;
+        // SAFETY: `f` is a live function of a loaded module.
+        let n = unsafe {
+            result::function::get_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+            )
+        }
+        .map_err(|e| driver_err("function attribute", e))?;
+        Ok(n as u32)
+    }
+
+    /// CTAs of `kernel` that fit on one SM with `block` threads and `smem` dynamic bytes.
+    pub fn occupancy(&self, kernel: &str, block: u32, smem: u32) -> Result<u32, RuntimeError> {
+        let f = self.function(kernel)?;
+        self.bind()?;
+        // SAFETY: `f` is a live function of a loaded module.
+        let n = unsafe {
+            result::occupancy::max_active_block_per_multiprocessor(f, block as i32, smem as usize)
+        }
+        .map_err(|e| driver_err("occupancy", e))?;
+        Ok(n as u32)
+    }
+
+    /// Launches `call` on `s`, with operand pointers from `ptr`.
+    pub fn launch(
+        &self,
+        call: &KernelCall,
+        s: &Stream,
+        ptr: &dyn Fn(KArg) -> Option<u64>,
+    ) -> Result<(), RuntimeError> {
+        let mut l = self.prepare(call, ptr)?;
+        self.launch_prepared(&mut l, s)
+    }
+
+    /// Resolves `call`'s function and arguments once, for launches repeated every step.
+    pub fn prepare(
+        &self,
+        call: &KernelCall,
+        ptr: &dyn Fn(KArg) -> Option<u64>,
+    ) -> Result<PreparedLaunch, RuntimeError> {
+        let f = self.function(call.kernel)?;
+        // each argument as 8 bytes; the driver reads as many as the parameter's size
+        let mut slots: Vec<[u8; 8]> = Vec::with_capacity(call.args.len());
+        for &a in &call.args {
+            let mut b = [0u8; 8];
+            match a {
+                KArg::I32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+                KArg::U32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+                KArg::F32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+                KArg::I64(v) => b.copy_from_slice(&v.to_ne_bytes()),
+                other => {
+                    let p = ptr(other).ok_or_else(|| {
+                        RuntimeError::Device(format!(
+                            "{}: no device pointer for argument {other:?}",
+                            call.kernel
+                        ))
+                    })?;
+                    b.copy_from_slice(&p.to_ne_bytes());
+                }
+            }
+            slots.push(b);
+        }
+        Ok(PreparedLaunch {
+            f,
+            call: call.clone(),
+            slots,
+        })
+    }
+
+    /// Issues a prepared launch on `s`.
+    pub fn launch_prepared(&self, l: &mut PreparedLaunch, s: &Stream) -> Result<(), RuntimeError> {
+        let mut params: Vec<*mut c_void> = l
+            .slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr() as *mut c_void)
+            .collect();
+        let c = &l.call;
+        // SAFETY: `l.f` is a live function; `params` points at one correctly sized value
+        // per kernel parameter (the plan's argument list is the kernel's signature) that
+        // lives until the call returns (the driver copies them at launch); operand
+        // pointers are live device allocations of the sizes the plan was made for.
+        unsafe {
+            result::launch_kernel(
+                l.f,
+                (c.grid[0], c.grid[1], c.grid[2]),
+                (c.block[0], c.block[1], c.block[2]),
+                c.smem,
+                s.raw,
+                &mut params,
+            )
+        }
+        .map_err(|e| driver_err(&format!("launching {}", c.kernel), e))
+    }
+
+    /// Runs one op on the device: inputs copied in, outputs and scratch poisoned (NaN),
+    /// the plan's launches, outputs copied back; `upd` is updated in place. For tests and
+    /// single-op benchmarks.
+    pub fn run_node(
+        &self,
+        op: &Op,
+        ins: &[(&Shape, &Buffer)],
+        outs: &[(Shape, DType)],
+        upd: &mut [(&Shape, &mut Buffer)],
+    ) -> Result<Vec<Buffer>, RuntimeError> {
+        let in_shapes: Vec<&Shape> = ins.iter().map(|x| x.0).collect();
+        let in_dtypes: Vec<DType> = ins.iter().map(|x| x.1.dtype()).collect();
+        let out_shapes: Vec<&Shape> = outs.iter().map(|x| &x.0).collect();
+        let out_dtypes: Vec<DType> = outs.iter().map(|x| x.1).collect();
+        let upd_shapes: Vec<&Shape> = upd.iter().map(|x| x.0).collect();
+        let plan = cuda_plan(
+            op,
+            &Operands {
+                ins: &in_shapes,
+                in_dtypes: &in_dtypes,
+                outs: &out_shapes,
+                out_dtypes: &out_dtypes,
+                upd: &upd_shapes,
+            },
+        )
+        .map_err(RuntimeError::Device)?;
+        let upload = |b: &Buffer| -> Result<DeviceBuffer, RuntimeError> {
+            let d = self.alloc(b.bytes().len())?;
+            self.upload(&d, 0, b.bytes())?;
+            Ok(d)
+        };
+        let din: Vec<DeviceBuffer> = ins.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?;
+        let dupd: Vec<DeviceBuffer> = upd.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?;
+        let mut dout = Vec::new();
+        for (s, d) in outs {
+            let b = self.alloc(s.numel() * d.size_bytes())?;
+            self.fill(&b, 0xFF)?;
+            dout.push(b);
+        }
+        let mut dscratch = Vec::new();
+        for &n in &plan.scratch {
+            let b = self.alloc(n)?;
+            self.fill(&b, 0xFF)?;
+            dscratch.push(b);
+        }
+        let s = self.stream(true)?;
+        let ptr = |a: KArg| -> Option<u64> {
+            match a {
+                KArg::In(i) => din.get(i).map(|b| b.ptr),
+                KArg::Out(i) => dout.get(i).map(|b| b.ptr),
+                KArg::Upd(i) => dupd.get(i).map(|b| b.ptr),
+                KArg::Scratch(i) => dscratch.get(i).map(|b| b.ptr),
+                _ => None,
+            }
+        };
+        for call in &plan.calls {
+            self.launch(call, &s, &ptr)?;
+        }
+        s.synchronize()?;
+        let fetch = |b: &DeviceBuffer, dtype: DType| -> Result<Buffer, RuntimeError> {
+            let mut bytes = vec![0u8; b.bytes];
+            self.download(b, 0, &mut bytes)?;
+            Ok(buffer_from_bytes(dtype, &bytes))
+        };
+        for (i, (_, b)) in upd.iter_mut().enumerate() {
+            let dt = b.dtype();
+            **b = fetch(&dupd[i], dt)?;
+        }
+        dout.iter()
+            .zip(outs)
+            .map(|(b, (_, d))| fetch(b, *d))
+            .collect()
+    }
+}
+
+impl CudaDevice {
+    /// Times one op on the device: inputs uploaded once, `warmup` untimed runs, then the
+    /// median of `iters` runs, each between two events on one stream. Milliseconds.
+    pub fn time_node(
+        &self,
+        op: &Op,
+        ins: &[(&Shape, &Buffer)],
+        outs: &[(Shape, DType)],
+        upd: &[(&Shape, &Buffer)],
+        warmup: usize,
+        iters: usize,
+    ) -> Result<f64, RuntimeError> {
+        let in_shapes: Vec<&Shape> = ins.iter().map(|x| x.0).collect();
+        let in_dtypes: Vec<DType> = ins.iter().map(|x| x.1.dtype()).collect();
+        let out_shapes: Vec<&Shape> = outs.iter().map(|x| &x.0).collect();
+        let out_dtypes: Vec<DType> = outs.iter().map(|x| x.1).collect();
+        let upd_shapes: Vec<&Shape> = upd.iter().map(|x| x.0).collect();
+        let plan = cuda_plan(
+            op,
+            &Operands {
+                ins: &in_shapes,
+                in_dtypes: &in_dtypes,
+                outs: &out_shapes,
+                out_dtypes: &out_dtypes,
+                upd: &upd_shapes,
+            },
+        )
+        .map_err(RuntimeError::Device)?;
+        let upload = |b: &Buffer| -> Result<DeviceBuffer, RuntimeError> {
+            let d = self.alloc(b.bytes().len())?;
+            self.upload(&d, 0, b.bytes())?;
+            Ok(d)
+        };
+        let din: Vec<DeviceBuffer> = ins.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?;
+        let dupd: Vec<DeviceBuffer> = upd.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?;
+        let dout: Vec<DeviceBuffer> = outs
+            .iter()
+            .map(|(s, d)| self.alloc(s.numel() * d.size_bytes()))
+            .collect::<Result<_, _>>()?;
+        let dscratch: Vec<DeviceBuffer> = plan
+            .scratch
+            .iter()
+            .map(|&n| self.alloc(n))
+            .collect::<Result<_, _>>()?;
+        let ptr = |a: KArg| -> Option<u64> {
+            match a {
+                KArg::In(i) => din.get(i).map(|b| b.ptr),
+                KArg::Out(i) => dout.get(i).map(|b| b.ptr),
+                KArg::Upd(i) => dupd.get(i).map(|b| b.ptr),
+                KArg::Scratch(i) => dscratch.get(i).map(|b| b.ptr),
+                _ => None,
+            }
+        };
+        let s = self.stream(true)?;
+        let (a, b) = (self.event(true)?, self.event(true)?);
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..warmup + iters {
+            a.record(&s)?;
+            for call in &plan.calls {
+                self.launch(call, &s, &ptr)?;
+            }
+            b.record(&s)?;
+            b.synchronize()?;
+            if i >= warmup {
+                times.push(f64::from(b.elapsed_ms_since(&a)?));
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times.get(times.len() / 2).copied().unwrap_or(f64::NAN))
+    }
+}
+
+/// A host buffer of `dtype` from raw bytes.
+pub fn buffer_from_bytes(dtype: DType, bytes: &[u8]) -> Buffer {
+    match dtype {
+        DType::F32 => Buffer::F32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::F64 => Buffer::F64(bytemuck::pod_collect_to_vec(bytes)),
+        DType::I32 => Buffer::I32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::Bf16 => Buffer::Bf16(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}

@@ -1,0 +1,338 @@
+//! Runs a step program on a CUDA device (blocking dispatch: one host thread issues every
+//! launch in schedule order): every step tensor at its planned offset in one arena,
+//! persistent tensors and inputs in their own allocations, one stream per program stream
+//! (the main one at the highest priority), and the program's events between them.
+
+use std::collections::BTreeMap;
+
+use crate::cpu::initial_store;
+use crate::cuda::{buffer_from_bytes, CudaDevice, DeviceBuffer, Event, PreparedLaunch, Stream};
+use crate::error::RuntimeError;
+use crate::memory::{alias_root, MemoryPlan};
+use crate::schedule::StepProgram;
+use cudarc::driver::{result, sys};
+use erase_graph::{DType, Graph, Op, Tensor};
+use erase_ops::cuda::{cuda_plan, KArg, Operands};
+use erase_ops::Buffer;
+
+/// One launch, ready to issue.
+struct Prepared {
+    /// Empty for an alias that moves no bytes.
+    calls: Vec<PreparedLaunch>,
+    /// Kept alive for the calls that point into it.
+    _scratch: Vec<DeviceBuffer>,
+}
+
+pub struct CudaProgram<'a> {
+    dev: &'a CudaDevice,
+    g: &'a Graph,
+    prog: &'a StepProgram,
+    plan: &'a MemoryPlan,
+    arena: DeviceBuffer,
+    leaves: BTreeMap<Tensor, DeviceBuffer>,
+    prepared: Vec<Prepared>,
+    streams: Vec<Stream>,
+    events: Vec<Event>,
+    start: Event,
+    end: Event,
+    join: Event,
+    /// The captured step (graph dispatch), once [`CudaProgram::capture`] ran.
+    graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
+    arena_set: BTreeMap<Tensor, ()>,
+}
+
+impl<'a> CudaProgram<'a> {
+    /// Allocates the arena and the leaves (parameters initialised from `seed` as on the
+    /// CPU), prepares every launch's kernels, and creates the streams and events.
+    pub fn new(
+        dev: &'a CudaDevice,
+        g: &'a Graph,
+        prog: &'a StepProgram,
+        plan: &'a MemoryPlan,
+        seed: u64,
+    ) -> Result<Self, RuntimeError> {
+        let arena = dev.alloc(plan.arena_bytes.max(1))?;
+        dev.fill(&arena, 0xFF)?;
+        let mut leaves = BTreeMap::new();
+        let store = initial_store(g, seed);
+        for t in g.tensors() {
+            if g.leaf(t).is_none() {
+                continue;
+            }
+            let bytes = g.shape(t).numel() * g.dtype(t).size_bytes();
+            let b = dev.alloc(bytes)?;
+            match &store[t.index()] {
+                Some(v) => dev.upload(&b, 0, v.bytes())?,
+                None => dev.fill(&b, 0xFF)?,
+            }
+            leaves.insert(t, b);
+        }
+        let arena_set: BTreeMap<Tensor, ()> = plan.place.keys().map(|&t| (t, ())).collect();
+        let mut prepared = Vec::with_capacity(prog.launches.len());
+        for l in &prog.launches {
+            let n = g.node(l.node);
+            let alias = matches!(n.op, Op::Reshape | Op::Detach)
+                && plan
+                    .get(n.outputs[0])
+                    .zip(plan.get(n.inputs[0]))
+                    .is_some_and(|(a, b)| a.offset == b.offset);
+            if alias {
+                prepared.push(Prepared {
+                    calls: Vec::new(),
+                    _scratch: Vec::new(),
+                });
+                continue;
+            }
+            let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
+            let ind: Vec<DType> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
+            let outs: Vec<_> = n.outputs.iter().map(|&t| g.shape(t)).collect();
+            let outd: Vec<DType> = n.outputs.iter().map(|&t| g.dtype(t)).collect();
+            let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
+            let p = cuda_plan(
+                &n.op,
+                &Operands {
+                    ins: &ins,
+                    in_dtypes: &ind,
+                    outs: &outs,
+                    out_dtypes: &outd,
+                    upd: &upd,
+                },
+            )
+            .map_err(|e| RuntimeError::Device(format!("node '{}': {e}", n.name)))?;
+            let scratch = p
+                .scratch
+                .iter()
+                .map(|&b| dev.alloc(b))
+                .collect::<Result<Vec<_>, _>>()?;
+            let ptr_of = |t: Tensor| -> Option<u64> {
+                if let Some(pl) = plan.get(alias_root(g, &arena_set, t)) {
+                    return Some(arena.ptr() + pl.offset as u64);
+                }
+                leaves.get(&t).map(|b: &DeviceBuffer| b.ptr())
+            };
+            let ptr = |a: KArg| -> Option<u64> {
+                match a {
+                    KArg::In(k) => n.inputs.get(k).and_then(|&t| ptr_of(t)),
+                    KArg::Out(k) => n.outputs.get(k).and_then(|&t| ptr_of(t)),
+                    KArg::Upd(k) => n.updates.get(k).and_then(|&t| ptr_of(t)),
+                    KArg::Scratch(k) => scratch.get(k).map(|b| b.ptr()),
+                    _ => None,
+                }
+            };
+            let calls = p
+                .calls
+                .iter()
+                .map(|c| dev.prepare(c, &ptr))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| RuntimeError::Device(format!("node '{}': {e}", n.name)))?;
+            prepared.push(Prepared {
+                calls,
+                _scratch: scratch,
+            });
+        }
+        let streams = (0..prog.streams)
+            .map(|s| dev.stream(s == 0))
+            .collect::<Result<Vec<_>, _>>()?;
+        let events = (0..prog.events)
+            .map(|_| dev.event(false))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(CudaProgram {
+            dev,
+            g,
+            prog,
+            plan,
+            arena,
+            leaves,
+            prepared,
+            streams,
+            events,
+            start: dev.event(true)?,
+            end: dev.event(true)?,
+            join: dev.event(false)?,
+            graph: None,
+            arena_set,
+        })
+    }
+
+    fn tensor_ptr(&self, t: Tensor) -> Option<u64> {
+        if let Some(pl) = self.plan.get(alias_root(self.g, &self.arena_set, t)) {
+            return Some(self.arena.ptr() + pl.offset as u64);
+        }
+        self.leaves.get(&t).map(|b| b.ptr())
+    }
+
+    /// Copies an input (or a parameter) to the device.
+    pub fn feed(&mut self, t: Tensor, b: &Buffer) -> Result<(), RuntimeError> {
+        let info = self.g.info(t);
+        if b.dtype() != info.dtype || b.len() != info.shape.numel() {
+            return Err(RuntimeError::Feed {
+                tensor: info.name.clone(),
+                msg: format!(
+                    "expected {} {}, got {} elements of {}",
+                    info.shape,
+                    info.dtype,
+                    b.len(),
+                    b.dtype()
+                ),
+            });
+        }
+        let dst = self.leaves.get(&t).ok_or_else(|| RuntimeError::Feed {
+            tensor: info.name.clone(),
+            msg: "only leaves (inputs, parameters) can be fed".into(),
+        })?;
+        // the previous step may still read the input: wait for it
+        self.streams[0].synchronize()?;
+        self.dev.upload(dst, 0, b.bytes())
+    }
+
+    /// Issues one step: every launch on its stream, with the program's waits and records.
+    /// Returns once issued; [`CudaProgram::synchronize`] waits for it.
+    pub fn run(&mut self) -> Result<(), RuntimeError> {
+        if let Some((_, exec)) = self.graph {
+            self.start.record(&self.streams[0])?;
+            // SAFETY: `exec` is a live instantiated graph of this context; every buffer
+            // it uses is owned by `self` and outlives the launch (drop synchronizes).
+            unsafe { result::graph::launch(exec, self.streams[0].raw()) }
+                .map_err(|e| RuntimeError::Device(format!("launching the step graph: {e:?}")))?;
+            return self.end.record(&self.streams[0]);
+        }
+        let all: Vec<usize> = (0..self.prog.launches.len()).collect();
+        self.run_subset(&all)
+    }
+
+    /// Captures the whole step (every stream: pool streams fork from the main stream at
+    /// the start and join it at the end) as one CUDA graph; later [`CudaProgram::run`]
+    /// calls replay it with one launch. Returns the graph's kernel nodes, which must
+    /// equal the launches the eager step issues.
+    pub fn capture(&mut self) -> Result<usize, RuntimeError> {
+        let err =
+            |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
+        self.streams[0].synchronize()?;
+        let main = self.streams[0].raw();
+        // SAFETY: `main` is a live stream; thread-local mode keeps other threads' calls
+        // out of the capture.
+        unsafe {
+            result::stream::begin_capture(
+                main,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(|e| err("beginning the capture", e))?;
+        let issued = (|| -> Result<(), RuntimeError> {
+            // every pool stream enters the capture through the main stream
+            self.join.record(&self.streams[0])?;
+            for s in &self.streams[1..] {
+                self.join.wait_on(s)?;
+            }
+            let all: Vec<usize> = (0..self.prog.launches.len()).collect();
+            self.issue(&all)
+        })();
+        // SAFETY: ends the capture begun above on the same stream, even after an error.
+        let graph = unsafe { result::stream::end_capture(main) };
+        issued?;
+        let graph = graph.map_err(|e| err("ending the capture", e))?;
+        let mut n: usize = 0;
+        // SAFETY: a null node array asks only for the count.
+        unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
+            .result()
+            .map_err(|e| err("counting graph nodes", e))?;
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        // SAFETY: `nodes` has room for the `n` nodes the graph holds.
+        unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
+            .result()
+            .map_err(|e| err("listing graph nodes", e))?;
+        let mut kernels = 0;
+        for &node in &nodes {
+            let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` belongs to the live graph.
+            unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+                .result()
+                .map_err(|e| err("graph node type", e))?;
+            kernels += usize::from(t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL);
+        }
+        // SAFETY: `graph` is the live graph just captured.
+        let exec = unsafe {
+            result::graph::instantiate(
+                graph,
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+        }
+        .map_err(|e| err("instantiating the step graph", e))?;
+        self.graph = Some((graph, exec));
+        Ok(kernels)
+    }
+
+    /// The kernel launches one eager step issues.
+    pub fn kernel_launches(&self) -> usize {
+        self.prepared.iter().map(|p| p.calls.len()).sum()
+    }
+
+    /// Issues the launches `which` (indices in issue order, a prefix-closed subset such
+    /// as the forward launches) as [`CudaProgram::run`] does.
+    pub fn run_subset(&mut self, which: &[usize]) -> Result<(), RuntimeError> {
+        self.start.record(&self.streams[0])?;
+        self.issue(which)?;
+        self.end.record(&self.streams[0])?;
+        Ok(())
+    }
+
+    /// Issues launches and joins every pool stream into the main stream.
+    fn issue(&mut self, which: &[usize]) -> Result<(), RuntimeError> {
+        for &i in which {
+            let l = &self.prog.launches[i];
+            let s = &self.streams[l.stream.0 as usize];
+            for w in &l.waits {
+                self.events[w.event.0 as usize].wait_on(s)?;
+            }
+            for call in &mut self.prepared[i].calls {
+                self.dev.launch_prepared(call, s).map_err(|e| {
+                    RuntimeError::Device(format!("'{}': {e}", self.g.node(l.node).name))
+                })?;
+            }
+            if let Some(e) = l.record {
+                self.events[e.0 as usize].record(s)?;
+            }
+        }
+        // join every stream into main so the step's end covers all of its work
+        for s in &self.streams[1..] {
+            self.join.record(s)?;
+            self.join.wait_on(&self.streams[0])?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the last issued step; returns its time on the main stream in ms.
+    pub fn synchronize(&self) -> Result<f32, RuntimeError> {
+        self.end.synchronize()?;
+        self.end.elapsed_ms_since(&self.start)
+    }
+
+    /// The value of a tensor now (after [`CudaProgram::synchronize`]).
+    pub fn get(&self, t: Tensor) -> Result<Buffer, RuntimeError> {
+        let ptr = self
+            .tensor_ptr(t)
+            .ok_or_else(|| RuntimeError::NotComputed(self.g.name(t).to_string()))?;
+        let dt = self.g.dtype(t);
+        let mut bytes = vec![0u8; self.g.shape(t).numel() * dt.size_bytes()];
+        let (buf, off) = if self.leaves.contains_key(&t) {
+            (&self.leaves[&t], 0)
+        } else {
+            (&self.arena, (ptr - self.arena.ptr()) as usize)
+        };
+        self.dev.download(buf, off, &mut bytes)?;
+        Ok(buffer_from_bytes(dt, &bytes))
+    }
+}
+
+impl Drop for CudaProgram<'_> {
+    fn drop(&mut self) {
+        let _ = self.streams[0].synchronize();
+        if let Some((graph, exec)) = self.graph.take() {
+            // SAFETY: created by `capture`, destroyed once, after the last replay finished.
+            unsafe {
+                let _ = result::graph::exec_destroy(exec);
+                let _ = result::graph::destroy(graph);
+            }
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! `erase-ctr bench`: the three variants side by side in one process. Each trains from
+//! the same initialisation on the same batches; their steps are interleaved in chunks,
+//! so drift in the machine's speed touches all of them alike. Reports per-step QPS
+//! (p50, p90, mean), the gain over baseline, and NE, AUC and the NE gap after training.
+
+use anyhow::Result;
+
+use crate::metrics::{qps_summary, QpsSummary};
+use crate::model::ctr::{CtrConfig, Variant};
+use crate::train::{plan_step, Dispatch, ScheduleOptions, Session};
+use erase_graph::{DType, OptimizerConfig};
+use erase_runtime::cuda::CudaDevice;
+
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    pub model: CtrConfig,
+    pub variants: Vec<Variant>,
+    pub warmup: usize,
+    pub steps: usize,
+    /// Steps of one variant before the next takes over.
+    pub chunk: usize,
+    pub seed: u64,
+    pub data_seed: u64,
+    pub eval_examples: usize,
+    pub threads: usize,
+    pub schedule: ScheduleOptions,
+    pub optimizer: OptimizerConfig,
+    /// Dispatch modes to measure (each with every variant).
+    pub dispatch: Vec<Dispatch>,
+}
+
+#[derive(Clone, Debug)]
+pub struct BenchRow {
+    pub variant: Variant,
+    pub dispatch: &'static str,
+    pub qps: QpsSummary,
+    pub ne: f64,
+    pub auc: f64,
+    pub final_loss: f64,
+}
+
+/// Runs the benchmark; `progress` hears about every finished chunk.
+pub fn bench(
+    cfg: &BenchConfig,
+    dev: Option<&CudaDevice>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<BenchRow>> {
+    let plans = cfg
+        .variants
+        .iter()
+        .map(|&v| {
+            plan_step(
+                &cfg.model.clone().with_variant(v),
+                DType::F32,
+                &cfg.optimizer,
+                &cfg.schedule,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut sessions = Vec::new();
+    let mut labels = Vec::new();
+    for &d in &cfg.dispatch {
+        for (i, p) in plans.iter().enumerate() {
+            sessions.push(Session::with_dispatch(
+                p,
+                dev,
+                d,
+                &crate::train::Data::Synthetic,
+                cfg.seed,
+                cfg.data_seed,
+                cfg.threads,
+            )?);
+            labels.push((cfg.variants[i], d));
+        }
+    }
+    let total = cfg.warmup + cfg.steps;
+    let mut qps: Vec<Vec<f64>> = vec![Vec::new(); sessions.len()];
+    let mut last_loss = vec![f64::NAN; sessions.len()];
+    let b = cfg.model.batch as f64;
+    let mut done = 0;
+    while done < total {
+        let n = cfg.chunk.max(1).min(total - done);
+        for (i, s) in sessions.iter_mut().enumerate() {
+            for _ in 0..n {
+                let (loss, secs) = s.train_step()?;
+                last_loss[i] = loss;
+                if s.step > cfg.warmup {
+                    qps[i].push(b / secs.max(1e-12));
+                }
+            }
+        }
+        done += n;
+        progress(&format!("{done}/{total} steps of each variant"));
+    }
+    let mut rows = Vec::new();
+    for (i, s) in sessions.iter_mut().enumerate() {
+        let e = s.evaluate(cfg.eval_examples)?;
+        let q = qps_summary(&qps[i])
+            .ok_or_else(|| anyhow::anyhow!("no timed steps: ask for --steps > 0"))?;
+        let (variant, d) = labels[i];
+        rows.push(BenchRow {
+            variant,
+            dispatch: d.as_str(),
+            qps: q,
+            ne: e.ne,
+            auc: e.auc,
+            final_loss: last_loss[i],
+        });
+    }
+    Ok(rows)
+}
+
+/// The table people read.
+pub fn render(rows: &[BenchRow], device: &str, batch: usize) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let base_of = |d: &str| {
+        rows.iter()
+            .find(|r| r.variant == Variant::Baseline && r.dispatch == d)
+    };
+    let _ = writeln!(s, "device: {device}, batch {batch}");
+    let _ = writeln!(
+        s,
+        "{:<10} {:<9} {:>12} {:>12} {:>12} {:>10} {:>8} {:>8} {:>9}",
+        "variant",
+        "dispatch",
+        "p50 ex/s",
+        "p90 ex/s",
+        "mean ex/s",
+        "p90 gain",
+        "NE",
+        "AUC",
+        "NE gap"
+    );
+    for r in rows {
+        let (gain, gap) = match base_of(r.dispatch).or_else(|| base_of("blocking")) {
+            Some(b) => (
+                format!("{:+.1} %", (r.qps.p90 / b.qps.p90 - 1.0) * 100.0),
+                format!("{:+.2} %", (r.ne - b.ne) / b.ne * 100.0),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        let _ = writeln!(
+            s,
+            "{:<10} {:<9} {:>12.0} {:>12.0} {:>12.0} {:>10} {:>8.4} {:>8.4} {:>9}",
+            r.variant.as_str(),
+            r.dispatch,
+            r.qps.p50,
+            r.qps.p90,
+            r.qps.mean,
+            gain,
+            r.ne,
+            r.auc,
+            gap
+        );
+    }
+    s
+}
+
+/// One JSON object per row.
+pub fn to_json(rows: &[BenchRow]) -> String {
+    let v: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "variant": r.variant.as_str(), "dispatch": r.dispatch,
+                "qps_p50": r.qps.p50, "qps_p90": r.qps.p90, "qps_mean": r.qps.mean, "steps": r.qps.steps,
+                "ne": r.ne, "auc": r.auc, "final_loss": r.final_loss,
+            })
+        })
+        .collect();
+    serde_json::to_string_pretty(&v).unwrap_or_default()
+}

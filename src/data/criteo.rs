@@ -1,0 +1,87 @@
+//! The Criteo Kaggle/terabyte line: `label \t I1..I13 \t C1..C26`, where the label is
+//! `0` or `1`, `I*` are integers and `C*` 32-bit ids in hex; any feature may be empty.
+
+use super::table::{dense_transform, show, LineParser, Row};
+
+/// Dense (integer) features of a Criteo line.
+pub const CRITEO_DENSE: usize = 13;
+/// Categorical (hex) features of a Criteo line.
+pub const CRITEO_SPARSE: usize = 26;
+const FIELDS: usize = 1 + CRITEO_DENSE + CRITEO_SPARSE;
+
+pub(crate) struct CriteoParser;
+
+impl CriteoParser {
+    pub fn new() -> Self {
+        CriteoParser
+    }
+}
+
+/// A Criteo integer: optional sign and decimal digits, fitting in `i64`.
+fn parse_int(f: &[u8]) -> Result<i64, &'static str> {
+    let s = std::str::from_utf8(f).map_err(|_| "is not an integer")?;
+    s.parse::<i64>().map_err(|e| match e.kind() {
+        std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
+            "does not fit in a 64-bit integer"
+        }
+        _ => "is not an integer",
+    })
+}
+
+/// A Criteo id: 1 to 8 hex digits.
+fn parse_hex(f: &[u8]) -> Option<u32> {
+    if f.is_empty() || f.len() > 8 || !f.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    let s = std::str::from_utf8(f).ok()?;
+    u32::from_str_radix(s, 16).ok()
+}
+
+impl LineParser for CriteoParser {
+    fn num_dense(&self) -> usize {
+        CRITEO_DENSE
+    }
+    fn num_sparse(&self) -> usize {
+        CRITEO_SPARSE
+    }
+
+    fn parse(&mut self, line: &[u8], row: &mut Row) -> Result<(), String> {
+        let n = line.iter().filter(|&&b| b == b'\t').count() + 1;
+        if n != FIELDS {
+            return Err(format!(
+                "expected {FIELDS} tab-separated fields (label, I1..I13, C1..C26), found {n}"
+            ));
+        }
+        for (k, f) in line.split(|&b| b == b'\t').enumerate() {
+            match k {
+                0 => {
+                    row.label = match f {
+                        b"0" => 0.0,
+                        b"1" => 1.0,
+                        _ => return Err(format!("label {}: expected 0 or 1", show(f))),
+                    }
+                }
+                1..=CRITEO_DENSE => {
+                    row.dense[k - 1] = if f.is_empty() {
+                        0.0
+                    } else {
+                        let x = parse_int(f).map_err(|why| format!("I{k} {} {why}", show(f)))?;
+                        dense_transform(x as f64)
+                    }
+                }
+                _ => {
+                    let j = k - 1 - CRITEO_DENSE;
+                    row.missing[j] = f.is_empty();
+                    row.ids[j] = if f.is_empty() {
+                        0
+                    } else {
+                        parse_hex(f).ok_or_else(|| {
+                            format!("C{} {} is not a 32-bit hex id", j + 1, show(f))
+                        })?
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+}

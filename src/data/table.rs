@@ -1,0 +1,981 @@
+//! Real training data: Criteo-layout logs and user-described TSV/CSV logs, parsed once
+//! into a column store and cached as a binary file that later runs memory-map.
+//!
+//! ```text
+//! --data criteo:PATH   Criteo Kaggle/terabyte lines: label, I1..I13, C1..C26 (8-hex-digit ids)
+//! --data tsv:PATH      any separated-values log described by a [`TsvSchema`]
+//! ```
+//!
+//! `PATH` is a file, a folder (all regular files in it that do not start with `.`, sorted
+//! by name) or a glob whose file-name part may hold `*` and `?`. Files may be plain or
+//! gzip (told by their first two bytes, not by their names).
+//!
+//! Every example holds `num_dense` floats (`ln(1 + max(x, 0))`, 0 when missing),
+//! `num_sparse` 32-bit ids (Criteo's hex value, or [`hash_category`] of a TSV field's
+//! bytes; a missing value is flagged, not given an id) and a 0/1 label. A batch maps
+//! each id to `id mod rows` and a missing one to row 0 (`shared/spec/ctr-model.md`,
+//! "Inputs").
+//!
+//! Malformed lines are counted and skipped, the first [`MAX_REPORTED_ERRORS`] kept as
+//! `file:line: what is wrong`; with [`LoadOptions::strict`] the first one is the error.
+//! Blank lines are neither examples nor malformed.
+
+use std::fmt;
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Result};
+use memmap2::Mmap;
+use serde::{Deserialize, Deserializer};
+
+use super::{cache, criteo, tsv};
+
+/// Malformed lines kept in [`LoadReport::first_errors`].
+pub const MAX_REPORTED_ERRORS: usize = 5;
+
+/// Where examples come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataSource {
+    /// Criteo Kaggle/terabyte layout: `label \t I1..I13 \t C1..C26`.
+    Criteo { path: String },
+    /// A separated-values log described by a schema.
+    Tsv { path: String, schema: TsvSchema },
+}
+
+impl DataSource {
+    /// The `PATH` part.
+    pub fn path(&self) -> &str {
+        match self {
+            DataSource::Criteo { path } | DataSource::Tsv { path, .. } => path,
+        }
+    }
+}
+
+/// How to read a user's separated-values log, e.g. from a `[data.schema]` TOML table:
+///
+/// ```toml
+/// separator = "\t"
+/// header = true               # first line of every file names the columns
+/// label = "rating"            # a name, or a 0-based index
+/// label_threshold = 4.0       # label = value >= 4 (without it the value must be 0 or 1)
+/// dense = ["timestamp"]       # numbers, fed as ln(1 + max(x, 0)); empty = 0
+/// categorical = ["user_id", "item_id"]  # any text, hashed to u32; empty = missing
+/// time = "timestamp"          # optional: eval = the latest `eval_fraction` by time
+/// eval_fraction = 0.1
+/// ```
+///
+/// A column is found by its header name, where a RecBole-style `name:type` header also
+/// answers to `name`; failing that, a number is a 0-based column index. Fields are split
+/// on the separator only: quotes are not special.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TsvSchema {
+    /// One ASCII character (default tab).
+    #[serde(default = "default_separator")]
+    pub separator: char,
+    /// Whether the first line of every file is a header (default true).
+    #[serde(default = "default_true")]
+    pub header: bool,
+    #[serde(deserialize_with = "name_or_index")]
+    pub label: String,
+    #[serde(default)]
+    pub label_threshold: Option<f64>,
+    #[serde(default, deserialize_with = "names_or_indices")]
+    pub dense: Vec<String>,
+    #[serde(default, deserialize_with = "names_or_indices")]
+    pub categorical: Vec<String>,
+    #[serde(default, deserialize_with = "opt_name_or_index")]
+    pub time: Option<String>,
+    /// Share of examples, latest by `time`, held out for evaluation (default 0.1; used
+    /// only with `time`).
+    #[serde(default = "default_eval_fraction")]
+    pub eval_fraction: f64,
+}
+
+fn default_separator() -> char {
+    '\t'
+}
+fn default_true() -> bool {
+    true
+}
+fn default_eval_fraction() -> f64 {
+    0.1
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum NameOrIndex {
+    Name(String),
+    Index(u64),
+}
+
+impl From<NameOrIndex> for String {
+    fn from(c: NameOrIndex) -> String {
+        match c {
+            NameOrIndex::Name(s) => s,
+            NameOrIndex::Index(i) => i.to_string(),
+        }
+    }
+}
+
+fn name_or_index<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    NameOrIndex::deserialize(d).map(String::from)
+}
+fn opt_name_or_index<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Option::<NameOrIndex>::deserialize(d).map(|c| c.map(String::from))
+}
+fn names_or_indices<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    Vec::<NameOrIndex>::deserialize(d).map(|v| v.into_iter().map(String::from).collect())
+}
+
+impl TsvSchema {
+    /// A schema from TOML text: the `[data.schema]` table of a config, or a document
+    /// that is the schema itself.
+    pub fn from_toml(text: &str) -> Result<TsvSchema> {
+        let doc: toml::Table =
+            toml::from_str(text).map_err(|e| anyhow!("schema: not valid TOML: {e}"))?;
+        let table = match doc.get("data") {
+            Some(toml::Value::Table(data)) => match data.get("schema") {
+                Some(toml::Value::Table(t)) => t.clone(),
+                Some(_) => bail!("schema: [data.schema] must be a table"),
+                None => bail!("schema: the config has [data] but no [data.schema] table"),
+            },
+            _ => doc,
+        };
+        let schema: TsvSchema = table.try_into().map_err(|e| anyhow!("schema: {e}"))?;
+        schema.validate()?;
+        Ok(schema)
+    }
+
+    /// Checks what can be checked without the data.
+    pub fn validate(&self) -> Result<()> {
+        if !self.separator.is_ascii() || matches!(self.separator, '\n' | '\r') {
+            bail!(
+                "schema: separator {:?} must be one ASCII character other than a line break",
+                self.separator
+            );
+        }
+        if self.dense.is_empty() && self.categorical.is_empty() {
+            bail!("schema: no dense and no categorical columns");
+        }
+        if let Some(t) = self.label_threshold {
+            if !t.is_finite() {
+                bail!("schema: label_threshold {t} is not finite");
+            }
+        }
+        if self.time.is_some() && !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {
+            bail!(
+                "schema: eval_fraction {} must lie strictly between 0 and 1",
+                self.eval_fraction
+            );
+        }
+        if self.dense.contains(&self.label) || self.categorical.contains(&self.label) {
+            bail!(
+                "schema: the label column '{}' is also a feature",
+                self.label
+            );
+        }
+        let mut seen = std::collections::HashSet::new();
+        for c in self.dense.iter().chain(&self.categorical) {
+            if !seen.insert(c) {
+                bail!("schema: column '{c}' is listed twice among dense and categorical");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How to load.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Stop at the first malformed line (its `file:line: message` is the error).
+    pub strict: bool,
+    /// Folder of the binary cache (created if absent); `None`: no cache.
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// What a load did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadReport {
+    pub files: usize,
+    /// Data lines read (no header or blank lines): `examples + malformed`.
+    pub lines: u64,
+    /// Examples kept, training and evaluation together.
+    pub examples: u64,
+    /// Of `examples`, those in the evaluation split.
+    pub eval_examples: u64,
+    pub malformed: u64,
+    /// `file:line: what is wrong` for the first few malformed lines.
+    pub first_errors: Vec<String>,
+    pub from_cache: bool,
+    /// The cache file used or written, if any.
+    pub cache_path: Option<PathBuf>,
+    /// Things that did not stop the load: a stale or corrupt cache rebuilt, a cache
+    /// that could not be written.
+    pub warnings: Vec<String>,
+}
+
+impl fmt::Display for LoadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} file{}, {} lines: {} examples",
+            self.files,
+            if self.files == 1 { "" } else { "s" },
+            self.lines,
+            self.examples
+        )?;
+        if self.eval_examples > 0 {
+            write!(
+                f,
+                " ({} train, {} eval)",
+                self.examples - self.eval_examples,
+                self.eval_examples
+            )?;
+        }
+        write!(f, ", {} malformed skipped", self.malformed)?;
+        if self.from_cache {
+            if let Some(p) = &self.cache_path {
+                write!(f, " (from cache {})", p.display())?;
+            }
+        }
+        for e in &self.first_errors {
+            write!(f, "\n  {e}")?;
+        }
+        if self.malformed > self.first_errors.len() as u64 {
+            write!(
+                f,
+                "\n  ... and {} more",
+                self.malformed - self.first_errors.len() as u64
+            )?;
+        }
+        for w in &self.warnings {
+            write!(f, "\n  warning: {w}")?;
+        }
+        Ok(())
+    }
+}
+
+/// `synthetic` → `None`; `criteo:PATH`; `tsv:PATH`, which needs `schema` (from the
+/// config's `[data.schema]`).
+pub fn parse_data_arg(s: &str, schema: Option<&TsvSchema>) -> Result<Option<DataSource>> {
+    if s == "synthetic" {
+        return Ok(None);
+    }
+    if let Some(path) = s.strip_prefix("criteo:") {
+        if path.is_empty() {
+            bail!("--data criteo:PATH: the path is empty");
+        }
+        return Ok(Some(DataSource::Criteo {
+            path: path.to_string(),
+        }));
+    }
+    if let Some(path) = s.strip_prefix("tsv:") {
+        if path.is_empty() {
+            bail!("--data tsv:PATH: the path is empty");
+        }
+        let schema = schema.ok_or_else(|| {
+            anyhow!("--data {s}: a TSV source needs a [data.schema] table in the config")
+        })?;
+        schema.validate()?;
+        return Ok(Some(DataSource::Tsv {
+            path: path.to_string(),
+            schema: schema.clone(),
+        }));
+    }
+    bail!("--data {s}: expected 'synthetic', 'criteo:PATH' or 'tsv:PATH'")
+}
+
+/// The fixed hash of a categorical TSV field: FNV-1a (64-bit) of its bytes, finished by
+/// splitmix64, top 32 bits. The same on every run and platform.
+pub fn hash_category(bytes: &[u8]) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (super::synthetic::splitmix64(h) >> 32) as u32
+}
+
+/// The dense transform of the spec: `ln(1 + max(x, 0))` in f64, rounded to f32.
+#[inline]
+pub fn dense_transform(x: f64) -> f32 {
+    x.max(0.0).ln_1p() as f32
+}
+
+/// Column storage of examples being built (row-major per example).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Columns {
+    pub num_dense: usize,
+    pub num_sparse: usize,
+    pub len: usize,
+    pub dense: Vec<f32>,
+    pub ids: Vec<u32>,
+    /// Bit `i*num_sparse + j` set: field `j` of example `i` is missing.
+    pub missing: Vec<u8>,
+    pub labels: Vec<f32>,
+}
+
+impl Columns {
+    pub fn new(num_dense: usize, num_sparse: usize) -> Self {
+        Columns {
+            num_dense,
+            num_sparse,
+            ..Default::default()
+        }
+    }
+
+    pub fn push(&mut self, row: &Row) {
+        self.dense.extend_from_slice(&row.dense);
+        let base = self.len * self.num_sparse;
+        self.missing.resize((base + self.num_sparse).div_ceil(8), 0);
+        for (j, (&id, &miss)) in row.ids.iter().zip(&row.missing).enumerate() {
+            self.ids.push(if miss { 0 } else { id });
+            if miss {
+                let bit = base + j;
+                self.missing[bit / 8] |= 1 << (bit % 8);
+            }
+        }
+        self.labels.push(row.label);
+        self.len += 1;
+    }
+
+    fn is_missing(&self, i: usize, j: usize) -> bool {
+        bit(&self.missing, i * self.num_sparse + j)
+    }
+
+    /// The examples whose `keep` flag equals `which`, in order.
+    fn select(&self, keep: &[bool], which: bool) -> Columns {
+        let mut out = Columns::new(self.num_dense, self.num_sparse);
+        let mut row = Row::new(self.num_dense, self.num_sparse);
+        for (i, &k) in keep.iter().enumerate() {
+            if k != which {
+                continue;
+            }
+            row.dense
+                .copy_from_slice(&self.dense[i * self.num_dense..(i + 1) * self.num_dense]);
+            for j in 0..self.num_sparse {
+                row.ids[j] = self.ids[i * self.num_sparse + j];
+                row.missing[j] = self.is_missing(i, j);
+            }
+            row.label = self.labels[i];
+            out.push(&row);
+        }
+        out
+    }
+}
+
+#[inline]
+fn bit(bits: &[u8], k: usize) -> bool {
+    bits[k / 8] >> (k % 8) & 1 == 1
+}
+
+/// One parsed line.
+#[derive(Clone, Debug)]
+pub(crate) struct Row {
+    pub dense: Vec<f32>,
+    pub ids: Vec<u32>,
+    pub missing: Vec<bool>,
+    pub label: f32,
+    pub time: f64,
+}
+
+impl Row {
+    pub fn new(num_dense: usize, num_sparse: usize) -> Self {
+        Row {
+            dense: vec![0.0; num_dense],
+            ids: vec![0; num_sparse],
+            missing: vec![false; num_sparse],
+            label: 0.0,
+            time: 0.0,
+        }
+    }
+}
+
+/// A reader of one text format.
+pub(crate) trait LineParser {
+    fn num_dense(&self) -> usize;
+    fn num_sparse(&self) -> usize;
+    /// Whether the first line of every file is a header.
+    fn has_header(&self) -> bool {
+        false
+    }
+    /// Whether [`Row::time`] is set (the examples get a time split).
+    fn has_time(&self) -> bool {
+        false
+    }
+    /// The header line of a file (CR/LF and a UTF-8 BOM stripped).
+    fn header(&mut self, _line: &[u8]) -> Result<()> {
+        Ok(())
+    }
+    /// Parses a data line (CR/LF stripped, not empty) into `row`; `Err` says what is
+    /// wrong with it.
+    fn parse(&mut self, line: &[u8], row: &mut Row) -> std::result::Result<(), String>;
+}
+
+/// Examples: row-major dense features, ids with missing flags, labels; in memory or
+/// memory-mapped from the cache.
+pub struct Examples {
+    pub num_dense: usize,
+    pub num_sparse: usize,
+    len: usize,
+    store: Store,
+}
+
+enum Store {
+    Owned(Columns),
+    Mapped {
+        map: Arc<Mmap>,
+        dense: Range<usize>,
+        ids: Range<usize>,
+        missing: Range<usize>,
+        labels: Range<usize>,
+    },
+}
+
+impl fmt::Debug for Examples {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Examples")
+            .field("len", &self.len)
+            .field("num_dense", &self.num_dense)
+            .field("num_sparse", &self.num_sparse)
+            .field("mapped", &matches!(self.store, Store::Mapped { .. }))
+            .finish()
+    }
+}
+
+/// `bytes` as `T`s. Checked: the cache aligns every section to 8 bytes of a page-aligned
+/// map, and `cache::open` refuses a file where this would fail.
+fn cast<T: Plain>(bytes: &[u8]) -> &[T] {
+    // SAFETY: `T` is `f32` or `u32` (sealed by `Plain`): every bit pattern is a valid
+    // value, and `align_to` only yields the correctly aligned middle part.
+    let (head, mid, tail) = unsafe { bytes.align_to::<T>() };
+    assert!(
+        head.is_empty() && tail.is_empty(),
+        "cache section misaligned (checked when the cache was opened)"
+    );
+    mid
+}
+
+/// Types with no invalid bit patterns that the cache stores.
+pub(crate) trait Plain: Copy {}
+impl Plain for f32 {}
+impl Plain for u32 {}
+
+impl Examples {
+    pub(crate) fn from_columns(c: Columns) -> Examples {
+        Examples {
+            num_dense: c.num_dense,
+            num_sparse: c.num_sparse,
+            len: c.len,
+            store: Store::Owned(c),
+        }
+    }
+
+    /// Examples over sections of a mapped cache file (already validated by the caller:
+    /// in bounds, 4-byte aligned, of the right lengths).
+    pub(crate) fn mapped(
+        map: Arc<Mmap>,
+        num_dense: usize,
+        num_sparse: usize,
+        len: usize,
+        sections: [Range<usize>; 4],
+    ) -> Examples {
+        let [dense, ids, missing, labels] = sections;
+        Examples {
+            num_dense,
+            num_sparse,
+            len,
+            store: Store::Mapped {
+                map,
+                dense,
+                ids,
+                missing,
+                labels,
+            },
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the data lives in a memory-mapped cache file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.store, Store::Mapped { .. })
+    }
+
+    /// `[len, num_dense]`, transformed.
+    pub fn dense(&self) -> &[f32] {
+        match &self.store {
+            Store::Owned(c) => &c.dense,
+            Store::Mapped { map, dense, .. } => cast(&map[dense.clone()]),
+        }
+    }
+
+    /// `[len, num_sparse]` ids (0 where missing: see [`Examples::is_missing`]).
+    pub fn ids(&self) -> &[u32] {
+        match &self.store {
+            Store::Owned(c) => &c.ids,
+            Store::Mapped { map, ids, .. } => cast(&map[ids.clone()]),
+        }
+    }
+
+    /// `[len]`, 0.0 or 1.0.
+    pub fn labels(&self) -> &[f32] {
+        match &self.store {
+            Store::Owned(c) => &c.labels,
+            Store::Mapped { map, labels, .. } => cast(&map[labels.clone()]),
+        }
+    }
+
+    fn missing_bits(&self) -> &[u8] {
+        match &self.store {
+            Store::Owned(c) => &c.missing,
+            Store::Mapped { map, missing, .. } => &map[missing.clone()],
+        }
+    }
+
+    /// Splits off the last `fraction` of the examples (by position) as a held-out set,
+    /// for sources without a split of their own.
+    pub fn split_tail(&self, fraction: f64) -> Result<(Examples, Examples)> {
+        if !(fraction > 0.0 && fraction < 1.0) {
+            bail!("the held-out fraction must be in (0, 1), got {fraction}");
+        }
+        let cut = ((self.len as f64) * (1.0 - fraction)).round() as usize;
+        if cut == 0 || cut == self.len {
+            bail!(
+                "{} examples are too few to hold out {fraction} of them",
+                self.len
+            );
+        }
+        let part = |range: std::ops::Range<usize>| {
+            let mut c = Columns::new(self.num_dense, self.num_sparse);
+            c.len = range.len();
+            c.dense =
+                self.dense()[range.start * self.num_dense..range.end * self.num_dense].to_vec();
+            c.ids = self.ids()[range.start * self.num_sparse..range.end * self.num_sparse].to_vec();
+            c.labels = self.labels()[range.clone()].to_vec();
+            let bits = range.len() * self.num_sparse;
+            c.missing = vec![0u8; bits.div_ceil(8)];
+            for (k, i) in range.enumerate() {
+                for j in 0..self.num_sparse {
+                    if self.is_missing(i, j) {
+                        let b = k * self.num_sparse + j;
+                        c.missing[b / 8] |= 1 << (b % 8);
+                    }
+                }
+            }
+            Examples::from_columns(c)
+        };
+        Ok((part(0..cut), part(cut..self.len)))
+    }
+
+    /// Whether field `j` of example `i` is missing.
+    pub fn is_missing(&self, i: usize, j: usize) -> bool {
+        assert!(i < self.len && j < self.num_sparse, "index out of range");
+        bit(self.missing_bits(), i * self.num_sparse + j)
+    }
+
+    /// The id of field `j` of example `i`, `None` where missing.
+    pub fn id(&self, i: usize, j: usize) -> Option<u32> {
+        (!self.is_missing(i, j)).then(|| self.ids()[i * self.num_sparse + j])
+    }
+
+    /// Share of examples with label 1.
+    pub fn positive_rate(&self) -> f64 {
+        if self.len == 0 {
+            return f64::NAN;
+        }
+        let pos = self.labels().iter().filter(|&&l| l > 0.5).count();
+        pos as f64 / self.len as f64
+    }
+
+    /// Examples `first .. first + batch`, wrapping around at the end, into row-major
+    /// buffers: `dense` `[batch, num_dense]`, `rows` `[batch, num_sparse]` (one id per
+    /// field: `id mod rows_per_table`, 0 where missing), `labels` `[batch]`.
+    ///
+    /// # Panics
+    /// If there are no examples, `rows_per_table` is 0 or a buffer's length is not the
+    /// one above.
+    pub fn fill_batch(
+        &self,
+        first: u64,
+        batch: usize,
+        rows_per_table: usize,
+        dense: &mut [f32],
+        rows: &mut [u32],
+        labels: &mut [f32],
+    ) {
+        assert!(self.len > 0, "fill_batch: no examples");
+        let start = (first % self.len as u64) as usize;
+        let n = self.len;
+        self.fill(
+            (0..batch).map(|k| (start + k) % n),
+            batch,
+            rows_per_table,
+            dense,
+            rows,
+            labels,
+        );
+    }
+
+    /// As [`Examples::fill_batch`], for the examples at `indices` (each `< len`), e.g.
+    /// a shuffled order.
+    pub fn fill_batch_indices(
+        &self,
+        indices: &[usize],
+        rows_per_table: usize,
+        dense: &mut [f32],
+        rows: &mut [u32],
+        labels: &mut [f32],
+    ) {
+        assert!(
+            indices.iter().all(|&i| i < self.len),
+            "fill_batch_indices: index out of range"
+        );
+        self.fill(
+            indices.iter().copied(),
+            indices.len(),
+            rows_per_table,
+            dense,
+            rows,
+            labels,
+        );
+    }
+
+    fn fill(
+        &self,
+        indices: impl Iterator<Item = usize>,
+        batch: usize,
+        rows_per_table: usize,
+        dense: &mut [f32],
+        rows: &mut [u32],
+        labels: &mut [f32],
+    ) {
+        let (nd, ns) = (self.num_dense, self.num_sparse);
+        assert!(rows_per_table > 0, "fill_batch: rows_per_table is 0");
+        assert_eq!(
+            dense.len(),
+            batch * nd,
+            "fill_batch: dense must be [batch, num_dense]"
+        );
+        assert_eq!(
+            rows.len(),
+            batch * ns,
+            "fill_batch: rows must be [batch, num_sparse] (one id per field)"
+        );
+        assert_eq!(labels.len(), batch, "fill_batch: labels must be [batch]");
+        let (src_dense, src_ids, src_labels, bits) =
+            (self.dense(), self.ids(), self.labels(), self.missing_bits());
+        let rpt = rows_per_table as u32;
+        let rpt = if rows_per_table > u32::MAX as usize {
+            u32::MAX
+        } else {
+            rpt
+        };
+        for (k, i) in indices.enumerate() {
+            dense[k * nd..(k + 1) * nd].copy_from_slice(&src_dense[i * nd..(i + 1) * nd]);
+            for j in 0..ns {
+                let g = i * ns + j;
+                rows[k * ns + j] = if bit(bits, g) { 0 } else { src_ids[g] % rpt };
+            }
+            labels[k] = src_labels[i];
+        }
+    }
+}
+
+/// Loads `src`: from the cache when a valid one matches the files and schema, else by
+/// parsing (then writing the cache). Returns the training examples, the evaluation split
+/// if the schema asks for one (`time`), and a report.
+pub fn load(
+    src: &DataSource,
+    opts: &LoadOptions,
+) -> Result<(Examples, Option<Examples>, LoadReport)> {
+    let files = resolve_path(src.path())?;
+    let mut parser: Box<dyn LineParser> = match src {
+        DataSource::Criteo { .. } => Box::new(criteo::CriteoParser::new()),
+        DataSource::Tsv { schema, .. } => {
+            schema.validate()?;
+            Box::new(tsv::TsvParser::new(schema.clone())?)
+        }
+    };
+    let mut report = LoadReport {
+        files: files.len(),
+        ..Default::default()
+    };
+
+    let key = match &opts.cache_dir {
+        Some(dir) => Some(cache::CacheKey::new(dir, src, &files)?),
+        None => None,
+    };
+    if let Some(key) = &key {
+        report.cache_path = Some(key.path.clone());
+        match cache::open(key) {
+            Ok(Some(hit)) => {
+                if opts.strict && hit.report.malformed > 0 {
+                    let first = hit.report.first_errors.first().cloned().unwrap_or_default();
+                    bail!("{first}");
+                }
+                let mut r = hit.report;
+                r.from_cache = true;
+                r.cache_path = Some(key.path.clone());
+                return Ok((hit.train, hit.eval, r));
+            }
+            Ok(None) => {}
+            Err(why) => report.warnings.push(format!(
+                "cache {} not used ({why:#}); rebuilt",
+                key.path.display()
+            )),
+        }
+    }
+
+    let (cols, times) = read_files(&files, parser.as_mut(), opts.strict, &mut report)?;
+    if cols.len == 0 {
+        let mut msg = format!("no examples in {}", src.path());
+        if report.malformed > 0 {
+            msg += &format!(
+                " ({} malformed lines skipped; first: {})",
+                report.malformed,
+                report
+                    .first_errors
+                    .first()
+                    .map(String::as_str)
+                    .unwrap_or("")
+            );
+        }
+        bail!(msg);
+    }
+    report.examples = cols.len as u64;
+    let (train, eval) = match (src, times) {
+        (DataSource::Tsv { schema, .. }, Some(times)) => {
+            let keep = latest_by_time(&times, schema.eval_fraction);
+            let eval = cols.select(&keep, true);
+            let train = cols.select(&keep, false);
+            (train, Some(eval))
+        }
+        _ => (cols, None),
+    };
+    report.eval_examples = eval.as_ref().map_or(0, |e| e.len as u64);
+
+    if let Some(key) = &key {
+        if let Err(e) = cache::write(key, &train, eval.as_ref(), &report) {
+            report.warnings.push(format!(
+                "could not write cache {}: {e:#}",
+                key.path.display()
+            ));
+        }
+    }
+    Ok((
+        Examples::from_columns(train),
+        eval.filter(|e| e.len > 0).map(Examples::from_columns),
+        report,
+    ))
+}
+
+/// `true` for the latest `round(n * fraction)` examples by time (ties by position), at
+/// least one and leaving at least one when `n >= 2`.
+fn latest_by_time(times: &[f64], fraction: f64) -> Vec<bool> {
+    let n = times.len();
+    let mut k = ((n as f64) * fraction).round() as usize;
+    if n >= 2 {
+        k = k.clamp(1, n - 1);
+    } else {
+        k = 0;
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| times[a].total_cmp(&times[b]).then(a.cmp(&b)));
+    let mut keep = vec![false; n];
+    for &i in &order[n - k..] {
+        keep[i] = true;
+    }
+    keep
+}
+
+/// Parses every line of `files` in order.
+fn read_files(
+    files: &[PathBuf],
+    parser: &mut dyn LineParser,
+    strict: bool,
+    report: &mut LoadReport,
+) -> Result<(Columns, Option<Vec<f64>>)> {
+    let mut cols = Columns::new(parser.num_dense(), parser.num_sparse());
+    let mut times = parser.has_time().then(Vec::new);
+    let mut row = Row::new(parser.num_dense(), parser.num_sparse());
+    let mut buf = Vec::with_capacity(1024);
+    for path in files {
+        let name = path.display().to_string();
+        let mut reader = open_text(path)?;
+        let mut lineno = 0u64;
+        loop {
+            buf.clear();
+            let n = reader
+                .read_until(b'\n', &mut buf)
+                .map_err(|e| anyhow!("{name}:{}: read error: {e}", lineno + 1))?;
+            if n == 0 {
+                break;
+            }
+            lineno += 1;
+            let mut line = buf.as_slice();
+            if let Some(l) = line.strip_suffix(b"\n") {
+                line = l;
+            }
+            if let Some(l) = line.strip_suffix(b"\r") {
+                line = l;
+            }
+            if lineno == 1 {
+                if let Some(l) = line.strip_prefix(b"\xEF\xBB\xBF") {
+                    line = l;
+                }
+                if parser.has_header() {
+                    parser
+                        .header(line)
+                        .map_err(|e| anyhow!("{name}:1: header: {e:#}"))?;
+                    continue;
+                }
+            }
+            if line.is_empty() {
+                continue;
+            }
+            report.lines += 1;
+            match parser.parse(line, &mut row) {
+                Ok(()) => {
+                    cols.push(&row);
+                    if let Some(t) = times.as_mut() {
+                        t.push(row.time);
+                    }
+                }
+                Err(msg) => {
+                    let e = format!("{name}:{lineno}: {msg}");
+                    if strict {
+                        bail!(e);
+                    }
+                    report.malformed += 1;
+                    if report.first_errors.len() < MAX_REPORTED_ERRORS {
+                        report.first_errors.push(e);
+                    }
+                }
+            }
+        }
+    }
+    Ok((cols, times))
+}
+
+/// A buffered reader of `path`, gunzipped when it starts with the gzip magic bytes.
+fn open_text(path: &Path) -> Result<Box<dyn BufRead>> {
+    let file = File::open(path).map_err(|e| anyhow!("cannot open {}: {e}", path.display()))?;
+    let mut reader = BufReader::with_capacity(1 << 20, file);
+    let head = reader
+        .fill_buf()
+        .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
+    if head.starts_with(&[0x1f, 0x8b]) {
+        let gz = flate2::bufread::MultiGzDecoder::new(reader);
+        Ok(Box::new(BufReader::with_capacity(1 << 20, gz)))
+    } else {
+        Ok(Box::new(reader))
+    }
+}
+
+/// Whether `name` matches `pattern` (`*`: any run of characters, `?`: one character).
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, s): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut pi, mut si) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while si < s.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == s[si]) {
+            pi += 1;
+            si += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, si));
+            pi += 1;
+        } else if let Some((sp, ss)) = star {
+            pi = sp + 1;
+            si = ss + 1;
+            star = Some((sp, ss + 1));
+        } else {
+            return false;
+        }
+    }
+    while pi < p.len() && p[pi] == '*' {
+        pi += 1;
+    }
+    pi == p.len()
+}
+
+/// The files of a data path: a file, a folder's regular files (not starting with `.`),
+/// or a glob on the file-name part; sorted by name.
+pub fn resolve_path(path: &str) -> Result<Vec<PathBuf>> {
+    let p = Path::new(path);
+    let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+    let is_glob = name
+        .as_deref()
+        .is_some_and(|n| n.contains('*') || n.contains('?'));
+    if !is_glob {
+        let meta = std::fs::metadata(p).map_err(|e| anyhow!("data path {path}: {e}"))?;
+        if meta.is_file() {
+            return Ok(vec![p.to_path_buf()]);
+        }
+        if meta.is_dir() {
+            let files = list_dir(p, |n| !n.starts_with('.'))?;
+            if files.is_empty() {
+                bail!("data folder {path} holds no files");
+            }
+            return Ok(files);
+        }
+        bail!("data path {path} is neither a file nor a folder");
+    }
+    let pattern = name.unwrap_or_default();
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let dir_text = dir.to_string_lossy();
+    if dir_text.contains('*') || dir_text.contains('?') {
+        bail!("data path {path}: wildcards are allowed only in the file name");
+    }
+    let files = list_dir(dir, |n| {
+        (pattern.starts_with('.') || !n.starts_with('.')) && glob_match(&pattern, n)
+    })
+    .map_err(|e| anyhow!("data path {path}: {e:#}"))?;
+    if files.is_empty() {
+        bail!("no files match {path}");
+    }
+    Ok(files)
+}
+
+fn list_dir(dir: &Path, want: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| anyhow!("cannot list {}: {e}", dir.display()))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| anyhow!("cannot list {}: {e}", dir.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !want(&name) || cache::is_cache_file_name(&name) {
+            continue;
+        }
+        let path = entry.path();
+        // Follows symbolic links: a link to a regular file counts as one.
+        if std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+            out.push(path);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// A field for an error message: lossy UTF-8, cut to 40 characters.
+pub(crate) fn show(field: &[u8]) -> String {
+    let s = String::from_utf8_lossy(field);
+    let mut out: String = s.chars().take(40).collect();
+    if s.chars().count() > 40 {
+        out.push('…');
+    }
+    format!("'{}'", out.escape_debug())
+}

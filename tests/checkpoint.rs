@@ -1,0 +1,140 @@
+//! Checkpoints: resuming gives the same bits as not stopping; a truncated or foreign
+//! checkpoint is refused with a clear error; a non-finite loss stops training naming the
+//! step and the block.
+
+use erase::graph::{DenseOptimizer, OptimizerConfig};
+use erase::model::ctr::CtrConfig;
+use erase::train::{train, Eval, Progress, ScheduleOptions, TrainConfig};
+
+struct Quiet;
+impl Progress for Quiet {
+    fn step(&mut self, _: usize, _: usize, _: f64, _: f64) {}
+    fn eval(&mut self, _: &Eval) {}
+}
+
+fn cfg(steps: usize, dir: &std::path::Path, name: &str) -> TrainConfig {
+    let mut model = CtrConfig::small();
+    model.batch = 32;
+    model.rows = 100;
+    TrainConfig {
+        model,
+        steps,
+        seed: 3,
+        data_seed: 1,
+        eval_every: 0,
+        eval_examples: 32,
+        threads: 2,
+        schedule: ScheduleOptions::default(),
+        optimizer: OptimizerConfig::default(),
+        warmup: 0,
+        checkpoint: Some(dir.join(name)),
+        checkpoint_every: 0,
+        resume: None,
+        dispatch: Default::default(),
+        data: Default::default(),
+    }
+}
+
+fn tensors(path: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut v: Vec<(String, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.data().to_vec()))
+        .collect();
+    v.sort();
+    v
+}
+
+fn tmpdir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("erase-ckpt-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn resume_equals_an_uninterrupted_run_bit_for_bit() {
+    let d = tmpdir("resume");
+    let straight = train(&cfg(6, &d, "straight.safetensors"), &mut Quiet).unwrap();
+    train(&cfg(3, &d, "half.safetensors"), &mut Quiet).unwrap();
+    let mut second = cfg(6, &d, "resumed.safetensors");
+    second.resume = Some(d.join("half.safetensors"));
+    let resumed = train(&second, &mut Quiet).unwrap();
+    let (a, b) = (
+        tensors(&d.join("straight.safetensors")),
+        tensors(&d.join("resumed.safetensors")),
+    );
+    assert!(a.len() > 50, "{} tensors", a.len());
+    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert!(ta == tb, "'{na}' differs after resuming");
+    }
+    assert_eq!(
+        straight.losses[3..],
+        resumed.losses[..],
+        "losses after the resume differ"
+    );
+    // the optimizer state is in the checkpoint too
+    assert!(
+        a.iter().any(|(n, _)| n.ends_with("adam_m"))
+            && a.iter().any(|(n, _)| n.contains("adagrad_acc"))
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn truncated_foreign_or_mismatched_checkpoints_are_refused() {
+    let d = tmpdir("bad");
+    train(&cfg(1, &d, "ok.safetensors"), &mut Quiet).unwrap();
+    let bytes = std::fs::read(d.join("ok.safetensors")).unwrap();
+    std::fs::write(d.join("cut.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    let mut c = cfg(2, &d, "out.safetensors");
+    c.resume = Some(d.join("cut.safetensors"));
+    let e = format!("{:#}", train(&c, &mut Quiet).unwrap_err());
+    assert!(
+        e.contains("cut.safetensors") && e.contains("not a complete checkpoint"),
+        "{e}"
+    );
+    // another configuration
+    let mut other = cfg(2, &d, "out.safetensors");
+    other.seed = 4;
+    other.resume = Some(d.join("ok.safetensors"));
+    let e = format!("{:#}", train(&other, &mut Quiet).unwrap_err());
+    assert!(e.contains("another configuration"), "{e}");
+    // missing file
+    let mut miss = cfg(2, &d, "out.safetensors");
+    miss.resume = Some(d.join("nope.safetensors"));
+    let e = format!("{:#}", train(&miss, &mut Quiet).unwrap_err());
+    assert!(e.contains("nope.safetensors"), "{e}");
+    // no temporary files left behind
+    let leftovers: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+        .collect();
+    assert!(leftovers.is_empty());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_non_finite_loss_stops_training_naming_step_and_block() {
+    let d = tmpdir("nan");
+    let mut c = cfg(20, &d, "x.safetensors");
+    c.optimizer.dense = DenseOptimizer::Adam {
+        lr: 1e30,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let e = format!("{:#}", train(&c, &mut Quiet).unwrap_err());
+    assert!(
+        e.starts_with("step ") && e.contains("loss") && e.contains("block '"),
+        "{e}"
+    );
+    assert!(
+        !d.join("x.safetensors").exists(),
+        "no checkpoint of a diverged run"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

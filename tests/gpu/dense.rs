@@ -1,0 +1,840 @@
+//! The GEMM kernels (Linear, LinearGradInput, LinearGradWeight, MatMul) and the fused
+//! attention kernels against references in f64 on the operands the kernels actually
+//! multiply: every GEMM and attention matmul operand rounded to bf16 (nearest even), as
+//! the kernels round them when they load them.
+//!
+//! Tolerances (per element, derived, not tuned):
+//! * GEMM. With operands already bf16 each product a·b is exact in f32, so the only errors
+//!   are the f32 accumulation and the output rounding. Summing K terms in f32 errs by at
+//!   most γ_K·Σ|a||b| in the worst case (linear in K); for independent random signs the
+//!   rounding errors add like a random walk (Higham & Mary 2019), ~sqrt(K)·u·Σ|a||b|.
+//!   The tensor core may truncate rather than round its internal sums (u = 2^-23, not
+//!   2^-24), split-K adds one rounding per split: we allow
+//!   |got − want| ≤ 2^-23·|want| + 4·2^-22·sqrt(K)·Σ_k |a_k||b_k|,
+//!   i.e. rtol 2^-23 (output rounding, bias add) and an atol four times the random-walk
+//!   estimate with the doubled unit. A kernel that skipped the bf16 rounding, or dropped
+//!   or doubled one product, misses this by orders of magnitude.
+//! * Attention. Besides f32 accumulation, the kernels round the probabilities P (forward
+//!   and dV) and dS (dQ, dK) to bf16, which no reference can reproduce: that rounding
+//!   (u_b = 2^-8 relative) bounds the error, e.g. |Δo_ic| ≤ u_b·Σ_j p_ij|v_jc|. Each bound
+//!   below is that worst case plus the f32 terms (scores, exp2, row sums, accumulation of
+//!   n terms: acc(n) = (n/16 + 2)·2^-22 relative to the sum of magnitudes).
+
+use super::{arg, device, rand_f32, run_cpu, run_gpu, Arg};
+use erase::graph::{DType, Op};
+use erase::ops::Buffer;
+
+/// bf16 round-to-nearest-even of an f32, as `__float2bfloat16_rn`, back in f32.
+fn bf16(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let b = x.to_bits();
+    f32::from_bits(b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
+}
+
+fn rounded(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| bf16(v) as f64).collect()
+}
+
+fn f32s(b: &Buffer) -> &[f32] {
+    b.as_f32().expect("an f32 buffer")
+}
+
+/// `f(i)` for `i < n` on all cores, in order.
+fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |t| t.get())
+        .clamp(1, n.max(1));
+    let chunk = n.div_ceil(threads);
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    (t * chunk..((t + 1) * chunk).min(n))
+                        .map(f)
+                        .collect::<Vec<T>>()
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .flat_map(|h| h.join().expect("reference thread"))
+            .collect()
+    })
+}
+
+/// Asserts `|got_i − want_i| ≤ tol_i` (NaN fails), naming the worst element.
+fn assert_within(what: &str, got: &[f64], want: &[f64], tol: &[f64]) {
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{what}: {} values, expected {}",
+        got.len(),
+        want.len()
+    );
+    let mut worst = (0usize, 0.0f64);
+    for (i, ((&g, &w), &t)) in got.iter().zip(want).zip(tol).enumerate() {
+        let err = (g - w).abs();
+        assert!(
+            err <= t,
+            "{what}[{i}]: got {g}, want {w} (|err| {err:.3e}, tolerance {t:.3e})"
+        );
+        if t > 0.0 && err / t > worst.1 {
+            worst = (i, err / t);
+        }
+    }
+    println!(
+        "{what}: ok ({} values, worst at [{}] = {:.3} of tolerance)",
+        got.len(),
+        worst.0,
+        worst.1
+    );
+}
+
+// ---- GEMM ------------------------------------------------------------------------------
+
+/// `C[b] = op(A[b])·op(B[b])` (+ bias) in f64 on bf16-rounded operands, and the tolerance
+/// of each element. `a` is `[batch, m, k]` (`[batch, k, m]` when `ta`), `b` is
+/// `[batch, k, n]` (`[batch, n, k]` when `tb`).
+#[allow(clippy::too_many_arguments)]
+fn gemm_ref(
+    (batch, m, n, k): (usize, usize, usize, usize),
+    a: &[f32],
+    ta: bool,
+    b: &[f32],
+    tb: bool,
+    bias: Option<&[f32]>,
+) -> (Vec<f64>, Vec<f64>) {
+    let (ar, br) = (rounded(a), rounded(b));
+    // row-major A[b][i][kk] and Bᵀ[b][j][kk], so the inner loops are contiguous
+    let at: Vec<f64> = (0..batch * m * k)
+        .map(|x| {
+            let (bi, i, kk) = (x / (m * k), x / k % m, x % k);
+            if ta {
+                ar[bi * m * k + kk * m + i]
+            } else {
+                ar[x]
+            }
+        })
+        .collect();
+    let bt: Vec<f64> = (0..batch * n * k)
+        .map(|x| {
+            let (bi, j, kk) = (x / (n * k), x / k % n, x % k);
+            if tb {
+                br[x]
+            } else {
+                br[bi * k * n + kk * n + j]
+            }
+        })
+        .collect();
+    let rows = par_map(batch * m, |r| {
+        let bi = r / m;
+        let arow = &at[r * k..(r + 1) * k];
+        (0..n)
+            .map(|j| {
+                let brow = &bt[(bi * n + j) * k..(bi * n + j + 1) * k];
+                let (mut s, mut sa) = (0.0f64, 0.0f64);
+                for (x, y) in arow.iter().zip(brow) {
+                    s += x * y;
+                    sa += (x * y).abs();
+                }
+                let s = s + bias.map_or(0.0, |bv| bv[j] as f64);
+                let tol = 2f64.powi(-23) * s.abs() + 4.0 * 2f64.powi(-22) * (k as f64).sqrt() * sa;
+                (s, tol)
+            })
+            .collect::<Vec<_>>()
+    });
+    rows.into_iter().flatten().unzip()
+}
+
+fn f32_arg(shape: &[usize], seed: u64, lo: f32, hi: f32) -> (Arg, Vec<f32>) {
+    let v = rand_f32(seed, shape.iter().product(), lo, hi);
+    (arg(shape, Buffer::F32(v.clone())), v)
+}
+
+#[test]
+fn linear_matches_the_bf16_reference() {
+    let Some(dev) = device("linear_matches_the_bf16_reference") else {
+        return;
+    };
+    // (leading dims of x, N, K, bias): K in {1, 13, 31, 33, 351, 1729}, N = 1, odd M,
+    // 64/128 tile edges, a rank-3 input, split-K (K = 1729 on 2 tiles, bias applied by
+    // the reduction) and the 128x128 tile (2049 x 1100 outputs fill a wave)
+    let cases: &[(&[usize], usize, usize, bool)] = &[
+        (&[1], 1, 1, true),
+        (&[37], 1, 13, true),
+        (&[129], 65, 31, false),
+        (&[65], 127, 33, true),
+        (&[4, 27], 64, 13, true),
+        (&[301], 17, 351, true),
+        (&[99], 40, 1729, true),
+        (&[2049], 1100, 65, true),
+    ];
+    for (seed, &(lead, n, k, bias)) in cases.iter().enumerate() {
+        let seed = 100 + 10 * seed as u64;
+        let m: usize = lead.iter().product();
+        let xshape: Vec<usize> = lead.iter().copied().chain([k]).collect();
+        let (x, xv) = f32_arg(&xshape, seed, -1.0, 1.0);
+        let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let mut ins = vec![x, w];
+        if bias {
+            ins.push(b);
+        }
+        let yshape: Vec<usize> = lead.iter().copied().chain([n]).collect();
+        let outs: [(&[usize], DType); 1] = [(&yshape, DType::F32)];
+        let got = run_gpu(dev, &Op::Linear { bias }, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, bias.then_some(&bv[..]));
+        assert_within(
+            &format!("linear {lead:?}x{k} -> {n} bias {bias}"),
+            &got[0].to_f64(),
+            &want,
+            &tol,
+        );
+    }
+}
+
+#[test]
+fn linear_grad_input_matches_the_bf16_reference() {
+    let Some(dev) = device("linear_grad_input_matches_the_bf16_reference") else {
+        return;
+    };
+    // (M, N, K) of dx[M,K] = dy[M,N]·w[N,K]: the GEMM's inner dim is N
+    let cases = [
+        (37, 1, 13),
+        (129, 13, 1),
+        (63, 31, 65),
+        (33, 33, 129),
+        (31, 351, 7),
+        (17, 1729, 40),
+        (2049, 64, 1300),
+    ];
+    for (seed, &(m, n, k)) in cases.iter().enumerate() {
+        let seed = 200 + 10 * seed as u64;
+        let (dy, dyv) = f32_arg(&[m, n], seed, -1.0, 1.0);
+        let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+        let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+        let got = run_gpu(dev, &Op::LinearGradInput, &[dy, w], &outs, &mut []);
+        let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+        assert_within(
+            &format!("linear_grad_input M {m} N {n} K {k}"),
+            &got[0].to_f64(),
+            &want,
+            &tol,
+        );
+    }
+}
+
+#[test]
+fn linear_grad_weight_matches_the_bf16_reference() {
+    let Some(dev) = device("linear_grad_weight_matches_the_bf16_reference") else {
+        return;
+    };
+    // (rows, N, K) of dw[N,K] = dy[rows,N]ᵀ·x[rows,K]: the GEMM's inner dim is the rows,
+    // long like the model's 4096·27 (split-K with a fixed-order reduction)
+    let cases = [
+        (1, 5, 7),
+        (30_000, 1, 351),
+        (30_000, 64, 13),
+        (4097, 33, 31),
+        (1729, 130, 129),
+        (2001, 1, 1),
+    ];
+    for (seed, &(rows, n, k)) in cases.iter().enumerate() {
+        let seed = 300 + 10 * seed as u64;
+        let (dy, dyv) = f32_arg(&[rows, n], seed, -1.0, 1.0);
+        let (x, xv) = f32_arg(&[rows, k], seed + 1, -1.0, 1.0);
+        let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+        let ins = [dy, x];
+        let got = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
+        assert_within(
+            &format!("linear_grad_weight rows {rows} N {n} K {k}"),
+            &got[0].to_f64(),
+            &want,
+            &tol,
+        );
+        // split-K is deterministic: a second run gives the same bits
+        let again = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+        assert_eq!(
+            bits(&got[0]),
+            bits(&again[0]),
+            "linear_grad_weight rows {rows}: two runs differ"
+        );
+    }
+}
+
+#[test]
+fn linear_on_positive_data_matches_the_bf16_reference() {
+    let Some(dev) = device("linear_on_positive_data_matches_the_bf16_reference") else {
+        return;
+    };
+    // all terms positive: no cancellation, rounding errors of one sign
+    let (m, n, k) = (257, 70, 351);
+    let (x, xv) = f32_arg(&[m, k], 401, 0.25, 2.0);
+    let (w, wv) = f32_arg(&[n, k], 402, 0.25, 2.0);
+    let (b, bv) = f32_arg(&[n], 403, -1.0, 1.0);
+    let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+    let got = run_gpu(dev, &Op::Linear { bias: true }, &[x, w, b], &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv));
+    assert_within(
+        "linear positive 257x351 -> 70",
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
+}
+
+#[test]
+fn batched_matmul_matches_the_bf16_reference_for_every_transpose() {
+    let Some(dev) = device("batched_matmul_matches_the_bf16_reference_for_every_transpose") else {
+        return;
+    };
+    // (batch, M, N, K): small tiles, the 128x128 tile (15 x 5 x 3 tiles), a batched
+    // split-K, and unbatched
+    let shapes = [
+        (3, 37, 65, 33),
+        (15, 513, 257, 17),
+        (2, 5, 7, 1729),
+        (1, 1, 1, 1),
+        (1, 127, 1, 13),
+    ];
+    let mut seed = 500;
+    for (batch, m, n, k) in shapes {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            seed += 10;
+            let lead = |r: usize, c: usize| {
+                if batch == 1 {
+                    vec![r, c]
+                } else {
+                    vec![batch, r, c]
+                }
+            };
+            let ashape = if ta { lead(k, m) } else { lead(m, k) };
+            let bshape = if tb { lead(n, k) } else { lead(k, n) };
+            let cshape = lead(m, n);
+            let (a, av) = f32_arg(&ashape, seed, -1.0, 1.0);
+            let (b, bv) = f32_arg(&bshape, seed + 1, -1.0, 1.0);
+            let outs: [(&[usize], DType); 1] = [(&cshape, DType::F32)];
+            let got = run_gpu(dev, &Op::MatMul { ta, tb }, &[a, b], &outs, &mut []);
+            let (want, tol) = gemm_ref((batch, m, n, k), &av, ta, &bv, tb, None);
+            let what = format!("matmul ta {ta} tb {tb} {ashape:?} x {bshape:?}");
+            assert_within(&what, &got[0].to_f64(), &want, &tol);
+        }
+    }
+}
+
+fn bits(b: &Buffer) -> Vec<u32> {
+    f32s(b).iter().map(|x| x.to_bits()).collect()
+}
+
+// ---- attention -------------------------------------------------------------------------
+
+/// `[B, S, H·Dh]` geometry.
+#[derive(Clone, Copy)]
+struct Geo {
+    b: usize,
+    h: usize,
+    s: usize,
+    dh: usize,
+    causal: bool,
+}
+
+impl Geo {
+    fn n(&self) -> usize {
+        self.b * self.s * self.h * self.dh
+    }
+    fn shape(&self) -> [usize; 3] {
+        [self.b, self.s, self.h * self.dh]
+    }
+    /// Offset of row `i` of head `hh` in batch `bi`.
+    fn at(&self, bi: usize, i: usize, hh: usize) -> usize {
+        ((bi * self.s + i) * self.h + hh) * self.dh
+    }
+    fn scale(&self) -> f64 {
+        1.0 / (self.dh as f64).sqrt()
+    }
+    fn visible(&self, i: usize, j: usize) -> bool {
+        !self.causal || j <= i
+    }
+    /// (batch, head, row) of row `r` of the `[B, H, S]` layout.
+    fn split(&self, r: usize) -> (usize, usize, usize) {
+        (r / (self.h * self.s), r / self.s % self.h, r % self.s)
+    }
+}
+
+const UB: f64 = 1.0 / 256.0; // bf16 unit roundoff, 2^-8
+
+/// f32 accumulation error of an `n`-term tensor-core dot product, relative to Σ|terms|.
+fn acc(n: usize) -> f64 {
+    (n as f64 / 16.0 + 2.0) * 2f64.powi(-22)
+}
+
+fn dot(x: &[f64], y: &[f64]) -> (f64, f64) {
+    x.iter()
+        .zip(y)
+        .fold((0.0, 0.0), |(s, a), (p, q)| (s + p * q, a + (p * q).abs()))
+}
+
+/// Scores of row `i` (natural units, `scale·q_i·k_j`), their Σ|q||k|·scale, and the bound
+/// δ_ij on the error of the exponent the kernel evaluates: the f32 dot product, the f32
+/// products and differences with the row's max or lse (≤ 2^-23 of each), exp2's 2^-22.
+fn scores(
+    g: &Geo,
+    q: &[f64],
+    k: &[f64],
+    bi: usize,
+    hh: usize,
+    i: usize,
+    lse: f64,
+) -> Vec<(usize, f64, f64)> {
+    let qi = &q[g.at(bi, i, hh)..][..g.dh];
+    let raw: Vec<(usize, f64, f64)> = (0..g.s)
+        .filter(|&j| g.visible(i, j))
+        .map(|j| {
+            let (s, a) = dot(qi, &k[g.at(bi, j, hh)..][..g.dh]);
+            (j, s * g.scale(), a * g.scale())
+        })
+        .collect();
+    let smax = raw.iter().fold(0.0f64, |m, r| m.max(r.1.abs()));
+    raw.into_iter()
+        .map(|(j, s, a)| {
+            (
+                j,
+                s,
+                acc(g.dh) * a + 2f64.powi(-21) * (s.abs() + smax + lse.abs() + 1.0),
+            )
+        })
+        .collect()
+}
+
+struct AttnData {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    d_o: Vec<f32>,
+}
+
+fn attn_data(g: &Geo, seed: u64) -> AttnData {
+    let n = g.n();
+    AttnData {
+        // queries larger than keys: scores spread over several units, softmax far from uniform
+        q: rand_f32(seed, n, -2.0, 2.0),
+        k: rand_f32(seed + 1, n, -1.0, 1.0),
+        v: rand_f32(seed + 2, n, -1.0, 1.0),
+        d_o: rand_f32(seed + 3, n, -1.0, 1.0),
+    }
+}
+
+fn f64_arg(shape: &[usize], v: Vec<f64>) -> Arg {
+    arg(shape, Buffer::F64(v))
+}
+
+/// Forward: GPU against the CPU reference in f64 on bf16-rounded q, k, v. Returns the
+/// reference o and lse (f64) for the backward test.
+fn check_attention_forward(
+    dev: &erase::runtime::cuda::CudaDevice,
+    g: Geo,
+    d: &AttnData,
+) -> (Vec<f64>, Vec<f64>) {
+    let shape = g.shape();
+    let lse_shape = [g.b, g.h, g.s];
+    let op = Op::Attention {
+        heads: g.h,
+        causal: g.causal,
+    };
+    let ins = vec![
+        arg(&shape, Buffer::F32(d.q.clone())),
+        arg(&shape, Buffer::F32(d.k.clone())),
+        arg(&shape, Buffer::F32(d.v.clone())),
+    ];
+    let outs: [(&[usize], DType); 2] = [(&shape, DType::F32), (&lse_shape, DType::F32)];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let again = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let name = format!(
+        "attention B {} H {} S {} Dh {} causal {}",
+        g.b, g.h, g.s, g.dh, g.causal
+    );
+    assert!(
+        bits(&got[0]) == bits(&again[0]) && bits(&got[1]) == bits(&again[1]),
+        "{name}: two runs differ"
+    );
+
+    let (q, k, v) = (rounded(&d.q), rounded(&d.k), rounded(&d.v));
+    let rins = vec![
+        f64_arg(&shape, q.clone()),
+        f64_arg(&shape, k.clone()),
+        f64_arg(&shape, v.clone()),
+    ];
+    let routs: [(&[usize], DType); 2] = [(&shape, DType::F64), (&lse_shape, DType::F64)];
+    let want = run_cpu(&op, &rins, &routs, &mut []);
+    let (o_ref, lse_ref) = (want[0].to_f64(), want[1].to_f64());
+
+    // o_i = Σ_j p_ij v_j with P rounded to bf16 (u_b), each p_ij off by its exponent's
+    // error and the row sum's (≤ S+16 f32 additions and rescalings), accumulated over S:
+    // |Δo_ic| ≤ (ε_i + u_b + acc(S))·Σ_j p_ij|v_jc|, ε_i = 2·max_j δ_ij + (S+16)·2^-23;
+    // |Δlse_i| ≤ max_j δ_ij + (S+16)·2^-23 + 2^-22·(|lse_i| + 1).
+    let rows = par_map(g.b * g.h * g.s, |r| {
+        let (bi, hh, i) = g.split(r);
+        let sc = scores(&g, &q, &k, bi, hh, i, lse_ref[r]);
+        let dmax = sc.iter().fold(0.0f64, |m, x| m.max(x.2));
+        let lsum = (g.s as f64 + 16.0) * 2f64.powi(-23);
+        let mut pv = vec![0.0f64; g.dh];
+        for &(j, s, _) in &sc {
+            let p = (s - lse_ref[r]).exp();
+            for (t, x) in pv.iter_mut().zip(&v[g.at(bi, j, hh)..][..g.dh]) {
+                *t += p * x.abs();
+            }
+        }
+        let f = 2.0 * dmax + lsum + UB + acc(g.s);
+        let o_tol: Vec<f64> = pv.iter().map(|t| f * t).collect();
+        (
+            o_tol,
+            dmax + lsum + 2f64.powi(-22) * (lse_ref[r].abs() + 1.0),
+        )
+    });
+    let mut o_tol = vec![0.0; g.n()];
+    let mut lse_tol = vec![0.0; g.b * g.h * g.s];
+    for (r, (ot, lt)) in rows.into_iter().enumerate() {
+        let (bi, hh, i) = g.split(r);
+        for (c, t) in ot.into_iter().enumerate() {
+            o_tol[g.at(bi, i, hh) + c] = t + 2f64.powi(-23) * o_ref[g.at(bi, i, hh) + c].abs();
+        }
+        lse_tol[r] = lt;
+    }
+    assert_within(&format!("{name} o"), &got[0].to_f64(), &o_ref, &o_tol);
+    assert_within(&format!("{name} lse"), &got[1].to_f64(), &lse_ref, &lse_tol);
+    (o_ref, lse_ref)
+}
+
+/// Backward: GPU (on f32 do, q, k, v and the reference's o, lse rounded to f32) against the
+/// CPU reference in f64 on bf16-rounded do, q, k, v and the same o, lse.
+fn check_attention_backward(
+    dev: &erase::runtime::cuda::CudaDevice,
+    g: Geo,
+    d: &AttnData,
+    o_ref: &[f64],
+    lse_ref: &[f64],
+) {
+    let shape = g.shape();
+    let lse_shape = [g.b, g.h, g.s];
+    let o32: Vec<f32> = o_ref.iter().map(|&x| x as f32).collect();
+    let lse32: Vec<f32> = lse_ref.iter().map(|&x| x as f32).collect();
+    let op = Op::AttentionGrad {
+        heads: g.h,
+        causal: g.causal,
+    };
+    let ins = vec![
+        arg(&shape, Buffer::F32(d.d_o.clone())),
+        arg(&shape, Buffer::F32(d.q.clone())),
+        arg(&shape, Buffer::F32(d.k.clone())),
+        arg(&shape, Buffer::F32(d.v.clone())),
+        arg(&shape, Buffer::F32(o32.clone())),
+        arg(&lse_shape, Buffer::F32(lse32.clone())),
+    ];
+    let outs: [(&[usize], DType); 3] = [
+        (&shape, DType::F32),
+        (&shape, DType::F32),
+        (&shape, DType::F32),
+    ];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let again = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let name = format!(
+        "attention_grad B {} H {} S {} Dh {} causal {}",
+        g.b, g.h, g.s, g.dh, g.causal
+    );
+    for (x, y) in got.iter().zip(&again) {
+        assert_eq!(bits(x), bits(y), "{name}: two runs differ");
+    }
+
+    let (d_o, q, k, v) = (rounded(&d.d_o), rounded(&d.q), rounded(&d.k), rounded(&d.v));
+    let o: Vec<f64> = o32.iter().map(|&x| x as f64).collect();
+    let lse: Vec<f64> = lse32.iter().map(|&x| x as f64).collect();
+    let rins = vec![
+        f64_arg(&shape, d_o.clone()),
+        f64_arg(&shape, q.clone()),
+        f64_arg(&shape, k.clone()),
+        f64_arg(&shape, v.clone()),
+        f64_arg(&shape, o.clone()),
+        f64_arg(&lse_shape, lse.clone()),
+    ];
+    let routs: [(&[usize], DType); 3] = [
+        (&shape, DType::F64),
+        (&shape, DType::F64),
+        (&shape, DType::F64),
+    ];
+    let want = run_cpu(&op, &rins, &routs, &mut []);
+
+    // Per pair (i, j): p = exp(s − lse) off by δ_ij (relative), dp = do_i·v_j and
+    // D_i = do_i·o_i off by acc(Dh)·Σ|do||v| and acc(Dh)·Σ|do||o|, and dS = p(dp − D)
+    // rounded to bf16:  |ΔdS_ij| ≤ F_ij = (δ_ij + u_b + 2^-22)|dS_ij| + p_ij·acc(Dh)·(Σ|do_i||v_j| + Σ|do_i||o_i|).
+    // Then |Δdq_ic| ≤ scale·Σ_j (F_ij + acc(S)|dS_ij|)|k_jc|, |Δdk_jc| ≤ scale·Σ_i (F_ij + acc(S)|dS_ij|)|q_ic|,
+    // |Δdv_jc| ≤ Σ_i p_ij(δ_ij + u_b + acc(S))|do_ic|, each plus 2^-23 of the value and
+    // 2^-6 of itself for the second-order terms.
+    let (sn, dh, scale) = (g.s, g.dh, g.scale());
+    let mut tol = [vec![0.0; g.n()], vec![0.0; g.n()], vec![0.0; g.n()]];
+    for bh in 0..g.b * g.h {
+        let (bi, hh) = (bh / g.h, bh % g.h);
+        // per query row: the coefficients of dq's bound, and of dk's and dv's (by key)
+        let rows = par_map(sn, |i| {
+            let r = bh * sn + i;
+            let doi = &d_o[g.at(bi, i, hh)..][..dh];
+            let (di, dabs) = dot(doi, &o[g.at(bi, i, hh)..][..dh]);
+            let mut gk = Vec::new(); // (j, coefficient of dq's and dk's bound, of dv's)
+            for (j, s, delta) in scores(&g, &q, &k, bi, hh, i, lse[r]) {
+                let p = (s - lse[r]).exp();
+                let (dp, dpabs) = dot(doi, &v[g.at(bi, j, hh)..][..dh]);
+                let ds = (p * (dp - di)).abs();
+                let f = (delta + UB + 2f64.powi(-22)) * ds + p * acc(dh) * (dpabs + dabs);
+                gk.push((j, scale * (f + acc(sn) * ds), p * (delta + UB + acc(sn))));
+            }
+            let mut dq_tol = vec![0.0f64; dh];
+            for &(j, c, _) in &gk {
+                for (t, x) in dq_tol.iter_mut().zip(&k[g.at(bi, j, hh)..][..dh]) {
+                    *t += c * x.abs();
+                }
+            }
+            (dq_tol, gk)
+        });
+        for (i, (dq_tol, _)) in rows.iter().enumerate() {
+            tol[0][g.at(bi, i, hh)..][..dh].copy_from_slice(dq_tol);
+        }
+        // dk, dv by key: sum over the query rows that see key j
+        let mut by_key: Vec<Vec<(usize, f64, f64)>> = vec![Vec::new(); sn];
+        for (i, (_, gk)) in rows.iter().enumerate() {
+            for &(j, ck, cv) in gk {
+                by_key[j].push((i, ck, cv));
+            }
+        }
+        let cols = par_map(sn, |j| {
+            let (mut tk, mut tv) = (vec![0.0f64; dh], vec![0.0f64; dh]);
+            for &(i, ck, cv) in &by_key[j] {
+                let (qi, doi) = (&q[g.at(bi, i, hh)..][..dh], &d_o[g.at(bi, i, hh)..][..dh]);
+                for c in 0..dh {
+                    tk[c] += ck * qi[c].abs();
+                    tv[c] += cv * doi[c].abs();
+                }
+            }
+            (tk, tv)
+        });
+        for (j, (tk, tv)) in cols.into_iter().enumerate() {
+            tol[1][g.at(bi, j, hh)..][..dh].copy_from_slice(&tk);
+            tol[2][g.at(bi, j, hh)..][..dh].copy_from_slice(&tv);
+        }
+    }
+    for (x, (gotx, wantx)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+        let w = wantx.to_f64();
+        let t = match *x {
+            "dq" => &tol[0],
+            "dk" => &tol[1],
+            _ => &tol[2],
+        };
+        let t: Vec<f64> = t
+            .iter()
+            .zip(&w)
+            .map(|(t, w)| t * (1.0 + 2f64.powi(-6)) + 2f64.powi(-23) * w.abs())
+            .collect();
+        assert_within(&format!("{name} {x}"), &gotx.to_f64(), &w, &t);
+    }
+}
+
+fn attention_case(test: &str, b: usize, h: usize, s: usize, dh: usize, seed: u64) {
+    let Some(dev) = device(test) else { return };
+    for causal in [false, true] {
+        let g = Geo {
+            b,
+            h,
+            s,
+            dh,
+            causal,
+        };
+        let d = attn_data(&g, seed + u64::from(causal));
+        let (o, lse) = check_attention_forward(dev, g, &d);
+        check_attention_backward(dev, g, &d, &o, &lse);
+    }
+}
+
+#[test]
+fn attention_b3_h2_s27_dh32_matches_the_bf16_reference() {
+    attention_case(
+        "attention_b3_h2_s27_dh32_matches_the_bf16_reference",
+        3,
+        2,
+        27,
+        32,
+        600,
+    );
+}
+
+#[test]
+fn attention_b1_h2_s100_dh64_matches_the_bf16_reference() {
+    attention_case(
+        "attention_b1_h2_s100_dh64_matches_the_bf16_reference",
+        1,
+        2,
+        100,
+        64,
+        700,
+    );
+}
+
+#[test]
+fn attention_b1_h1_s2047_dh64_matches_the_bf16_reference() {
+    attention_case(
+        "attention_b1_h1_s2047_dh64_matches_the_bf16_reference",
+        1,
+        1,
+        2047,
+        64,
+        800,
+    );
+}
+
+#[test]
+fn attention_tile_edges_match_the_bf16_reference() {
+    // S = 1; exactly one tile (the fused S ≤ 64 backward, Dh 64); one past a tile (the
+    // tiled backward, both head dims)
+    for (i, &(b, h, s, dh)) in [
+        (1, 1, 1, 32),
+        (2, 1, 64, 64),
+        (1, 2, 65, 64),
+        (2, 3, 129, 32),
+    ]
+    .iter()
+    .enumerate()
+    {
+        attention_case(
+            "attention_tile_edges_match_the_bf16_reference",
+            b,
+            h,
+            s,
+            dh,
+            1000 + 10 * i as u64,
+        );
+    }
+}
+
+#[test]
+fn attention_with_an_unsupported_head_dim_is_refused() {
+    let Some(dev) = device("attention_with_an_unsupported_head_dim_is_refused") else {
+        return;
+    };
+    let shape = [1usize, 4, 48];
+    let x = || arg(&shape, Buffer::F32(rand_f32(900, 4 * 48, -1.0, 1.0)));
+    let in_refs_owned = [x(), x(), x()];
+    let in_refs: Vec<(&erase::graph::Shape, &Buffer)> =
+        in_refs_owned.iter().map(|a| (&a.shape, &a.value)).collect();
+    let outs = [
+        (erase::graph::Shape::new(&shape), DType::F32),
+        (erase::graph::Shape::new(&[1, 1, 4]), DType::F32),
+    ];
+    let e = dev.run_node(
+        &Op::Attention {
+            heads: 1,
+            causal: false,
+        },
+        &in_refs,
+        &outs,
+        &mut [],
+    );
+    assert!(
+        e.is_err_and(|e| e.to_string().contains("head dim 48")),
+        "head dim 48 must be refused by the plan"
+    );
+}
+
+/// Timings of the model's GEMM and attention shapes (not a check: run with `--ignored`).
+#[test]
+#[ignore]
+fn dense_kernel_timings() {
+    let Some(dev) = device("dense_kernel_timings") else {
+        return;
+    };
+    let time = |what: &str, op: Op, ins: &[&[usize]], outs: &[&[usize]], flops: f64| {
+        let bufs: Vec<(erase::graph::Shape, Buffer)> = ins
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n = s.iter().product();
+                (
+                    erase::graph::Shape::new(s),
+                    Buffer::F32(rand_f32(1000 + i as u64, n, -1.0, 1.0)),
+                )
+            })
+            .collect();
+        let in_refs: Vec<(&erase::graph::Shape, &Buffer)> =
+            bufs.iter().map(|(s, b)| (s, b)).collect();
+        let outs: Vec<(erase::graph::Shape, DType)> = outs
+            .iter()
+            .map(|s| (erase::graph::Shape::new(s), DType::F32))
+            .collect();
+        let ms = dev
+            .time_node(&op, &in_refs, &outs, &[], 3, 20)
+            .expect("timing");
+        let bytes: usize = ins
+            .iter()
+            .chain(outs.iter().map(|o| o.0.dims()).collect::<Vec<_>>().iter())
+            .map(|s| s.iter().product::<usize>() * 4)
+            .sum();
+        println!(
+            "{what}: {:.1} us, {:.2} TFLOP/s, {:.0} GB/s of operands",
+            ms * 1e3,
+            flops / ms / 1e9,
+            bytes as f64 / ms / 1e6
+        );
+    };
+    let r = 4096 * 27;
+    for (m, n, k) in [
+        (r, 64, 64),
+        (4096, 1024, 1728),
+        (4096, 256, 351),
+        (4096, 512, 1024),
+        (4096, 4096, 4096),
+    ] {
+        let f = 2.0 * (m * n * k) as f64;
+        time(
+            &format!("linear {m}x{k} -> {n}"),
+            Op::Linear { bias: true },
+            &[&[m, k], &[n, k], &[n]],
+            &[&[m, n]],
+            f,
+        );
+        time(
+            &format!("linear_grad_input {m}x{n} -> {k}"),
+            Op::LinearGradInput,
+            &[&[m, n], &[n, k]],
+            &[&[m, k]],
+            f,
+        );
+        time(
+            &format!("linear_grad_weight rows {m} -> [{n}, {k}]"),
+            Op::LinearGradWeight,
+            &[&[m, n], &[m, k]],
+            &[&[n, k]],
+            f,
+        );
+    }
+    for (b, s, h, dh) in [(4096, 27, 2, 32), (1, 2047, 1, 64), (8, 2048, 8, 64)] {
+        let w = h * dh;
+        let x: &[usize] = &[b, s, w];
+        let l: &[usize] = &[b, h, s];
+        for causal in [false, true] {
+            let f = 4.0 * (b * h * s * s * dh) as f64 / if causal { 2.0 } else { 1.0 };
+            time(
+                &format!("attention B {b} S {s} H {h} Dh {dh} causal {causal}"),
+                Op::Attention { heads: h, causal },
+                &[x, x, x],
+                &[x, l],
+                f,
+            );
+            time(
+                &format!("attention_grad B {b} S {s} H {h} Dh {dh} causal {causal}"),
+                Op::AttentionGrad { heads: h, causal },
+                &[x, x, x, x, x, l],
+                &[x, x, x],
+                2.5 * f,
+            );
+        }
+    }
+}

@@ -1,0 +1,1195 @@
+//! GPU tests of the non-GEMM kernels (ops/src/cuda/misc.rs, kernels-cuda/{elementwise,
+//! norm,reduce,interaction,loss,optim,embedding_bag}.cu) against the CPU reference.
+//!
+//! Tolerances: maps the kernels compute with the reference's own f32 operations (no FMA
+//! contraction: add, mul, scale, relu, casts, copies, grad_sum, the interaction, the
+//! embedding lookup, Adam, SGD) must match bit for bit. Maps through expf/tanhf may differ
+//! by a few ulps of the libm result (rtol 1e-5, plus a small atol where 1 + tanh cancels).
+//! Reductions sum in a different (fixed) order than the reference's serial loop: the
+//! reference's own rounding error grows like ε·L·|term| for a length-L sum, so those
+//! tolerances scale with L (see `sum_atol`).
+
+use super::{arg, assert_close, device, rand_f32, run_cpu, run_gpu, Arg};
+use erase::graph::{DType, Op};
+use erase::ops::Buffer;
+use erase::runtime::cuda::CudaDevice;
+
+const EXACT: (f64, f64) = (0.0, 0.0);
+const F32: DType = DType::F32;
+
+/// Absolute tolerance for an f32 sum of `len` terms of magnitude about `mag`, summed in
+/// two different orders: 8·ε·len·mag, a few times the typical error of a serial sum.
+fn sum_atol(len: usize, mag: f64) -> f64 {
+    8.0 * f32::EPSILON as f64 * len.max(1) as f64 * mag
+}
+
+/// `n` values with magnitude in [0.05, 1) and either sign: never zero.
+fn signed(seed: u64, n: usize) -> Vec<f32> {
+    let m = rand_f32(seed, n, 0.05, 1.0);
+    let s = rand_f32(seed ^ 0x5151, n, 0.0, 1.0);
+    m.iter()
+        .zip(s)
+        .map(|(&m, s)| if s < 0.5 { -m } else { m })
+        .collect()
+}
+
+fn f32_arg(shape: &[usize], v: Vec<f32>) -> Arg {
+    arg(shape, Buffer::F32(v))
+}
+
+fn rand_arg(shape: &[usize], seed: u64) -> Arg {
+    f32_arg(shape, signed(seed, shape.iter().product()))
+}
+
+fn dup(a: &Arg) -> Arg {
+    arg(a.shape.dims(), a.value.clone())
+}
+
+/// Runs `op` on both backends and compares every output with its (rtol, atol).
+fn compare(
+    dev: &CudaDevice,
+    what: &str,
+    op: &Op,
+    ins: &[Arg],
+    outs: &[(&[usize], DType)],
+    tol: &[(f64, f64)],
+) -> Vec<Buffer> {
+    let g = run_gpu(dev, op, ins, outs, &mut []);
+    let c = run_cpu(op, ins, outs, &mut []);
+    for (k, (gb, cb)) in g.iter().zip(&c).enumerate() {
+        let (rtol, atol) = tol[k.min(tol.len() - 1)];
+        assert_close(
+            &format!("{what} output {k}"),
+            &gb.to_f64(),
+            &cb.to_f64(),
+            rtol,
+            atol,
+        );
+    }
+    g
+}
+
+fn bits(b: &Buffer) -> Vec<u8> {
+    b.bytes().to_vec()
+}
+
+// ---- elementwise -----------------------------------------------------------------------------
+
+#[test]
+fn elementwise_maps_match_cpu() {
+    let Some(dev) = device("elementwise_maps_match_cpu") else {
+        return;
+    };
+    let mut seed = 1000;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    for n in [1usize, 7, 33, 1000, 4099, 300_001] {
+        let shape = [n];
+        let x = rand_arg(&shape, next());
+        let y = rand_arg(&shape, next());
+        let wide = f32_arg(&shape, rand_f32(next(), n, -4.0, 4.0)); // both signs, the activations' range
+        let o: &[(&[usize], DType)] = &[(&shape, F32)];
+        compare(
+            dev,
+            &format!("add [{n}]"),
+            &Op::Add,
+            &[dup(&x), dup(&y)],
+            o,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("mul [{n}]"),
+            &Op::Mul,
+            &[dup(&x), dup(&y)],
+            o,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("scale [{n}]"),
+            &Op::Scale { factor: -0.3 },
+            &[dup(&x)],
+            o,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("relu [{n}]"),
+            &Op::Relu,
+            &[dup(&wide)],
+            o,
+            &[EXACT],
+        );
+        // expf/tanhf: a few ulps; gelu(x) for x near -4 is 1 + tanh cancelling (atol)
+        compare(
+            dev,
+            &format!("gelu [{n}]"),
+            &Op::Gelu,
+            &[dup(&wide)],
+            o,
+            &[(1e-5, 1e-6)],
+        );
+        let sig = compare(
+            dev,
+            &format!("sigmoid [{n}]"),
+            &Op::Sigmoid,
+            &[dup(&wide)],
+            o,
+            &[(1e-5, 1e-7)],
+        );
+        let relu_y = run_cpu(&Op::Relu, &[dup(&wide)], o, &mut []);
+        compare(
+            dev,
+            &format!("relu_grad [{n}]"),
+            &Op::ReluGrad,
+            &[dup(&x), arg(&shape, relu_y[0].clone())],
+            o,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("gelu_grad [{n}]"),
+            &Op::GeluGrad,
+            &[dup(&x), dup(&wide)],
+            o,
+            &[(1e-5, 1e-6)],
+        );
+        compare(
+            dev,
+            &format!("sigmoid_grad [{n}]"),
+            &Op::SigmoidGrad,
+            &[dup(&x), arg(&shape, sig[0].clone())],
+            o,
+            &[EXACT],
+        );
+        let s = rand_arg(&[], next());
+        compare(
+            dev,
+            &format!("broadcast [{n}]"),
+            &Op::Broadcast { scale: 0.125 },
+            &[s],
+            o,
+            &[EXACT],
+        );
+        // casts: f32 -> bf16 rounds to nearest even, bf16 -> f32 and i32 <-> f32 exactly as Rust
+        let b16 = compare(
+            dev,
+            &format!("cast bf16 [{n}]"),
+            &Op::Cast { to: DType::Bf16 },
+            &[dup(&wide)],
+            &[(&shape, DType::Bf16)],
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("cast bf16->f32 [{n}]"),
+            &Op::Cast { to: F32 },
+            &[arg(&shape, b16[0].clone())],
+            o,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("cast f32->i32 [{n}]"),
+            &Op::Cast { to: DType::I32 },
+            &[dup(&wide)],
+            &[(&shape, DType::I32)],
+            &[EXACT],
+        );
+        let ints = Buffer::I32(
+            rand_f32(next(), n, -70000.0, 70000.0)
+                .iter()
+                .map(|&v| v as i32)
+                .collect(),
+        );
+        compare(
+            dev,
+            &format!("cast i32->f32 [{n}]"),
+            &Op::Cast { to: F32 },
+            &[arg(&shape, ints.clone())],
+            o,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("cast i32->bf16 [{n}]"),
+            &Op::Cast { to: DType::Bf16 },
+            &[arg(&shape, ints)],
+            &[(&shape, DType::Bf16)],
+            &[EXACT],
+        );
+        // grad_sum: 1, 3, 8 (one launch) and 11, 16 inputs (chained launches), in input order
+        for k in [1usize, 3, 8, 11, 16] {
+            let parts: Vec<Arg> = (0..k).map(|_| rand_arg(&shape, next())).collect();
+            compare(
+                dev,
+                &format!("grad_sum {k} x [{n}]"),
+                &Op::GradSum,
+                &parts,
+                o,
+                &[EXACT],
+            );
+        }
+    }
+    // suffix broadcasting, odd shapes
+    for (a, b) in [
+        (&[3usize, 5][..], &[5usize][..]),
+        (&[2, 3, 7], &[3, 7]),
+        (&[1000, 33], &[33]),
+        (&[4099, 1], &[1]),
+        (&[9, 1], &[9, 1]),
+    ] {
+        let (x, y) = (rand_arg(a, next()), rand_arg(b, next()));
+        compare(
+            dev,
+            &format!("add {a:?}+{b:?}"),
+            &Op::Add,
+            &[dup(&x), dup(&y)],
+            &[(a, F32)],
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("mul {a:?}*{b:?}"),
+            &Op::Mul,
+            &[x, y],
+            &[(a, F32)],
+            &[EXACT],
+        );
+    }
+    // the step counter: += 1 in device memory
+    let mut step = [arg(&[], Buffer::I32(vec![41]))];
+    run_gpu(dev, &Op::StepIncrement, &[], &[], &mut step);
+    run_gpu(dev, &Op::StepIncrement, &[], &[], &mut step);
+    assert_eq!(step[0].value, Buffer::I32(vec![43]));
+}
+
+#[test]
+fn shape_ops_match_cpu() {
+    let Some(dev) = device("shape_ops_match_cpu") else {
+        return;
+    };
+    let mut seed = 2000;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    for dims in [[1usize, 1, 1], [3, 5, 7], [2, 33, 64], [7, 1, 129]] {
+        for axis in 0..3 {
+            // concat of three inputs of lengths 1, dims[axis], 2 along `axis`
+            let lens = [1, dims[axis], 2];
+            let ins: Vec<Arg> = lens
+                .iter()
+                .map(|&l| {
+                    let mut s = dims;
+                    s[axis] = l;
+                    rand_arg(&s, next())
+                })
+                .collect();
+            let mut out = dims;
+            out[axis] = lens.iter().sum();
+            compare(
+                dev,
+                &format!("concat {dims:?} axis {axis}"),
+                &Op::Concat { axis },
+                &ins,
+                &[(&out, F32)],
+                &[EXACT],
+            );
+            // slice of the middle and pad back
+            let full = out[axis];
+            let (start, len) = (1, full - 2);
+            let x = rand_arg(&out, next());
+            let mut sl = out;
+            sl[axis] = len;
+            compare(
+                dev,
+                &format!("slice {out:?} axis {axis}"),
+                &Op::Slice { axis, start, len },
+                &[x],
+                &[(&sl, F32)],
+                &[EXACT],
+            );
+            let dy = rand_arg(&sl, next());
+            compare(
+                dev,
+                &format!("pad {sl:?} axis {axis}"),
+                &Op::Pad { axis, start, full },
+                &[dy],
+                &[(&out, F32)],
+                &[EXACT],
+            );
+        }
+        let n: usize = dims.iter().product();
+        let x = rand_arg(&dims, next());
+        compare(
+            dev,
+            "reshape",
+            &Op::Reshape,
+            &[dup(&x)],
+            &[(&[n], F32)],
+            &[EXACT],
+        );
+        compare(dev, "detach", &Op::Detach, &[x], &[(&dims, F32)], &[EXACT]);
+        // bf16 values (made by the reference's cast) move as 16-bit words
+        let h = run_cpu(
+            &Op::Cast { to: DType::Bf16 },
+            &[rand_arg(&dims, next())],
+            &[(&dims, DType::Bf16)],
+            &mut [],
+        );
+        compare(
+            dev,
+            "reshape bf16",
+            &Op::Reshape,
+            &[arg(&dims, h[0].clone())],
+            &[(&[n], DType::Bf16)],
+            &[EXACT],
+        );
+    }
+}
+
+// ---- layer norm and column reductions -----------------------------------------------------------
+
+#[test]
+fn layer_norm_matches_cpu() {
+    let Some(dev) = device("layer_norm_matches_cpu") else {
+        return;
+    };
+    let mut seed = 3000;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    for (rows, d) in [
+        (1usize, 64usize),
+        (7, 256),
+        (300, 37),
+        (4100, 64),
+        (33, 1),
+        (5, 1000),
+    ] {
+        let xs = [rows, d];
+        let x = rand_arg(&xs, next());
+        let gamma = rand_arg(&[d], next());
+        let beta = rand_arg(&[d], next());
+        let outs: &[(&[usize], DType)] = &[(&xs, F32), (&[rows], F32), (&[rows], F32)];
+        let op = Op::LayerNorm { eps: 1e-5 };
+        // row statistics summed as a tree instead of serially: error ~ ε·d relative
+        let row = (1e-5, sum_atol(d, 1.0));
+        compare(
+            dev,
+            &format!("layer_norm [{rows},{d}]"),
+            &op,
+            &[dup(&x), dup(&gamma), dup(&beta)],
+            outs,
+            &[row],
+        );
+        let cpu = run_cpu(&op, &[dup(&x), dup(&gamma), beta], outs, &mut []);
+        let dy = rand_arg(&xs, next());
+        let ins = [
+            dy,
+            x,
+            gamma,
+            arg(&[rows], cpu[1].clone()),
+            arg(&[rows], cpu[2].clone()),
+        ];
+        let gouts: &[(&[usize], DType)] = &[(&xs, F32), (&[d], F32), (&[d], F32)];
+        // dx: row sums of d terms; dgamma/dbeta: column sums of `rows` terms of |xhat·dy| ≲ 2
+        let tol = [
+            (1e-4, sum_atol(d, 4.0)),
+            (1e-5, sum_atol(rows, 2.0)),
+            (1e-5, sum_atol(rows, 1.0)),
+        ];
+        compare(
+            dev,
+            &format!("layer_norm_grad [{rows},{d}]"),
+            &Op::LayerNormGrad,
+            &ins,
+            gouts,
+            &tol,
+        );
+    }
+}
+
+#[test]
+fn sum_to_shape_matches_cpu_and_is_deterministic() {
+    let Some(dev) = device("sum_to_shape_matches_cpu_and_is_deterministic") else {
+        return;
+    };
+    let mut seed = 4000;
+    for (x, out) in [
+        (&[1usize][..], &[1usize][..]),
+        (&[7, 33], &[33]),
+        (&[1000, 1], &[1]),
+        (&[4099, 64], &[64]),
+        (&[3, 5, 129], &[5, 129]),
+        (&[65, 3000], &[3000]),
+        (&[100_000, 3], &[3]),
+    ] {
+        seed += 1;
+        let dy = rand_arg(x, seed);
+        let rows = x.iter().product::<usize>() / out.iter().product::<usize>();
+        let o: &[(&[usize], DType)] = &[(out, F32)];
+        let a = compare(
+            dev,
+            &format!("sum_to_shape {x:?}->{out:?}"),
+            &Op::SumToShape,
+            &[dup(&dy)],
+            o,
+            &[(1e-5, sum_atol(rows, 1.0))],
+        );
+        let b = run_gpu(dev, &Op::SumToShape, &[dy], o, &mut []);
+        assert_eq!(
+            bits(&a[0]),
+            bits(&b[0]),
+            "sum_to_shape {x:?}: two runs differ"
+        );
+    }
+}
+
+// ---- interaction -------------------------------------------------------------------------------------
+
+#[test]
+fn pairwise_dot_matches_cpu() {
+    let Some(dev) = device("pairwise_dot_matches_cpu") else {
+        return;
+    };
+    let mut seed = 5000;
+    // (B, F, D): the DLRM shape, odd ones, F = 1 (no pairs), and one too big for shared
+    // memory (100·131·4 bytes > 48 KB: the _gmem kernels)
+    for (b, f, d) in [
+        (1usize, 2usize, 1usize),
+        (3, 27, 64),
+        (5, 7, 33),
+        (2, 1, 8),
+        (2, 100, 130),
+        (513, 27, 64),
+    ] {
+        seed += 2;
+        let e = rand_arg(&[b, f, d], seed);
+        let p = f * (f - 1) / 2;
+        // the same products and sums in the same order as the reference: bit-identical
+        compare(
+            dev,
+            &format!("pairwise_dot [{b},{f},{d}]"),
+            &Op::PairwiseDot,
+            &[dup(&e)],
+            &[(&[b, p], F32)],
+            &[EXACT],
+        );
+        let dy = rand_arg(&[b, p], seed + 1);
+        compare(
+            dev,
+            &format!("pairwise_dot_grad [{b},{f},{d}]"),
+            &Op::PairwiseDotGrad,
+            &[dy, e],
+            &[(&[b, f, d], F32)],
+            &[EXACT],
+        );
+    }
+}
+
+// ---- losses ------------------------------------------------------------------------------------------
+
+#[test]
+fn losses_match_cpu_and_are_deterministic() {
+    let Some(dev) = device("losses_match_cpu_and_are_deterministic") else {
+        return;
+    };
+    let mut seed = 6000;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    let scalar: &[(&[usize], DType)] = &[(&[], F32)];
+    // The scalars accumulate in f64 like the reference: only the f64 order differs, so
+    // the f32 results agree to an ulp or so.
+    let one_ulp = (3e-7, 1e-30);
+    for n in [1usize, 7, 4096, 100_003] {
+        let logit = f32_arg(&[n, 1], rand_f32(next(), n, -6.0, 6.0));
+        let label = f32_arg(
+            &[n],
+            rand_f32(next(), n, 0.0, 1.0)
+                .iter()
+                .map(|&u| if u < 0.5 { 0.0 } else { 1.0 })
+                .collect(),
+        );
+        let loss = compare(
+            dev,
+            &format!("bce [{n}]"),
+            &Op::BceWithLogits,
+            &[dup(&logit), dup(&label)],
+            scalar,
+            &[one_ulp],
+        );
+        let again = run_gpu(
+            dev,
+            &Op::BceWithLogits,
+            &[dup(&logit), dup(&label)],
+            scalar,
+            &mut [],
+        );
+        assert_eq!(
+            bits(&loss[0]),
+            bits(&again[0]),
+            "bce [{n}]: two runs differ"
+        );
+        let dl = rand_arg(&[], next());
+        // sigmoid through expf: a few ulps; values ~ 1/n
+        compare(
+            dev,
+            &format!("bce_grad [{n}]"),
+            &Op::BceWithLogitsGrad,
+            &[dl, logit, label],
+            &[(&[n, 1], F32)],
+            &[(1e-5, 1e-7 / n as f64)],
+        );
+        let x = rand_arg(&[n, 3], next());
+        for op in [Op::Sum, Op::Mean] {
+            let a = compare(
+                dev,
+                &format!("{} [{n}]", op.name()),
+                &op,
+                &[dup(&x)],
+                scalar,
+                &[one_ulp],
+            );
+            let b = run_gpu(dev, &op, &[dup(&x)], scalar, &mut []);
+            assert_eq!(
+                bits(&a[0]),
+                bits(&b[0]),
+                "{} [{n}]: two runs differ",
+                op.name()
+            );
+        }
+    }
+    for (n, c) in [(1usize, 1usize), (7, 10), (300, 1000), (4096, 3), (33, 77)] {
+        let logits = f32_arg(&[n, c], rand_f32(next(), n * c, -5.0, 5.0));
+        let labels = Buffer::I32(
+            rand_f32(next(), n, 0.0, c as f32)
+                .iter()
+                .map(|&v| (v as i32).min(c as i32 - 1))
+                .collect(),
+        );
+        let ins = [dup(&logits), arg(&[n], labels.clone())];
+        let a = compare(
+            dev,
+            &format!("softmax_xent [{n},{c}]"),
+            &Op::SoftmaxCrossEntropy,
+            &ins,
+            scalar,
+            &[one_ulp],
+        );
+        let b = run_gpu(dev, &Op::SoftmaxCrossEntropy, &ins, scalar, &mut []);
+        assert_eq!(
+            bits(&a[0]),
+            bits(&b[0]),
+            "softmax_xent [{n},{c}]: two runs differ"
+        );
+        let dl = rand_arg(&[], next());
+        // the row's Σ exp in f32, tree vs serial: ε·c relative on p; values ~ 1/n
+        let tol = (1e-5, sum_atol(c, 1.0) / n as f64);
+        compare(
+            dev,
+            &format!("softmax_xent_grad [{n},{c}]"),
+            &Op::SoftmaxCrossEntropyGrad,
+            &[dl, logits, arg(&[n], labels)],
+            &[(&[n, c], F32)],
+            &[tol],
+        );
+    }
+}
+
+// ---- optimizers ----------------------------------------------------------------------------------------
+
+#[test]
+fn adam_and_sgd_over_many_tensors_match_cpu() {
+    let Some(dev) = device("adam_and_sgd_over_many_tensors_match_cpu") else {
+        return;
+    };
+    // 37 tensors of odd sizes: two table-builder launches (32 records each), one update
+    let sizes = [
+        1usize, 7, 33, 1000, 4099, 3, 1025, 1, 64, 257, 5000, 2, 31, 1023, 1024, 77, 9, 130, 4097,
+        11, 5, 513, 19, 2049, 1, 6, 700, 8191, 3, 29, 1, 65, 17, 999, 4, 12_345, 2,
+    ];
+    let n = sizes.len();
+    let op = Op::Adam {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let mut upd_gpu: Vec<Arg> = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        upd_gpu.push(rand_arg(&[s], 7000 + i as u64));
+    }
+    for &s in &sizes {
+        upd_gpu.push(f32_arg(&[s], vec![0.0; s])); // m starts at zero, as the optimizer state does
+    }
+    for &s in &sizes {
+        upd_gpu.push(f32_arg(&[s], vec![0.0; s]));
+    }
+    let mut upd_cpu: Vec<Arg> = upd_gpu.iter().map(dup).collect();
+    let mut step_gpu = [arg(&[], Buffer::I32(vec![0]))];
+    let mut step_cpu = [arg(&[], Buffer::I32(vec![0]))];
+    for it in 0..3u64 {
+        run_gpu(dev, &Op::StepIncrement, &[], &[], &mut step_gpu);
+        run_cpu(&Op::StepIncrement, &[], &[], &mut step_cpu);
+        assert_eq!(step_gpu[0].value, step_cpu[0].value);
+        let mut ins = vec![dup(&step_gpu[0])];
+        for (i, &s) in sizes.iter().enumerate() {
+            ins.push(rand_arg(&[s], 7100 + 100 * it + i as u64));
+        }
+        run_gpu(dev, &op, &ins, &[], &mut upd_gpu);
+        run_cpu(&op, &ins, &[], &mut upd_cpu);
+        // f64 bias corrections from the device step, f32 update without contraction: exact
+        for (k, (g, c)) in upd_gpu.iter().zip(&upd_cpu).enumerate() {
+            let what = ["p", "m", "v"][k / n];
+            assert_close(
+                &format!("adam step {} {what}{}", it + 1, k % n),
+                &g.value.to_f64(),
+                &c.value.to_f64(),
+                0.0,
+                0.0,
+            );
+        }
+    }
+    // SGD over the same tensors
+    let sgd = Op::Sgd { lr: 0.05 };
+    let grads: Vec<Arg> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| rand_arg(&[s], 7900 + i as u64))
+        .collect();
+    let mut pg: Vec<Arg> = upd_gpu[..n].iter().map(dup).collect();
+    let mut pc: Vec<Arg> = upd_cpu[..n].iter().map(dup).collect();
+    run_gpu(dev, &sgd, &grads, &[], &mut pg);
+    run_cpu(&sgd, &grads, &[], &mut pc);
+    for (k, (g, c)) in pg.iter().zip(&pc).enumerate() {
+        assert_close(
+            &format!("sgd p{k}"),
+            &g.value.to_f64(),
+            &c.value.to_f64(),
+            0.0,
+            0.0,
+        );
+    }
+}
+
+// ---- embedding bags ------------------------------------------------------------------------------------
+
+/// Multi-hot bags: `batch` examples × the fields of `field_rows`, 0-4 ids a bag (empty
+/// bags included), repeats within a bag, and (small tables) many repeats across bags.
+/// `hot`: (field, id) put into every example's bag of that field.
+fn bags(
+    seed: u64,
+    batch: usize,
+    field_rows: &[usize],
+    hot: Option<(usize, i32)>,
+) -> (Vec<i32>, Vec<i32>) {
+    let f = field_rows.len();
+    let u = rand_f32(seed, batch * f * 8, 0.0, 1.0);
+    let mut k = 0;
+    let mut take = || {
+        k += 1;
+        u[k - 1]
+    };
+    let (mut ids, mut offsets) = (Vec::new(), vec![0i32]);
+    for _b in 0..batch {
+        for (fi, &rows) in field_rows.iter().enumerate() {
+            let count = (take() * 5.0) as usize;
+            for j in 0..count {
+                let id = if j > 0 && take() < 0.3 {
+                    *ids.last().unwrap() // a repeat within the bag
+                } else {
+                    ((take() * rows as f32) as i32).min(rows as i32 - 1)
+                };
+                ids.push(id);
+            }
+            if let Some((hf, hid)) = hot {
+                if hf == fi {
+                    ids.push(hid);
+                }
+            }
+            offsets.push(ids.len() as i32);
+        }
+    }
+    (ids, offsets)
+}
+
+#[test]
+fn embedding_bag_and_dense_grad_match_cpu() {
+    let Some(dev) = device("embedding_bag_and_dense_grad_match_cpu") else {
+        return;
+    };
+    let mut seed = 8000;
+    for (batch, field_rows, d) in [
+        (1usize, vec![5usize], 64usize),
+        (7, vec![5, 1, 100, 37, 3000], 64),
+        (64, vec![3, 1000, 17], 33),
+        (33, vec![2, 9], 130),
+        (4096, vec![10, 100_000, 1, 500, 26], 64),
+    ] {
+        seed += 10;
+        let (ids, offsets) = bags(seed, batch, &field_rows, None);
+        let total: usize = field_rows.iter().sum();
+        let f = field_rows.len();
+        let table = rand_arg(&[total, d], seed + 1);
+        let (idsa, offa) = (
+            arg(&[ids.len()], Buffer::I32(ids.clone())),
+            arg(&[offsets.len()], Buffer::I32(offsets.clone())),
+        );
+        let op = Op::EmbeddingBag {
+            field_rows: field_rows.clone(),
+        };
+        let what = format!(
+            "embedding_bag B={batch} tables {field_rows:?} D={d} ({} ids)",
+            ids.len()
+        );
+        // ids added in order, as the reference: bit-identical
+        compare(
+            dev,
+            &what,
+            &op,
+            &[table, dup(&idsa), dup(&offa)],
+            &[(&[batch, f, d], F32)],
+            &[EXACT],
+        );
+        let dy = rand_arg(&[batch, f, d], seed + 2);
+        let gop = Op::EmbeddingBagGradDense {
+            field_rows: field_rows.clone(),
+        };
+        // a row's occurrences summed in chunks of 32 sorted positions: tolerance of a sum of
+        // as many terms as the busiest row has occurrences
+        let most = max_occurrences(&ids, &offsets, &field_rows);
+        let out: &[(&[usize], DType)] = &[(&[total, d], F32)];
+        let a = compare(
+            dev,
+            &format!("{what} grad_dense"),
+            &gop,
+            &[dup(&dy), dup(&idsa), dup(&offa)],
+            out,
+            &[(1e-5, sum_atol(most, 1.0))],
+        );
+        let b = run_gpu(dev, &gop, &[dy, idsa, offa], out, &mut []);
+        assert_eq!(
+            bits(&a[0]),
+            bits(&b[0]),
+            "{what} grad_dense: two runs differ"
+        );
+    }
+}
+
+/// The most occurrences of any one global row.
+fn max_occurrences(ids: &[i32], offsets: &[i32], field_rows: &[usize]) -> usize {
+    let f = field_rows.len();
+    let mut bases = vec![0usize; f];
+    for i in 1..f {
+        bases[i] = bases[i - 1] + field_rows[i - 1];
+    }
+    let mut count = std::collections::HashMap::new();
+    for bag in 0..offsets.len() - 1 {
+        for &id in &ids[offsets[bag] as usize..offsets[bag + 1] as usize] {
+            *count.entry(bases[bag % f] + id as usize).or_insert(0usize) += 1;
+        }
+    }
+    count.values().copied().max().unwrap_or(0)
+}
+
+#[test]
+fn rowwise_adagrad_matches_cpu_with_a_hot_row() {
+    let Some(dev) = device("rowwise_adagrad_matches_cpu_with_a_hot_row") else {
+        return;
+    };
+    // (batch, tables, D, hot row): the hot (field 1, id 17) occurs once in every example,
+    // 4096 times in all (a segment of 128 chunks: longer than any CTA)
+    for (batch, field_rows, d, hot) in [
+        (
+            4096usize,
+            vec![10usize, 4000, 7, 50_000],
+            64usize,
+            Some((1usize, 17i32)),
+        ),
+        (7, vec![5, 1, 100], 33, None),
+        (300, vec![3, 20], 130, Some((0, 2))),
+    ] {
+        let seed = 9000 + batch as u64;
+        let (ids, offsets) = bags(seed, batch, &field_rows, hot);
+        let total: usize = field_rows.iter().sum();
+        let f = field_rows.len();
+        let op = Op::RowwiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+            field_rows: field_rows.clone(),
+        };
+        let ins = [
+            arg(&[ids.len()], Buffer::I32(ids.clone())),
+            arg(&[offsets.len()], Buffer::I32(offsets.clone())),
+            rand_arg(&[batch, f, d], seed + 1),
+        ];
+        let table0 = rand_arg(&[total, d], seed + 2);
+        let acc0 = f32_arg(&[total], rand_f32(seed + 3, total, 0.01, 1.0));
+        let mut ug = [dup(&table0), dup(&acc0)];
+        let mut uc = [dup(&table0), dup(&acc0)];
+        let mut ug2 = [dup(&table0), dup(&acc0)];
+        run_gpu(dev, &op, &ins, &[], &mut ug);
+        run_gpu(dev, &op, &ins, &[], &mut ug2);
+        run_cpu(&op, &ins, &[], &mut uc);
+        let what = format!(
+            "rowwise_adagrad B={batch} tables {field_rows:?} D={d} ({} ids)",
+            ids.len()
+        );
+        assert_eq!(
+            bits(&ug[0].value),
+            bits(&ug2[0].value),
+            "{what}: two runs differ (table)"
+        );
+        assert_eq!(
+            bits(&ug[1].value),
+            bits(&ug2[1].value),
+            "{what}: two runs differ (acc)"
+        );
+        // g summed in another order (chunks of 32): relative ε·occurrences on g, hence on
+        // mean(g²) and the step; the step is lr·g/sqrt(acc) ≲ lr·sqrt(d)
+        let most = max_occurrences(&ids, &offsets, &field_rows);
+        let step_tol = sum_atol(most, 1.0) * 0.05 * (d as f64).sqrt();
+        assert_close(
+            &format!("{what} table"),
+            &ug[0].value.to_f64(),
+            &uc[0].value.to_f64(),
+            1e-6,
+            step_tol,
+        );
+        assert_close(
+            &format!("{what} acc"),
+            &ug[1].value.to_f64(),
+            &uc[1].value.to_f64(),
+            1e-5 + sum_atol(most, 2.0),
+            0.0,
+        );
+        // only touched rows move: untouched rows keep their exact bits
+        let t0 = table0.value.as_f32().unwrap();
+        let tg = ug[0].value.as_f32().unwrap();
+        let mut touched = vec![false; total];
+        let mut bases = vec![0usize; f];
+        for i in 1..f {
+            bases[i] = bases[i - 1] + field_rows[i - 1];
+        }
+        for bag in 0..offsets.len() - 1 {
+            for &id in &ids[offsets[bag] as usize..offsets[bag + 1] as usize] {
+                touched[bases[bag % f] + id as usize] = true;
+            }
+        }
+        for r in (0..total).filter(|&r| !touched[r]) {
+            assert_eq!(
+                &tg[r * d..(r + 1) * d],
+                &t0[r * d..(r + 1) * d],
+                "{what}: untouched row {r} moved"
+            );
+        }
+    }
+}
+
+// ---- timings (not a check: `gpu misc::timings --ignored --nocapture`) -----------------------
+
+fn time(
+    dev: &CudaDevice,
+    what: &str,
+    op: &Op,
+    ins: &[Arg],
+    outs: &[(&[usize], DType)],
+    upd: &[Arg],
+    bytes: f64,
+) {
+    let in_refs: Vec<(&erase::graph::Shape, &Buffer)> =
+        ins.iter().map(|a| (&a.shape, &a.value)).collect();
+    let out_shapes: Vec<(erase::graph::Shape, DType)> = outs
+        .iter()
+        .map(|(s, d)| (erase::graph::Shape::new(s), *d))
+        .collect();
+    let upd_refs: Vec<(&erase::graph::Shape, &Buffer)> =
+        upd.iter().map(|a| (&a.shape, &a.value)).collect();
+    let ms = dev
+        .time_node(op, &in_refs, &out_shapes, &upd_refs, 3, 20)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    println!(
+        "timing {what}: {:.1} us, {:.0} GB/s of the minimum traffic",
+        ms * 1e3,
+        bytes / (ms * 1e-3) / 1e9
+    );
+}
+
+/// Times each launch of `op`'s plan alone (median of 20), to see where a plan's time goes.
+fn time_calls(
+    dev: &CudaDevice,
+    what: &str,
+    op: &Op,
+    ins: &[Arg],
+    outs: &[(&[usize], DType)],
+    upd: &[Arg],
+) {
+    use erase::ops::cuda::{cuda_plan, KArg, Operands};
+    let in_shapes: Vec<&erase::graph::Shape> = ins.iter().map(|a| &a.shape).collect();
+    let in_dtypes: Vec<DType> = ins.iter().map(|a| a.value.dtype()).collect();
+    let out_shapes: Vec<erase::graph::Shape> = outs
+        .iter()
+        .map(|(s, _)| erase::graph::Shape::new(s))
+        .collect();
+    let out_refs: Vec<&erase::graph::Shape> = out_shapes.iter().collect();
+    let out_dtypes: Vec<DType> = outs.iter().map(|o| o.1).collect();
+    let upd_shapes: Vec<&erase::graph::Shape> = upd.iter().map(|a| &a.shape).collect();
+    let o = Operands {
+        ins: &in_shapes,
+        in_dtypes: &in_dtypes,
+        outs: &out_refs,
+        out_dtypes: &out_dtypes,
+        upd: &upd_shapes,
+    };
+    let plan = cuda_plan(op, &o).unwrap();
+    let up = |b: &Buffer| {
+        let d = dev.alloc(b.bytes().len()).unwrap();
+        dev.upload(&d, 0, b.bytes()).unwrap();
+        d
+    };
+    let din: Vec<_> = ins.iter().map(|a| up(&a.value)).collect();
+    let dupd: Vec<_> = upd.iter().map(|a| up(&a.value)).collect();
+    let dout: Vec<_> = outs
+        .iter()
+        .map(|(s, d)| {
+            dev.alloc(s.iter().product::<usize>() * d.size_bytes())
+                .unwrap()
+        })
+        .collect();
+    let dscr: Vec<_> = plan
+        .scratch
+        .iter()
+        .map(|&n| dev.alloc(n).unwrap())
+        .collect();
+    let ptr = |a: KArg| match a {
+        KArg::In(i) => din.get(i).map(|b| b.ptr()),
+        KArg::Out(i) => dout.get(i).map(|b| b.ptr()),
+        KArg::Upd(i) => dupd.get(i).map(|b| b.ptr()),
+        KArg::Scratch(i) => dscr.get(i).map(|b| b.ptr()),
+        _ => None,
+    };
+    let s = dev.stream(true).unwrap();
+    for c in &plan.calls {
+        dev.launch(c, &s, &ptr).unwrap();
+    }
+    // the plan's prefixes through each launch (a launch alone may not be repeatable: the
+    // radix scan works in place), median of 20 each; a launch's cost is the difference
+    let (a, b) = (dev.event(true).unwrap(), dev.event(true).unwrap());
+    let mut prev = 0.0;
+    for (i, c) in plan.calls.iter().enumerate() {
+        let mut t = Vec::new();
+        for _ in 0..20 {
+            a.record(&s).unwrap();
+            for c in &plan.calls[..=i] {
+                dev.launch(c, &s, &ptr).unwrap();
+            }
+            b.record(&s).unwrap();
+            b.synchronize().unwrap();
+            t.push(f64::from(b.elapsed_ms_since(&a).unwrap()));
+        }
+        t.sort_by(f64::total_cmp);
+        println!(
+            "timing {what}: +{} grid {:?} block {:?}: {:.1} us",
+            c.kernel,
+            c.grid,
+            c.block,
+            (t[10] - prev) * 1e3
+        );
+        prev = t[10];
+    }
+    println!(
+        "timing {what}: {} launches, {:.1} us",
+        plan.calls.len(),
+        prev * 1e3
+    );
+}
+
+#[test]
+#[ignore]
+fn timings() {
+    let Some(dev) = device("timings") else { return };
+    // the CTR model's lookup: batch 4096 × 26 one-hot fields, dim 64, 26 tables of 100k rows
+    let (batch, d) = (4096usize, 64usize);
+    let field_rows = vec![100_000usize; 26];
+    let total: usize = field_rows.iter().sum();
+    let f = field_rows.len();
+    let ids: Vec<i32> = rand_f32(1, batch * f, 0.0, 99_999.0)
+        .iter()
+        .map(|&v| v as i32)
+        .collect();
+    let offsets: Vec<i32> = (0..=batch * f as usize).map(|i| i as i32).collect();
+    let table = rand_arg(&[total, d], 2);
+    let idsa = arg(&[ids.len()], Buffer::I32(ids));
+    let offa = arg(&[offsets.len()], Buffer::I32(offsets));
+    let pooled = (batch * f * d * 4) as f64;
+    let op = Op::EmbeddingBag {
+        field_rows: field_rows.clone(),
+    };
+    time(
+        dev,
+        "embedding_bag 4096x26x64",
+        &op,
+        &[dup(&table), dup(&idsa), dup(&offa)],
+        &[(&[batch, f, d], F32)],
+        &[],
+        2.0 * pooled,
+    );
+    let dp = rand_arg(&[batch, f, d], 3);
+    let acc = f32_arg(&[total], vec![0.1; total]);
+    let op = Op::RowwiseAdagrad {
+        lr: 0.01,
+        eps: 1e-8,
+        field_rows,
+    };
+    let ins = [dup(&idsa), dup(&offa), dp];
+    let upd = [dup(&table), dup(&acc)];
+    time(
+        dev,
+        "rowwise_adagrad 4096x26x64",
+        &op,
+        &ins,
+        &[],
+        &upd,
+        3.0 * pooled,
+    );
+    time_calls(dev, "rowwise_adagrad", &op, &ins, &[], &[table, acc]);
+    let e = rand_arg(&[batch, 27, d], 4);
+    let p = 27 * 26 / 2;
+    let eb = (batch * 27 * d * 4) as f64;
+    time(
+        dev,
+        "pairwise_dot 4096x27x64",
+        &Op::PairwiseDot,
+        &[dup(&e)],
+        &[(&[batch, p], F32)],
+        &[],
+        eb + (batch * p * 4) as f64,
+    );
+    let dy = rand_arg(&[batch, p], 5);
+    time(
+        dev,
+        "pairwise_dot_grad 4096x27x64",
+        &Op::PairwiseDotGrad,
+        &[dy, e],
+        &[(&[batch, 27, d], F32)],
+        &[],
+        2.0 * eb + (batch * p * 4) as f64,
+    );
+    let (rows, w) = (16384usize, 256usize);
+    let x = rand_arg(&[rows, w], 6);
+    let xb = (rows * w * 4) as f64;
+    let g = rand_arg(&[w], 7);
+    let outs: &[(&[usize], DType)] = &[(&[rows, w], F32), (&[rows], F32), (&[rows], F32)];
+    time(
+        dev,
+        "layer_norm 16384x256",
+        &Op::LayerNorm { eps: 1e-5 },
+        &[dup(&x), dup(&g), dup(&g)],
+        outs,
+        &[],
+        2.0 * xb,
+    );
+    let st = run_cpu(
+        &Op::LayerNorm { eps: 1e-5 },
+        &[dup(&x), dup(&g), dup(&g)],
+        outs,
+        &mut [],
+    );
+    let ins = [
+        rand_arg(&[rows, w], 8),
+        x,
+        g,
+        arg(&[rows], st[1].clone()),
+        arg(&[rows], st[2].clone()),
+    ];
+    let gouts: &[(&[usize], DType)] = &[(&[rows, w], F32), (&[w], F32), (&[w], F32)];
+    time(
+        dev,
+        "layer_norm_grad 16384x256",
+        &Op::LayerNormGrad,
+        &ins,
+        gouts,
+        &[],
+        3.0 * xb,
+    );
+    time_calls(dev, "layer_norm_grad", &Op::LayerNormGrad, &ins, gouts, &[]);
+    let dy = rand_arg(&[4096, 1024], 9);
+    time(
+        dev,
+        "sum_to_shape 4096x1024",
+        &Op::SumToShape,
+        &[dy],
+        &[(&[1024], F32)],
+        &[],
+        4096.0 * 1024.0 * 4.0,
+    );
+    let big = rand_arg(&[1 << 24], 10);
+    let small = rand_arg(&[1 << 24], 11);
+    time(
+        dev,
+        "add 16M",
+        &Op::Add,
+        &[dup(&big), dup(&small)],
+        &[(&[1 << 24], F32)],
+        &[],
+        12.0 * (1 << 24) as f64,
+    );
+    time(
+        dev,
+        "gelu 16M",
+        &Op::Gelu,
+        &[dup(&big)],
+        &[(&[1 << 24], F32)],
+        &[],
+        8.0 * (1 << 24) as f64,
+    );
+    time(
+        dev,
+        "mean 16M",
+        &Op::Mean,
+        &[dup(&big)],
+        &[(&[], F32)],
+        &[],
+        4.0 * (1 << 24) as f64,
+    );
+    // Adam over 20 tensors, 16M parameters
+    let sizes: Vec<usize> = (0..20).map(|i| (1 << 24) / 20 + i * 7).collect();
+    let n: usize = sizes.iter().sum();
+    let mut ins = vec![arg(&[], Buffer::I32(vec![3]))];
+    ins.extend(
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| rand_arg(&[s], 100 + i as u64)),
+    );
+    let mut upd: Vec<Arg> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| rand_arg(&[s], 200 + i as u64))
+        .collect();
+    upd.extend(sizes.iter().map(|&s| f32_arg(&[s], vec![0.0; s])));
+    upd.extend(sizes.iter().map(|&s| f32_arg(&[s], vec![0.0; s])));
+    let op = Op::Adam {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    time(
+        dev,
+        "adam 20 tensors 16M",
+        &op,
+        &ins,
+        &[],
+        &upd,
+        28.0 * n as f64,
+    );
+}

@@ -1,0 +1,276 @@
+//! The CUDA runtime itself: streams really overlap, the occupancy model agrees with the
+//! driver, and the CTR model's step on the GPU matches the CPU backend.
+
+use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
+use erase::graph::{DType, Grad, OptimizerConfig};
+use erase::model::ctr::{CtrConfig, Variant};
+use erase::ops::cuda::{KArg, KernelCall};
+use erase::ops::LaunchSpec;
+use erase::runtime::cuda::PtxTarget;
+use erase::runtime::cuda_program::CudaProgram;
+use erase::runtime::occupancy::DeviceModel;
+use erase::runtime::program::ProgramRunner;
+use erase::train::{plan_step, ScheduleOptions};
+
+fn spin(cycles: i64) -> KernelCall {
+    KernelCall {
+        kernel: "erase_spin",
+        grid: [1, 1, 1],
+        block: [32, 1, 1],
+        smem: 0,
+        args: vec![KArg::I64(cycles), KArg::Scratch(0)],
+    }
+}
+
+#[test]
+fn two_spin_kernels_on_two_pool_streams_run_at_once() {
+    let Some(dev) = super::device("two_spin_kernels_on_two_pool_streams_run_at_once") else {
+        return;
+    };
+    let out = dev.alloc(64).unwrap();
+    let ptr = |a: KArg| matches!(a, KArg::Scratch(0)).then(|| out.ptr());
+    let (s1, s2) = (dev.stream(false).unwrap(), dev.stream(false).unwrap());
+    let (t0, t1, t2) = (
+        dev.event(true).unwrap(),
+        dev.event(true).unwrap(),
+        dev.event(true).unwrap(),
+    );
+    // calibrate: about 1 ms alone
+    let mut cycles: i64 = 1_500_000;
+    let mut alone = 0.0;
+    for _ in 0..4 {
+        t0.record(&s1).unwrap();
+        dev.launch(&spin(cycles), &s1, &ptr).unwrap();
+        t1.record(&s1).unwrap();
+        t1.synchronize().unwrap();
+        alone = t1.elapsed_ms_since(&t0).unwrap();
+        cycles = (cycles as f64 * 1.0 / alone.max(0.01) as f64) as i64;
+    }
+    assert!(
+        (0.7..1.5).contains(&alone),
+        "calibrated spin takes {alone} ms"
+    );
+    // together: both start after t0 and each records its own end
+    t0.record(&s1).unwrap();
+    t0.wait_on(&s2).unwrap();
+    dev.launch(&spin(cycles), &s1, &ptr).unwrap();
+    dev.launch(&spin(cycles), &s2, &ptr).unwrap();
+    t1.record(&s1).unwrap();
+    t2.record(&s2).unwrap();
+    t1.synchronize().unwrap();
+    t2.synchronize().unwrap();
+    let both = t1
+        .elapsed_ms_since(&t0)
+        .unwrap()
+        .max(t2.elapsed_ms_since(&t0).unwrap());
+    println!("spin alone {alone:.3} ms, two on two streams {both:.3} ms");
+    assert!(
+        both < 1.5,
+        "two 1 ms kernels on two streams took {both:.3} ms (alone {alone:.3} ms)"
+    );
+}
+
+#[test]
+fn occupancy_model_matches_the_driver_for_every_kernel() {
+    let Some(dev) = super::device("occupancy_model_matches_the_driver_for_every_kernel") else {
+        return;
+    };
+    if dev.target != PtxTarget::Sm90a {
+        println!(
+            "skipped: ptxas figures are for sm_90a, this device runs {:?}",
+            dev.target
+        );
+        return;
+    }
+    let model = DeviceModel::h200();
+    let mut checked = 0;
+    for k in dev.library().kernels {
+        let max = dev.max_threads_per_block(k.name).unwrap();
+        for block in [32u32, 64, 128, 256, 512, 1024] {
+            if block > max {
+                continue;
+            }
+            let spec = LaunchSpec {
+                kernel: "",
+                grid: 1,
+                block,
+                regs_per_thread: k.regs,
+                smem_bytes: k.smem,
+                flops: 0.0,
+                bytes: 0.0,
+                tensor_core: false,
+            };
+            let want = dev.occupancy(k.name, block, 0).unwrap();
+            assert_eq!(
+                model.ctas_per_sm(&spec),
+                want,
+                "{} with {block} threads ({} regs, {} B smem)",
+                k.name,
+                k.regs,
+                k.smem
+            );
+            checked += 1;
+        }
+    }
+    println!("occupancy model agrees with the driver on {checked} (kernel, block) pairs");
+    assert!(checked > 0);
+}
+
+/// ||a - b|| / ||b||.
+fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+#[test]
+fn ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch() {
+    let Some(dev) = super::device("ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch") else {
+        return;
+    };
+    for variant in [Variant::Baseline, Variant::Erase] {
+        let mut cfg = CtrConfig::default().with_variant(variant);
+        cfg.batch = 16;
+        cfg.rows = 1000;
+        let p = plan_step(
+            &cfg,
+            DType::F32,
+            &OptimizerConfig::default(),
+            &ScheduleOptions::default(),
+        )
+        .unwrap();
+        let m = &p.model;
+        let gen = SyntheticCtr::new(SyntheticConfig {
+            seed: 0,
+            rows: 1000,
+            hot: 1,
+        });
+        let (mut d, mut r, mut y) = (vec![0f32; 16 * 13], vec![0u32; 16 * 26], vec![0f32; 16]);
+        gen.fill_batch(1, 0, 16, &mut d, &mut r, &mut y);
+        let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y).unwrap();
+        let mut cpu = ProgramRunner::new(&m.graph, &p.program, &p.memory, 5, 2).unwrap();
+        let mut gpu = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 5).unwrap();
+        for (t, b) in [
+            (m.inputs.dense, &bd),
+            (m.inputs.ids, &bi),
+            (m.inputs.offsets, &bo),
+            (m.inputs.label, &bl),
+        ] {
+            cpu.feed(t, b.clone()).unwrap();
+            gpu.feed(t, b).unwrap();
+        }
+        cpu.run().unwrap();
+        gpu.run().unwrap();
+        let ms = gpu.synchronize().unwrap();
+        let val = |t| (gpu.get(t).unwrap().to_f64(), cpu.get(t).unwrap().to_f64());
+        let (gl, cl) = val(m.logit);
+        let e = rel_l2(&gl, &cl);
+        println!("{variant}: step {ms:.3} ms; logits rel err {e:.2e}");
+        // bf16 GEMM operands: about 2^-8 relative per rounding, a few layers deep
+        assert!(e < 2e-2, "{variant}: logits differ: gpu {gl:?} cpu {cl:?}");
+        let (gm, cm) = val(m.main_loss);
+        assert!(
+            (gm[0] - cm[0]).abs() < 1e-2 * cm[0].abs(),
+            "{variant}: main loss {} vs {}",
+            gm[0],
+            cm[0]
+        );
+        let mut worst = (0.0, String::new());
+        for (&param, grad) in &p.training.grads.by_param {
+            let t = match grad {
+                Grad::Dense(t) => *t,
+                Grad::Sparse { dpooled, .. } => *dpooled,
+            };
+            let (g, c) = val(t);
+            let e = rel_l2(&g, &c);
+            if e > worst.0 {
+                worst = (e, m.graph.name(param).to_string());
+            }
+            assert!(
+                e < 5e-2,
+                "{variant}: gradient of '{}' differs (rel L2 {e:.3e})",
+                m.graph.name(param)
+            );
+        }
+        println!(
+            "{variant}: {} gradients, worst rel L2 {:.2e} ('{}')",
+            p.training.grads.by_param.len(),
+            worst.0,
+            worst.1
+        );
+    }
+}
+
+#[test]
+fn graph_dispatch_replays_the_step_bit_identically() {
+    let Some(dev) = super::device("graph_dispatch_replays_the_step_bit_identically") else {
+        return;
+    };
+    let mut cfg = CtrConfig::small();
+    cfg.batch = 512;
+    let p = plan_step(
+        &cfg,
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions::default(),
+    )
+    .unwrap();
+    let m = &p.model;
+    let gen = SyntheticCtr::new(SyntheticConfig {
+        seed: 0,
+        rows: cfg.rows,
+        hot: 1,
+    });
+    let mut eager = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 1).unwrap();
+    let mut graph = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 1).unwrap();
+    let (mut d, mut r, mut y) = (
+        vec![0f32; cfg.batch * 13],
+        vec![0u32; cfg.ids_per_batch()],
+        vec![0f32; cfg.batch],
+    );
+    let mut captured = false;
+    for step in 0..20 {
+        gen.fill_batch(
+            1,
+            (step * cfg.batch) as u64,
+            cfg.batch,
+            &mut d,
+            &mut r,
+            &mut y,
+        );
+        let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y).unwrap();
+        for prog in [&mut eager, &mut graph] {
+            for (t, b) in [
+                (m.inputs.dense, &bd),
+                (m.inputs.ids, &bi),
+                (m.inputs.offsets, &bo),
+                (m.inputs.label, &bl),
+            ] {
+                prog.feed(t, b).unwrap();
+            }
+        }
+        if !captured {
+            let kernels = graph.capture().unwrap();
+            assert_eq!(
+                kernels,
+                graph.kernel_launches(),
+                "the captured graph lost or gained kernels"
+            );
+            println!("captured {kernels} kernel nodes");
+            captured = true;
+        }
+        eager.run().unwrap();
+        graph.run().unwrap();
+        eager.synchronize().unwrap();
+        graph.synchronize().unwrap();
+    }
+    let mut params: Vec<_> = m.params.iter().map(|x| x.1).collect();
+    params.push(m.table);
+    for t in params {
+        assert!(
+            eager.get(t).unwrap() == graph.get(t).unwrap(),
+            "'{}' differs between eager and graph dispatch",
+            m.graph.name(t)
+        );
+    }
+}

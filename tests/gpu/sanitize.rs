@@ -1,0 +1,142 @@
+//! Small launches of the GEMM, attention and embedding-bag kernels, sized so that
+//! `compute-sanitizer` (memcheck, racecheck) gets through them quickly:
+//! `compute-sanitizer --tool memcheck gpu-tests sanitize`.
+
+use super::{arg, device, rand_f32, run_cpu, run_gpu};
+use erase::graph::{DType, Op};
+use erase::ops::Buffer;
+
+fn close(what: &str, got: &Buffer, want: &Buffer, tol: f64) {
+    let (g, w) = (got.to_f64(), want.to_f64());
+    let scale = w.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
+    let worst = g
+        .iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(g.iter().all(|x| x.is_finite()), "{what}: non-finite output");
+    assert!(
+        worst <= tol * scale,
+        "{what}: worst |err| {worst:.3e} > {tol} x {scale:.3e}"
+    );
+}
+
+#[test]
+fn sanitize_gemm() {
+    let Some(dev) = device("sanitize_gemm") else {
+        return;
+    };
+    for (m, n, k) in [(33, 17, 13), (5, 1, 70), (130, 65, 129)] {
+        let ins = vec![
+            arg(&[m, k], Buffer::F32(rand_f32(1, m * k, -1.0, 1.0))),
+            arg(&[n, k], Buffer::F32(rand_f32(2, n * k, -1.0, 1.0))),
+            arg(&[n], Buffer::F32(rand_f32(3, n, -1.0, 1.0))),
+        ];
+        let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+        let op = Op::Linear { bias: true };
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(&format!("linear {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
+        let dy = arg(&[m, n], Buffer::F32(rand_f32(4, m * n, -1.0, 1.0)));
+        let x = arg(&[m, k], Buffer::F32(rand_f32(5, m * k, -1.0, 1.0)));
+        let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+        let ins = vec![dy, x];
+        let g = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+        let c = run_cpu(&Op::LinearGradWeight, &ins, &outs, &mut []);
+        close(&format!("linear dw {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
+    }
+}
+
+#[test]
+fn sanitize_attention() {
+    let Some(dev) = device("sanitize_attention") else {
+        return;
+    };
+    for (b, h, s, dh, causal) in [(2, 2, 27, 32, false), (1, 1, 70, 64, true)] {
+        let w = h * dh;
+        let x = |seed| {
+            arg(
+                &[b, s, w],
+                Buffer::F32(rand_f32(seed, b * s * w, -1.0, 1.0)),
+            )
+        };
+        let ins = vec![x(1), x(2), x(3)];
+        let op = Op::Attention { heads: h, causal };
+        let outs: [(&[usize], DType); 2] = [(&[b, s, w], DType::F32), (&[b, h, s], DType::F32)];
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close("attention o", &g[0], &c[0], 3e-2);
+        let bins = vec![
+            x(4),
+            x(1),
+            x(2),
+            x(3),
+            arg(&[b, s, w], c[0].clone()),
+            arg(&[b, h, s], c[1].clone()),
+        ];
+        let bop = Op::AttentionGrad { heads: h, causal };
+        let bouts: [(&[usize], DType); 3] = [
+            (&[b, s, w], DType::F32),
+            (&[b, s, w], DType::F32),
+            (&[b, s, w], DType::F32),
+        ];
+        let g = run_gpu(dev, &bop, &bins, &bouts, &mut []);
+        let c = run_cpu(&bop, &bins, &bouts, &mut []);
+        for i in 0..3 {
+            close(&format!("attention grad {i}"), &g[i], &c[i], 5e-2);
+        }
+    }
+}
+
+#[test]
+fn sanitize_embedding_bag() {
+    let Some(dev) = device("sanitize_embedding_bag") else {
+        return;
+    };
+    let field_rows = vec![7usize, 3, 11];
+    let (b, d) = (5usize, 8usize);
+    let mut ids = Vec::new();
+    let mut offsets = vec![0i32];
+    for e in 0..b {
+        for (f, &r) in field_rows.iter().enumerate() {
+            for h in 0..(e + f) % 3 {
+                ids.push(((e * 3 + h * 5 + f) % r) as i32);
+            }
+            offsets.push(ids.len() as i32);
+        }
+    }
+    let total: usize = field_rows.iter().sum();
+    let table = arg(&[total, d], Buffer::F32(rand_f32(1, total * d, -1.0, 1.0)));
+    let ids_a = arg(&[ids.len()], Buffer::I32(ids.clone()));
+    let off_a = arg(&[offsets.len()], Buffer::I32(offsets.clone()));
+    let op = Op::EmbeddingBag {
+        field_rows: field_rows.clone(),
+    };
+    let outs: [(&[usize], DType); 1] = [(&[b, 3, d], DType::F32)];
+    let ins = vec![table, ids_a, off_a];
+    let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let c = run_cpu(&op, &ins, &outs, &mut []);
+    close("embedding_bag", &g[0], &c[0], 1e-5);
+    let dp = arg(&[b, 3, d], Buffer::F32(rand_f32(2, b * 3 * d, -1.0, 1.0)));
+    let upd_op = Op::RowwiseAdagrad {
+        lr: 0.01,
+        eps: 1e-8,
+        field_rows,
+    };
+    let mk = || {
+        vec![
+            arg(&[total, d], Buffer::F32(rand_f32(3, total * d, -1.0, 1.0))),
+            arg(&[total], Buffer::F32(rand_f32(4, total, 0.1, 1.0))),
+        ]
+    };
+    let (mut ug, mut uc) = (mk(), mk());
+    let ins = vec![
+        arg(&[ids.len()], Buffer::I32(ids)),
+        arg(&[offsets.len()], Buffer::I32(offsets)),
+        dp,
+    ];
+    run_gpu(dev, &upd_op, &ins, &[], &mut ug);
+    run_cpu(&upd_op, &ins, &[], &mut uc);
+    close("rowwise adagrad table", &ug[0].value, &uc[0].value, 1e-5);
+    close("rowwise adagrad acc", &ug[1].value, &uc[1].value, 1e-5);
+}
