@@ -2,8 +2,10 @@
 // bf16 tensor cores (mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+).
 //
 // Tensors are f32 [B, S, H·Dh] (head h = columns h·Dh .. (h+1)·Dh), lse and D are f32
-// [B, H, S]; scale = 1/sqrt(Dh) comes from the plan. The matmul operands (q, k, v, do,
-// and the probabilities P and dS = P∘(dP − D)) are rounded to bf16 (nearest even);
+// [B, H, S]; q, k, v, do, o, dq, dk, dv must start 16-byte aligned (float4 loads, float2
+// stores; the runtime's arena aligns every tensor to 256 bytes); scale = 1/sqrt(Dh)
+// comes from the plan. The matmul operands (q, k, v, do, and the probabilities P and
+// dS = P∘(dP − D)) are rounded to bf16 (nearest even);
 // scores, the softmax statistics and every accumulator stay f32. Dh is a template
 // parameter (32, 64: kernels attn_*_d32, attn_*_d64); S is any length (tiles are guarded
 // and zero-filled; keys past S and, when causal, keys after the query are masked).
@@ -79,20 +81,15 @@ __device__ __forceinline__ void attn_load_tile(__nv_bfloat16 (*dst)[D + 8], cons
                                                long long ld, int r0, int S, int tid) {
     constexpr int CPR = D / 4;
     constexpr int PER = ATTN_ROWS * CPR / ATTN_THREADS;
-    // rows are H·Dh floats apart (a multiple of 4): float4 loads unless the tensor itself
-    // is not 16-byte aligned (the runtime's arena aligns to 256; this is a fallback)
-    const bool vec = (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+    // rows are H·Dh floats apart (a multiple of 4) and tensors start 16-byte aligned (the
+    // runtime's arena aligns to 256): float4 loads
     float4 v[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         const int id = tid + i * ATTN_THREADS;
         const int r = r0 + id / CPR, c = (id % CPR) * 4;
-        const float* p = src + static_cast<long long>(r) * ld + c;
-        v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (r < S) {
-            if (vec) v[i] = __ldg(reinterpret_cast<const float4*>(p));
-            else v[i] = make_float4(__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3));
-        }
+        v[i] = r < S ? __ldg(reinterpret_cast<const float4*>(src + static_cast<long long>(r) * ld + c))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -164,7 +161,6 @@ template <int D>
 __device__ __forceinline__ void attn_store_rows(float* __restrict__ dst, long long ld, const float (&acc)[D / 8][4],
                                                 int row0, int S, float mul0, float mul1, int lane) {
     const int g = lane >> 2, t = lane & 3;
-    const bool vec = (reinterpret_cast<uintptr_t>(dst) & 7) == 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = row0 + g + 8 * r;
@@ -172,15 +168,9 @@ __device__ __forceinline__ void attn_store_rows(float* __restrict__ dst, long lo
         const float mul = r ? mul1 : mul0;
         float* row = dst + static_cast<long long>(i) * ld;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-            const float x = acc[dn][2 * r] * mul, y = acc[dn][2 * r + 1] * mul;
-            if (vec) {
-                *reinterpret_cast<float2*>(row + dn * 8 + 2 * t) = make_float2(x, y);
-            } else {
-                row[dn * 8 + 2 * t] = x;
-                row[dn * 8 + 2 * t + 1] = y;
-            }
-        }
+        for (int dn = 0; dn < D / 8; ++dn)
+            *reinterpret_cast<float2*>(row + dn * 8 + 2 * t) =
+                make_float2(acc[dn][2 * r] * mul, acc[dn][2 * r + 1] * mul);
     }
 }
 

@@ -310,26 +310,30 @@ ERASE_GEMM_KERNELS(tn, true, false)
 ERASE_GEMM_KERNELS(tt, true, true)
 
 // C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU), for i < count; C is
-// contiguous. Block (32, 8): thread (x, y) sums splits y, y+8, y+16, .. of element
-// 32·blockIdx.x + x in that order, then thread (x, 0) adds the 8 lane sums in lane order:
-// a fixed order for a given split count (deterministic), 8 loads in flight per element.
-// Grid ceil(count / 32).
+// contiguous. Block (256/Y, Y), Y = 1, 2, 4 or 8 (at most the split count): thread (x, y)
+// sums splits y, y+Y, y+2Y, .. of element blockDim.x·blockIdx.x + x in that order, then
+// thread (x, 0) adds the Y lane sums in lane order: a fixed order for a given split count
+// and Y (deterministic), Y loads in flight per element. Grid ceil(count / (256/Y)).
 ERASE_KERNEL void __launch_bounds__(256)
     gemm_splitk_reduce(const float* __restrict__ part, const float* __restrict__ bias, float* __restrict__ C,
                        long long count, int N, int splits, long long split_stride, int flags) {
-    __shared__ float lanes[8][33];
-    const long long i = blockIdx.x * 32ll + threadIdx.x;
+    __shared__ float lanes[256];
+    const int nx = blockDim.x, ny = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+    const long long i = static_cast<long long>(blockIdx.x) * nx + tx;
     float s = 0.f;
     if (i < count) {
 #pragma unroll 4
-        for (int sp = threadIdx.y; sp < splits; sp += 8) s += __ldg(part + sp * split_stride + i);
+        for (int sp = ty; sp < splits; sp += ny) s += __ldg(part + sp * split_stride + i);
     }
-    lanes[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.y == 0 && i < count) {
-        s = lanes[0][threadIdx.x];
-#pragma unroll
-        for (int y = 1; y < 8; ++y) s += lanes[y][threadIdx.x];
+    if (ny > 1) {
+        lanes[ty * nx + tx] = s;
+        __syncthreads();
+        if (ty == 0) {
+            s = lanes[tx];
+            for (int y = 1; y < ny; ++y) s += lanes[y * nx + tx];
+        }
+    }
+    if (ty == 0 && i < count) {
         if (flags & 1) s += __ldg(bias + i % N);
         if (flags & 2) s = fmaxf(s, 0.f);
         C[i] = s;

@@ -19,7 +19,7 @@ run_tests() { # label, env..., args...
   env "$@" "$bundle/gpu-tests" --test-threads=1 --nocapture >"$out/tests-$label.log" 2>&1
   local rc=$?
   local ran passed failed
-  ran=$(grep -c '^gpu test ran' "$out/tests-$label.log")
+  ran=$(grep -o 'gpu test ran: ' "$out/tests-$label.log" | wc -l)
   passed=$(grep -oE '[0-9]+ passed' "$out/tests-$label.log" | tail -1)
   failed=$(grep -oE '[0-9]+ failed' "$out/tests-$label.log" | tail -1)
   grep -E 'panicked|FAILED|^test .* \.\.\. FAILED' "$out/tests-$label.log" | head -20

@@ -45,6 +45,9 @@ pub fn bench(
     dev: Option<&CudaDevice>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<BenchRow>> {
+    if let Some(d) = dev {
+        return bench_cuda(cfg, d, progress);
+    }
     let plans = cfg
         .variants
         .iter()
@@ -170,4 +173,150 @@ pub fn to_json(rows: &[BenchRow]) -> String {
         })
         .collect();
     serde_json::to_string_pretty(&v).unwrap_or_default()
+}
+
+/// On a CUDA device, as the anchor measures: every batch generated before timing and
+/// staged in device memory; each step copies its batch into the input buffers on the
+/// main stream and records an event after the step's final join; the step time is the
+/// interval between consecutive events. The host never waits inside a chunk.
+fn bench_cuda(
+    cfg: &BenchConfig,
+    dev: &CudaDevice,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<BenchRow>> {
+    use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
+    use crate::metrics::{auc, NeState};
+    use erase_graph::Phase;
+    use erase_runtime::cuda_program::CudaProgram;
+
+    let mc = &cfg.model;
+    let total = cfg.warmup + cfg.steps;
+    let gen = SyntheticCtr::try_new(SyntheticConfig {
+        seed: cfg.data_seed,
+        rows: mc.rows,
+        hot: mc.hot,
+    })
+    .map_err(|e| anyhow::anyhow!("synthetic data: {e}"))?;
+    let b = mc.batch;
+    let (mut d, mut r, mut y) = (
+        vec![0f32; b * mc.num_dense],
+        vec![0u32; mc.ids_per_batch()],
+        vec![0f32; b],
+    );
+    let plans = cfg
+        .variants
+        .iter()
+        .map(|&v| {
+            plan_step(
+                &mc.clone().with_variant(v),
+                DType::F32,
+                &cfg.optimizer,
+                &cfg.schedule,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // the same batches for every variant, generated once
+    let mut batches = Vec::with_capacity(total);
+    for k in 0..total {
+        gen.fill_batch(1, (k * b) as u64, b, &mut d, &mut r, &mut y);
+        let (bd, bi, bo, bl) = plans[0].model.batch_buffers(&d, &r, &y)?;
+        batches.push(vec![bd, bi, bo, bl]);
+    }
+    let mut progs = Vec::new();
+    let mut labels = Vec::new();
+    for &dispatch in &cfg.dispatch {
+        for (i, p) in plans.iter().enumerate() {
+            let m = &p.model;
+            let mut prog = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, cfg.seed)?;
+            prog.stage(
+                &[
+                    m.inputs.dense,
+                    m.inputs.ids,
+                    m.inputs.offsets,
+                    m.inputs.label,
+                ],
+                &batches,
+            )?;
+            if dispatch == Dispatch::Graph {
+                prog.capture()?;
+            }
+            progs.push((i, prog));
+            labels.push((cfg.variants[i], dispatch));
+        }
+    }
+    let marks = (0..cfg.chunk.max(1) + 1)
+        .map(|_| dev.event(true))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut qps: Vec<Vec<f64>> = vec![Vec::new(); progs.len()];
+    let mut done = 0;
+    while done < total {
+        let n = cfg.chunk.max(1).min(total - done);
+        for (j, (_, prog)) in progs.iter_mut().enumerate() {
+            for (k, mark) in marks.iter().take(n).enumerate() {
+                prog.run_staged(done + k, mark)?;
+            }
+            marks[n - 1].synchronize()?;
+            for k in 1..n {
+                if done + k >= cfg.warmup {
+                    let ms = marks[k].elapsed_ms_since(&marks[k - 1])?;
+                    qps[j].push(b as f64 / (f64::from(ms) * 1e-3));
+                }
+            }
+        }
+        done += n;
+        progress(&format!(
+            "{done}/{total} steps of each variant and dispatch"
+        ));
+    }
+    let mut rows = Vec::new();
+    for (j, (i, prog)) in progs.iter_mut().enumerate() {
+        let m = &plans[*i].model;
+        let forward: Vec<usize> = plans[*i]
+            .program
+            .launches
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| m.graph.node(l.node).phase == Phase::Forward)
+            .map(|(x, _)| x)
+            .collect();
+        let final_loss = prog
+            .get(m.main_loss)?
+            .to_f64()
+            .first()
+            .copied()
+            .unwrap_or(f64::NAN);
+        let mut ne = NeState::default();
+        let (mut scores, mut ys) = (Vec::new(), Vec::new());
+        for k in 0..(cfg.eval_examples / b).max(1) {
+            gen.fill_batch(2, (k * b) as u64, b, &mut d, &mut r, &mut y);
+            let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y)?;
+            for (t, v) in [
+                (m.inputs.dense, &bd),
+                (m.inputs.ids, &bi),
+                (m.inputs.offsets, &bo),
+                (m.inputs.label, &bl),
+            ] {
+                prog.feed(t, v)?;
+            }
+            prog.run_subset(&forward)?;
+            prog.synchronize()?;
+            let logits = prog.get(m.logit)?.to_f64();
+            let lab = bl.to_f64();
+            ne.update(&logits, &lab);
+            scores.extend(logits);
+            ys.extend(lab);
+        }
+        let q = qps_summary(&qps[j])
+            .ok_or_else(|| anyhow::anyhow!("no timed steps: ask for --steps > 1"))?;
+        let (variant, d) = labels[j];
+        rows.push(BenchRow {
+            variant,
+            dispatch: d.as_str(),
+            qps: q,
+            ne: ne.ne().unwrap_or(f64::NAN),
+            auc: auc(&scores, &ys).unwrap_or(f64::NAN),
+            final_loss,
+        });
+    }
+    Ok(rows)
 }

@@ -175,6 +175,7 @@ pub(crate) fn run_node(
             name: &node.name,
             in_shapes: node.inputs.iter().map(|&t| graph.shape(t)).collect(),
             out_shapes: node.outputs.iter().map(|&t| graph.shape(t)).collect(),
+            bf16_gemm: false,
         };
         erase_ops::execute(&call, &ins, &mut outs, &mut upd).map(|()| outs)
     };

@@ -36,6 +36,9 @@ pub struct CudaProgram<'a> {
     start: Event,
     end: Event,
     join: Event,
+    /// Batches staged in device memory (see [`CudaProgram::stage`]).
+    ring: Vec<Vec<DeviceBuffer>>,
+    ring_inputs: Vec<Tensor>,
     /// The captured step (graph dispatch), once [`CudaProgram::capture`] ran.
     graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
     arena_set: BTreeMap<Tensor, ()>,
@@ -150,6 +153,8 @@ impl<'a> CudaProgram<'a> {
             end: dev.event(true)?,
             join: dev.event(false)?,
             graph: None,
+            ring: Vec::new(),
+            ring_inputs: Vec::new(),
             arena_set,
         })
     }
@@ -259,7 +264,64 @@ impl<'a> CudaProgram<'a> {
         }
         .map_err(|e| err("instantiating the step graph", e))?;
         self.graph = Some((graph, exec));
+        // events recorded during the capture became graph edges; eager launches (such as
+        // an evaluation's forward) need events of their own
+        self.events = (0..self.prog.events)
+            .map(|_| self.dev.event(false))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.join = self.dev.event(false)?;
         Ok(kernels)
+    }
+
+    /// Copies `batches` (each one buffer per tensor of `inputs`) to device memory, so that
+    /// steps can take their inputs from there (as a benchmark that keeps data off the
+    /// host's path does).
+    pub fn stage(
+        &mut self,
+        inputs: &[Tensor],
+        batches: &[Vec<Buffer>],
+    ) -> Result<(), RuntimeError> {
+        self.ring.clear();
+        for b in batches {
+            let mut bufs = Vec::new();
+            for (&t, v) in inputs.iter().zip(b) {
+                let d = self.dev.alloc(v.bytes().len())?;
+                self.dev.upload(&d, 0, v.bytes())?;
+                if v.bytes().len() != self.leaves.get(&t).map_or(0, |l| l.bytes()) {
+                    return Err(RuntimeError::Feed {
+                        tensor: self.g.name(t).to_string(),
+                        msg: "staged batch has the wrong size".into(),
+                    });
+                }
+                bufs.push(d);
+            }
+            self.ring.push(bufs);
+        }
+        self.ring_inputs = inputs.to_vec();
+        Ok(())
+    }
+
+    /// Issues one step on staged batch `k` (modulo the ring): device-to-device copies into
+    /// the input buffers on the main stream, then the step; records `mark` after it.
+    /// Nothing waits on the host.
+    pub fn run_staged(&mut self, k: usize, mark: &Event) -> Result<(), RuntimeError> {
+        if self.ring.is_empty() {
+            return Err(RuntimeError::Device(
+                "no staged batches: call stage first".into(),
+            ));
+        }
+        let slot = k % self.ring.len();
+        for (j, t) in self.ring_inputs.iter().enumerate() {
+            let (src, dst) = (&self.ring[slot][j], &self.leaves[t]);
+            // SAFETY: both are live allocations of the same size (checked in `stage`); the
+            // copy is ordered on the main stream before the step that reads it.
+            unsafe {
+                result::memcpy_dtod_async(dst.ptr(), src.ptr(), src.bytes(), self.streams[0].raw())
+            }
+            .map_err(|e| RuntimeError::Device(format!("staging copy: {e:?}")))?;
+        }
+        self.run()?;
+        mark.record(&self.streams[0])
     }
 
     /// The kernel launches one eager step issues.

@@ -81,9 +81,12 @@ impl DeviceModel {
         let threads = spec.block.max(1);
         let warps = threads.div_ceil(32);
         let by_threads = self.max_threads_per_sm / (warps * 32);
+        // registers are allocated per warp, in units, from the four quarters of the SM's
+        // register file: a warp lives in one quarter
         let regs_per_warp =
             (spec.regs_per_thread.max(1) * 32).div_ceil(self.reg_alloc_unit) * self.reg_alloc_unit;
-        let by_regs = self.regs_per_sm / (regs_per_warp.saturating_mul(warps)).max(1);
+        let warps_by_regs = 4 * ((self.regs_per_sm / 4) / regs_per_warp.max(1));
+        let by_regs = warps_by_regs / warps.max(1);
         let by_smem = if spec.smem_bytes == 0 {
             u32::MAX
         } else {

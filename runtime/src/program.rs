@@ -24,6 +24,8 @@ pub struct ProgramRunner<'a> {
     store: Vec<Option<Buffer>>,
     arena_set: BTreeMap<Tensor, ()>,
     pool: std::sync::Arc<rayon::ThreadPool>,
+    /// Round GEMM operands to bf16 as the CUDA kernels do (see `NodeCall::bf16_gemm`).
+    pub bf16_gemm: bool,
 }
 
 impl<'a> ProgramRunner<'a> {
@@ -42,6 +44,7 @@ impl<'a> ProgramRunner<'a> {
             store: initial_store(g, seed),
             arena_set: plan.place.keys().map(|&t| (t, ())).collect(),
             pool: std::sync::Arc::new(thread_pool(threads)?),
+            bf16_gemm: false,
         })
     }
 
@@ -143,6 +146,7 @@ impl<'a> ProgramRunner<'a> {
             name: &node.name,
             in_shapes: node.inputs.iter().map(|&t| g.shape(t)).collect(),
             out_shapes: node.outputs.iter().map(|&t| g.shape(t)).collect(),
+            bf16_gemm: self.bf16_gemm,
         };
         let r = erase_ops::execute(&call, &ins, &mut outs, &mut upd);
         drop(ins);

@@ -166,7 +166,7 @@ impl CtrConfig {
             cross_layers: 3,
             autoint_layers: 2,
             heads: 2,
-            head_dim: 8,
+            head_dim: 32,
             deep: vec![128, 64],
             masknet_hidden: 64,
             top: vec![128, 64],

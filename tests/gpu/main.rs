@@ -86,6 +86,7 @@ pub fn run_cpu(op: &Op, ins: &[Arg], outs: &[(&[usize], DType)], upd: &mut [Arg]
         name: "reference",
         in_shapes: ins.iter().map(|a| &a.shape).collect(),
         out_shapes: shapes.iter().collect(),
+        bf16_gemm: false,
     };
     let in_refs: Vec<&Buffer> = ins.iter().map(|a| &a.value).collect();
     let mut o: Vec<Buffer> = outs

@@ -149,6 +149,9 @@ fn ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch() {
         gen.fill_batch(1, 0, 16, &mut d, &mut r, &mut y);
         let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y).unwrap();
         let mut cpu = ProgramRunner::new(&m.graph, &p.program, &p.memory, 5, 2).unwrap();
+        // the reference rounds GEMM operands to bf16 as the kernels do; what remains is
+        // f32 accumulation order and the attention kernel's bf16 operands
+        cpu.bf16_gemm = true;
         let mut gpu = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 5).unwrap();
         for (t, b) in [
             (m.inputs.dense, &bd),
@@ -166,8 +169,7 @@ fn ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch() {
         let (gl, cl) = val(m.logit);
         let e = rel_l2(&gl, &cl);
         println!("{variant}: step {ms:.3} ms; logits rel err {e:.2e}");
-        // bf16 GEMM operands: about 2^-8 relative per rounding, a few layers deep
-        assert!(e < 2e-2, "{variant}: logits differ: gpu {gl:?} cpu {cl:?}");
+        assert!(e < 1e-2, "{variant}: logits differ: gpu {gl:?} cpu {cl:?}");
         let (gm, cm) = val(m.main_loss);
         assert!(
             (gm[0] - cm[0]).abs() < 1e-2 * cm[0].abs(),
@@ -208,6 +210,10 @@ fn graph_dispatch_replays_the_step_bit_identically() {
     };
     let mut cfg = CtrConfig::small();
     cfg.batch = 512;
+    assert!(
+        cfg.head_dim == 32 || cfg.head_dim == 64,
+        "the attention kernels take head dims 32 and 64"
+    );
     let p = plan_step(
         &cfg,
         DType::F32,

@@ -35,15 +35,29 @@ pub struct NodeCall<'a> {
     pub name: &'a str,
     pub in_shapes: Vec<&'a Shape>,
     pub out_shapes: Vec<&'a Shape>,
+    /// Round GEMM operands (linear, its gradients, matmul) to bf16 first, as the CUDA
+    /// kernels do, so the CPU can reproduce the GPU's mixed precision.
+    pub bf16_gemm: bool,
+}
+
+/// `x` with every element rounded to bf16 (nearest even) and back.
+fn round_bf16<T: Real>(x: &[T]) -> Vec<T> {
+    x.iter()
+        .map(|&v| T::from_f64(half::bf16::from_f64(v.to_f64()).to_f64()))
+        .collect()
 }
 
 /// Float types with typed access to a [`Buffer`].
 pub trait Elem: Real {
+    fn to_buffer(v: Vec<Self>) -> Buffer;
     fn get(b: &Buffer) -> Option<&[Self]>;
     fn get_mut(b: &mut Buffer) -> Option<&mut [Self]>;
 }
 
 impl Elem for f32 {
+    fn to_buffer(v: Vec<f32>) -> Buffer {
+        Buffer::F32(v)
+    }
     fn get(b: &Buffer) -> Option<&[f32]> {
         match b {
             Buffer::F32(v) => Some(v),
@@ -59,6 +73,9 @@ impl Elem for f32 {
 }
 
 impl Elem for f64 {
+    fn to_buffer(v: Vec<f64>) -> Buffer {
+        Buffer::F64(v)
+    }
     fn get(b: &Buffer) -> Option<&[f64]> {
         match b {
             Buffer::F64(v) => Some(v),
@@ -180,6 +197,29 @@ fn exec_typed<T: Elem>(
     upd: &mut [Buffer],
 ) -> Result<(), String> {
     let ish = |i: usize| call.in_shapes[i];
+    let gemm_op = matches!(
+        call.op,
+        Op::Linear { .. } | Op::LinearGradInput | Op::LinearGradWeight | Op::MatMul { .. }
+    );
+    if call.bf16_gemm && gemm_op {
+        // the two matrix operands are rounded; a bias (input 2) is added in f32
+        let mut owned: Vec<Buffer> = Vec::with_capacity(ins.len());
+        for (i, b) in ins.iter().enumerate() {
+            owned.push(if i < 2 {
+                T::to_buffer(round_bf16(get::<T>(b, "operand")?))
+            } else {
+                (*b).clone()
+            });
+        }
+        let refs: Vec<&Buffer> = owned.iter().collect();
+        let plain = NodeCall {
+            bf16_gemm: false,
+            in_shapes: call.in_shapes.clone(),
+            out_shapes: call.out_shapes.clone(),
+            ..*call
+        };
+        return exec_typed::<T>(&plain, &refs, outs, upd);
+    }
     let osh = |i: usize| call.out_shapes[i];
     match call.op {
         Op::Linear { bias } => {

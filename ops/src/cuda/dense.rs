@@ -183,10 +183,12 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
             scratch: vec![],
         });
     }
+    // the reduction reads `lanes` splits of an element at once (a power of two, at most 8)
+    let lanes = [8, 4, 2, 1].into_iter().find(|&l| l <= splits).unwrap_or(1);
     let reduce = KernelCall {
         kernel: "gemm_splitk_reduce",
-        grid: [blocks(count, 32), 1, 1],
-        block: [32, 8, 1],
+        grid: [blocks(count, 256 / lanes), 1, 1],
+        block: [256 / lanes as u32, lanes as u32, 1],
         smem: 0,
         args: vec![
             KArg::Scratch(0),

@@ -1064,7 +1064,7 @@ fn adam(
 // ---- embedding bags --------------------------------------------------------------------------------
 
 /// Field geometry: the `emb_meta_build` calls writing (base, rows) per field into
-/// `Scratch(0)`, the total rows, and the scratch bytes of the meta table.
+/// `Scratch(0)` (16 bytes a field), and the total rows.
 fn emb_meta(op: &Op, field_rows: &[usize]) -> Result<(Vec<KernelCall>, usize), String> {
     if field_rows.is_empty() {
         return Err(format!("{}: no fields", op.name()));
@@ -1166,8 +1166,9 @@ enum SegDst {
 }
 
 /// The backward's shared part: meta (scratch 0), occurrence keys, the radix sort (scratch
-/// 1-5), the chunked segment sums (scratch 6-7). `ids`/`offsets`/`dy` are the operands;
-/// returns the calls, the scratch sizes and the scratch holding the sorted rows.
+/// 1-5), the chunked segment sums (scratch 6-7), appended to `calls` and `scratch`.
+/// `ids`/`offsets`/`dy` are the operands; returns the scratch index of the sorted rows
+/// (the sort ping-pongs between buffers 1/2 and 3/4).
 #[allow(clippy::too_many_arguments)]
 fn emb_backward(
     calls: &mut Vec<KernelCall>,
