@@ -10,7 +10,7 @@ out="${OUT:-$bundle/out}"
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0
 for side in 4 6; do
-  "$bundle/erase-ctr" bench --device cuda --preset spec --dispatch blocking,graph \
+  "$bundle/erase-ctr" bench --device cuda --preset spec --dispatch blocking,threaded,graph \
     --warmup 50 --steps 250 --side-streams "$side" --eval-examples 200000 \
     --json "$out/erase-bench-side$side.json" 2>"$out/erase-bench-side$side.log" | tee "$out/erase-bench-side$side.txt"
 done
@@ -23,6 +23,4 @@ if [ -f "$bundle/torch_ctr.py" ] && python3 -c 'import torch' 2>/dev/null; then
   run baseline-graph --variant baseline --cuda-graph
   run detached-graph --variant detached --cuda-graph
   run erase-graph --variant erase --cuda-graph
-  run baseline-eager --variant baseline
-  run erase-thread --variant erase --dispatch thread
 fi

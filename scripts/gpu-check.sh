@@ -28,15 +28,6 @@ run_tests() { # label, env..., args...
 run_tests sm90a ERASE_PTX=sm90a
 run_tests sm80 ERASE_PTX=sm80
 
-if command -v compute-sanitizer >/dev/null && [ "$quick" != "--quick" ]; then
-  for tool in memcheck racecheck; do
-    ERASE_GPU_TEST_SMALL=1 timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      "$bundle/gpu-tests" --test-threads=1 sanitize >"$out/sanitizer-$tool.log" 2>&1
-    rc=$?
-    errs=$(grep -oE 'ERROR SUMMARY: [0-9]+ error' "$out/sanitizer-$tool.log" | tail -1)
-    summary+=("compute-sanitizer $tool: rc $rc, ${errs:-no summary}")
-  done
-fi
 
 "$bundle/kernels-bench" --json "$out/kernels.jsonl" $quick >"$out/bench.log" 2>&1
 summary+=("kernel benchmark: rc $?")
@@ -45,6 +36,16 @@ if python3 -c 'import torch' 2>/dev/null; then
   python3 "$bundle/torch_kernels.py" "$out/kernels.jsonl" >"$out/side_by_side.log" 2>&1
   summary+=("torch side by side: rc $?")
   cat "$out/side_by_side.log"
+fi
+
+if command -v compute-sanitizer >/dev/null && [ "$quick" != "--quick" ]; then
+  for tool in memcheck racecheck; do
+    ERASE_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      "$bundle/gpu-tests" --test-threads=1 sanitize >"$out/sanitizer-$tool.log" 2>&1
+    rc=$?
+    errs=$(grep -oE 'ERROR SUMMARY: [0-9]+ error' "$out/sanitizer-$tool.log" | tail -1)
+    summary+=("compute-sanitizer $tool: rc $rc, ${errs:-no summary}")
+  done
 fi
 
 echo

@@ -237,6 +237,7 @@ fn bench_cuda(
                 ],
                 &batches,
             )?;
+            prog.set_threaded(dispatch == Dispatch::Threaded);
             if dispatch == Dispatch::Graph {
                 prog.capture()?;
             }

@@ -33,7 +33,7 @@ impl Default for ScheduleOptions {
     fn default() -> Self {
         ScheduleOptions {
             side_streams: 4,
-            occupancy: true,
+            occupancy: false,
             device: DeviceModel::h200(),
         }
     }
@@ -323,6 +323,8 @@ pub enum Dispatch {
     /// One host thread issues everything in schedule order.
     #[default]
     Blocking,
+    /// The pool streams' launches issued by a dispatcher thread.
+    Threaded,
     /// The whole step captured once as a CUDA graph, then replayed (one launch a step).
     Graph,
 }
@@ -331,6 +333,7 @@ impl Dispatch {
     pub fn as_str(self) -> &'static str {
         match self {
             Dispatch::Blocking => "blocking",
+            Dispatch::Threaded => "threaded",
             Dispatch::Graph => "graph",
         }
     }
@@ -374,11 +377,15 @@ impl<'a> Session<'a> {
                 seed,
                 threads,
             )?),
-            (None, Dispatch::Graph) => {
-                bail!("--dispatch graph needs a CUDA device; the CPU backend runs blocking")
+            (None, Dispatch::Graph | Dispatch::Threaded) => {
+                bail!(
+                    "--dispatch {} needs a CUDA device; the CPU backend runs blocking",
+                    dispatch.as_str()
+                )
             }
             (Some(d), _) => {
                 let mut p = CudaProgram::new(d, &m.graph, &plan.program, &plan.memory, seed)?;
+                p.set_threaded(dispatch == Dispatch::Threaded);
                 if dispatch == Dispatch::Graph {
                     let kernels = p.capture()?;
                     if kernels != p.kernel_launches() {

@@ -167,6 +167,17 @@ pub struct PreparedLaunch {
 
 // SAFETY: a function handle and plain bytes; usable from any thread with the context.
 unsafe impl Send for PreparedLaunch {}
+// SAFETY: as above; launching only reads it.
+unsafe impl Sync for PreparedLaunch {}
+// SAFETY: CUDA stream and event handles may be used from any thread of the process once
+// the context is current there (the dispatcher thread binds it first).
+unsafe impl Send for Stream {}
+// SAFETY: as above; the driver serialises calls on one handle.
+unsafe impl Sync for Stream {}
+// SAFETY: as for `Stream`.
+unsafe impl Send for Event {}
+// SAFETY: as for `Stream`.
+unsafe impl Sync for Event {}
 
 /// A CUDA device with the kernel library loaded.
 pub struct CudaDevice {
@@ -293,7 +304,9 @@ impl CudaDevice {
         self.library
     }
 
-    fn bind(&self) -> Result<(), RuntimeError> {
+    /// Makes the device's context current on the calling thread (needed once per thread
+    /// before it issues work).
+    pub fn bind(&self) -> Result<(), RuntimeError> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver_err("binding the context", e))
@@ -435,8 +448,8 @@ impl CudaDevice {
         s: &Stream,
         ptr: &dyn Fn(KArg) -> Option<u64>,
     ) -> Result<(), RuntimeError> {
-        let mut l = self.prepare(call, ptr)?;
-        self.launch_prepared(&mut l, s)
+        let l = self.prepare(call, ptr)?;
+        self.launch_prepared(&l, s)
     }
 
     /// Resolves `call`'s function and arguments once, for launches repeated every step.
@@ -475,9 +488,10 @@ impl CudaDevice {
     }
 
     /// Issues a prepared launch on `s`.
-    pub fn launch_prepared(&self, l: &mut PreparedLaunch, s: &Stream) -> Result<(), RuntimeError> {
-        let mut params: Vec<*mut c_void> = l
-            .slots
+    pub fn launch_prepared(&self, l: &PreparedLaunch, s: &Stream) -> Result<(), RuntimeError> {
+        // the driver reads the arguments through mutable pointers: give it a copy
+        let mut slots = l.slots.clone();
+        let mut params: Vec<*mut c_void> = slots
             .iter_mut()
             .map(|s| s.as_mut_ptr() as *mut c_void)
             .collect();

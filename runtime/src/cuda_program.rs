@@ -39,6 +39,7 @@ pub struct CudaProgram<'a> {
     /// Batches staged in device memory (see [`CudaProgram::stage`]).
     ring: Vec<Vec<DeviceBuffer>>,
     ring_inputs: Vec<Tensor>,
+    threaded: bool,
     /// The captured step (graph dispatch), once [`CudaProgram::capture`] ran.
     graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
     arena_set: BTreeMap<Tensor, ()>,
@@ -155,6 +156,7 @@ impl<'a> CudaProgram<'a> {
             graph: None,
             ring: Vec::new(),
             ring_inputs: Vec::new(),
+            threaded: false,
             arena_set,
         })
     }
@@ -199,6 +201,11 @@ impl<'a> CudaProgram<'a> {
             // it uses is owned by `self` and outlives the launch (drop synchronizes).
             unsafe { result::graph::launch(exec, self.streams[0].raw()) }
                 .map_err(|e| RuntimeError::Device(format!("launching the step graph: {e:?}")))?;
+            return self.end.record(&self.streams[0]);
+        }
+        if self.threaded {
+            self.start.record(&self.streams[0])?;
+            self.issue_threaded()?;
             return self.end.record(&self.streams[0]);
         }
         let all: Vec<usize> = (0..self.prog.launches.len()).collect();
@@ -338,6 +345,104 @@ impl<'a> CudaProgram<'a> {
         Ok(())
     }
 
+    /// Threaded dispatch: the host thread issues the main stream's launches and a
+    /// dispatcher thread those of the pool streams, both in schedule order. A wait is
+    /// issued only after the other thread has issued the launch that records its event
+    /// (waiting on an event not yet recorded would wait for nothing).
+    pub fn set_threaded(&mut self, on: bool) {
+        self.threaded = on;
+    }
+
+    fn issue_threaded(&self) -> Result<(), RuntimeError> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let n = self.prog.launches.len();
+        let recorder: Vec<Option<usize>> = {
+            let mut r = vec![None; self.prog.events];
+            for (i, l) in self.prog.launches.iter().enumerate() {
+                if let Some(e) = l.record {
+                    r[e.0 as usize] = Some(i);
+                }
+            }
+            r
+        };
+        // progress[0]: launches of the main thread issued below this index; [1]: dispatcher's
+        let progress = [AtomicUsize::new(0), AtomicUsize::new(0)];
+        let failed = AtomicUsize::new(0);
+        // only the parts the threads share (the graph handles stay on this thread)
+        let (dev, prog, prepared, streams, events) = (
+            self.dev,
+            self.prog,
+            &self.prepared,
+            &self.streams,
+            &self.events,
+        );
+        let work = |me: usize| -> Result<(), RuntimeError> {
+            if me == 1 {
+                dev.bind()?;
+            }
+            for (i, l) in prog.launches.iter().enumerate() {
+                let owner = usize::from(l.stream.0 != 0);
+                if owner != me {
+                    continue;
+                }
+                for w in &l.waits {
+                    if let Some(r) = recorder[w.event.0 as usize] {
+                        let other = usize::from(prog.launches[r].stream.0 != 0);
+                        if other != me {
+                            while progress[other].load(Ordering::Acquire) <= r {
+                                if failed.load(Ordering::Relaxed) != 0 {
+                                    return Err(RuntimeError::Device(
+                                        "the other dispatch thread failed".into(),
+                                    ));
+                                }
+                                std::thread::yield_now();
+                            }
+                        }
+                    }
+                    events[w.event.0 as usize].wait_on(&streams[l.stream.0 as usize])?;
+                }
+                let s = &streams[l.stream.0 as usize];
+                for call in &prepared[i].calls {
+                    dev.launch_prepared(call, s)?;
+                }
+                if let Some(e) = l.record {
+                    events[e.0 as usize].record(s)?;
+                }
+                progress[me].store(i + 1, Ordering::Release);
+            }
+            progress[me].store(n, Ordering::Release);
+            Ok(())
+        };
+        let (a, b) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                let r = work(1);
+                if r.is_err() {
+                    failed.store(1, Ordering::Relaxed);
+                }
+                r
+            });
+            let a = work(0);
+            if a.is_err() {
+                failed.store(1, Ordering::Relaxed);
+            }
+            (
+                a,
+                h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Device(
+                        "the dispatcher thread panicked".into(),
+                    ))
+                }),
+            )
+        });
+        a?;
+        b?;
+        for s in &self.streams[1..] {
+            self.join.record(s)?;
+            self.join.wait_on(&self.streams[0])?;
+        }
+        Ok(())
+    }
+
     /// Issues launches and joins every pool stream into the main stream.
     fn issue(&mut self, which: &[usize]) -> Result<(), RuntimeError> {
         for &i in which {
@@ -346,7 +451,7 @@ impl<'a> CudaProgram<'a> {
             for w in &l.waits {
                 self.events[w.event.0 as usize].wait_on(s)?;
             }
-            for call in &mut self.prepared[i].calls {
+            for call in &self.prepared[i].calls {
                 self.dev.launch_prepared(call, s).map_err(|e| {
                     RuntimeError::Device(format!("'{}': {e}", self.g.node(l.node).name))
                 })?;

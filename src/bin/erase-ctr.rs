@@ -64,6 +64,8 @@ enum DeviceArg {
 enum DispatchArg {
     /// One host thread issues every launch in schedule order.
     Blocking,
+    /// Pool streams' launches issued by a dispatcher thread (CUDA only).
+    Threaded,
     /// The whole step captured once as a CUDA graph and replayed (CUDA only).
     Graph,
 }
@@ -72,6 +74,7 @@ impl From<DispatchArg> for Dispatch {
     fn from(d: DispatchArg) -> Self {
         match d {
             DispatchArg::Blocking => Dispatch::Blocking,
+            DispatchArg::Threaded => Dispatch::Threaded,
             DispatchArg::Graph => Dispatch::Graph,
         }
     }
@@ -120,7 +123,9 @@ struct ModelArgs {
     #[arg(long, default_value_t = 4)]
     side_streams: usize,
     /// The occupancy rule: a launch that fills the device for long is not overlapped.
-    #[arg(long, value_enum, default_value = "on")]
+    /// Off by default: on an H200 the CTR model's erase step measured 17 % faster
+    /// without it (see BENCHMARKS.md).
+    #[arg(long, value_enum, default_value = "off")]
     occupancy: OnOff,
 }
 

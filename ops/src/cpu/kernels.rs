@@ -351,6 +351,9 @@ pub struct AttnDims {
     pub heads: usize,
     pub dh: usize,
     pub causal: bool,
+    /// Round the probabilities (and dS) to bf16 before they multiply, as the CUDA kernel's
+    /// tensor-core products do (the caller rounds q, k, v and do).
+    pub bf16: bool,
 }
 
 impl AttnDims {
@@ -362,6 +365,13 @@ impl AttnDims {
     }
     fn visible(&self, i: usize, j: usize) -> bool {
         !self.causal || j <= i
+    }
+    fn round<T: Real>(&self, x: T) -> T {
+        if self.bf16 {
+            T::from_f64(half::bf16::from_f64(x.to_f64()).to_f64())
+        } else {
+            x
+        }
     }
 }
 
@@ -407,7 +417,7 @@ pub fn attention<T: Real>(q: &[T], k: &[T], v: &[T], o: &mut [T], lse: &mut [T],
                             continue;
                         }
                         let vj = &v[base + j * w + h * dh..base + j * w + (h + 1) * dh];
-                        let pn = pj / sum;
+                        let pn = a.round(pj) / sum;
                         for c in 0..dh {
                             oi[c] += pn * vj[c];
                         }
@@ -470,7 +480,8 @@ pub fn attention_grad<T: Real>(
                             dp += doi[c] * vj[c];
                         }
                         let p = (sc * scale - lse).exp();
-                        let ds = p * (dp - di) * scale;
+                        let ds = a.round(p * (dp - di)) * scale;
+                        let p = a.round(p);
                         for c in 0..dh {
                             dvb[j * w + h * dh + c] += p * doi[c];
                             dqb[i * w + h * dh + c] += ds * kj[c];

@@ -196,30 +196,37 @@ fn exec_typed<T: Elem>(
     outs: &mut [Buffer],
     upd: &mut [Buffer],
 ) -> Result<(), String> {
-    let ish = |i: usize| call.in_shapes[i];
-    let gemm_op = matches!(
-        call.op,
-        Op::Linear { .. } | Op::LinearGradInput | Op::LinearGradWeight | Op::MatMul { .. }
-    );
-    if call.bf16_gemm && gemm_op {
-        // the two matrix operands are rounded; a bias (input 2) is added in f32
+    // operands the kernels round to bf16: the two matrices of a GEMM (a bias is added in
+    // f32), q, k, v of attention, and do, q, k, v of its backward
+    let rounded_inputs = match call.op {
+        Op::Linear { .. } | Op::LinearGradInput | Op::LinearGradWeight | Op::MatMul { .. } => 2,
+        Op::Attention { .. } => 3,
+        Op::AttentionGrad { .. } => 4,
+        _ => 0,
+    };
+    if call.bf16_gemm && rounded_inputs > 0 {
         let mut owned: Vec<Buffer> = Vec::with_capacity(ins.len());
         for (i, b) in ins.iter().enumerate() {
-            owned.push(if i < 2 {
+            owned.push(if i < rounded_inputs {
                 T::to_buffer(round_bf16(get::<T>(b, "operand")?))
             } else {
                 (*b).clone()
             });
         }
         let refs: Vec<&Buffer> = owned.iter().collect();
-        let plain = NodeCall {
-            bf16_gemm: false,
-            in_shapes: call.in_shapes.clone(),
-            out_shapes: call.out_shapes.clone(),
-            ..*call
-        };
-        return exec_typed::<T>(&plain, &refs, outs, upd);
+        return exec_inner::<T>(call, &refs, outs, upd);
     }
+    exec_inner::<T>(call, ins, outs, upd)
+}
+
+/// [`exec_typed`] once the operands are rounded as asked.
+fn exec_inner<T: Elem>(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+) -> Result<(), String> {
+    let ish = |i: usize| call.in_shapes[i];
     let osh = |i: usize| call.out_shapes[i];
     match call.op {
         Op::Linear { bias } => {
@@ -366,6 +373,7 @@ fn exec_typed<T: Elem>(
                 heads: *heads,
                 dh: d[2] / heads,
                 causal: *causal,
+                bf16: call.bf16_gemm,
             };
             let (q, k, v) = (
                 get::<T>(ins[0], "q")?,
@@ -384,6 +392,7 @@ fn exec_typed<T: Elem>(
                 heads: *heads,
                 dh: d[2] / heads,
                 causal: *causal,
+                bf16: call.bf16_gemm,
             };
             let x = AttnGradIn {
                 d_o: get::<T>(ins[0], "do")?,
