@@ -11,6 +11,7 @@ pub mod occupancy;
 pub mod program;
 pub mod schedule;
 pub mod simulate;
+pub mod trace;
 
 pub use cpu::{CpuConfig, CpuSession};
 pub use error::RuntimeError;

@@ -11,6 +11,7 @@ use erase::graph::{DType, OptimizerConfig, Phase};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::runtime::occupancy::DeviceModel;
 use erase::runtime::simulate::{simulate, SimConfig};
+use erase::runtime::trace::Trace;
 use erase::train::{plan_step, train_on, ConsoleProgress, Dispatch, ScheduleOptions, TrainConfig};
 
 #[derive(Parser)]
@@ -260,9 +261,14 @@ struct PlanArgs {
     /// Print every launch, not only the cross-stream edges.
     #[arg(long)]
     full: bool,
-    /// Print the simulator's predicted timeline of the printed variant as text.
-    #[arg(long)]
-    timeline: bool,
+    /// Write the simulator's predicted timeline of the printed variant as a picture: SVG,
+    /// or PNG when FILE ends in `.png`; `-` prints it as text instead.
+    #[arg(long, value_name = "FILE")]
+    timeline: Option<std::path::PathBuf>,
+    /// Write the predicted timeline of the printed variant as Chrome / Perfetto
+    /// trace-event JSON (open it in ui.perfetto.dev or chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
     /// Print the N launches the cost model predicts to take longest.
     #[arg(long, value_name = "N")]
     kernels: Option<usize>,
@@ -474,6 +480,7 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
     };
     let shown = Variant::from(a.variant);
     let mut rows = Vec::new();
+    let mut erase_overlap = None;
     for v in Variant::ALL {
         let cfg = a.model.config(v)?;
         let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched)?;
@@ -514,7 +521,32 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
                     );
                 }
             }
-            if a.timeline {
+            let trace = Trace::from_simulation(&p.program, &r, g);
+            let title = format!(
+                "erase-ctr {v}: predicted step on {} (batch {}, {} stream(s))",
+                sched.device.name, cfg.batch, p.program.streams
+            );
+            let text = a.timeline.as_deref().is_some_and(|p| p.as_os_str() == "-");
+            if let Some(path) = a.timeline.as_deref().filter(|_| !text) {
+                let png = path
+                    .extension()
+                    .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+                let bytes = if png {
+                    let h = 40 + 44 * trace.stream_count().max(1) as u32;
+                    trace.to_png(0, 1600, h)
+                } else {
+                    trace.to_svg(0, &title).into_bytes()
+                };
+                std::fs::write(path, bytes)
+                    .with_context(|| format!("--timeline {}", path.display()))?;
+                println!("predicted timeline written to {}", path.display());
+            }
+            if let Some(path) = &a.trace {
+                std::fs::write(path, trace.to_chrome_json())
+                    .with_context(|| format!("--trace {}", path.display()))?;
+                println!("predicted trace written to {}", path.display());
+            }
+            if text {
                 println!("predicted timeline on {} (µs):", sched.device.name);
                 for (i, l) in p.program.launches.iter().enumerate() {
                     let s = r.launches[i];
@@ -581,6 +613,9 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
             );
             println!();
         }
+        if v == Variant::Erase {
+            erase_overlap = Some(Trace::from_simulation(&p.program, &r, g).overlap_step(0));
+        }
         rows.push((v, r.step_s, p.memory.arena_bytes, r.busy_s));
     }
     println!(
@@ -598,6 +633,24 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
             qps,
             (base / t - 1.0) * 100.0,
             *mem as f64 / (1 << 20) as f64,
+            busy.join(", ")
+        );
+    }
+    if let Some(o) = erase_overlap {
+        println!(
+            "predicted overlap (erase): early backward {:.1} µs, of which {:.1} µs ({:.1} %) ran while forward work ran on another stream",
+            o.early_backward_us,
+            o.overlapped_us,
+            100.0 * o.fraction
+        );
+        let busy: Vec<String> = o
+            .streams
+            .iter()
+            .map(|b| format!("{} {:.0} %", b.name, 100.0 * b.busy_fraction))
+            .collect();
+        println!(
+            "  busy share of the {:.1} µs step per stream: {}",
+            o.span_us,
             busy.join(", ")
         );
     }

@@ -1,0 +1,441 @@
+//! Traces: the Chrome JSON, the SVG and PNG timelines, and the overlap figures, on
+//! hand-made events and on the CTR model's predicted steps.
+
+use std::io::Read as _;
+
+use erase::graph::{DType, OptimizerConfig};
+use erase::model::ctr::{CtrConfig, Variant};
+use erase::runtime::occupancy::DeviceModel;
+use erase::runtime::simulate::{simulate, SimConfig};
+use erase::runtime::trace::{Trace, TraceEvent, TraceKind};
+use erase::train::{plan_step, ScheduleOptions};
+use serde_json::Value;
+
+fn ev(
+    phase: &str,
+    block: &str,
+    stream: u16,
+    step: usize,
+    start_us: f64,
+    end_us: f64,
+) -> TraceEvent {
+    let op = if phase == "bwd" {
+        "linear_grad_weight"
+    } else {
+        "linear"
+    };
+    TraceEvent {
+        name: format!("{phase}:{block} {op}"),
+        block: block.to_string(),
+        phase: phase.to_string(),
+        op: op.to_string(),
+        node: format!("{block}/linear0"),
+        stream,
+        step,
+        start_us,
+        end_us,
+        kind: TraceKind::Kernel,
+    }
+}
+
+fn streams(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|s| {
+            if s == 0 {
+                "main".to_string()
+            } else {
+                format!("side{s}")
+            }
+        })
+        .collect()
+}
+
+/// Two steps on four streams. Step 0 has forward work on main with a gap (20..30),
+/// forward work on side1 and side3 too (side3's overlaps main's), early backward events
+/// under one, two or no forward events, one nested in another on side2, a remainder
+/// backward on main and an optimizer launch.
+fn synthetic() -> Trace {
+    let events = vec![
+        // step 0
+        ev("fwd", "bottom", 0, 0, 0.0, 10.0),
+        ev("fwd", "cross", 0, 0, 10.0, 20.0),
+        ev("fwd", "deep", 0, 0, 30.0, 40.0),
+        ev("bwd", "remainder", 0, 0, 40.0, 50.0),
+        ev("optim", "optim", 0, 0, 50.0, 55.0),
+        ev("bwd", "bottom", 1, 0, 5.0, 25.0),
+        ev("fwd", "odd", 1, 0, 26.0, 28.0),
+        ev("bwd", "bottom", 1, 0, 45.0, 50.0),
+        ev("bwd", "cross", 2, 0, 18.0, 35.0),
+        ev("bwd", "cross", 2, 0, 20.0, 22.0),
+        ev("fwd", "odd", 3, 0, 32.0, 38.0),
+        ev("bwd", "deep", 3, 0, 38.0, 42.0),
+        // step 1
+        ev("fwd", "bottom", 0, 1, 100.0, 110.0),
+        ev("bwd", "bottom", 1, 1, 105.0, 120.0),
+    ];
+    Trace {
+        events,
+        stream_names: streams(4),
+        source: "synthetic".to_string(),
+    }
+}
+
+#[test]
+fn overlap_of_hand_made_events_is_exact() {
+    let o = synthetic().overlap();
+    assert_eq!(o.steps.len(), 2);
+    let s0 = &o.steps[0];
+    assert_eq!(s0.step, 0);
+    assert_eq!(s0.span_us, 55.0);
+    // early backward: side1 20 + 5, side2 17 + 2, side3 4 (main's remainder is not early)
+    assert_eq!(s0.early_backward_us, 48.0);
+    // side1 [5,25): forward elsewhere over [5,20) (two main events) = 15
+    // side1 [45,50): none = 0
+    // side2 [18,35): main [18,20) + side1 [26,28) + main/side3 [30,35) = 2 + 2 + 5 = 9
+    // side2 [20,22): main's gap, side1's own forward does not count elsewhere = 0
+    // side3 [38,42): main [38,40) = 2 (side3's own forward before it does not count)
+    assert_eq!(s0.overlapped_us, 26.0);
+    assert_eq!(s0.fraction, 26.0 / 48.0);
+    let busy: Vec<f64> = s0.streams.iter().map(|b| b.busy_us).collect();
+    // main [0,20) + [30,55) (a gap); side2's nested event counts once; side3 [32,42)
+    assert_eq!(busy, vec![45.0, 27.0, 17.0, 10.0]);
+    let frac: Vec<f64> = s0.streams.iter().map(|b| b.busy_fraction).collect();
+    assert_eq!(
+        frac,
+        vec![45.0 / 55.0, 27.0 / 55.0, 17.0 / 55.0, 10.0 / 55.0]
+    );
+    let names: Vec<&str> = s0.streams.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(names, ["main", "side1", "side2", "side3"]);
+
+    let s1 = &o.steps[1];
+    assert_eq!(
+        (s1.span_us, s1.early_backward_us, s1.overlapped_us),
+        (20.0, 15.0, 5.0)
+    );
+    assert_eq!(s1.streams[0].busy_us, 10.0);
+    assert_eq!(s1.streams[2].busy_us, 0.0);
+    assert_eq!(s1.streams[2].busy_fraction, 0.0);
+
+    assert_eq!(o.early_backward_us, 63.0);
+    assert_eq!(o.overlapped_us, 31.0);
+    assert_eq!(o.fraction, 31.0 / 63.0);
+}
+
+#[test]
+fn no_early_work_gives_zero_not_nan() {
+    let t = Trace {
+        events: vec![
+            ev("fwd", "a", 0, 0, 0.0, 3.0),
+            ev("bwd", "a", 0, 0, 3.0, 5.0),
+        ],
+        stream_names: streams(1),
+        source: "synthetic".to_string(),
+    };
+    let o = t.overlap();
+    assert_eq!(
+        (o.early_backward_us, o.overlapped_us, o.fraction),
+        (0.0, 0.0, 0.0)
+    );
+    assert_eq!(o.steps[0].streams[0].busy_fraction, 1.0);
+    let empty = Trace {
+        events: vec![],
+        stream_names: streams(2),
+        source: String::new(),
+    };
+    assert!(empty.overlap().steps.is_empty());
+    assert_eq!(empty.overlap().fraction, 0.0);
+}
+
+/// Checks the Chrome JSON of `t`: every complete event has ph, ts, dur, pid, tid, name
+/// (and cat and args), and each stream's thread is named.
+fn check_chrome(t: &Trace) -> Value {
+    let v: Value = serde_json::from_str(&t.to_chrome_json()).expect("valid JSON");
+    assert_eq!(v["displayTimeUnit"], "ms");
+    let evs = v["traceEvents"].as_array().expect("traceEvents array");
+    let complete: Vec<&Value> = evs.iter().filter(|e| e["ph"] == "X").collect();
+    assert_eq!(complete.len(), t.events.len());
+    for e in &complete {
+        for k in ["ph", "ts", "dur", "pid", "tid", "name", "cat", "args"] {
+            assert!(e.get(k).is_some(), "event without {k}: {e}");
+        }
+        assert!(e["ts"].is_number() && e["dur"].as_f64().unwrap() >= 0.0);
+        assert!(e["tid"].is_u64() && e["pid"].is_u64());
+        for k in ["block", "phase", "step", "op"] {
+            assert!(e["args"].get(k).is_some(), "args without {k}: {e}");
+        }
+        assert_eq!(e["cat"], e["args"]["phase"]);
+    }
+    for (i, (e, j)) in t.events.iter().zip(&complete).enumerate() {
+        assert_eq!(j["name"].as_str(), Some(e.name.as_str()), "event {i}");
+        assert_eq!(j["tid"].as_u64(), Some(u64::from(e.stream)));
+        // serde_json's default parser may be one ulp off the shortest form it wrote
+        let ts = j["ts"].as_f64().unwrap();
+        assert!((ts - e.start_us).abs() <= 1e-9 * (1.0 + e.start_us.abs()));
+        assert_eq!(j["args"]["step"].as_u64(), Some(e.step as u64));
+    }
+    for s in 0..t.stream_count() {
+        let named = evs.iter().any(|e| {
+            e["ph"] == "M"
+                && e["name"] == "thread_name"
+                && e["tid"].as_u64() == Some(s as u64)
+                && e["args"]["name"].as_str() == Some(t.stream_label(s).as_str())
+        });
+        assert!(named, "no thread_name for stream {s}");
+    }
+    assert!(evs
+        .iter()
+        .any(|e| e["ph"] == "M" && e["name"] == "process_name"));
+    v
+}
+
+#[test]
+fn chrome_json_has_every_field_and_escapes_names() {
+    let mut t = synthetic();
+    t.events[0].name = "fwd:\"odd\" <name> & \\ back\tslash é".to_string();
+    t.events[0].block = "a<b>&\"c\"".to_string();
+    t.stream_names[1] = "side \"one\"".to_string();
+    let v = check_chrome(&t);
+    let first = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["ph"] == "X")
+        .unwrap()
+        .clone();
+    assert_eq!(first["name"], "fwd:\"odd\" <name> & \\ back\tslash é");
+    assert_eq!(first["args"]["block"], "a<b>&\"c\"");
+    assert_eq!(first["dur"].as_f64(), Some(10.0));
+}
+
+/// A minimal XML check: tags balance, attribute values are quoted, `&` starts an entity,
+/// and there is one root. Returns the number of elements.
+fn check_xml(s: &str) -> usize {
+    let mut stack: Vec<String> = Vec::new();
+    let mut elements = 0;
+    let mut rest = s.trim_start();
+    if rest.starts_with("<?xml") {
+        rest = &rest[rest.find("?>").unwrap() + 2..];
+    }
+    let mut roots = 0;
+    loop {
+        let Some(lt) = rest.find('<') else {
+            assert!(rest.trim().is_empty(), "text after the root");
+            break;
+        };
+        check_text(&rest[..lt]);
+        if stack.is_empty() {
+            assert!(rest[..lt].trim().is_empty(), "text outside the root");
+        }
+        let gt = rest[lt..].find('>').expect("unterminated tag") + lt;
+        let tag = &rest[lt + 1..gt];
+        rest = &rest[gt + 1..];
+        if let Some(name) = tag.strip_prefix('/') {
+            let open = stack.pop().expect("closing tag without opening");
+            assert_eq!(open, name.trim(), "mismatched tags");
+            continue;
+        }
+        assert!(!tag.starts_with('!') && !tag.starts_with('?'));
+        let self_closing = tag.ends_with('/');
+        let body = tag.trim_end_matches('/');
+        let name: String = body.chars().take_while(|c| !c.is_whitespace()).collect();
+        assert!(
+            !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_alphanumeric() || c == '-' || c == ':')
+        );
+        check_attrs(&body[name.len()..]);
+        elements += 1;
+        if stack.is_empty() {
+            roots += 1;
+        }
+        if !self_closing {
+            stack.push(name);
+        }
+    }
+    assert!(stack.is_empty(), "unclosed: {stack:?}");
+    assert_eq!(roots, 1);
+    elements
+}
+
+fn check_text(t: &str) {
+    assert!(!t.contains('>'), "unescaped > in {t:?}");
+    let mut i = 0;
+    while let Some(p) = t[i..].find('&') {
+        let at = i + p;
+        let semi = t[at..].find(';').expect("& without ;") + at;
+        let ent = &t[at + 1..semi];
+        assert!(
+            ["amp", "lt", "gt", "quot", "apos"].contains(&ent) || ent.starts_with('#'),
+            "bad entity &{ent};"
+        );
+        i = semi + 1;
+    }
+}
+
+fn check_attrs(mut a: &str) {
+    loop {
+        a = a.trim_start();
+        if a.is_empty() {
+            return;
+        }
+        let eq = a.find('=').expect("attribute without =");
+        let name = a[..eq].trim();
+        assert!(!name.is_empty() && !name.contains(char::is_whitespace));
+        a = &a[eq + 1..];
+        assert!(a.starts_with('"'), "unquoted attribute {name}");
+        let end = a[1..].find('"').expect("unterminated attribute") + 1;
+        let value = &a[1..end];
+        assert!(!value.contains('<'), "< in attribute {name}");
+        check_text(value);
+        a = &a[end + 1..];
+    }
+}
+
+#[test]
+fn svg_is_well_formed_with_one_lane_per_stream() {
+    let mut t = synthetic();
+    t.events[0].name = "fwd:<odd> & \"name\"".to_string();
+    t.events[1].block = "x<&>y".to_string();
+    t.stream_names[2] = "side <2> & 'two'".to_string();
+    let svg = t.to_svg(0, "a <title> & \"quotes\"");
+    assert!(check_xml(&svg) > 10);
+    assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+    assert_eq!(svg.matches("class=\"lane\"").count(), 4);
+    let kernels = svg.matches("<rect class=\"kernel ").count();
+    assert_eq!(kernels, t.events.iter().filter(|e| e.step == 0).count());
+    assert!(svg.contains("side &lt;2&gt; &amp; &apos;two&apos;"));
+    // the legend lists every block once (heads share their block's entry)
+    assert!(svg.contains(">x&lt;&amp;&gt;y</text>"));
+    // step 1 has one event per stream used, lanes for all four
+    let svg1 = t.to_svg(1, "step 1");
+    check_xml(&svg1);
+    assert_eq!(svg1.matches("class=\"lane\"").count(), 4);
+    assert_eq!(svg1.matches("<rect class=\"kernel ").count(), 2);
+}
+
+/// Walks the chunks of a PNG, checking every CRC with flate2's CRC32; returns
+/// (width, height, bit depth, colour type, the decompressed image data).
+fn check_png(png: &[u8]) -> (u32, u32, u8, u8, Vec<u8>) {
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let mut at = 8;
+    let mut kinds = Vec::new();
+    let mut ihdr = None;
+    let mut idat = Vec::new();
+    while at < png.len() {
+        let len = u32::from_be_bytes(png[at..at + 4].try_into().unwrap()) as usize;
+        let kind = &png[at + 4..at + 8];
+        let data = &png[at + 8..at + 8 + len];
+        let crc = u32::from_be_bytes(png[at + 8 + len..at + 12 + len].try_into().unwrap());
+        let mut c = flate2::Crc::new();
+        c.update(&png[at + 4..at + 8 + len]);
+        assert_eq!(c.sum(), crc, "CRC of {}", String::from_utf8_lossy(kind));
+        kinds.push(String::from_utf8_lossy(kind).into_owned());
+        match kind {
+            b"IHDR" => ihdr = Some(data.to_vec()),
+            b"IDAT" => idat.extend_from_slice(data),
+            _ => {}
+        }
+        at += 12 + len;
+    }
+    assert_eq!(at, png.len());
+    assert_eq!(kinds.first().map(String::as_str), Some("IHDR"));
+    assert_eq!(kinds.last().map(String::as_str), Some("IEND"));
+    let h = ihdr.unwrap();
+    assert_eq!(h.len(), 13);
+    let w = u32::from_be_bytes(h[0..4].try_into().unwrap());
+    let ht = u32::from_be_bytes(h[4..8].try_into().unwrap());
+    assert_eq!(&h[10..13], &[0, 0, 0]);
+    let mut raw = Vec::new();
+    flate2::read::ZlibDecoder::new(&idat[..])
+        .read_to_end(&mut raw)
+        .expect("IDAT is zlib");
+    (w, ht, h[8], h[9], raw)
+}
+
+#[test]
+fn png_has_a_valid_header_size_and_crcs() {
+    let t = synthetic();
+    for (w, h) in [(640u32, 200u32), (97, 31), (1, 1)] {
+        let png = t.to_png(0, w, h);
+        let (pw, ph, depth, colour, raw) = check_png(&png);
+        assert_eq!((pw, ph, depth, colour), (w, h, 8, 2));
+        let stride = 1 + 3 * w as usize;
+        assert_eq!(raw.len(), stride * h as usize);
+        assert!(raw.chunks(stride).all(|r| r[0] == 0));
+        if w >= 97 {
+            // the picture shows more than the background and lanes
+            let mut colours: Vec<[u8; 3]> = raw
+                .chunks(stride)
+                .flat_map(|r| r[1..].chunks(3).map(|p| [p[0], p[1], p[2]]))
+                .collect();
+            colours.sort_unstable();
+            colours.dedup();
+            assert!(colours.len() >= 6, "{} colours", colours.len());
+        }
+    }
+}
+
+fn predicted(variant: Variant) -> (Trace, usize, Vec<f64>) {
+    let cfg = CtrConfig::small().with_variant(variant);
+    let p = plan_step(
+        &cfg,
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions::default(),
+    )
+    .unwrap();
+    let sim = simulate(
+        &p.program,
+        &SimConfig {
+            device: DeviceModel::h200(),
+            host_per_launch_s: 0.0,
+        },
+    );
+    let t = Trace::from_simulation(&p.program, &sim, &p.model.graph);
+    let kernels = p
+        .program
+        .launches
+        .iter()
+        .filter(|l| l.spec.is_some())
+        .count();
+    assert_eq!(t.events.len(), kernels);
+    assert_eq!(t.stream_names.len(), p.program.streams);
+    (t, p.program.streams, sim.busy_s)
+}
+
+#[test]
+fn predicted_erase_step_overlaps_and_detached_does_not() {
+    let (erase, streams, busy) = predicted(Variant::Erase);
+    assert!(streams > 1);
+    let o = erase.overlap();
+    assert_eq!(o.steps.len(), 1);
+    assert!(o.early_backward_us > 0.0);
+    assert!(o.overlapped_us > 0.0, "{o:?}");
+    assert!(o.overlapped_us <= o.early_backward_us);
+    assert!(o.fraction > 0.0 && o.fraction <= 1.0);
+    // within a stream the simulator runs launches one after another: busy = its sum
+    for (b, s) in o.steps[0].streams.iter().zip(&busy) {
+        assert!(
+            (b.busy_us - s * 1e6).abs() < 1e-6 * (1.0 + b.busy_us),
+            "{b:?} vs {s}"
+        );
+    }
+    check_chrome(&erase);
+    let svg = erase.to_svg(0, "erase");
+    check_xml(&svg);
+    assert_eq!(svg.matches("class=\"lane\"").count(), streams);
+    let (w, h, ..) = check_png(&erase.to_png(0, 800, 240));
+    assert_eq!((w, h), (800, 240));
+
+    let (detached, streams, _) = predicted(Variant::Detached);
+    assert_eq!(streams, 1);
+    let o = detached.overlap();
+    assert_eq!(o.overlapped_us, 0.0);
+    assert_eq!(o.early_backward_us, 0.0);
+    assert_eq!(o.fraction, 0.0);
+    let svg = detached.to_svg(0, "detached");
+    check_xml(&svg);
+    assert_eq!(svg.matches("class=\"lane\"").count(), 1);
+    check_chrome(&detached);
+}
