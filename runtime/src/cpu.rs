@@ -51,20 +51,7 @@ impl<'g> CpuSession<'g> {
 
     /// Sets an input (or overwrites a parameter), checking type and size.
     pub fn feed(&mut self, t: Tensor, b: Buffer) -> Result<(), RuntimeError> {
-        let info = self.graph.info(t);
-        if b.dtype() != info.dtype || b.len() != info.shape.numel() {
-            return Err(RuntimeError::Feed {
-                tensor: info.name.clone(),
-                msg: format!(
-                    "expected {} {} ({} elements), got {} with {} elements",
-                    info.shape,
-                    info.dtype,
-                    info.shape.numel(),
-                    b.dtype(),
-                    b.len()
-                ),
-            });
-        }
+        crate::error::check_feed(self.graph, t, &b)?;
         self.store[t.index()] = Some(b);
         Ok(())
     }

@@ -523,72 +523,22 @@ impl CudaDevice {
         outs: &[(Shape, DType)],
         upd: &mut [(&Shape, &mut Buffer)],
     ) -> Result<Vec<Buffer>, RuntimeError> {
-        let in_shapes: Vec<&Shape> = ins.iter().map(|x| x.0).collect();
-        let in_dtypes: Vec<DType> = ins.iter().map(|x| x.1.dtype()).collect();
-        let out_shapes: Vec<&Shape> = outs.iter().map(|x| &x.0).collect();
-        let out_dtypes: Vec<DType> = outs.iter().map(|x| x.1).collect();
-        let upd_shapes: Vec<&Shape> = upd.iter().map(|x| x.0).collect();
-        let plan = cuda_plan(
-            op,
-            &Operands {
-                ins: &in_shapes,
-                in_dtypes: &in_dtypes,
-                outs: &out_shapes,
-                out_dtypes: &out_dtypes,
-                upd: &upd_shapes,
-            },
-        )
-        .map_err(RuntimeError::Device)?;
-        let upload = |b: &Buffer| -> Result<DeviceBuffer, RuntimeError> {
-            let d = self.alloc(b.bytes().len())?;
-            self.upload(&d, 0, b.bytes())?;
-            Ok(d)
-        };
-        let din: Vec<DeviceBuffer> = ins.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?;
-        let dupd: Vec<DeviceBuffer> = upd.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?;
-        let mut dout = Vec::new();
-        for (s, d) in outs {
-            let b = self.alloc(s.numel() * d.size_bytes())?;
-            self.fill(&b, 0xFF)?;
-            dout.push(b);
-        }
-        let mut dscratch = Vec::new();
-        for &n in &plan.scratch {
-            let b = self.alloc(n)?;
-            self.fill(&b, 0xFF)?;
-            dscratch.push(b);
-        }
+        let upd_in: Vec<(&Shape, &Buffer)> = upd.iter().map(|(s, b)| (*s, &**b)).collect();
+        let node = NodeOnDevice::new(self, op, ins, outs, &upd_in)?;
         let s = self.stream(true)?;
-        let ptr = |a: KArg| -> Option<u64> {
-            match a {
-                KArg::In(i) => din.get(i).map(|b| b.ptr),
-                KArg::Out(i) => dout.get(i).map(|b| b.ptr),
-                KArg::Upd(i) => dupd.get(i).map(|b| b.ptr),
-                KArg::Scratch(i) => dscratch.get(i).map(|b| b.ptr),
-                _ => None,
-            }
-        };
-        for call in &plan.calls {
-            self.launch(call, &s, &ptr)?;
-        }
+        node.launch(self, &s)?;
         s.synchronize()?;
-        let fetch = |b: &DeviceBuffer, dtype: DType| -> Result<Buffer, RuntimeError> {
-            let mut bytes = vec![0u8; b.bytes];
-            self.download(b, 0, &mut bytes)?;
-            Ok(buffer_from_bytes(dtype, &bytes))
-        };
         for (i, (_, b)) in upd.iter_mut().enumerate() {
             let dt = b.dtype();
-            **b = fetch(&dupd[i], dt)?;
+            **b = node.fetch(self, &node.upd[i], dt)?;
         }
-        dout.iter()
+        node.out
+            .iter()
             .zip(outs)
-            .map(|(b, (_, d))| fetch(b, *d))
+            .map(|(b, (_, d))| node.fetch(self, b, *d))
             .collect()
     }
-}
 
-impl CudaDevice {
     /// Times one op on the device: inputs uploaded once, `warmup` untimed runs, then the
     /// median of `iters` runs, each between two events on one stream. Milliseconds.
     pub fn time_node(
@@ -600,55 +550,13 @@ impl CudaDevice {
         warmup: usize,
         iters: usize,
     ) -> Result<f64, RuntimeError> {
-        let in_shapes: Vec<&Shape> = ins.iter().map(|x| x.0).collect();
-        let in_dtypes: Vec<DType> = ins.iter().map(|x| x.1.dtype()).collect();
-        let out_shapes: Vec<&Shape> = outs.iter().map(|x| &x.0).collect();
-        let out_dtypes: Vec<DType> = outs.iter().map(|x| x.1).collect();
-        let upd_shapes: Vec<&Shape> = upd.iter().map(|x| x.0).collect();
-        let plan = cuda_plan(
-            op,
-            &Operands {
-                ins: &in_shapes,
-                in_dtypes: &in_dtypes,
-                outs: &out_shapes,
-                out_dtypes: &out_dtypes,
-                upd: &upd_shapes,
-            },
-        )
-        .map_err(RuntimeError::Device)?;
-        let upload = |b: &Buffer| -> Result<DeviceBuffer, RuntimeError> {
-            let d = self.alloc(b.bytes().len())?;
-            self.upload(&d, 0, b.bytes())?;
-            Ok(d)
-        };
-        let din: Vec<DeviceBuffer> = ins.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?;
-        let dupd: Vec<DeviceBuffer> = upd.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?;
-        let dout: Vec<DeviceBuffer> = outs
-            .iter()
-            .map(|(s, d)| self.alloc(s.numel() * d.size_bytes()))
-            .collect::<Result<_, _>>()?;
-        let dscratch: Vec<DeviceBuffer> = plan
-            .scratch
-            .iter()
-            .map(|&n| self.alloc(n))
-            .collect::<Result<_, _>>()?;
-        let ptr = |a: KArg| -> Option<u64> {
-            match a {
-                KArg::In(i) => din.get(i).map(|b| b.ptr),
-                KArg::Out(i) => dout.get(i).map(|b| b.ptr),
-                KArg::Upd(i) => dupd.get(i).map(|b| b.ptr),
-                KArg::Scratch(i) => dscratch.get(i).map(|b| b.ptr),
-                _ => None,
-            }
-        };
+        let node = NodeOnDevice::new(self, op, ins, outs, upd)?;
         let s = self.stream(true)?;
         let (a, b) = (self.event(true)?, self.event(true)?);
         let mut times = Vec::with_capacity(iters);
         for i in 0..warmup + iters {
             a.record(&s)?;
-            for call in &plan.calls {
-                self.launch(call, &s, &ptr)?;
-            }
+            node.launch(self, &s)?;
             b.record(&s)?;
             b.synchronize()?;
             if i >= warmup {
@@ -657,6 +565,91 @@ impl CudaDevice {
         }
         times.sort_by(f64::total_cmp);
         Ok(times.get(times.len() / 2).copied().unwrap_or(f64::NAN))
+    }
+}
+
+/// One op's plan with its operands in device memory (inputs uploaded; outputs and
+/// scratch poisoned with NaN so an unwritten element shows).
+struct NodeOnDevice {
+    plan: erase_ops::cuda::CudaPlan,
+    ins: Vec<DeviceBuffer>,
+    out: Vec<DeviceBuffer>,
+    upd: Vec<DeviceBuffer>,
+    scratch: Vec<DeviceBuffer>,
+}
+
+impl NodeOnDevice {
+    fn new(
+        dev: &CudaDevice,
+        op: &Op,
+        ins: &[(&Shape, &Buffer)],
+        outs: &[(Shape, DType)],
+        upd: &[(&Shape, &Buffer)],
+    ) -> Result<Self, RuntimeError> {
+        let in_shapes: Vec<&Shape> = ins.iter().map(|x| x.0).collect();
+        let in_dtypes: Vec<DType> = ins.iter().map(|x| x.1.dtype()).collect();
+        let out_shapes: Vec<&Shape> = outs.iter().map(|x| &x.0).collect();
+        let out_dtypes: Vec<DType> = outs.iter().map(|x| x.1).collect();
+        let upd_shapes: Vec<&Shape> = upd.iter().map(|x| x.0).collect();
+        let operands = Operands {
+            ins: &in_shapes,
+            in_dtypes: &in_dtypes,
+            outs: &out_shapes,
+            out_dtypes: &out_dtypes,
+            upd: &upd_shapes,
+        };
+        let plan = cuda_plan(op, &operands).map_err(RuntimeError::Device)?;
+        let upload = |b: &Buffer| -> Result<DeviceBuffer, RuntimeError> {
+            let d = dev.alloc(b.bytes().len())?;
+            dev.upload(&d, 0, b.bytes())?;
+            Ok(d)
+        };
+        let poisoned = |n: usize| -> Result<DeviceBuffer, RuntimeError> {
+            let d = dev.alloc(n)?;
+            dev.fill(&d, 0xFF)?;
+            Ok(d)
+        };
+        Ok(NodeOnDevice {
+            ins: ins.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?,
+            upd: upd.iter().map(|x| upload(x.1)).collect::<Result<_, _>>()?,
+            out: outs
+                .iter()
+                .map(|(s, d)| poisoned(s.numel() * d.size_bytes()))
+                .collect::<Result<_, _>>()?,
+            scratch: plan
+                .scratch
+                .iter()
+                .map(|&n| poisoned(n))
+                .collect::<Result<_, _>>()?,
+            plan,
+        })
+    }
+
+    fn launch(&self, dev: &CudaDevice, s: &Stream) -> Result<(), RuntimeError> {
+        let ptr = |a: KArg| -> Option<u64> {
+            match a {
+                KArg::In(i) => self.ins.get(i).map(|b| b.ptr),
+                KArg::Out(i) => self.out.get(i).map(|b| b.ptr),
+                KArg::Upd(i) => self.upd.get(i).map(|b| b.ptr),
+                KArg::Scratch(i) => self.scratch.get(i).map(|b| b.ptr),
+                _ => None,
+            }
+        };
+        for call in &self.plan.calls {
+            dev.launch(call, s, &ptr)?;
+        }
+        Ok(())
+    }
+
+    fn fetch(
+        &self,
+        dev: &CudaDevice,
+        b: &DeviceBuffer,
+        dtype: DType,
+    ) -> Result<Buffer, RuntimeError> {
+        let mut bytes = vec![0u8; b.bytes];
+        dev.download(b, 0, &mut bytes)?;
+        Ok(buffer_from_bytes(dtype, &bytes))
     }
 }
 

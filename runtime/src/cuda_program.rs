@@ -170,19 +170,8 @@ impl<'a> CudaProgram<'a> {
 
     /// Copies an input (or a parameter) to the device.
     pub fn feed(&mut self, t: Tensor, b: &Buffer) -> Result<(), RuntimeError> {
+        crate::error::check_feed(self.g, t, b)?;
         let info = self.g.info(t);
-        if b.dtype() != info.dtype || b.len() != info.shape.numel() {
-            return Err(RuntimeError::Feed {
-                tensor: info.name.clone(),
-                msg: format!(
-                    "expected {} {}, got {} elements of {}",
-                    info.shape,
-                    info.dtype,
-                    b.len(),
-                    b.dtype()
-                ),
-            });
-        }
         let dst = self.leaves.get(&t).ok_or_else(|| RuntimeError::Feed {
             tensor: info.name.clone(),
             msg: "only leaves (inputs, parameters) can be fed".into(),

@@ -12,3 +12,26 @@ pub enum RuntimeError {
     #[error("device: {0}")]
     Device(String),
 }
+
+/// Checks that `b` fits tensor `t` of `g` (element type and count), naming the tensor.
+pub(crate) fn check_feed(
+    g: &erase_graph::Graph,
+    t: erase_graph::Tensor,
+    b: &erase_ops::Buffer,
+) -> Result<(), RuntimeError> {
+    let info = g.info(t);
+    if b.dtype() != info.dtype || b.len() != info.shape.numel() {
+        return Err(RuntimeError::Feed {
+            tensor: info.name.clone(),
+            msg: format!(
+                "expected {} {} ({} elements), got {} elements of {}",
+                info.shape,
+                info.dtype,
+                info.shape.numel(),
+                b.len(),
+                b.dtype()
+            ),
+        });
+    }
+    Ok(())
+}

@@ -50,19 +50,7 @@ impl<'a> ProgramRunner<'a> {
 
     /// Sets an input (or overwrites a parameter).
     pub fn feed(&mut self, t: Tensor, b: Buffer) -> Result<(), RuntimeError> {
-        let info = self.g.info(t);
-        if b.dtype() != info.dtype || b.len() != info.shape.numel() {
-            return Err(RuntimeError::Feed {
-                tensor: info.name.clone(),
-                msg: format!(
-                    "expected {} {}, got {} elements of {}",
-                    info.shape,
-                    info.dtype,
-                    b.len(),
-                    b.dtype()
-                ),
-            });
-        }
+        crate::error::check_feed(self.g, t, &b)?;
         self.store[t.index()] = Some(b);
         Ok(())
     }
