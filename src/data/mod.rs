@@ -1,3 +1,4 @@
+pub mod mnist;
 pub mod synthetic;
 pub mod table;
 

@@ -1,3 +1,5 @@
 //! Models built on the graph DSL.
 
 pub mod ctr;
+pub mod mlp30;
+pub mod nanochat;
