@@ -138,12 +138,12 @@ pub fn save(
 }
 
 /// Reads a checkpoint into `store`. Refuses a truncated or foreign file, a missing or
-/// misshapen tensor, and a configuration other than `expect_config`.
+/// misshapen tensor, and (when given) a configuration other than `expect_config`.
 pub fn load(
     path: &Path,
     g: &Graph,
     store: &mut dyn TensorStore,
-    expect_config: &str,
+    expect_config: Option<&str>,
 ) -> Result<CheckpointState> {
     let bytes =
         std::fs::read(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
@@ -175,9 +175,9 @@ pub fn load(
         );
     }
     let config = v["config"].as_str().unwrap_or_default().to_string();
-    if config != expect_config {
+    if let Some(expect) = expect_config.filter(|e| *e != config) {
         bail!(
-            "{} was written with another configuration:\n  checkpoint: {config}\n  now:        {expect_config}",
+            "{} was written with another configuration:\n  checkpoint: {config}\n  now:        {expect}",
             path.display()
         );
     }

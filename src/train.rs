@@ -572,10 +572,21 @@ impl<'a> Session<'a> {
     }
 
     pub fn resume(&mut self, path: &std::path::Path, identity: &str) -> Result<()> {
-        let st =
-            crate::checkpoint::load(path, &self.plan.model.graph, self.exec.as_mut(), identity)?;
+        let st = crate::checkpoint::load(
+            path,
+            &self.plan.model.graph,
+            self.exec.as_mut(),
+            Some(identity),
+        )?;
         self.step = st.step as usize;
         Ok(())
+    }
+
+    /// Loads a checkpoint's tensors for evaluation: shapes must fit, the training
+    /// configuration may differ. Returns the step it was written at.
+    pub fn load_weights(&mut self, path: &std::path::Path) -> Result<u64> {
+        let st = crate::checkpoint::load(path, &self.plan.model.graph, self.exec.as_mut(), None)?;
+        Ok(st.step)
     }
 }
 

@@ -138,3 +138,37 @@ fn a_non_finite_loss_stops_training_naming_step_and_block() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn evaluating_a_checkpoint_gives_the_training_runs_final_metrics() {
+    use erase::graph::DType;
+    use erase::train::{plan_step, Data, Session};
+    let d = tmpdir("eval");
+    let c = cfg(3, &d, "e.safetensors");
+    let report = train(&c, &mut Quiet).unwrap();
+    let last = *report.evals.last().unwrap();
+    let plan = plan_step(&c.model, DType::F32, &c.optimizer, &c.schedule).unwrap();
+    // another seed: the weights must come from the checkpoint, not the initialisation
+    let mut s = Session::new(&plan, None, 99, c.data_seed, 2).unwrap();
+    let before = s.evaluate(c.eval_examples).unwrap();
+    assert_eq!(s.load_weights(&d.join("e.safetensors")).unwrap(), 3);
+    let after = s.evaluate(c.eval_examples).unwrap();
+    assert_eq!((after.ne, after.auc), (last.ne, last.auc));
+    assert_ne!(before.ne, after.ne);
+    // a checkpoint of another model size is refused, naming the tensor
+    let mut other = c.model.clone();
+    other.dim = 8;
+    let plan2 = plan_step(&other, DType::F32, &c.optimizer, &c.schedule).unwrap();
+    let mut s2 =
+        Session::with_dispatch(&plan2, None, Default::default(), &Data::Synthetic, 0, 1, 2)
+            .unwrap();
+    let e = format!(
+        "{:#}",
+        s2.load_weights(&d.join("e.safetensors")).unwrap_err()
+    );
+    assert!(
+        e.contains("tensor '") && e.contains("the model needs"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

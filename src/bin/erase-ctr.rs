@@ -37,6 +37,8 @@ struct Cli {
 enum Cmd {
     /// Train on synthetic data and report loss, NE, AUC and examples per second.
     Train(TrainArgs),
+    /// Evaluate a checkpoint: NE and AUC of its main logit on held-out data.
+    Eval(EvalArgs),
     /// Run baseline, detached and erase side by side (interleaved) and print QPS
     /// p50/p90, the gain over baseline, NE, AUC and the NE gap.
     Bench(BenchArgs),
@@ -222,6 +224,39 @@ struct TrainArgs {
 }
 
 #[derive(Args)]
+struct EvalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The checkpoint to evaluate (written by `train --checkpoint`).
+    #[arg(long, value_name = "FILE")]
+    checkpoint: std::path::PathBuf,
+    /// The variant the checkpoint was trained as (its tensors must fit).
+    #[arg(long, value_enum, default_value = "erase")]
+    variant: VariantArg,
+    /// Held-out data, as for train (for synthetic: stream 2 of --data-seed).
+    #[arg(long, default_value = "synthetic")]
+    data: String,
+    /// Seed of the synthetic data.
+    #[arg(long, default_value_t = 0)]
+    data_seed: u64,
+    /// Stop at the first malformed line.
+    #[arg(long)]
+    strict: bool,
+    /// Keep a binary cache of parsed data here.
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<std::path::PathBuf>,
+    /// Held-out examples to evaluate (rounded down to whole batches).
+    #[arg(long, default_value_t = 20_000)]
+    eval_examples: usize,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Args)]
 struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -274,9 +309,16 @@ struct PlanArgs {
     kernels: Option<usize>,
 }
 
-fn run_train(a: &TrainArgs) -> Result<()> {
-    let dev = open(a.device)?;
-    let schema = match &a.model.config {
+/// The model sized for the data, and the data: synthetic, or loaded (with a held-out
+/// part) from `--data criteo:PATH | tsv:PATH`.
+fn model_and_data(
+    m: &ModelArgs,
+    variant: Variant,
+    data: &str,
+    strict: bool,
+    cache_dir: Option<&std::path::Path>,
+) -> Result<(CtrConfig, erase::train::Data)> {
+    let schema = match &m.config {
         Some(p) => {
             let text =
                 std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?;
@@ -293,56 +335,98 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         }
         None => None,
     };
-    let source = erase::data::parse_data_arg(&a.data, schema.as_ref()).context("--data")?;
+    let source = erase::data::parse_data_arg(data, schema.as_ref()).context("--data")?;
+    let mut model = m.config(variant)?;
+    let Some(src) = source else {
+        return Ok((model, erase::train::Data::Synthetic));
+    };
+    let opts = erase::data::LoadOptions {
+        strict,
+        cache_dir: cache_dir.map(|p| p.to_path_buf()),
+    };
+    let t0 = std::time::Instant::now();
+    let (train, eval, report) = erase::data::load(&src, &opts)?;
+    eprintln!("{report}");
+    eprintln!(
+        "loaded {} training examples in {:.1} s",
+        train.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    let (train, eval) = match eval {
+        Some(e) => (std::sync::Arc::new(train), std::sync::Arc::new(e)),
+        None => {
+            // no split in the source: hold out the last tenth
+            let (tr, ev) = train
+                .split_tail(0.1)
+                .context("holding out a tenth for evaluation")?;
+            (std::sync::Arc::new(tr), std::sync::Arc::new(ev))
+        }
+    };
+    model.num_dense = train.num_dense;
+    model.num_sparse = train.num_sparse;
+    model.hot = 1;
+    model.validate().context("the model for this data")?;
+    eprintln!(
+        "data: {} train / {} held-out examples, {} dense and {} categorical fields, {:.2} % positive",
+        train.len(),
+        eval.len(),
+        train.num_dense,
+        train.num_sparse,
+        100.0 * train.positive_rate()
+    );
+    Ok((
+        model,
+        erase::train::Data::Table {
+            train,
+            eval,
+            source: data.to_string(),
+        },
+    ))
+}
+
+fn run_eval(a: &EvalArgs) -> Result<()> {
+    let dev = open(a.device)?;
+    let variant = Variant::from(a.variant);
+    let (model, data) =
+        model_and_data(&a.model, variant, &a.data, a.strict, a.cache_dir.as_deref())?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let plan = plan_step(
+        &model,
+        erase::graph::DType::F32,
+        &OptimizerConfig::default(),
+        &a.model.schedule(),
+    )?;
+    let mut s = erase::train::Session::with_dispatch(
+        &plan,
+        dev.as_ref(),
+        Dispatch::Blocking,
+        &data,
+        0,
+        a.data_seed,
+        threads,
+    )?;
+    let step = s.load_weights(&a.checkpoint)?;
+    let e = s.evaluate(a.eval_examples.max(model.batch))?;
+    println!(
+        "{}: step {step}, NE {:.4}, AUC {:.4} on {} held-out examples",
+        a.checkpoint.display(),
+        e.ne,
+        e.auc,
+        e.examples
+    );
+    Ok(())
+}
+
+fn run_train(a: &TrainArgs) -> Result<()> {
+    let dev = open(a.device)?;
     if a.steps == 0 {
         bail!("--steps must be at least 1");
     }
     let variant = Variant::from(a.variant);
-    let mut model = a.model.config(variant)?;
-    let data = match source {
-        None => erase::train::Data::Synthetic,
-        Some(src) => {
-            let opts = erase::data::LoadOptions {
-                strict: a.strict,
-                cache_dir: a.cache_dir.clone(),
-            };
-            let t0 = std::time::Instant::now();
-            let (train, eval, report) = erase::data::load(&src, &opts)?;
-            eprintln!("{report}");
-            eprintln!(
-                "loaded {} training examples in {:.1} s",
-                train.len(),
-                t0.elapsed().as_secs_f64()
-            );
-            let (train, eval) = match eval {
-                Some(e) => (std::sync::Arc::new(train), std::sync::Arc::new(e)),
-                None => {
-                    // no split in the source: hold out the last tenth
-                    let (tr, ev) = train
-                        .split_tail(0.1)
-                        .context("holding out a tenth for evaluation")?;
-                    (std::sync::Arc::new(tr), std::sync::Arc::new(ev))
-                }
-            };
-            model.num_dense = train.num_dense;
-            model.num_sparse = train.num_sparse;
-            model.hot = 1;
-            model.validate().context("the model for this data")?;
-            eprintln!(
-                "data: {} train / {} held-out examples, {} dense and {} categorical fields, {:.2} % positive",
-                train.len(),
-                eval.len(),
-                train.num_dense,
-                train.num_sparse,
-                100.0 * train.positive_rate()
-            );
-            erase::train::Data::Table {
-                train,
-                eval,
-                source: a.data.clone(),
-            }
-        }
-    };
+    let (model, data) =
+        model_and_data(&a.model, variant, &a.data, a.strict, a.cache_dir.as_deref())?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -750,6 +834,7 @@ fn main() -> ExitCode {
         Cmd::Train(a) => run_train(a),
         Cmd::Plan(a) => run_plan(a),
         Cmd::Bench(a) => run_bench(a),
+        Cmd::Eval(a) => run_eval(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
