@@ -57,6 +57,18 @@ impl DeviceModel {
         }
     }
 
+    /// An H200 with the rates Erase's own kernels reached on it (2026-11-29, BENCHMARKS.md):
+    /// the bf16 GEMM at 125 TFLOP/s (4096³), elementwise kernels at 3.2 TB/s. This is
+    /// what the simulator should predict with until the kernels reach the peaks.
+    pub fn h200_measured() -> Self {
+        DeviceModel {
+            name: "NVIDIA H200 (Erase's measured kernel rates)",
+            tensor_flops: 125e12,
+            mem_bw: 3.2e12,
+            ..Self::h200()
+        }
+    }
+
     /// The CPU backend: one "SM" that nothing fills; streams are not concurrent.
     pub fn cpu() -> Self {
         DeviceModel {

@@ -84,6 +84,12 @@ impl From<DispatchArg> for Dispatch {
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Rates {
+    Measured,
+    Peak,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
 enum OnOff {
     On,
     Off,
@@ -290,6 +296,11 @@ struct BenchArgs {
 struct PlanArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// The rates the simulator predicts with: `measured`, what Erase's kernels reached on
+    /// an H200 (GEMM 125 TFLOP/s, memory 3.2 TB/s), or `peak`, what cuBLAS and a copy reach
+    /// (736 TFLOP/s, 4.22 TB/s).
+    #[arg(long, value_enum, default_value = "measured")]
+    rates: Rates,
     /// The variant whose program is printed (the predicted times cover all three).
     #[arg(long, value_enum, default_value = "erase")]
     variant: VariantArg,
@@ -559,7 +570,10 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
 fn run_plan(a: &PlanArgs) -> Result<()> {
     let sched = a.model.schedule();
     let sim = SimConfig {
-        device: sched.device.clone(),
+        device: match a.rates {
+            Rates::Measured => DeviceModel::h200_measured(),
+            Rates::Peak => sched.device.clone(),
+        },
         host_per_launch_s: 0.0,
     };
     let shown = Variant::from(a.variant);
@@ -704,7 +718,7 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
     }
     println!(
         "predicted step time on {} (simulator, graph dispatch):",
-        sched.device.name
+        sim.device.name
     );
     let base = rows[0].1;
     for (v, t, mem, busy) in &rows {
