@@ -525,6 +525,31 @@ impl StepProgram {
         out
     }
 
+    /// Each stream's work as runs of consecutive launches of one block and phase, e.g.
+    /// `side1: bwd:bottom x16, bwd:deep x18`.
+    pub fn render_streams(&self) -> String {
+        let mut s = String::new();
+        for sid in 0..self.streams {
+            let sid = StreamId(sid as u16);
+            let mut runs: Vec<(String, usize)> = Vec::new();
+            for i in self.on_stream(sid) {
+                let l = &self.launches[i];
+                let key = if l.label.phase == "optim" {
+                    "optim".to_string()
+                } else {
+                    format!("{}:{}", l.label.phase, l.label.block)
+                };
+                match runs.last_mut() {
+                    Some((k, n)) if *k == key => *n += 1,
+                    _ => runs.push((key, 1)),
+                }
+            }
+            let parts: Vec<String> = runs.iter().map(|(k, n)| format!("{k} x{n}")).collect();
+            let _ = writeln!(s, "  {sid}: {}", parts.join(", "));
+        }
+        s
+    }
+
     /// The program as text, in issue order: each launch with its stream, the events it
     /// waits for (and why) and the event it records.
     pub fn render(&self, g: &Graph) -> String {

@@ -607,6 +607,8 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
                     after
                 );
             }
+            println!("streams (runs of launches in issue order):");
+            print!("{}", p.program.render_streams());
             if a.full {
                 print!("{}", p.program.render(g));
             } else {
