@@ -11,7 +11,7 @@ if [ -x "$nvcc" ] && "$nvcc" --version | grep -q "release 13.0"; then
   exit 0
 fi
 command -v g++ >/dev/null || { echo "install-nvcc: nvcc needs a host C++ compiler (g++); install it first" >&2; exit 1; }
-python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$dest" \
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$dest" \
   nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
   nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
 "$nvcc" --version | tail -2
