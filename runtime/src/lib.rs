@@ -1,5 +1,6 @@
 //! `erase-runtime`: devices and the execution of training steps.
 
+pub mod collective;
 pub mod cpu;
 pub mod cuda;
 pub mod cuda_program;
