@@ -11,6 +11,7 @@ pub use erase_runtime as runtime;
 pub mod bench;
 pub mod checkpoint;
 pub mod data;
+pub mod distributed;
 pub mod gpu;
 pub mod kernels;
 pub mod metrics;

@@ -55,6 +55,20 @@ impl<'a> ProgramRunner<'a> {
         Ok(())
     }
 
+    /// Overwrites a tensor's current value: a leaf, or an arena tensor's bytes (e.g. a
+    /// gradient replaced by its all-reduced value before the optimizer runs).
+    pub fn write(&mut self, t: Tensor, b: &Buffer) -> Result<(), RuntimeError> {
+        crate::error::check_feed(self.g, t, b)?;
+        match self.plan.get(alias_root(self.g, &self.arena_set, t)) {
+            Some(pl) => {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.arena);
+                bytes[pl.offset..pl.offset + b.bytes().len()].copy_from_slice(b.bytes());
+            }
+            None => self.store[t.index()] = Some(b.clone()),
+        }
+        Ok(())
+    }
+
     /// The value of a tensor now: a leaf, or an arena tensor's current bytes.
     pub fn get(&self, t: Tensor) -> Option<Buffer> {
         if let Some(pl) = self.plan.get(t) {

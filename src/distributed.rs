@@ -1,0 +1,256 @@
+//! Data parallelism with the CPU collective backend: each rank (a thread) trains a replica
+//! on its shard of every global batch (rank `k` of `n` takes examples `i` with
+//! `i mod n = k`), the dense gradients are all-reduced one bucket per backward program
+//! (in program order, so every rank issues the same collectives in the same order), the
+//! embedding tables' sparse gradients are all-gathered at a fixed shape, and every rank
+//! applies the same updates: replicas stay bit-identical. The CUDA/NCCL path will follow
+//! the same plan.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
+use crate::train::{plan_step, StepPlan, TrainConfig};
+use erase_graph::{DType, Grad, Op, Phase, Tensor};
+use erase_ops::{Buffer, NodeCall};
+use erase_runtime::collective::{cpu_group, Collective, CollectiveRecord, CpuCollective};
+use erase_runtime::program::ProgramRunner;
+
+/// What one rank ends with.
+#[derive(Debug, Clone)]
+pub struct RankResult {
+    pub rank: usize,
+    /// Every persistent tensor's bytes (parameters and optimizer state), in tensor order.
+    pub state: Vec<u8>,
+    /// The main loss of the rank's shard, per step.
+    pub losses: Vec<f64>,
+    /// Every collective the rank issued.
+    pub log: Vec<CollectiveRecord>,
+}
+
+/// A rank that fails on purpose at a step (to test that the others stop).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FailAt {
+    pub rank: usize,
+    pub step: usize,
+}
+
+/// Trains `cfg` (its `model.batch` is the global batch) on `world` CPU ranks with
+/// synthetic data. Returns each rank's result or its error.
+pub fn train_data_parallel_cpu(
+    cfg: &TrainConfig,
+    world: usize,
+    timeout: Duration,
+    fail: Option<FailAt>,
+) -> Result<Vec<Result<RankResult>>> {
+    if world == 0 || !cfg.model.batch.is_multiple_of(world) {
+        bail!(
+            "the global batch {} must split evenly over {world} ranks",
+            cfg.model.batch
+        );
+    }
+    let mut local = cfg.model.clone();
+    local.batch = cfg.model.batch / world;
+    let comms = cpu_group(world, timeout);
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let local = local.clone();
+                s.spawn(move || run_rank(cfg, &local, world, rank, comm, fail))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("rank {rank} panicked")))
+            })
+            .collect()
+    });
+    Ok(results)
+}
+
+/// The dense gradients of each backward program, in program order: one bucket each.
+fn buckets(plan: &StepPlan) -> Vec<(String, Vec<Tensor>)> {
+    let mut by_program: BTreeMap<usize, Vec<Tensor>> = BTreeMap::new();
+    for (p, grad) in &plan.training.grads.by_param {
+        if let (Grad::Dense(t), Some(&prog)) = (grad, plan.partition.grad_complete.get(p)) {
+            by_program.entry(prog).or_default().push(*t);
+        }
+    }
+    by_program
+        .into_iter()
+        .map(|(i, ts)| (plan.partition.programs[i].name.clone(), ts))
+        .collect()
+}
+
+fn run_rank(
+    cfg: &TrainConfig,
+    local: &crate::model::ctr::CtrConfig,
+    world: usize,
+    rank: usize,
+    mut comm: CpuCollective,
+    fail: Option<FailAt>,
+) -> Result<RankResult> {
+    let plan = plan_step(local, DType::F32, &cfg.optimizer, &cfg.schedule)?;
+    let m = &plan.model;
+    let g = &m.graph;
+    let mut runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
+    let gen = SyntheticCtr::try_new(SyntheticConfig {
+        seed: cfg.data_seed,
+        rows: local.rows,
+        hot: local.hot,
+    })
+    .map_err(|e| anyhow!("synthetic data: {e}"))?;
+    // launches before the optimizer, and the dense optimizer's (row-wise Adagrad is
+    // applied below, on the gathered sparse gradients)
+    let mut before = Vec::new();
+    let mut dense_opt = Vec::new();
+    let mut sparse_opt = Vec::new();
+    for (i, l) in plan.program.launches.iter().enumerate() {
+        let n = g.node(l.node);
+        match (&n.op, n.phase) {
+            (Op::RowwiseAdagrad { .. }, _) => sparse_opt.push(l.node),
+            (_, Phase::Optimizer) => dense_opt.push(i),
+            _ => before.push(i),
+        }
+    }
+    let buckets = buckets(&plan);
+    let global = cfg.model.batch;
+    let b = local.batch;
+    let (nd, ns) = (local.num_dense, local.num_sparse * local.hot);
+    let mut gd = vec![0f32; global * nd];
+    let mut gr = vec![0u32; global * ns];
+    let mut gy = vec![0f32; global];
+    let (mut d, mut r, mut y) = (vec![0f32; b * nd], vec![0u32; b * ns], vec![0f32; b]);
+    let scale = 1.0 / world as f32;
+    let mut losses = Vec::with_capacity(cfg.steps);
+    for step in 0..cfg.steps {
+        if fail.is_some_and(|f| f.rank == rank && f.step == step) {
+            bail!("rank {rank} failed on purpose at step {step}");
+        }
+        // this rank's shard of the global batch
+        gen.fill_batch(1, (step * global) as u64, global, &mut gd, &mut gr, &mut gy);
+        for (j, i) in (rank..global).step_by(world).enumerate() {
+            d[j * nd..(j + 1) * nd].copy_from_slice(&gd[i * nd..(i + 1) * nd]);
+            r[j * ns..(j + 1) * ns].copy_from_slice(&gr[i * ns..(i + 1) * ns]);
+            y[j] = gy[i];
+        }
+        let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y)?;
+        runner.feed(m.inputs.dense, bd)?;
+        runner.feed(m.inputs.ids, bi)?;
+        runner.feed(m.inputs.offsets, bo)?;
+        runner.feed(m.inputs.label, bl)?;
+        runner
+            .run_order(&before)
+            .with_context(|| format!("rank {rank}, step {step}"))?;
+        losses.push(
+            runner
+                .get(m.main_loss)
+                .and_then(|x| x.to_f64().first().copied())
+                .unwrap_or(f64::NAN),
+        );
+
+        // dense gradients: the mean over ranks, one all-reduce per backward program
+        for (name, grads) in &buckets {
+            let mut flat: Vec<f32> = Vec::new();
+            for &t in grads {
+                let v = runner
+                    .get(t)
+                    .ok_or_else(|| anyhow!("gradient '{}' has no value", g.name(t)))?;
+                flat.extend(
+                    v.as_f32()
+                        .ok_or_else(|| anyhow!("gradient '{}' is not f32", g.name(t)))?,
+                );
+            }
+            comm.all_reduce_sum(name, &mut flat)?;
+            let mut at = 0;
+            for &t in grads {
+                let n = g.shape(t).numel();
+                let mean: Vec<f32> = flat[at..at + n].iter().map(|v| v * scale).collect();
+                runner.write(t, &Buffer::F32(mean))?;
+                at += n;
+            }
+        }
+        // sparse gradients: every rank gathers every rank's (ids, offsets, pooled
+        // gradient) and applies the same row-wise Adagrad to the same rows
+        for &node in &sparse_opt {
+            let n = g.node(node);
+            let (ids, offsets, dpooled) = (n.inputs[0], n.inputs[1], n.inputs[2]);
+            let get = |t: Tensor| {
+                runner
+                    .get(t)
+                    .ok_or_else(|| anyhow!("'{}' has no value", g.name(t)))
+            };
+            let (ids_v, off_v, dp_v) = (get(ids)?, get(offsets)?, get(dpooled)?);
+            let all_ids = comm.all_gather(&format!("{}.ids", n.name), ids_v.bytes())?;
+            let all_off = comm.all_gather(&format!("{}.offsets", n.name), off_v.bytes())?;
+            let all_dp = comm.all_gather(&format!("{}.grad", n.name), dp_v.bytes())?;
+            let (mut gids, mut goff, mut gdp) = (Vec::<i32>::new(), vec![0i32], Vec::<f32>::new());
+            for k in 0..world {
+                let base = gids.len() as i32;
+                gids.extend(bytemuck_vec::<i32>(&all_ids[k]));
+                goff.extend(
+                    bytemuck_vec::<i32>(&all_off[k])
+                        .into_iter()
+                        .skip(1)
+                        .map(|o| o + base),
+                );
+                gdp.extend(
+                    bytemuck_vec::<f32>(&all_dp[k])
+                        .into_iter()
+                        .map(|v| v * scale),
+                );
+            }
+            let dp_shape = g.shape(dpooled).dims();
+            let global_dp =
+                erase_graph::Shape::new(&[dp_shape[0] * world, dp_shape[1], dp_shape[2]]);
+            let (ids_s, off_s) = (
+                erase_graph::Shape::new(&[gids.len()]),
+                erase_graph::Shape::new(&[goff.len()]),
+            );
+            let mut upd: Vec<Buffer> = n.updates.iter().map(|&t| get(t)).collect::<Result<_>>()?;
+            let call = NodeCall {
+                op: &n.op,
+                name: &n.name,
+                in_shapes: vec![&ids_s, &off_s, &global_dp],
+                out_shapes: Vec::new(),
+                bf16_gemm: false,
+            };
+            let ins = [Buffer::I32(gids), Buffer::I32(goff), Buffer::F32(gdp)];
+            let refs: Vec<&Buffer> = ins.iter().collect();
+            erase_ops::execute(&call, &refs, &mut [], &mut upd)?;
+            for (&t, v) in n.updates.iter().zip(upd) {
+                runner.feed(t, v)?;
+            }
+        }
+        runner
+            .run_order(&dense_opt)
+            .with_context(|| format!("rank {rank}, step {step}: optimizer"))?;
+    }
+    comm.barrier("end of training")?;
+    let mut state = Vec::new();
+    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
+        state.extend_from_slice(
+            runner
+                .get(t)
+                .ok_or_else(|| anyhow!("'{}' has no value", g.name(t)))?
+                .bytes(),
+        );
+    }
+    Ok(RankResult {
+        rank,
+        state,
+        losses,
+        log: comm.log().to_vec(),
+    })
+}
+
+fn bytemuck_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+    bytemuck::pod_collect_to_vec(bytes)
+}

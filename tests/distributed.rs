@@ -1,0 +1,104 @@
+//! Data parallelism on CPU ranks: replicas stay bit-identical, every rank issues the same
+//! collectives in the same order, one rank is the same as plain training, and a rank
+//! that dies takes the others down with an error instead of a hang.
+
+use std::time::{Duration, Instant};
+
+use erase::distributed::{train_data_parallel_cpu, FailAt};
+use erase::graph::OptimizerConfig;
+use erase::model::ctr::CtrConfig;
+use erase::train::{plan_step, ScheduleOptions, Session, TrainConfig};
+
+fn cfg(steps: usize) -> TrainConfig {
+    let mut model = CtrConfig::small();
+    model.batch = 64;
+    model.rows = 100;
+    TrainConfig {
+        model,
+        steps,
+        seed: 7,
+        data_seed: 3,
+        eval_every: 0,
+        eval_examples: 64,
+        threads: 1,
+        schedule: ScheduleOptions::default(),
+        optimizer: OptimizerConfig::default(),
+        warmup: 0,
+        checkpoint: None,
+        checkpoint_every: 0,
+        resume: None,
+        dispatch: Default::default(),
+        data: Default::default(),
+    }
+}
+
+#[test]
+fn replicas_stay_bit_identical_on_2_and_4_ranks() {
+    for world in [2, 4] {
+        let results =
+            train_data_parallel_cpu(&cfg(20), world, Duration::from_secs(60), None).unwrap();
+        let ok: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+        assert_eq!(ok.len(), world);
+        for r in &ok[1..] {
+            assert!(
+                r.state == ok[0].state,
+                "{world} ranks: rank {} differs from rank 0 after 20 steps",
+                r.rank
+            );
+            assert_eq!(
+                r.log, ok[0].log,
+                "{world} ranks: rank {} issued other collectives",
+                r.rank
+            );
+        }
+        // one bucket per backward program and three gathers for the table, every step
+        let per_step = ok[0].log.len().saturating_sub(1) / 20;
+        assert!(per_step >= 7 + 3, "{per_step} collectives a step");
+        // shards differ, so the ranks' losses differ while their parameters agree
+        assert_ne!(ok[0].losses, ok[1].losses);
+        assert!(ok.iter().all(|r| r.losses.iter().all(|l| l.is_finite())));
+    }
+}
+
+#[test]
+fn one_rank_is_plain_training() {
+    let c = cfg(5);
+    let ranks = train_data_parallel_cpu(&c, 1, Duration::from_secs(60), None).unwrap();
+    let dp = ranks.into_iter().next().unwrap().unwrap();
+    let plan = plan_step(
+        &c.model,
+        erase::graph::DType::F32,
+        &c.optimizer,
+        &c.schedule,
+    )
+    .unwrap();
+    let mut s = Session::new(&plan, None, c.seed, c.data_seed, 1).unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..5 {
+        losses.push(s.train_step().unwrap().0);
+    }
+    assert_eq!(
+        dp.losses, losses,
+        "one data-parallel rank must train exactly as one process"
+    );
+}
+
+#[test]
+fn a_dying_rank_stops_the_others_within_the_timeout() {
+    let timeout = Duration::from_secs(3);
+    let t0 = Instant::now();
+    let results =
+        train_data_parallel_cpu(&cfg(10), 2, timeout, Some(FailAt { rank: 1, step: 3 })).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
+    );
+    let e1 = format!("{:#}", results[1].as_ref().unwrap_err());
+    assert!(e1.contains("rank 1 failed on purpose at step 3"), "{e1}");
+    let e0 = format!("{:#}", results[0].as_ref().unwrap_err());
+    assert!(
+        e0.contains("rank 0") && (e0.contains("abort") || e0.contains("dropped")),
+        "{e0}"
+    );
+}
