@@ -143,3 +143,153 @@ pub fn simulate(p: &StepProgram, cfg: &SimConfig) -> SimResult {
         busy_s,
     }
 }
+
+/// How ranks talk: NCCL's ring collectives over a link of `bus_bw` bytes/s with `latency_s`
+/// per ring hop. For the H200's NVLink a ring all-reduce reaches a bus bandwidth of about
+/// 400 GB/s (an assumption until measured on the machine).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkModel {
+    pub bus_bw: f64,
+    pub latency_s: f64,
+}
+
+impl LinkModel {
+    pub fn nvlink_h200() -> Self {
+        LinkModel {
+            bus_bw: 400e9,
+            latency_s: 8e-6,
+        }
+    }
+
+    /// Ring all-reduce of `bytes` over `n` ranks: 2(n-1)/n of the data crosses each link.
+    pub fn all_reduce_s(&self, bytes: f64, n: usize) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let n = n as f64;
+        2.0 * (n - 1.0) / n * bytes / self.bus_bw + 2.0 * (n - 1.0) * self.latency_s
+    }
+
+    /// Ring all-gather where every rank contributes `bytes_per_rank`.
+    pub fn all_gather_s(&self, bytes_per_rank: f64, n: usize) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let nf = n as f64;
+        (nf - 1.0) * bytes_per_rank / self.bus_bw + (nf - 1.0) * self.latency_s
+    }
+
+    /// All-to-all where every rank sends `bytes_per_rank` in total, spread over the others.
+    pub fn all_to_all_s(&self, bytes_per_rank: f64, n: usize) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let nf = n as f64;
+        (nf - 1.0) / nf * bytes_per_rank / self.bus_bw + self.latency_s
+    }
+}
+
+/// One communication bucket: its bytes and when its data is complete on a rank.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bucket {
+    pub bytes: f64,
+    pub ready_s: f64,
+    /// Gathered (sparse) rather than reduced.
+    pub gather: bool,
+}
+
+/// A data-parallel step's prediction.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DataParallelPrediction {
+    pub ranks: usize,
+    pub step_s: f64,
+    /// Communication time not hidden behind computation.
+    pub exposed_comm_s: f64,
+    pub comm_s: f64,
+}
+
+/// Predicts a data-parallel step on `n` ranks from a one-rank simulation: buckets go out
+/// on a communication stream, each as soon as it is ready (`early`) or all after
+/// `join_s` (one all-reduce at the end); the optimizer (`optimizer_s` long) waits for the
+/// last one. Compute and communication are assumed not to slow each other.
+pub fn predict_data_parallel(
+    join_s: f64,
+    optimizer_s: f64,
+    buckets: &[Bucket],
+    link: &LinkModel,
+    n: usize,
+    early: bool,
+) -> DataParallelPrediction {
+    let mut order: Vec<Bucket> = buckets.to_vec();
+    order.sort_by(|a, b| a.ready_s.total_cmp(&b.ready_s));
+    let mut free = 0.0f64;
+    let mut comm = 0.0;
+    for b in &order {
+        let start = if early {
+            b.ready_s.max(free)
+        } else {
+            join_s.max(free)
+        };
+        let d = if b.gather {
+            link.all_gather_s(b.bytes, n)
+        } else {
+            link.all_reduce_s(b.bytes, n)
+        };
+        comm += d;
+        free = start + d;
+    }
+    let done = join_s.max(free);
+    DataParallelPrediction {
+        ranks: n,
+        step_s: done + optimizer_s,
+        exposed_comm_s: done - join_s,
+        comm_s: comm,
+    }
+}
+
+#[cfg(test)]
+mod dp_tests {
+    use super::*;
+
+    #[test]
+    fn early_buckets_hide_communication_and_one_rank_costs_nothing() {
+        let link = LinkModel::nvlink_h200();
+        let buckets = [
+            Bucket {
+                bytes: 40e6,
+                ready_s: 1e-3,
+                gather: false,
+            },
+            Bucket {
+                bytes: 40e6,
+                ready_s: 2e-3,
+                gather: false,
+            },
+            Bucket {
+                bytes: 20e6,
+                ready_s: 4e-3,
+                gather: true,
+            },
+        ];
+        let one = predict_data_parallel(5e-3, 1e-4, &buckets, &link, 1, true);
+        assert_eq!(one.step_s, 5e-3 + 1e-4);
+        assert_eq!(one.exposed_comm_s, 0.0);
+        for n in [2, 8] {
+            let early = predict_data_parallel(5e-3, 1e-4, &buckets, &link, n, true);
+            let end = predict_data_parallel(5e-3, 1e-4, &buckets, &link, n, false);
+            assert!(
+                early.step_s <= end.step_s,
+                "{n}: early {early:?} end {end:?}"
+            );
+            assert!(
+                (end.exposed_comm_s - end.comm_s).abs() < 1e-12,
+                "at the end nothing hides"
+            );
+            assert!(early.exposed_comm_s < end.exposed_comm_s);
+        }
+        // a ring all-reduce moves 2(n-1)/n of the data: more ranks, more time, bounded
+        let a2 = link.all_reduce_s(1e9, 2);
+        let a8 = link.all_reduce_s(1e9, 8);
+        assert!(a2 < a8 && a8 < 2.0 * 1e9 / link.bus_bw + 14.0 * link.latency_s + 1e-12);
+    }
+}

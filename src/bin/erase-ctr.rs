@@ -318,6 +318,10 @@ struct PlanArgs {
     /// Print the N launches the cost model predicts to take longest.
     #[arg(long, value_name = "N")]
     kernels: Option<usize>,
+    /// Also predict data-parallel steps on this many GPUs (NVLink, ring collectives),
+    /// with each block's gradients all-reduced early and with one all-reduce at the end.
+    #[arg(long, value_name = "N")]
+    gpus: Option<usize>,
 }
 
 /// The model sized for the data, and the data: synthetic, or loaded (with a held-out
@@ -567,7 +571,76 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// (join time, optimizer time, communication buckets) of one simulated step.
+type DpInputs = (f64, f64, Vec<erase::runtime::simulate::Bucket>);
+
+/// What a data-parallel prediction needs from a one-GPU simulation: when the backward
+/// work is joined, how long the optimizer takes, and the communication buckets (one per
+/// backward program's dense gradients; the tables' sparse gradients gathered).
+fn data_parallel_inputs(
+    p: &erase::train::StepPlan,
+    r: &erase::runtime::simulate::SimResult,
+) -> DpInputs {
+    use erase::graph::{Grad, Phase};
+    use erase::runtime::simulate::Bucket;
+    let g = &p.model.graph;
+    let launch_of: std::collections::BTreeMap<_, _> = p
+        .program
+        .launches
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (l.node, i))
+        .collect();
+    let join = p
+        .program
+        .launches
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| g.node(l.node).phase == Phase::Optimizer)
+        .map(|(i, _)| r.launches[i].start)
+        .fold(r.step_s, f64::min);
+    let end_of = |prog: usize| -> f64 {
+        p.partition.programs[prog]
+            .nodes
+            .iter()
+            .filter_map(|n| launch_of.get(n).map(|&i| r.launches[i].end))
+            .fold(0.0, f64::max)
+    };
+    let mut by_prog: std::collections::BTreeMap<usize, f64> = Default::default();
+    let mut buckets = Vec::new();
+    for (param, grad) in &p.training.grads.by_param {
+        let Some(&prog) = p.partition.grad_complete.get(param) else {
+            continue;
+        };
+        match grad {
+            Grad::Dense(t) => *by_prog.entry(prog).or_default() += (g.shape(*t).numel() * 4) as f64,
+            Grad::Sparse {
+                ids,
+                offsets,
+                dpooled,
+                ..
+            } => buckets.push(Bucket {
+                bytes: ((g.shape(*ids).numel()
+                    + g.shape(*offsets).numel()
+                    + g.shape(*dpooled).numel())
+                    * 4) as f64,
+                ready_s: end_of(prog),
+                gather: true,
+            }),
+        }
+    }
+    for (prog, bytes) in by_prog {
+        buckets.push(Bucket {
+            bytes,
+            ready_s: end_of(prog),
+            gather: false,
+        });
+    }
+    (join, r.step_s - join, buckets)
+}
+
 fn run_plan(a: &PlanArgs) -> Result<()> {
+    let mut dp: Vec<(Variant, DpInputs)> = Vec::new();
     let sched = a.model.schedule();
     let sim = SimConfig {
         device: match a.rates {
@@ -716,7 +789,58 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
         if v == Variant::Erase {
             erase_overlap = Some(Trace::from_simulation(&p.program, &r, g).overlap_step(0));
         }
+        if a.gpus.is_some() {
+            dp.push((v, data_parallel_inputs(&p, &r)));
+        }
         rows.push((v, r.step_s, p.memory.arena_bytes, r.busy_s));
+    }
+    if let Some(n) = a.gpus {
+        use erase::runtime::simulate::{predict_data_parallel, LinkModel};
+        if n == 0 {
+            bail!("--gpus must be at least 1");
+        }
+        let link = LinkModel::nvlink_h200();
+        let batch = a.model.config(Variant::Erase)?.batch;
+        println!(
+            "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop):",
+            batch,
+            link.bus_bw / 1e9,
+            link.latency_s * 1e6
+        );
+        for (v, (join, opt, buckets)) in &dp {
+            for (early, label) in [
+                (true, "early all-reduce"),
+                (false, "one all-reduce at the end"),
+            ] {
+                let one = predict_data_parallel(*join, *opt, buckets, &link, 1, early);
+                let pn = predict_data_parallel(*join, *opt, buckets, &link, n, early);
+                println!(
+                    "  {:<9} {:<26} {n} GPUs: {:8.1} µs, {:>9.0} ex/s, scaling {:5.1} %, exposed communication {:7.1} µs of {:7.1}",
+                    v.as_str(),
+                    label,
+                    pn.step_s * 1e6,
+                    (n * batch) as f64 / pn.step_s,
+                    100.0 * one.step_s / pn.step_s,
+                    pn.exposed_comm_s * 1e6,
+                    pn.comm_s * 1e6
+                );
+            }
+        }
+        if let Some((_, (_, _, buckets))) = dp.first() {
+            let gathered: f64 = buckets.iter().filter(|b| b.gather).map(|b| b.bytes).sum();
+            let mc = a.model.config(Variant::Erase)?;
+            let pooled = (batch * mc.num_sparse * mc.dim * 4) as f64;
+            println!(
+                "  replicated tables: each rank gathers {:.1} MB of (ids, gradients) from every other rank, {:.1} µs at {n} GPUs and growing with N;",
+                gathered / 1e6,
+                link.all_gather_s(gathered, n) * 1e6
+            );
+            println!(
+                "  sharded tables (all-to-all of pooled embeddings forward and their gradients backward) would move {:.1} MB per rank each way, {:.1} µs, about flat in N",
+                pooled / 1e6,
+                2.0 * link.all_to_all_s(pooled, n) * 1e6
+            );
+        }
     }
     println!(
         "predicted step time on {} (simulator, graph dispatch):",
