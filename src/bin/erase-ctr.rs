@@ -227,6 +227,11 @@ struct TrainArgs {
     /// bit-identical to a run that never stopped.
     #[arg(long, value_name = "FILE")]
     resume: Option<std::path::PathBuf>,
+    /// Data parallelism on this many CPU ranks (threads): --batch is the global batch,
+    /// split evenly; gradients are all-reduced and the replicas stay bit-identical.
+    /// Synthetic data only for now.
+    #[arg(long, value_name = "N")]
+    cpu_ranks: Option<usize>,
 }
 
 #[derive(Args)]
@@ -484,6 +489,44 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         "erase-ctr: training '{variant}' on {where_}: batch {}, {} tables x {} rows x dim {}, {} steps, data {} (seed {})",
         model.batch, model.num_sparse, model.rows, model.dim, a.steps, a.data, a.data_seed
     );
+    if let Some(n) = a.cpu_ranks {
+        if !matches!(cfg.data, erase::train::Data::Synthetic) {
+            bail!("--cpu-ranks: only synthetic data for now");
+        }
+        let t0 = std::time::Instant::now();
+        let results = erase::distributed::train_data_parallel_cpu(
+            &cfg,
+            n,
+            std::time::Duration::from_secs(120),
+            None,
+        )?;
+        let mut ok = Vec::new();
+        for r in results {
+            ok.push(r?);
+        }
+        let same = ok.iter().all(|r| r.state == ok[0].state);
+        let secs = t0.elapsed().as_secs_f64();
+        println!(
+            "data parallel on {n} CPU ranks: {} steps of a global batch of {} in {secs:.1} s",
+            cfg.steps, model.batch
+        );
+        for r in &ok {
+            println!(
+                "  rank {}: last loss of its shard {:.4}, {} collectives",
+                r.rank,
+                r.losses.last().copied().unwrap_or(f64::NAN),
+                r.log.len()
+            );
+        }
+        println!(
+            "  replicas {}",
+            if same { "bit-identical" } else { "DIFFER" }
+        );
+        if !same {
+            bail!("the replicas differ after training");
+        }
+        return Ok(());
+    }
     let mut progress = ConsoleProgress::new(jsonl);
     let r = train_on(&cfg, dev.as_ref(), &mut progress)?;
     println!();
