@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use crate::cpu::{initial_store, thread_pool};
 use crate::error::RuntimeError;
 use crate::memory::{alias_root, MemoryPlan};
-use crate::schedule::{EventId, StepProgram};
+use crate::schedule::StepProgram;
 use erase_graph::{Graph, Tensor};
 use erase_ops::{Buffer, NodeCall};
 
@@ -173,15 +173,8 @@ impl<'a> ProgramRunner<'a> {
 /// A random order of the launches that a GPU could run them in: each launch after the
 /// previous one on its stream and after the launches that record the events it waits for.
 pub fn random_order(p: &StepProgram, seed: u64) -> Vec<usize> {
-    let recorder: BTreeMap<EventId, usize> = p
-        .launches
-        .iter()
-        .enumerate()
-        .filter_map(|(i, l)| l.record.map(|e| (e, i)))
-        .collect();
-    let queues: Vec<Vec<usize>> = (0..p.streams)
-        .map(|s| p.on_stream(crate::schedule::StreamId(s as u16)).collect())
-        .collect();
+    let recorder = p.recorders();
+    let queues = p.stream_queues();
     let mut head = vec![0usize; p.streams];
     let mut done = vec![false; p.launches.len()];
     let mut order = Vec::with_capacity(p.launches.len());

@@ -506,14 +506,25 @@ impl StepProgram {
             .map(|(i, _)| i)
     }
 
-    /// Every cross-stream edge, as (waiting launch, recording launch, wait).
-    pub fn edges(&self) -> Vec<(usize, usize, &Wait)> {
-        let recorder: BTreeMap<EventId, usize> = self
-            .launches
+    /// For every event, the launch that records it.
+    pub fn recorders(&self) -> BTreeMap<EventId, usize> {
+        self.launches
             .iter()
             .enumerate()
             .filter_map(|(i, l)| l.record.map(|e| (e, i)))
-            .collect();
+            .collect()
+    }
+
+    /// Each stream's launches, in stream order.
+    pub fn stream_queues(&self) -> Vec<Vec<usize>> {
+        (0..self.streams)
+            .map(|s| self.on_stream(StreamId(s as u16)).collect())
+            .collect()
+    }
+
+    /// Every cross-stream edge, as (waiting launch, recording launch, wait).
+    pub fn edges(&self) -> Vec<(usize, usize, &Wait)> {
+        let recorder = self.recorders();
         let mut out = Vec::new();
         for (i, l) in self.launches.iter().enumerate() {
             for w in &l.waits {

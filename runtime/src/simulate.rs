@@ -5,8 +5,7 @@
 //! how we plan past the machines we have: more streams, other devices.
 
 use crate::occupancy::DeviceModel;
-use crate::schedule::{EventId, StepProgram};
-use std::collections::BTreeMap;
+use crate::schedule::StepProgram;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
@@ -43,15 +42,8 @@ pub fn simulate(p: &StepProgram, cfg: &SimConfig) -> SimResult {
         .iter()
         .map(|l| l.spec.as_ref().map_or(0.0, |s| cfg.device.footprint(s)))
         .collect();
-    let recorder: BTreeMap<EventId, usize> = p
-        .launches
-        .iter()
-        .enumerate()
-        .filter_map(|(i, l)| l.record.map(|e| (e, i)))
-        .collect();
-    let queues: Vec<Vec<usize>> = (0..p.streams)
-        .map(|s| p.on_stream(crate::schedule::StreamId(s as u16)).collect())
-        .collect();
+    let recorder = p.recorders();
+    let queues = p.stream_queues();
     let mut head = vec![0usize; p.streams];
     let mut done = vec![false; n];
     let mut out = vec![
