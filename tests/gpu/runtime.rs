@@ -10,7 +10,7 @@ use erase::runtime::cuda::PtxTarget;
 use erase::runtime::cuda_program::CudaProgram;
 use erase::runtime::occupancy::DeviceModel;
 use erase::runtime::program::ProgramRunner;
-use erase::train::{plan_step, ScheduleOptions};
+use erase::train::{plan_step, ScheduleOptions, StepPlan};
 
 fn spin(cycles: i64) -> KernelCall {
     KernelCall {
@@ -123,54 +123,72 @@ fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// The golden batch (stream 1, examples 0..15 of the spec's generator, 1000 rows) in a
+/// plan of the spec's model at batch 16.
+fn golden_plan(variant: Variant) -> StepPlan {
+    let mut cfg = CtrConfig::default().with_variant(variant);
+    cfg.batch = 16;
+    cfg.rows = 1000;
+    plan_step(
+        &cfg,
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions::default(),
+    )
+    .unwrap()
+}
+
+/// One step of `p` (with `memory`) on the golden batch three ways: the plain f32 CPU
+/// reference, the CPU reference rounding operands to bf16 as the kernels do, and the GPU.
+/// Returns them and the GPU's step time in ms.
+fn golden_step<'a>(
+    dev: &'a erase::runtime::cuda::CudaDevice,
+    p: &'a StepPlan,
+    memory: &'a erase::runtime::memory::MemoryPlan,
+) -> (ProgramRunner<'a>, ProgramRunner<'a>, CudaProgram<'a>, f32) {
+    let m = &p.model;
+    let gen = SyntheticCtr::new(SyntheticConfig {
+        seed: 0,
+        rows: 1000,
+        hot: 1,
+    });
+    let (mut d, mut r, mut y) = (vec![0f32; 16 * 13], vec![0u32; 16 * 26], vec![0f32; 16]);
+    gen.fill_batch(1, 0, 16, &mut d, &mut r, &mut y);
+    let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y).unwrap();
+    let mut f32_ref = ProgramRunner::new(&m.graph, &p.program, memory, 5, 2).unwrap();
+    let mut bf16_ref = ProgramRunner::new(&m.graph, &p.program, memory, 5, 2).unwrap();
+    bf16_ref.bf16_gemm = true;
+    let mut gpu = CudaProgram::new(dev, &m.graph, &p.program, memory, 5).unwrap();
+    for (t, b) in [
+        (m.inputs.dense, &bd),
+        (m.inputs.ids, &bi),
+        (m.inputs.offsets, &bo),
+        (m.inputs.label, &bl),
+    ] {
+        f32_ref.feed(t, b.clone()).unwrap();
+        bf16_ref.feed(t, b.clone()).unwrap();
+        gpu.feed(t, b).unwrap();
+    }
+    f32_ref.run().unwrap();
+    bf16_ref.run().unwrap();
+    gpu.run().unwrap();
+    let ms = gpu.synchronize().unwrap();
+    (f32_ref, bf16_ref, gpu, ms)
+}
+
 #[test]
 fn ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch() {
     let Some(dev) = super::device("ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch") else {
         return;
     };
     for variant in [Variant::Baseline, Variant::Detached, Variant::Erase] {
-        let mut cfg = CtrConfig::default().with_variant(variant);
-        cfg.batch = 16;
-        cfg.rows = 1000;
-        let p = plan_step(
-            &cfg,
-            DType::F32,
-            &OptimizerConfig::default(),
-            &ScheduleOptions::default(),
-        )
-        .unwrap();
+        let p = golden_plan(variant);
         let m = &p.model;
-        let gen = SyntheticCtr::new(SyntheticConfig {
-            seed: 0,
-            rows: 1000,
-            hot: 1,
-        });
-        let (mut d, mut r, mut y) = (vec![0f32; 16 * 13], vec![0u32; 16 * 26], vec![0f32; 16]);
-        gen.fill_batch(1, 0, 16, &mut d, &mut r, &mut y);
-        let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y).unwrap();
-        // two CPU references: plain f32, and with GEMM operands rounded to bf16 as the
-        // kernels round them. How far bf16 rounding alone moves a value (f32 vs bf16
-        // reference) is the scale of the tolerance: the GPU must sit no farther from the
-        // bf16 reference than that, plus a little for f32 accumulation order and the
-        // attention kernel's own bf16 operands.
-        let mut f32_ref = ProgramRunner::new(&m.graph, &p.program, &p.memory, 5, 2).unwrap();
-        let mut bf16_ref = ProgramRunner::new(&m.graph, &p.program, &p.memory, 5, 2).unwrap();
-        bf16_ref.bf16_gemm = true;
-        let mut gpu = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 5).unwrap();
-        for (t, b) in [
-            (m.inputs.dense, &bd),
-            (m.inputs.ids, &bi),
-            (m.inputs.offsets, &bo),
-            (m.inputs.label, &bl),
-        ] {
-            f32_ref.feed(t, b.clone()).unwrap();
-            bf16_ref.feed(t, b.clone()).unwrap();
-            gpu.feed(t, b).unwrap();
-        }
-        f32_ref.run().unwrap();
-        bf16_ref.run().unwrap();
-        gpu.run().unwrap();
-        let ms = gpu.synchronize().unwrap();
+        // two CPU references: plain f32, and with operands rounded to bf16 as the kernels
+        // round them. How far bf16 rounding alone moves a value (f32 vs bf16 reference)
+        // is the scale of the tolerance: the GPU must sit no farther from the bf16
+        // reference than that, plus a little for f32 accumulation order.
+        let (f32_ref, bf16_ref, gpu, ms) = golden_step(dev, &p, &p.memory);
         // A ReLU whose input sits at 0 within rounding can fall either way; at batch 16
         // one such element moves its block's gradients by several percent. Find the
         // blocks where the GPU's ReLU masks differ from the reference's: their gradients
@@ -227,35 +245,6 @@ fn ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch() {
         let (e, s) = check("logits", m.logit, false);
         println!("{variant}: step {ms:.3} ms; logits: GPU vs bf16 reference {e:.2e} (bf16 alone moves them {s:.2e})");
         check("main loss", m.main_loss, false);
-        // where the table's gradient comes from: every contribution to it, side by side
-        if let Some(Grad::Sparse { dpooled, .. }) = p.training.grads.get(m.table) {
-            let mut stack = vec![*dpooled];
-            let mut seen = std::collections::BTreeSet::new();
-            while let Some(t) = stack.pop() {
-                let node = m.graph.producer(t);
-                if node.op.is_leaf() || !seen.insert(t) || seen.len() > 40 {
-                    continue;
-                }
-                let (g, c, f) = (
-                    gpu.get(t).unwrap().to_f64(),
-                    bf16_ref.get(t).unwrap().to_f64(),
-                    f32_ref.get(t).unwrap().to_f64(),
-                );
-                println!(
-                    "  {variant} '{}' ({}): GPU vs bf16 ref {:.2e}, bf16 alone {:.2e}",
-                    m.graph.name(t),
-                    node.op.name(),
-                    rel_l2(&g, &c),
-                    rel_l2(&c, &f)
-                );
-                if matches!(
-                    node.op,
-                    erase::graph::Op::GradSum | erase::graph::Op::Slice { .. }
-                ) {
-                    stack.extend(node.inputs.iter().copied());
-                }
-            }
-        }
         let mut worst = (0.0, 0.0, String::new());
         for (&param, grad) in &p.training.grads.by_param {
             let t = match grad {
@@ -467,46 +456,12 @@ fn detached_step_tensor_by_tensor_drift_report() {
     let Some(dev) = super::device("detached_step_tensor_by_tensor_drift_report") else {
         return;
     };
-    let mut cfg = CtrConfig::default().with_variant(Variant::Detached);
-    cfg.batch = 16;
-    cfg.rows = 1000;
-    let p = plan_step(
-        &cfg,
-        DType::F32,
-        &OptimizerConfig::default(),
-        &ScheduleOptions::default(),
-    )
-    .unwrap();
+    let p = golden_plan(Variant::Detached);
     let m = &p.model;
     let all: Vec<erase::graph::Tensor> = m.graph.tensors().collect();
     let memory = erase::runtime::memory::plan_memory(&m.graph, &p.program, &all);
     assert!(erase::runtime::hb::check(&m.graph, &p.program, &memory).is_empty());
-    let gen = SyntheticCtr::new(SyntheticConfig {
-        seed: 0,
-        rows: 1000,
-        hot: 1,
-    });
-    let (mut d, mut r, mut y) = (vec![0f32; 16 * 13], vec![0u32; 16 * 26], vec![0f32; 16]);
-    gen.fill_batch(1, 0, 16, &mut d, &mut r, &mut y);
-    let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y).unwrap();
-    let mut f32_ref = ProgramRunner::new(&m.graph, &p.program, &memory, 5, 2).unwrap();
-    let mut bf16_ref = ProgramRunner::new(&m.graph, &p.program, &memory, 5, 2).unwrap();
-    bf16_ref.bf16_gemm = true;
-    let mut gpu = CudaProgram::new(dev, &m.graph, &p.program, &memory, 5).unwrap();
-    for (t, b) in [
-        (m.inputs.dense, &bd),
-        (m.inputs.ids, &bi),
-        (m.inputs.offsets, &bo),
-        (m.inputs.label, &bl),
-    ] {
-        f32_ref.feed(t, b.clone()).unwrap();
-        bf16_ref.feed(t, b.clone()).unwrap();
-        gpu.feed(t, b).unwrap();
-    }
-    f32_ref.run().unwrap();
-    bf16_ref.run().unwrap();
-    gpu.run().unwrap();
-    gpu.synchronize().unwrap();
+    let (f32_ref, bf16_ref, gpu, _) = golden_step(dev, &p, &memory);
     let mut shown = 0;
     for l in &p.program.launches {
         let n = m.graph.node(l.node);
@@ -520,22 +475,6 @@ fn detached_step_tensor_by_tensor_drift_report() {
                 f32_ref.get(t).unwrap().to_f64(),
             );
             let (e, s) = (rel_l2(&g, &c), rel_l2(&c, &f));
-            let name = m.graph.name(t);
-            if name.starts_with("autoint/linear4")
-                || name.starts_with("autoint/relu0")
-                || name.starts_with("autoint_head")
-            {
-                let flips = g
-                    .iter()
-                    .zip(&c)
-                    .filter(|(a, b)| (**a > 0.0) != (**b > 0.0))
-                    .count();
-                let zeros = (
-                    g.iter().filter(|a| **a == 0.0).count(),
-                    c.iter().filter(|a| **a == 0.0).count(),
-                );
-                println!("watch: '{name}' ({}) GPU vs bf16 ref {e:.2e}, bf16 alone {s:.2e}, sign flips {flips}/{}, zeros gpu/cpu {zeros:?}", n.op.name(), g.len());
-            }
             if e > 2.0 * s + 1e-3 && shown < 25 {
                 println!(
                     "drift: '{}' ({}) GPU vs bf16 ref {e:.2e}, bf16 alone {s:.2e}",
