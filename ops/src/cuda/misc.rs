@@ -1104,22 +1104,22 @@ fn emb_ids(op: &Op, ids: &Shape, offsets: &Shape) -> Result<(usize, usize), Stri
     Ok((n_ids, offsets.numel()))
 }
 
+/// The width D of a stacked table `[Σ rows, D]`, checking its rows against the fields'.
+fn emb_table_width(op: &Op, what: &str, table: &Shape, total: usize) -> Result<usize, String> {
+    match table.dims() {
+        [rows, d] if *rows == total => Ok(*d),
+        [_, _] => Err(format!(
+            "{}: {what} {table} must have Σ rows = {total}",
+            op.name()
+        )),
+        _ => Err(format!("{}: {what} {table} must be [rows, D]", op.name())),
+    }
+}
+
 fn embedding_bag(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan, String> {
     expect(op, o, &[F, I, I], &[F])?;
     let (mut calls, total) = emb_meta(op, field_rows)?;
-    let [rows, d] = o.ins[0].dims() else {
-        return Err(format!(
-            "embedding_bag: table {} must be [rows, D]",
-            o.ins[0]
-        ));
-    };
-    let (rows, d) = (*rows, *d);
-    if rows != total {
-        return Err(format!(
-            "embedding_bag: table {} must have Σ rows = {total}",
-            o.ins[0]
-        ));
-    }
+    let d = emb_table_width(op, "table", o.ins[0], total)?;
     let (n_ids, n_off) = emb_ids(op, o.ins[1], o.ins[2])?;
     let out_n = o.outs[0].numel();
     if d == 0 || out_n == 0 {
@@ -1297,24 +1297,12 @@ fn embedding_bag_grad_dense(
 ) -> Result<CudaPlan, String> {
     expect(op, o, &[F, I, I], &[F])?;
     let (mut calls, total) = emb_meta(op, field_rows)?;
-    let [rows, d] = o.outs[0].dims() else {
-        return Err(format!(
-            "embedding_bag_grad_dense: dtable {} must be [rows, D]",
-            o.outs[0]
-        ));
-    };
-    let (rows, d) = (*rows, *d);
-    if rows != total {
-        return Err(format!(
-            "embedding_bag_grad_dense: dtable {} must have Σ rows = {total}",
-            o.outs[0]
-        ));
-    }
+    let d = emb_table_width(op, "dtable", o.outs[0], total)?;
     let (n_ids, n_off) = emb_ids(op, o.ins[1], o.ins[2])?;
     let zero = ew(
         "ew_fill_u32",
-        rows * d,
-        vec![Out(0), n64(rows * d), KArg::U32(0)],
+        total * d,
+        vec![Out(0), n64(total * d), KArg::U32(0)],
     );
     if n_ids == 0 || d == 0 {
         return Ok(plan_of(vec![zero], vec![]));
