@@ -24,25 +24,25 @@ struct Prepared {
 }
 
 pub struct CudaProgram<'a> {
-    dev: &'a CudaDevice,
-    g: &'a Graph,
-    prog: &'a StepProgram,
-    plan: &'a MemoryPlan,
-    arena: DeviceBuffer,
-    leaves: BTreeMap<Tensor, DeviceBuffer>,
-    prepared: Vec<Prepared>,
-    streams: Vec<Stream>,
-    events: Vec<Event>,
-    start: Event,
-    end: Event,
-    join: Event,
+    pub(crate) dev: &'a CudaDevice,
+    pub(crate) g: &'a Graph,
+    pub(crate) prog: &'a StepProgram,
+    pub(crate) plan: &'a MemoryPlan,
+    pub(crate) arena: DeviceBuffer,
+    pub(crate) leaves: BTreeMap<Tensor, DeviceBuffer>,
+    pub(crate) prepared: Vec<Prepared>,
+    pub(crate) streams: Vec<Stream>,
+    pub(crate) events: Vec<Event>,
+    pub(crate) start: Event,
+    pub(crate) end: Event,
+    pub(crate) join: Event,
     /// Batches staged in device memory (see [`CudaProgram::stage`]).
-    ring: Vec<Vec<DeviceBuffer>>,
-    ring_inputs: Vec<Tensor>,
-    threaded: bool,
+    pub(crate) ring: Vec<Vec<DeviceBuffer>>,
+    pub(crate) ring_inputs: Vec<Tensor>,
+    pub(crate) threaded: bool,
     /// The captured step (graph dispatch), once [`CudaProgram::capture`] ran.
-    graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
-    arena_set: BTreeMap<Tensor, ()>,
+    pub(crate) graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
+    pub(crate) arena_set: BTreeMap<Tensor, ()>,
 }
 
 impl<'a> CudaProgram<'a> {
