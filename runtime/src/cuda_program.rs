@@ -16,9 +16,9 @@ use erase_ops::cuda::{cuda_plan, KArg, Operands};
 use erase_ops::Buffer;
 
 /// One launch, ready to issue.
-struct Prepared {
+pub(crate) struct Prepared {
     /// Empty for an alias that moves no bytes.
-    calls: Vec<PreparedLaunch>,
+    pub(crate) calls: Vec<PreparedLaunch>,
     /// Kept alive for the calls that point into it.
     _scratch: Vec<DeviceBuffer>,
 }
