@@ -85,10 +85,10 @@ pub fn bench(
         let n = cfg.chunk.max(1).min(total - done);
         for (i, s) in sessions.iter_mut().enumerate() {
             for _ in 0..n {
-                let (loss, secs) = s.train_step()?;
-                last_loss[i] = loss;
-                if s.step > cfg.warmup {
-                    qps[i].push(b / secs.max(1e-12));
+                let r = s.train_step_now()?;
+                last_loss[i] = r.loss;
+                if r.step > cfg.warmup {
+                    qps[i].push(b / r.secs.max(1e-12));
                 }
             }
         }

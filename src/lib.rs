@@ -14,6 +14,7 @@ pub mod data;
 pub mod distributed;
 pub mod gpu;
 pub mod kernels;
+pub mod loader;
 pub mod metrics;
 pub mod model;
 pub mod train;

@@ -8,12 +8,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
+use crate::loader::{Loader, SlotMem};
 use crate::metrics::{auc, qps_summary, NeState, QpsSummary};
 use crate::model::ctr::{build, CtrConfig, CtrModel, Variant};
 use erase_graph::Tensor;
 use erase_graph::{make_trainable, partition, DType, OptimizerConfig, Partition, Phase, Training};
 use erase_ops::Buffer;
-use erase_runtime::cuda::CudaDevice;
+use erase_runtime::cuda::{buffer_from_bytes, CudaDevice};
+use erase_runtime::cuda_feed::InputLayout;
 use erase_runtime::cuda_program::CudaProgram;
 use erase_runtime::hb;
 use erase_runtime::memory::{plan_memory, MemoryPlan};
@@ -190,6 +192,8 @@ pub struct TrainReport {
     pub qps: Option<QpsSummary>,
     pub arena_bytes: usize,
     pub launches: usize,
+    /// Seconds the steps waited for the loader thread in all.
+    pub loader_stall_secs: f64,
 }
 
 /// Where progress goes: a live line on a terminal, plain lines otherwise.
@@ -208,27 +212,121 @@ pub enum Backend {
 /// A step program bound to a device: the CPU runner or the CUDA program.
 pub trait StepExec: crate::checkpoint::TensorStore {
     fn feed(&mut self, t: Tensor, b: Buffer) -> Result<()>;
-    /// One whole step; returns its time in seconds (device time where there is one).
+    /// One whole step, finished; returns its time in seconds (device time where there is
+    /// one).
     fn step(&mut self) -> Result<f64>;
     /// Only the given launches (indices into the program), in order, then wait.
     fn run_launches(&mut self, which: &[usize]) -> Result<()>;
     fn get(&self, t: Tensor) -> Result<Buffer>;
+    /// Sets up stepping from packed batches (see [`crate::loader`]): returns `n` slots of
+    /// `layout.bytes` for a loader to fill; each step reads back `readback` (scalars).
+    fn slots(
+        &mut self,
+        layout: &InputLayout,
+        readback: &[Tensor],
+        n: usize,
+    ) -> Result<Vec<SlotMem>>;
+    /// Issues step `step` on the packed batch in `mem` (slot `slot`); may return before
+    /// the step has run.
+    fn issue(&mut self, step: u64, slot: usize, mem: &SlotMem) -> Result<()>;
+    /// Waits for step `step` (the latest or the one before it) and returns its read-back
+    /// values and its time in seconds (device time where there is a device).
+    fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)>;
+    /// The next step's time starts afresh (an evaluation or a checkpoint came between).
+    fn restart_timing(&mut self) {}
 }
 
-impl StepExec for ProgramRunner<'_> {
+/// The CPU runner with what stepping from packed batches needs.
+pub struct CpuExec<'a> {
+    runner: ProgramRunner<'a>,
+    layout: Option<InputLayout>,
+    readback: Vec<Tensor>,
+    done: Vec<(u64, Vec<f64>, f64)>,
+}
+
+impl<'a> CpuExec<'a> {
+    pub fn new(runner: ProgramRunner<'a>) -> Self {
+        CpuExec {
+            runner,
+            layout: None,
+            readback: Vec::new(),
+            done: Vec::new(),
+        }
+    }
+}
+
+impl crate::checkpoint::TensorStore for CpuExec<'_> {
+    fn read(&self, t: Tensor) -> Result<Buffer> {
+        crate::checkpoint::TensorStore::read(&self.runner, t)
+    }
+    fn write(&mut self, t: Tensor, b: Buffer) -> Result<()> {
+        crate::checkpoint::TensorStore::write(&mut self.runner, t, b)
+    }
+}
+
+impl StepExec for CpuExec<'_> {
     fn feed(&mut self, t: Tensor, b: Buffer) -> Result<()> {
-        Ok(ProgramRunner::feed(self, t, b)?)
+        Ok(self.runner.feed(t, b)?)
     }
     fn step(&mut self) -> Result<f64> {
         let t0 = Instant::now();
-        self.run()?;
+        self.runner.run()?;
         Ok(t0.elapsed().as_secs_f64())
     }
     fn run_launches(&mut self, which: &[usize]) -> Result<()> {
-        Ok(self.run_order(which)?)
+        Ok(self.runner.run_order(which)?)
     }
     fn get(&self, t: Tensor) -> Result<Buffer> {
-        ProgramRunner::get(self, t).ok_or_else(|| anyhow::anyhow!("'{}' has no value", t.0))
+        self.runner
+            .get(t)
+            .ok_or_else(|| anyhow::anyhow!("'{}' has no value", t.0))
+    }
+    fn slots(
+        &mut self,
+        layout: &InputLayout,
+        readback: &[Tensor],
+        n: usize,
+    ) -> Result<Vec<SlotMem>> {
+        self.layout = Some(layout.clone());
+        self.readback = readback.to_vec();
+        Ok((0..n)
+            .map(|_| SlotMem::Host(vec![0; layout.bytes]))
+            .collect())
+    }
+    fn issue(&mut self, step: u64, _slot: usize, mem: &SlotMem) -> Result<()> {
+        let layout = self
+            .layout
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("stepping from batches needs slots first"))?;
+        for (k, &(t, _, _)) in layout.inputs.iter().enumerate() {
+            let dt = self.runner.graph().dtype(t);
+            self.runner
+                .feed(t, buffer_from_bytes(dt, &mem[layout.range(k)]))?;
+        }
+        let t0 = Instant::now();
+        self.runner.run()?;
+        let secs = t0.elapsed().as_secs_f64();
+        let values = self
+            .readback
+            .iter()
+            .map(|&t| {
+                self.runner
+                    .get(t)
+                    .and_then(|x| x.to_f64().first().copied())
+                    .unwrap_or(f64::NAN)
+            })
+            .collect();
+        self.done.push((step, values, secs));
+        Ok(())
+    }
+    fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)> {
+        let i = self
+            .done
+            .iter()
+            .position(|d| d.0 == step)
+            .ok_or_else(|| anyhow::anyhow!("step {step} was not issued"))?;
+        let (_, v, secs) = self.done.remove(i);
+        Ok((v, secs))
     }
 }
 
@@ -257,6 +355,37 @@ impl StepExec for CudaProgram<'_> {
     fn get(&self, t: Tensor) -> Result<Buffer> {
         Ok(CudaProgram::get(self, t)?)
     }
+    fn slots(
+        &mut self,
+        layout: &InputLayout,
+        readback: &[Tensor],
+        n: usize,
+    ) -> Result<Vec<SlotMem>> {
+        let inputs: Vec<Tensor> = layout.inputs.iter().map(|x| x.0).collect();
+        let mine = self.enable_pipeline(&inputs, n, readback)?;
+        if mine != *layout {
+            bail!("the device's input layout differs from the loader's");
+        }
+        (0..n)
+            .map(|_| Ok(SlotMem::Pinned(self.device().pinned(layout.bytes)?)))
+            .collect()
+    }
+    fn issue(&mut self, step: u64, slot: usize, mem: &SlotMem) -> Result<()> {
+        match mem {
+            SlotMem::Pinned(p) => Ok(self.step_from(step, slot, p)?),
+            SlotMem::Host(_) => bail!("the CUDA step copies batches from pinned memory only"),
+        }
+    }
+    fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)> {
+        let v = self.step_values(step)?;
+        Ok((
+            v.values.iter().map(|&x| f64::from(x)).collect(),
+            f64::from(v.ms) * 1e-3,
+        ))
+    }
+    fn restart_timing(&mut self) {
+        CudaProgram::restart_timing(self);
+    }
 }
 
 /// Runs training on the CPU, or on the CUDA device `dev`. Stops with an error naming the
@@ -275,13 +404,7 @@ pub fn train_on(
     run_training(cfg, &plan, dev, progress)
 }
 
-fn scalar(exec: &dyn StepExec, t: Tensor) -> f64 {
-    exec.get(t)
-        .ok()
-        .and_then(|x| x.to_f64().first().copied())
-        .unwrap_or(f64::NAN)
-}
-
+#[derive(Clone)]
 enum Source {
     Synthetic(SyntheticCtr),
     Table {
@@ -304,16 +427,83 @@ fn shuffled(n: usize, seed: u64) -> Vec<usize> {
     v
 }
 
+/// Fills `dense`, `rows` and `labels` with batch `first / batch` of the training data
+/// (stream 1) or of the held-out data (stream 2).
+fn fill_from(
+    src: &mut Source,
+    (batch, rows_per_table): (usize, usize),
+    stream: u64,
+    first: u64,
+    (dense, rows, labels): (&mut [f32], &mut [u32], &mut [f32]),
+) {
+    let b = batch;
+    match src {
+        Source::Synthetic(gen) => gen.fill_batch(stream, first, b, dense, rows, labels),
+        Source::Table { eval, .. } if stream == 2 => {
+            eval.fill_batch(first, b, rows_per_table, dense, rows, labels)
+        }
+        Source::Table {
+            train,
+            seed,
+            epoch,
+            order,
+            ..
+        } => {
+            // whole batches per epoch; each epoch a fresh permutation
+            let per_epoch = train.len() / b;
+            let k = (first as usize) / b;
+            let (e, i) = (k / per_epoch, k % per_epoch);
+            if *epoch != e {
+                *order = shuffled(train.len(), seed.wrapping_add(e as u64));
+                *epoch = e;
+            }
+            train.fill_batch_indices(
+                &order[i * b..(i + 1) * b],
+                rows_per_table,
+                dense,
+                rows,
+                labels,
+            );
+        }
+    }
+}
+
+/// One finished training step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepResult {
+    /// Steps done once this one is (1 for the first).
+    pub step: usize,
+    /// The main loss.
+    pub loss: f64,
+    /// The step's time in seconds (on a device: from the previous step's end to this
+    /// one's, on the main stream).
+    pub secs: f64,
+}
+
+/// Batches the loader keeps: one being read back, one running, two being prepared.
+const LOADER_SLOTS: usize = 4;
+
 /// A step program on a device with its data: steps and evaluations one at a time.
+///
+/// Training steps are pipelined: [`Session::train_step`] issues a step on a batch the
+/// loader thread prepared, and hands back the step before it (on a CUDA device; on the
+/// CPU every step is finished when issued). [`Session::drain`] waits for the last one.
 pub struct Session<'a> {
     plan: &'a StepPlan,
+    // declared before the loader: dropping it waits for the device, after which the
+    // loader's pinned slots may be freed
     exec: Box<dyn StepExec + 'a>,
+    loader: Option<Loader>,
+    /// Issued steps not yet finished, with their slots (oldest first).
+    in_flight: std::collections::VecDeque<(u64, usize, SlotMem)>,
+    /// How many steps may be in flight before the oldest is waited for.
+    depth: usize,
     src: Source,
     forward: Vec<usize>,
     dense: Vec<f32>,
     rows: Vec<u32>,
     labels: Vec<f32>,
-    /// Steps done.
+    /// Steps issued.
     pub step: usize,
 }
 
@@ -369,14 +559,17 @@ impl<'a> Session<'a> {
     ) -> Result<Self> {
         let m = &plan.model;
         let mc = &m.cfg;
-        let exec: Box<dyn StepExec + 'a> = match (dev, dispatch) {
-            (None, Dispatch::Blocking) => Box::new(ProgramRunner::new(
-                &m.graph,
-                &plan.program,
-                &plan.memory,
-                seed,
-                threads,
-            )?),
+        let (exec, depth): (Box<dyn StepExec + 'a>, usize) = match (dev, dispatch) {
+            (None, Dispatch::Blocking) => (
+                Box::new(CpuExec::new(ProgramRunner::new(
+                    &m.graph,
+                    &plan.program,
+                    &plan.memory,
+                    seed,
+                    threads,
+                )?)),
+                1,
+            ),
             (None, Dispatch::Graph | Dispatch::Threaded) => {
                 bail!(
                     "--dispatch {} needs a CUDA device; the CPU backend runs blocking",
@@ -395,7 +588,7 @@ impl<'a> Session<'a> {
                         );
                     }
                 }
-                Box::new(p)
+                (Box::new(p), 2)
             }
         };
         let src = match data {
@@ -449,6 +642,9 @@ impl<'a> Session<'a> {
         Ok(Session {
             plan,
             exec,
+            loader: None,
+            in_flight: Default::default(),
+            depth,
             src,
             forward,
             dense: vec![0.0; mc.batch * mc.num_dense],
@@ -458,52 +654,64 @@ impl<'a> Session<'a> {
         })
     }
 
+    /// The model's inputs in the packed order of a loader's batch.
+    fn input_tensors(&self) -> [Tensor; 4] {
+        let i = &self.plan.model.inputs;
+        [i.dense, i.ids, i.offsets, i.label]
+    }
+
+    /// Starts the loader thread at the next step's batch, with the device's slots.
+    fn start_loader(&mut self) -> Result<()> {
+        let m = &self.plan.model;
+        let layout = InputLayout::new(&m.graph, &self.input_tensors());
+        let mut readback = vec![m.main_loss];
+        readback.extend(m.aux_losses.iter().map(|x| x.1));
+        let slots = self.exec.slots(&layout, &readback, LOADER_SLOTS)?;
+        let mut src = self.src.clone();
+        let (cfg, float) = (m.cfg.clone(), m.float);
+        let (mut dense, mut rows, mut labels) = (
+            vec![0f32; cfg.batch * cfg.num_dense],
+            vec![0u32; cfg.ids_per_batch()],
+            vec![0f32; cfg.batch],
+        );
+        let fill = move |k: u64, out: &mut [u8]| -> Result<()> {
+            fill_from(
+                &mut src,
+                (cfg.batch, cfg.rows),
+                1,
+                k * cfg.batch as u64,
+                (&mut dense, &mut rows, &mut labels),
+            );
+            let (d, i, o, l) =
+                crate::model::ctr::batch_buffers(&cfg, float, &dense, &rows, &labels)?;
+            for (j, b) in [d, i, o, l].iter().enumerate() {
+                let r = layout.range(j);
+                if r.len() != b.bytes().len() {
+                    bail!(
+                        "input {j} has {} bytes, its slot {}",
+                        b.bytes().len(),
+                        r.len()
+                    );
+                }
+                out[r].copy_from_slice(b.bytes());
+            }
+            Ok(())
+        };
+        self.loader = Some(Loader::start(slots, self.step as u64, Box::new(fill))?);
+        Ok(())
+    }
+
     /// Feeds batch `first / batch` of the training data (stream 1) or of the held-out
-    /// data (stream 2).
+    /// data (stream 2), synchronously (evaluation; training goes through the loader).
     fn feed(&mut self, stream: u64, first: u64) -> Result<()> {
         let m = &self.plan.model;
-        let (b, rows) = (m.cfg.batch, m.cfg.rows);
-        match &mut self.src {
-            Source::Synthetic(gen) => gen.fill_batch(
-                stream,
-                first,
-                b,
-                &mut self.dense,
-                &mut self.rows,
-                &mut self.labels,
-            ),
-            Source::Table { eval, .. } if stream == 2 => eval.fill_batch(
-                first,
-                b,
-                rows,
-                &mut self.dense,
-                &mut self.rows,
-                &mut self.labels,
-            ),
-            Source::Table {
-                train,
-                seed,
-                epoch,
-                order,
-                ..
-            } => {
-                // whole batches per epoch; each epoch a fresh permutation
-                let per_epoch = train.len() / b;
-                let k = (first as usize) / b;
-                let (e, i) = (k / per_epoch, k % per_epoch);
-                if *epoch != e {
-                    *order = shuffled(train.len(), seed.wrapping_add(e as u64));
-                    *epoch = e;
-                }
-                train.fill_batch_indices(
-                    &order[i * b..(i + 1) * b],
-                    rows,
-                    &mut self.dense,
-                    &mut self.rows,
-                    &mut self.labels,
-                );
-            }
-        }
+        fill_from(
+            &mut self.src,
+            (m.cfg.batch, m.cfg.rows),
+            stream,
+            first,
+            (&mut self.dense, &mut self.rows, &mut self.labels),
+        );
         let (d, i, o, l) = m.batch_buffers(&self.dense, &self.rows, &self.labels)?;
         self.exec.feed(m.inputs.dense, d)?;
         self.exec.feed(m.inputs.ids, i)?;
@@ -512,31 +720,111 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    /// One training step on the next batch of stream 1; returns (main loss, seconds).
-    /// A non-finite loss is an error naming the step and the block.
-    pub fn train_step(&mut self) -> Result<(f64, f64)> {
+    /// Issues the next training step on the loader's next batch, and returns the oldest
+    /// step in flight once more are in flight than the device runs ahead (on a CUDA
+    /// device the step before this one, so the losses are read one step late without
+    /// stopping the GPU; on the CPU this one). A non-finite loss is an error naming the
+    /// step and the block.
+    pub fn train_step(&mut self) -> Result<Option<StepResult>> {
+        if self.loader.is_none() {
+            self.start_loader()?;
+        }
+        let loader = self
+            .loader
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("no loader"))?;
+        let f = loader.next_batch()?;
+        let step = self.step as u64;
+        if f.batch != step {
+            bail!("the loader gave batch {} for step {step}", f.batch);
+        }
+        self.exec
+            .issue(step, f.slot, &f.mem)
+            .with_context(|| format!("step {step}"))?;
+        self.in_flight.push_back((step, f.slot, f.mem));
+        self.step += 1;
+        if self.in_flight.len() >= self.depth {
+            return self.finish_oldest().map(Some);
+        }
+        Ok(None)
+    }
+
+    /// Waits for the steps in flight; returns the last one's result.
+    pub fn drain(&mut self) -> Result<Option<StepResult>> {
+        let mut last = None;
+        while !self.in_flight.is_empty() {
+            last = Some(self.finish_oldest()?);
+        }
+        self.exec.restart_timing();
+        Ok(last)
+    }
+
+    /// [`Session::train_step`] and [`Session::drain`]: one whole step, finished.
+    pub fn train_step_now(&mut self) -> Result<StepResult> {
+        let a = self.train_step()?;
+        let b = self.drain()?;
+        b.or(a)
+            .ok_or_else(|| anyhow::anyhow!("the step gave no result"))
+    }
+
+    /// A tensor's value now (a parameter, a state); no step may be in flight.
+    pub fn read(&self, t: Tensor) -> Result<Buffer> {
+        if !self.in_flight.is_empty() {
+            bail!(
+                "read: {} steps in flight; drain them first",
+                self.in_flight.len()
+            );
+        }
+        self.exec.get(t)
+    }
+
+    /// The time training waited for the loader so far.
+    pub fn loader_stall(&self) -> std::time::Duration {
+        self.loader
+            .as_ref()
+            .map_or(std::time::Duration::ZERO, |l| l.stalled)
+    }
+
+    fn finish_oldest(&mut self) -> Result<StepResult> {
+        let (step, slot, mem) = self
+            .in_flight
+            .pop_front()
+            .ok_or_else(|| anyhow::anyhow!("no step in flight"))?;
+        let (values, secs) = self
+            .exec
+            .finish(step)
+            .with_context(|| format!("step {step}"))?;
+        if let Some(l) = self.loader.as_mut() {
+            l.give_back(slot, mem);
+        }
         let m = &self.plan.model;
-        let step = self.step;
-        self.feed(1, (step * m.cfg.batch) as u64)?;
-        let secs = self.exec.step().with_context(|| format!("step {step}"))?;
-        let loss = scalar(self.exec.as_ref(), m.main_loss);
+        let loss = values.first().copied().unwrap_or(f64::NAN);
         if !loss.is_finite() {
             bail!("step {step}: the main loss (block 'top') is {loss}; training stopped");
         }
-        for (block, t) in &m.aux_losses {
-            let a = scalar(self.exec.as_ref(), *t);
+        for ((block, _), &a) in m.aux_losses.iter().zip(values.iter().skip(1)) {
             if !a.is_finite() {
                 bail!(
                     "step {step}: the auxiliary loss of block '{block}' is {a}; training stopped"
                 );
             }
         }
-        self.step += 1;
-        Ok((loss, secs))
+        Ok(StepResult {
+            step: step as usize + 1,
+            loss,
+            secs,
+        })
     }
 
-    /// NE and AUC on `examples` held-out examples (stream 2, whole batches).
+    /// NE and AUC on `examples` held-out examples (stream 2, whole batches). Waits for
+    /// the steps in flight first.
     pub fn evaluate(&mut self, examples: usize) -> Result<Eval> {
+        if !self.in_flight.is_empty() {
+            bail!(
+                "evaluate: {} steps in flight; drain them first",
+                self.in_flight.len()
+            );
+        }
         let m = &self.plan.model;
         let b = m.cfg.batch;
         let mut ne = NeState::default();
@@ -554,6 +842,7 @@ impl<'a> Session<'a> {
             scores.extend(logits);
             ys.extend(lab);
         }
+        self.exec.restart_timing();
         Ok(Eval {
             step: self.step,
             ne: ne.ne().unwrap_or(f64::NAN),
@@ -563,6 +852,12 @@ impl<'a> Session<'a> {
     }
 
     pub fn save(&self, path: &std::path::Path, identity: &str) -> Result<()> {
+        if !self.in_flight.is_empty() {
+            bail!(
+                "save: {} steps in flight; drain them first",
+                self.in_flight.len()
+            );
+        }
         let st = crate::checkpoint::CheckpointState {
             step: self.step as u64,
             next_example: (self.step * self.plan.model.cfg.batch) as u64,
@@ -572,6 +867,7 @@ impl<'a> Session<'a> {
     }
 
     pub fn resume(&mut self, path: &std::path::Path, identity: &str) -> Result<()> {
+        self.drain()?;
         let st = crate::checkpoint::load(
             path,
             &self.plan.model.graph,
@@ -579,12 +875,15 @@ impl<'a> Session<'a> {
             Some(identity),
         )?;
         self.step = st.step as usize;
+        // the loader restarts at the resumed step's batch
+        self.loader = None;
         Ok(())
     }
 
     /// Loads a checkpoint's tensors for evaluation: shapes must fit, the training
     /// configuration may differ. Returns the step it was written at.
     pub fn load_weights(&mut self, path: &std::path::Path) -> Result<u64> {
+        self.drain()?;
         let st = crate::checkpoint::load(path, &self.plan.model.graph, self.exec.as_mut(), None)?;
         Ok(st.step)
     }
@@ -612,6 +911,7 @@ fn run_training(
         qps: None,
         arena_bytes: plan.memory.arena_bytes,
         launches: plan.program.launches.len(),
+        loader_stall_secs: 0.0,
     };
     let mut qps = Vec::new();
     if let Some(path) = &cfg.resume {
@@ -625,27 +925,47 @@ fn run_training(
         }
         eprintln!("resumed from {} at step {}", path.display(), s.step);
     }
-    while s.step < cfg.steps {
-        let (loss, secs) = s.train_step()?;
-        let step = s.step;
-        report.losses.push(loss);
-        if step > cfg.warmup {
-            qps.push(b as f64 / secs.max(1e-12));
+    let mut record = |r: StepResult, report: &mut TrainReport, progress: &mut dyn Progress| {
+        report.losses.push(r.loss);
+        let q = b as f64 / r.secs.max(1e-12);
+        if r.step > cfg.warmup {
+            qps.push(q);
         }
-        progress.step(step, cfg.steps, loss, b as f64 / secs.max(1e-12));
+        progress.step(r.step, cfg.steps, r.loss, q);
+    };
+    let mut evals = Vec::new();
+    while s.step < cfg.steps {
+        if let Some(r) = s.train_step()? {
+            record(r, &mut report, progress);
+        }
+        let step = s.step;
         let last = step == cfg.steps;
-        if last || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) {
+        let save = cfg.checkpoint.is_some()
+            && (last || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0));
+        let eval = last || (cfg.eval_every > 0 && step % cfg.eval_every == 0);
+        if save || eval {
+            if let Some(r) = s.drain()? {
+                record(r, &mut report, progress);
+            }
+        }
+        if save {
             if let Some(path) = &cfg.checkpoint {
                 s.save(path, &cfg.identity())?;
             }
         }
-        if last || (cfg.eval_every > 0 && step % cfg.eval_every == 0) {
-            let e = s.evaluate(cfg.eval_examples)?;
-            progress.eval(&e);
-            report.evals.push(e);
+        if eval {
+            evals.push(s.evaluate(cfg.eval_examples)?);
+            if let Some(e) = evals.last() {
+                progress.eval(e);
+            }
         }
     }
+    if let Some(r) = s.drain()? {
+        record(r, &mut report, progress);
+    }
+    report.evals = evals;
     report.qps = qps_summary(&qps);
+    report.loader_stall_secs = s.loader_stall().as_secs_f64();
     Ok(report)
 }
 

@@ -75,7 +75,7 @@ fn one_rank_is_plain_training() {
     let mut s = Session::new(&plan, None, c.seed, c.data_seed, 1).unwrap();
     let mut losses = Vec::new();
     for _ in 0..5 {
-        losses.push(s.train_step().unwrap().0);
+        losses.push(s.train_step_now().unwrap().loss);
     }
     assert_eq!(
         dp.losses, losses,

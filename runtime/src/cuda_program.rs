@@ -43,6 +43,13 @@ pub struct CudaProgram<'a> {
     /// The captured step (graph dispatch), once [`CudaProgram::capture`] ran.
     pub(crate) graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
     pub(crate) arena_set: BTreeMap<Tensor, ()>,
+    /// The input pipeline and the loss read-back ring, once enabled.
+    pub(crate) pipeline: Option<crate::cuda_feed::InputPipeline>,
+    pub(crate) readback: Option<crate::cuda_feed::Readback>,
+    /// While capturing: each kernel node of the graph with the launch that made it;
+    /// kept after the capture (see [`CudaProgram::captured_order`]).
+    pub(crate) capture_nodes: Option<Vec<(sys::CUgraphNode, usize)>>,
+    pub(crate) graph_nodes: Vec<(sys::CUgraphNode, usize)>,
 }
 
 impl<'a> CudaProgram<'a> {
@@ -158,10 +165,19 @@ impl<'a> CudaProgram<'a> {
             ring_inputs: Vec::new(),
             threaded: false,
             arena_set,
+            pipeline: None,
+            readback: None,
+            capture_nodes: None,
+            graph_nodes: Vec::new(),
         })
     }
 
-    fn tensor_ptr(&self, t: Tensor) -> Option<u64> {
+    /// The device this program runs on.
+    pub fn device(&self) -> &'a CudaDevice {
+        self.dev
+    }
+
+    pub(crate) fn tensor_ptr(&self, t: Tensor) -> Option<u64> {
         if let Some(pl) = self.plan.get(alias_root(self.g, &self.arena_set, t)) {
             return Some(self.arena.ptr() + pl.offset as u64);
         }
@@ -226,10 +242,12 @@ impl<'a> CudaProgram<'a> {
                 self.join.wait_on(s)?;
             }
             let all: Vec<usize> = (0..self.prog.launches.len()).collect();
+            self.capture_nodes = Some(Vec::new());
             self.issue(&all)
         })();
         // SAFETY: ends the capture begun above on the same stream, even after an error.
         let graph = unsafe { result::stream::end_capture(main) };
+        self.graph_nodes = self.capture_nodes.take().unwrap_or_default();
         issued?;
         let graph = graph.map_err(|e| err("ending the capture", e))?;
         let mut n: usize = 0;
@@ -444,6 +462,9 @@ impl<'a> CudaProgram<'a> {
                 self.dev.launch_prepared(call, s).map_err(|e| {
                     RuntimeError::Device(format!("'{}': {e}", self.g.node(l.node).name))
                 })?;
+                if let Some(nodes) = self.capture_nodes.as_mut() {
+                    nodes.push((crate::cuda_graph::last_captured_node(s)?, i));
+                }
             }
             if let Some(e) = l.record {
                 self.events[e.0 as usize].record(s)?;

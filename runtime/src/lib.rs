@@ -3,6 +3,8 @@
 pub mod collective;
 pub mod cpu;
 pub mod cuda;
+pub mod cuda_feed;
+pub mod cuda_graph;
 pub mod cuda_program;
 pub mod error;
 pub mod hb;

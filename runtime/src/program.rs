@@ -49,6 +49,11 @@ impl<'a> ProgramRunner<'a> {
     }
 
     /// Sets an input (or overwrites a parameter).
+    /// The graph this runner executes.
+    pub fn graph(&self) -> &'a Graph {
+        self.g
+    }
+
     pub fn feed(&mut self, t: Tensor, b: Buffer) -> Result<(), RuntimeError> {
         crate::error::check_feed(self.g, t, &b)?;
         self.store[t.index()] = Some(b);

@@ -557,6 +557,10 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         );
     }
     println!(
+        "  data loader       waited {:.3} s for batches in all",
+        r.loader_stall_secs
+    );
+    println!(
         "  step program      {} launches, arena {:.1} MiB",
         r.launches,
         r.arena_bytes as f64 / (1 << 20) as f64

@@ -422,7 +422,11 @@ impl<'a> Stepper<'a> {
     /// On the CPU step-program runner, parameters initialised from `seed`.
     pub fn cpu(plan: &'a GraphPlan, seed: u64, threads: usize) -> Result<Self> {
         let r = ProgramRunner::new(&plan.graph, &plan.program, &plan.memory, seed, threads)?;
-        Ok(Self::with_exec(plan, Box::new(r), true))
+        Ok(Self::with_exec(
+            plan,
+            Box::new(crate::train::CpuExec::new(r)),
+            true,
+        ))
     }
 
     /// On a CUDA device (blocking dispatch); only the total step time is measured.

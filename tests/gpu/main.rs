@@ -6,6 +6,7 @@
 
 mod dense;
 mod misc;
+mod pipeline;
 mod runtime;
 mod sanitize;
 

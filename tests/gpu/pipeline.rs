@@ -1,0 +1,188 @@
+//! The trainer's pipeline on the GPU: batches from the loader thread through pinned memory
+//! and the copy stream, losses read back one step late, and the captured step graph's
+//! order checked edge by edge against the step program.
+
+use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
+use erase::graph::{DType, OptimizerConfig, Phase};
+use erase::model::ctr::{CtrConfig, Variant};
+use erase::runtime::cuda_graph::program_reachability;
+use erase::runtime::cuda_program::CudaProgram;
+use erase::train::{plan_step, Data, Dispatch, ScheduleOptions, Session, StepPlan};
+
+fn small_plan(variant: Variant, occupancy: bool) -> StepPlan {
+    let mut cfg = CtrConfig::small().with_variant(variant);
+    cfg.batch = 512;
+    plan_step(
+        &cfg,
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions {
+            occupancy,
+            ..ScheduleOptions::default()
+        },
+    )
+    .expect("plan")
+}
+
+#[test]
+fn pipelined_training_matches_step_by_step_training_in_every_dispatch() {
+    let Some(dev) =
+        super::device("pipelined_training_matches_step_by_step_training_in_every_dispatch")
+    else {
+        return;
+    };
+    let steps = 20;
+    let p = small_plan(Variant::Erase, false);
+    let m = &p.model;
+    let cfg = &m.cfg;
+    // the reference: feed synchronously, run, wait, read the loss, step after step
+    let gen = SyntheticCtr::new(SyntheticConfig {
+        seed: 0,
+        rows: cfg.rows,
+        hot: cfg.hot,
+    });
+    let mut eager = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 1).unwrap();
+    let (mut d, mut r, mut y) = (
+        vec![0f32; cfg.batch * cfg.num_dense],
+        vec![0u32; cfg.ids_per_batch()],
+        vec![0f32; cfg.batch],
+    );
+    let mut want = Vec::new();
+    for step in 0..steps {
+        gen.fill_batch(
+            1,
+            (step * cfg.batch) as u64,
+            cfg.batch,
+            &mut d,
+            &mut r,
+            &mut y,
+        );
+        let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y).unwrap();
+        for (t, b) in [
+            (m.inputs.dense, &bd),
+            (m.inputs.ids, &bi),
+            (m.inputs.offsets, &bo),
+            (m.inputs.label, &bl),
+        ] {
+            eager.feed(t, b).unwrap();
+        }
+        eager.run().unwrap();
+        eager.synchronize().unwrap();
+        want.push(eager.get(m.main_loss).unwrap().to_f64()[0]);
+    }
+    for dispatch in [Dispatch::Blocking, Dispatch::Threaded, Dispatch::Graph] {
+        let mut s =
+            Session::with_dispatch(&p, Some(dev), dispatch, &Data::Synthetic, 1, 0, 1).unwrap();
+        let mut got = Vec::new();
+        let mut late = 0;
+        for _ in 0..steps {
+            if let Some(r) = s.train_step().unwrap() {
+                // one step late: the result that comes back is the step before the one
+                // just issued
+                assert_eq!(
+                    r.step + 1,
+                    s.step,
+                    "{dispatch:?}: results come one step late"
+                );
+                late += 1;
+                got.push(r);
+            }
+        }
+        got.extend(s.drain().unwrap());
+        assert_eq!(
+            late,
+            steps - 1,
+            "{dispatch:?}: every step but the last comes back late"
+        );
+        assert_eq!(got.len(), steps);
+        for (k, r) in got.iter().enumerate() {
+            assert_eq!(r.step, k + 1);
+            assert!(
+                r.loss.to_bits() == want[k].to_bits(),
+                "{dispatch:?} step {k}: loss {} through the pipeline, {} step by step",
+                r.loss,
+                want[k]
+            );
+            assert!(
+                r.secs > 0.0 && r.secs.is_finite(),
+                "{dispatch:?} step {k}: {} s",
+                r.secs
+            );
+        }
+        let mut params: Vec<_> = m.params.iter().map(|x| x.1).collect();
+        params.push(m.table);
+        for t in params {
+            assert!(
+                s.read(t).unwrap() == eager.get(t).unwrap(),
+                "{dispatch:?}: '{}' differs from step-by-step training",
+                m.graph.name(t)
+            );
+        }
+        println!(
+            "{dispatch:?}: {steps} pipelined steps equal step-by-step training; the loader made the steps wait {:.1} ms",
+            s.loader_stall().as_secs_f64() * 1e3
+        );
+    }
+}
+
+#[test]
+fn captured_step_graph_orders_launches_exactly_as_the_program_does() {
+    let Some(dev) =
+        super::device("captured_step_graph_orders_launches_exactly_as_the_program_does")
+    else {
+        return;
+    };
+    for (variant, occupancy) in [
+        (Variant::Erase, false),
+        (Variant::Erase, true),
+        (Variant::Detached, false),
+        (Variant::Baseline, false),
+    ] {
+        let p = small_plan(variant, occupancy);
+        let m = &p.model;
+        let mut prog = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 1).unwrap();
+        let kernels = prog.capture().unwrap();
+        assert_eq!(kernels, prog.kernel_launches());
+        let mask = prog.kernel_mask();
+        let got = prog.captured_order().unwrap();
+        let want = program_reachability(&p.program, &mask);
+        let n = p.program.launches.len();
+        let (mut pairs, mut early_to_forward) = (0usize, 0usize);
+        for a in 0..n {
+            for b in 0..n {
+                let (Some(g), Some(w)) = (got.ordered(a, b), want.ordered(a, b)) else {
+                    continue;
+                };
+                pairs += 1;
+                let name = |i: usize| m.graph.node(p.program.launches[i].node).name.clone();
+                assert_eq!(
+                    g,
+                    w,
+                    "{variant:?} occupancy {occupancy}: the graph {} '{}' -> '{}', the program {}",
+                    if g { "orders" } else { "does not order" },
+                    name(a),
+                    name(b),
+                    if w { "does" } else { "does not" }
+                );
+                let phase = |i: usize| m.graph.node(p.program.launches[i].node).phase;
+                let early = p.program.launches[a].stream.0 != 0;
+                if g && early && phase(a) == Phase::Backward && phase(b) == Phase::Forward {
+                    early_to_forward += 1;
+                }
+            }
+        }
+        assert!(
+            pairs > 1000,
+            "{variant:?}: only {pairs} launch pairs compared"
+        );
+        if variant == Variant::Erase && !occupancy {
+            assert_eq!(
+                early_to_forward, 0,
+                "without the occupancy rule no early backward may be ordered before a forward launch"
+            );
+        }
+        println!(
+            "{variant:?} occupancy {occupancy}: {pairs} launch pairs, graph order = program order; {early_to_forward} early-backward -> forward orderings"
+        );
+    }
+}
