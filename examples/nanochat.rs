@@ -28,7 +28,8 @@ enum Sched {
 enum Device {
     /// The CPU step-program runner (forward, backward and optimizer times measured).
     Cpu,
-    /// The CUDA device (blocking dispatch; only the total step time is measured).
+    /// The CUDA device (blocking dispatch; CUDA events split the step into forward,
+    /// backward after the forward, and optimizer).
     Cuda,
 }
 
@@ -95,6 +96,12 @@ struct Args {
     /// cross-stream waits) and exit without training.
     #[arg(long)]
     plan: bool,
+    /// Measure the last step's kernels (CUDA) and draw them: SVG, or PNG by the extension.
+    #[arg(long, value_name = "FILE")]
+    timeline: Option<PathBuf>,
+    /// Measure the last step's kernels (CUDA) as Chrome / Perfetto trace-event JSON.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -159,7 +166,14 @@ fn main() -> Result<()> {
     print!("{}", p.plan.summary());
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let mut totals = Vec::new();
+    let tracing = a.timeline.is_some() || a.trace.is_some();
+    if tracing && dev.is_none() {
+        bail!("--timeline and --trace measure kernels on a CUDA device: add --device cuda");
+    }
     for s in 0..a.steps {
+        if tracing && s + 1 == a.steps {
+            t.trace_all()?;
+        }
         let r = t.train_step()?;
         if s == 0 {
             first = r.loss;
@@ -199,6 +213,61 @@ fn main() -> Result<()> {
             a.steps,
             median(&totals)
         );
+    }
+    if tracing && a.steps > 0 {
+        let tr = t.last_trace(a.steps - 1)?;
+        let o = tr.overlap();
+        println!(
+            "measured step {}: early backward {:.1} µs, of which {:.1} µs ({:.1} %) ran beside forward work on another stream",
+            a.steps,
+            o.early_backward_us,
+            o.overlapped_us,
+            100.0 * o.fraction
+        );
+        // the fused attention backward: how much of it had company on other streams
+        let step_events: Vec<_> = tr.events.iter().collect();
+        for e in step_events
+            .iter()
+            .filter(|e| e.phase == "bwd" && e.op.contains("attention"))
+        {
+            let beside: f64 = step_events
+                .iter()
+                .filter(|x| x.stream != e.stream)
+                .map(|x| (x.end_us.min(e.end_us) - x.start_us.max(e.start_us)).max(0.0))
+                .sum();
+            println!(
+                "  {} on {}: {:.1} µs, other streams' kernels beside it for {:.1} µs",
+                e.name,
+                tr.stream_label(e.stream as usize),
+                e.duration_us(),
+                beside
+            );
+        }
+        let title = format!(
+            "nanochat: measured step on {} ({} layers, seq {}, batch {})",
+            dev.as_ref().map_or("CPU", |d| d.name.as_str()),
+            cfg.layers,
+            cfg.seq,
+            cfg.batch
+        );
+        if let Some(path) = &a.timeline {
+            let png = path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+            let bytes = if png {
+                tr.to_png(a.steps - 1, 1600, 40 + 44 * tr.stream_count().max(1) as u32)
+            } else {
+                tr.to_svg(a.steps - 1, &title).into_bytes()
+            };
+            std::fs::write(path, bytes)
+                .with_context(|| format!("--timeline {}", path.display()))?;
+            println!("measured timeline written to {}", path.display());
+        }
+        if let Some(path) = &a.trace {
+            std::fs::write(path, tr.to_chrome_json())
+                .with_context(|| format!("--trace {}", path.display()))?;
+            println!("measured trace written to {}", path.display());
+        }
     }
     if a.sample > 0 {
         let prompt = match &a.prompt {

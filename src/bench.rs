@@ -27,6 +27,8 @@ pub struct BenchConfig {
     pub optimizer: OptimizerConfig,
     /// Dispatch modes to measure (each with every variant).
     pub dispatch: Vec<Dispatch>,
+    /// Steps traced after the timed ones, for the overlap figure (CUDA; 0: none).
+    pub trace_steps: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -37,6 +39,8 @@ pub struct BenchRow {
     pub ne: f64,
     pub auc: f64,
     pub final_loss: f64,
+    /// The measured trace of the traced steps (CUDA).
+    pub trace: Option<erase_runtime::trace::Trace>,
 }
 
 /// Runs the benchmark; `progress` hears about every finished chunk.
@@ -108,6 +112,7 @@ pub fn bench(
             ne: e.ne,
             auc: e.auc,
             final_loss: last_loss[i],
+            trace: None,
         });
     }
     Ok(rows)
@@ -157,6 +162,38 @@ pub fn render(rows: &[BenchRow], device: &str, batch: usize) -> String {
             gap
         );
     }
+    let traced: Vec<&BenchRow> = rows.iter().filter(|r| r.trace.is_some()).collect();
+    if !traced.is_empty() {
+        let _ = writeln!(
+            s,
+            "measured overlap (traced steps): share of early backward work that ran beside forward work; busy share per stream"
+        );
+    }
+    for r in traced {
+        if let Some(t) = &r.trace {
+            let o = t.overlap();
+            let busy = o
+                .steps
+                .last()
+                .map(|st| {
+                    st.streams
+                        .iter()
+                        .map(|b| format!("{} {:.0} %", b.name, 100.0 * b.busy_fraction))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .unwrap_or_default();
+            let _ = writeln!(
+                s,
+                "  {:<10} {:<9} {:>5.1} % of {:>7.1} µs early backward overlapped; {}",
+                r.variant.as_str(),
+                r.dispatch,
+                100.0 * o.fraction,
+                o.early_backward_us / o.steps.len().max(1) as f64,
+                busy
+            );
+        }
+    }
     s
 }
 
@@ -169,6 +206,7 @@ pub fn to_json(rows: &[BenchRow]) -> String {
                 "variant": r.variant.as_str(), "dispatch": r.dispatch,
                 "qps_p50": r.qps.p50, "qps_p90": r.qps.p90, "qps_mean": r.qps.mean, "steps": r.qps.steps,
                 "ne": r.ne, "auc": r.auc, "final_loss": r.final_loss,
+                "overlap_fraction": r.trace.as_ref().map(|t| t.overlap().fraction),
             })
         })
         .collect();
@@ -269,6 +307,26 @@ fn bench_cuda(
             "{done}/{total} steps of each variant and dispatch"
         ));
     }
+    let mut traces = Vec::new();
+    for (_, prog) in progs.iter_mut() {
+        if cfg.trace_steps == 0 {
+            traces.push(None);
+            continue;
+        }
+        let mut t = None;
+        prog.set_tracing(true)?;
+        for k in 0..cfg.trace_steps {
+            prog.run_staged(total + k, &marks[0])?;
+            prog.synchronize()?;
+            let m = prog.traced_step()?;
+            let tr = t.get_or_insert_with(|| {
+                erase_runtime::trace::Trace::new(prog.program(), "measured (CUDA events)")
+            });
+            tr.push_measured(prog.program(), prog.graph(), k, &m);
+        }
+        prog.set_tracing(false)?;
+        traces.push(t);
+    }
     let mut rows = Vec::new();
     for (j, (i, prog)) in progs.iter_mut().enumerate() {
         let m = &plans[*i].model;
@@ -317,6 +375,7 @@ fn bench_cuda(
             ne: ne.ne().unwrap_or(f64::NAN),
             auc: auc(&scores, &ys).unwrap_or(f64::NAN),
             final_loss,
+            trace: traces[j].take(),
         });
     }
     Ok(rows)

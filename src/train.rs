@@ -17,11 +17,13 @@ use erase_ops::Buffer;
 use erase_runtime::cuda::{buffer_from_bytes, CudaDevice};
 use erase_runtime::cuda_feed::InputLayout;
 use erase_runtime::cuda_program::CudaProgram;
+use erase_runtime::cuda_trace::MeasuredStep;
 use erase_runtime::hb;
 use erase_runtime::memory::{plan_memory, MemoryPlan};
 use erase_runtime::occupancy::DeviceModel;
 use erase_runtime::program::ProgramRunner;
 use erase_runtime::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram};
+use erase_runtime::trace::Trace;
 
 /// How the step is scheduled.
 #[derive(Clone, Debug)]
@@ -123,6 +125,15 @@ pub struct TrainConfig {
     pub dispatch: Dispatch,
     /// Where examples come from.
     pub data: Data,
+    /// Measure a kernel trace of these steps (CUDA only).
+    pub trace: Option<TraceWindow>,
+}
+
+/// Which steps a measured trace covers: `steps` steps from step `start` (0-based).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceWindow {
+    pub start: usize,
+    pub steps: usize,
 }
 
 /// Training and evaluation examples.
@@ -194,6 +205,8 @@ pub struct TrainReport {
     pub launches: usize,
     /// Seconds the steps waited for the loader thread in all.
     pub loader_stall_secs: f64,
+    /// The measured trace, when asked for.
+    pub trace: Option<Trace>,
 }
 
 /// Where progress goes: a live line on a terminal, plain lines otherwise.
@@ -234,6 +247,19 @@ pub trait StepExec: crate::checkpoint::TensorStore {
     fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)>;
     /// The next step's time starts afresh (an evaluation or a checkpoint came between).
     fn restart_timing(&mut self) {}
+    /// Traces the steps issued from now on (`true`), or stops tracing.
+    fn set_tracing(&mut self, _on: bool) -> Result<()> {
+        bail!("a measured trace needs a CUDA device (`erase-ctr plan --trace` writes the predicted one)")
+    }
+    /// Traces (`true`) the launches `which` of the steps issued from now on, besides
+    /// those traced already; `false` stops tracing.
+    fn set_tracing_of(&mut self, _on: bool, _which: &[usize]) -> Result<()> {
+        bail!("a measured trace needs a CUDA device")
+    }
+    /// The last traced step's times, once it has finished.
+    fn traced_step(&self) -> Result<MeasuredStep> {
+        bail!("a measured trace needs a CUDA device")
+    }
 }
 
 /// The CPU runner with what stepping from packed batches needs.
@@ -385,6 +411,15 @@ impl StepExec for CudaProgram<'_> {
     }
     fn restart_timing(&mut self) {
         CudaProgram::restart_timing(self);
+    }
+    fn set_tracing(&mut self, on: bool) -> Result<()> {
+        Ok(CudaProgram::set_tracing(self, on)?)
+    }
+    fn set_tracing_of(&mut self, on: bool, which: &[usize]) -> Result<()> {
+        Ok(CudaProgram::set_tracing_of(self, on, which)?)
+    }
+    fn traced_step(&self) -> Result<MeasuredStep> {
+        Ok(CudaProgram::traced_step(self)?)
     }
 }
 
@@ -767,6 +802,31 @@ impl<'a> Session<'a> {
             .ok_or_else(|| anyhow::anyhow!("the step gave no result"))
     }
 
+    /// Runs `steps` training steps traced (one at a time: each is waited for before the
+    /// next, so the marks of one step are read before the next overwrites them) and
+    /// returns their measured trace and results. CUDA only.
+    pub fn trace_steps(&mut self, steps: usize) -> Result<(Trace, Vec<StepResult>)> {
+        let mut results = Vec::new();
+        if let Some(r) = self.drain()? {
+            results.push(r);
+        }
+        let mut trace = Trace::new(&self.plan.program, "measured (CUDA events)");
+        self.exec.set_tracing(true)?;
+        let traced = (|| -> Result<()> {
+            for _ in 0..steps {
+                let step = self.step;
+                results.extend(self.train_step()?);
+                results.extend(self.drain()?);
+                let m = self.exec.traced_step()?;
+                trace.push_measured(&self.plan.program, &self.plan.model.graph, step, &m);
+            }
+            Ok(())
+        })();
+        self.exec.set_tracing(false)?;
+        traced?;
+        Ok((trace, results))
+    }
+
     /// A tensor's value now (a parameter, a state); no step may be in flight.
     pub fn read(&self, t: Tensor) -> Result<Buffer> {
         if !self.in_flight.is_empty() {
@@ -912,6 +972,7 @@ fn run_training(
         arena_bytes: plan.memory.arena_bytes,
         launches: plan.program.launches.len(),
         loader_stall_secs: 0.0,
+        trace: None,
     };
     let mut qps = Vec::new();
     if let Some(path) = &cfg.resume {
@@ -934,8 +995,24 @@ fn run_training(
         progress.step(r.step, cfg.steps, r.loss, q);
     };
     let mut evals = Vec::new();
+    let window = cfg.trace.map(|w| {
+        let start = w.start.min(cfg.steps.saturating_sub(1));
+        (start, w.steps.clamp(1, cfg.steps - start))
+    });
     while s.step < cfg.steps {
-        if let Some(r) = s.train_step()? {
+        if let Some((start, n)) = window.filter(|w| w.0 == s.step) {
+            let (trace, results) = s.trace_steps(n)?;
+            for r in results {
+                if r.step > start {
+                    // traced steps carry the marks' cost: not in the throughput figures
+                    report.losses.push(r.loss);
+                    progress.step(r.step, cfg.steps, r.loss, b as f64 / r.secs.max(1e-12));
+                } else {
+                    record(r, &mut report, progress);
+                }
+            }
+            report.trace = Some(trace);
+        } else if let Some(r) = s.train_step()? {
             record(r, &mut report, progress);
         }
         let step = s.step;

@@ -32,6 +32,7 @@ fn cfg(steps: usize, dir: &std::path::Path, name: &str) -> TrainConfig {
         resume: None,
         dispatch: Default::default(),
         data: Default::default(),
+        trace: None,
     }
 }
 

@@ -29,6 +29,7 @@ fn cfg(steps: usize) -> TrainConfig {
         resume: None,
         dispatch: Default::default(),
         data: Default::default(),
+        trace: None,
     }
 }
 

@@ -124,6 +124,18 @@ impl Event {
         unsafe { result::event::record(self.raw, s.raw) }.map_err(|e| driver_err("event record", e))
     }
 
+    /// Records on `s`; `external` (during a capture) makes the record a node of the graph,
+    /// so that replays record the event too (as trace marks need).
+    pub fn record_flagged(&self, s: &Stream, external: bool) -> Result<(), RuntimeError> {
+        if !external {
+            return self.record(s);
+        }
+        // SAFETY: both handles are live; flag 1 is CU_EVENT_RECORD_EXTERNAL.
+        unsafe { sys::cuEventRecordWithFlags(self.raw, s.raw(), 1) }
+            .result()
+            .map_err(|e| driver_err("recording an event into the graph", e))
+    }
+
     /// Makes `s` wait for the work recorded before this event.
     pub fn wait_on(&self, s: &Stream) -> Result<(), RuntimeError> {
         // SAFETY: both handles are live and belong to the current context.

@@ -231,6 +231,11 @@ impl CudaProgram<'_> {
         let err = |what: &str, e: cudarc::driver::result::DriverError| {
             RuntimeError::Device(format!("{what}: {e:?}"))
         };
+        self.trace_start()?;
+        let marks = self.trace.as_mut().filter(|t| t.armed).map(|t| {
+            t.copies_recorded = true;
+            &t.copies
+        });
         let p = self.pipeline.as_ref().ok_or_else(|| {
             RuntimeError::Device("the input pipeline is not set up: call enable_pipeline".into())
         })?;
@@ -248,6 +253,9 @@ impl CudaProgram<'_> {
         // the copy may overwrite the staging buffer once the step that read it took its
         // inputs out (an event never recorded is complete)
         p.consumed[slot].wait_on(&p.copy)?;
+        if let Some(m) = marks {
+            m[0].0.record(&p.copy)?;
+        }
         // SAFETY: `host` is pinned and holds at least `layout.bytes` bytes (checked); the
         // destination is a live device allocation of that size; the caller keeps `host`
         // unchanged until `copied[slot]` completes.
@@ -261,8 +269,14 @@ impl CudaProgram<'_> {
         }
         .result()
         .map_err(|e| err("copying a batch to the device", e))?;
+        if let Some(m) = marks {
+            m[0].1.record(&p.copy)?;
+        }
         p.copied[slot].record(&p.copy)?;
         p.copied[slot].wait_on(main)?;
+        if let Some(m) = marks {
+            m[1].0.record(main)?;
+        }
         for &(t, off, len) in &p.layout.inputs {
             let leaf = self.leaves[&t].ptr();
             // SAFETY: both ranges lie inside live allocations (the layout was built from
@@ -271,6 +285,9 @@ impl CudaProgram<'_> {
             unsafe { sys::cuMemcpyDtoDAsync_v2(leaf, dst.ptr() + off as u64, len, main.raw()) }
                 .result()
                 .map_err(|e| err("copying a batch into the step's inputs", e))?;
+        }
+        if let Some(m) = marks {
+            m[1].1.record(main)?;
         }
         p.consumed[slot].record(main)?;
         let rb = self

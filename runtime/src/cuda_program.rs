@@ -50,6 +50,8 @@ pub struct CudaProgram<'a> {
     /// kept after the capture (see [`CudaProgram::captured_order`]).
     pub(crate) capture_nodes: Option<Vec<(sys::CUgraphNode, usize)>>,
     pub(crate) graph_nodes: Vec<(sys::CUgraphNode, usize)>,
+    /// Event marks around every launch, once tracing is enabled (see `cuda_trace`).
+    pub(crate) trace: Option<crate::cuda_trace::TraceState>,
 }
 
 impl<'a> CudaProgram<'a> {
@@ -169,7 +171,18 @@ impl<'a> CudaProgram<'a> {
             readback: None,
             capture_nodes: None,
             graph_nodes: Vec::new(),
+            trace: None,
         })
+    }
+
+    /// The step program this runs.
+    pub fn program(&self) -> &'a StepProgram {
+        self.prog
+    }
+
+    /// The graph this runs.
+    pub fn graph(&self) -> &'a Graph {
+        self.g
     }
 
     /// The device this program runs on.
@@ -200,6 +213,20 @@ impl<'a> CudaProgram<'a> {
     /// Issues one step: every launch on its stream, with the program's waits and records.
     /// Returns once issued; [`CudaProgram::synchronize`] waits for it.
     pub fn run(&mut self) -> Result<(), RuntimeError> {
+        self.trace_start()?;
+        let traced_exec = self
+            .trace
+            .as_ref()
+            .filter(|t| t.armed)
+            .and_then(|t| t.graph.map(|g| g.1));
+        if let (Some(exec), Some(_)) = (traced_exec, self.graph) {
+            self.start.record(&self.streams[0])?;
+            // SAFETY: as below, for the traced copy of the step graph.
+            unsafe { result::graph::launch(exec, self.streams[0].raw()) }.map_err(|e| {
+                RuntimeError::Device(format!("launching the traced step graph: {e:?}"))
+            })?;
+            return self.end.record(&self.streams[0]);
+        }
         if let Some((_, exec)) = self.graph {
             self.start.record(&self.streams[0])?;
             // SAFETY: `exec` is a live instantiated graph of this context; every buffer
@@ -222,6 +249,24 @@ impl<'a> CudaProgram<'a> {
     /// calls replay it with one launch. Returns the graph's kernel nodes, which must
     /// equal the launches the eager step issues.
     pub fn capture(&mut self) -> Result<usize, RuntimeError> {
+        let (graph, exec, kernels) = self.capture_graph(false)?;
+        self.graph = Some((graph, exec));
+        // events recorded during the capture became graph edges; eager launches (such as
+        // an evaluation's forward) need events of their own
+        self.events = (0..self.prog.events)
+            .map(|_| self.dev.event(false))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.join = self.dev.event(false)?;
+        Ok(kernels)
+    }
+
+    /// Captures the whole step into a new graph and instantiates it; `traced` records the
+    /// trace marks as event-record nodes (see `cuda_trace`). Returns the graph, its
+    /// executable and its kernel nodes.
+    pub(crate) fn capture_graph(
+        &mut self,
+        traced: bool,
+    ) -> Result<(sys::CUgraph, sys::CUgraphExec, usize), RuntimeError> {
         let err =
             |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
         self.streams[0].synchronize()?;
@@ -235,6 +280,9 @@ impl<'a> CudaProgram<'a> {
             )
         }
         .map_err(|e| err("beginning the capture", e))?;
+        if let Some(t) = self.trace.as_mut() {
+            t.capturing = traced;
+        }
         let issued = (|| -> Result<(), RuntimeError> {
             // every pool stream enters the capture through the main stream
             self.join.record(&self.streams[0])?;
@@ -242,12 +290,19 @@ impl<'a> CudaProgram<'a> {
                 self.join.wait_on(s)?;
             }
             let all: Vec<usize> = (0..self.prog.launches.len()).collect();
-            self.capture_nodes = Some(Vec::new());
+            if !traced {
+                self.capture_nodes = Some(Vec::new());
+            }
             self.issue(&all)
         })();
         // SAFETY: ends the capture begun above on the same stream, even after an error.
         let graph = unsafe { result::stream::end_capture(main) };
-        self.graph_nodes = self.capture_nodes.take().unwrap_or_default();
+        if let Some(t) = self.trace.as_mut() {
+            t.capturing = false;
+        }
+        if !traced {
+            self.graph_nodes = self.capture_nodes.take().unwrap_or_default();
+        }
         issued?;
         let graph = graph.map_err(|e| err("ending the capture", e))?;
         let mut n: usize = 0;
@@ -277,14 +332,7 @@ impl<'a> CudaProgram<'a> {
             )
         }
         .map_err(|e| err("instantiating the step graph", e))?;
-        self.graph = Some((graph, exec));
-        // events recorded during the capture became graph edges; eager launches (such as
-        // an evaluation's forward) need events of their own
-        self.events = (0..self.prog.events)
-            .map(|_| self.dev.event(false))
-            .collect::<Result<Vec<_>, _>>()?;
-        self.join = self.dev.event(false)?;
-        Ok(kernels)
+        Ok((graph, exec, kernels))
     }
 
     /// Copies `batches` (each one buffer per tensor of `inputs`) to device memory, so that
@@ -383,6 +431,7 @@ impl<'a> CudaProgram<'a> {
             &self.streams,
             &self.events,
         );
+        let trace = self.trace.as_ref().and_then(|t| t.active());
         let work = |me: usize| -> Result<(), RuntimeError> {
             if me == 1 {
                 dev.bind()?;
@@ -409,8 +458,15 @@ impl<'a> CudaProgram<'a> {
                     events[w.event.0 as usize].wait_on(&streams[l.stream.0 as usize])?;
                 }
                 let s = &streams[l.stream.0 as usize];
+                let mark = crate::cuda_trace::mark_of(trace, i);
+                if let Some((m, external)) = mark {
+                    m.0.record_flagged(s, external)?;
+                }
                 for call in &prepared[i].calls {
                     dev.launch_prepared(call, s)?;
+                }
+                if let Some((m, external)) = mark {
+                    m.1.record_flagged(s, external)?;
                 }
                 if let Some(e) = l.record {
                     events[e.0 as usize].record(s)?;
@@ -458,6 +514,10 @@ impl<'a> CudaProgram<'a> {
             for w in &l.waits {
                 self.events[w.event.0 as usize].wait_on(s)?;
             }
+            let mark = self.trace.as_ref().and_then(|t| t.mark(i));
+            if let Some((m, external)) = mark {
+                m.0.record_flagged(s, external)?;
+            }
             for call in &self.prepared[i].calls {
                 self.dev.launch_prepared(call, s).map_err(|e| {
                     RuntimeError::Device(format!("'{}': {e}", self.g.node(l.node).name))
@@ -465,6 +525,9 @@ impl<'a> CudaProgram<'a> {
                 if let Some(nodes) = self.capture_nodes.as_mut() {
                     nodes.push((crate::cuda_graph::last_captured_node(s)?, i));
                 }
+            }
+            if let Some((m, external)) = mark {
+                m.1.record_flagged(s, external)?;
             }
             if let Some(e) = l.record {
                 self.events[e.0 as usize].record(s)?;
@@ -504,6 +567,13 @@ impl<'a> CudaProgram<'a> {
 impl Drop for CudaProgram<'_> {
     fn drop(&mut self) {
         let _ = self.streams[0].synchronize();
+        if let Some((graph, exec)) = self.trace.as_mut().and_then(|t| t.graph.take()) {
+            // SAFETY: created by `capture_graph`, destroyed once, after the last replay.
+            unsafe {
+                let _ = result::graph::exec_destroy(exec);
+                let _ = result::graph::destroy(graph);
+            }
+        }
         if let Some((graph, exec)) = self.graph.take() {
             // SAFETY: created by `capture`, destroyed once, after the last replay finished.
             unsafe {

@@ -6,6 +6,7 @@ pub mod cuda;
 pub mod cuda_feed;
 pub mod cuda_graph;
 pub mod cuda_program;
+pub mod cuda_trace;
 pub mod error;
 pub mod hb;
 pub mod init;

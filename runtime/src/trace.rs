@@ -165,7 +165,7 @@ impl Trace {
     /// Launches without a kernel (free ops such as reshape) are left out.
     pub fn push_step(&mut self, prog: &StepProgram, g: &Graph, step: usize, times: &[(f64, f64)]) {
         for (l, &(start, end)) in prog.launches.iter().zip(times) {
-            if l.spec.is_none() {
+            if l.spec.is_none() || !start.is_finite() || !end.is_finite() {
                 continue;
             }
             self.events.push(TraceEvent {
@@ -179,6 +179,42 @@ impl Trace {
                 start_us: start * 1e6,
                 end_us: end * 1e6,
                 kind: TraceKind::Kernel,
+            });
+        }
+    }
+
+    /// Adds one measured step of `prog` (see `cuda_trace`): its launches, and its batch
+    /// copies (the copy to the device on a `copy` lane after the program's streams).
+    pub fn push_measured(
+        &mut self,
+        prog: &StepProgram,
+        g: &Graph,
+        step: usize,
+        m: &crate::cuda_trace::MeasuredStep,
+    ) {
+        self.push_step(prog, g, step, &m.launches);
+        for &(what, start, end) in &m.copies {
+            let stream = if what.starts_with("h2d") {
+                let s = prog.streams as u16;
+                if self.stream_names.len() <= s as usize {
+                    self.stream_names.resize(s as usize, String::new());
+                    self.stream_names.push("copy".into());
+                }
+                s
+            } else {
+                0
+            };
+            self.events.push(TraceEvent {
+                name: format!("copy {what}"),
+                block: "data".into(),
+                phase: "copy".into(),
+                op: what.into(),
+                node: String::new(),
+                stream,
+                step,
+                start_us: start * 1e6,
+                end_us: end * 1e6,
+                kind: TraceKind::Copy,
             });
         }
     }

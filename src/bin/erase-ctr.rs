@@ -216,6 +216,21 @@ struct TrainArgs {
     /// Write one JSON object per step and per evaluation to this file.
     #[arg(long)]
     metrics: Option<std::path::PathBuf>,
+    /// Measure a kernel trace (CUDA): every kernel and batch copy of --trace-steps steps
+    /// from --trace-from, timed by CUDA events on their own streams, written as Chrome /
+    /// Perfetto trace-event JSON (one track per stream; open it in ui.perfetto.dev).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
+    /// Draw the last traced step as a picture (SVG, or PNG by the file's extension): the
+    /// streams as lanes, kernels coloured by block and phase. Implies tracing.
+    #[arg(long, value_name = "FILE")]
+    timeline: Option<std::path::PathBuf>,
+    /// The first traced step (0-based; default: the first after --warmup).
+    #[arg(long, value_name = "STEP")]
+    trace_from: Option<usize>,
+    /// How many steps to trace.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    trace_steps: usize,
     /// Save parameters and optimizer state here at the end (safetensors, written
     /// atomically).
     #[arg(long, value_name = "FILE")]
@@ -295,6 +310,13 @@ struct BenchArgs {
     /// Also write the rows as JSON to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Steps traced after the timed ones (CUDA) for the measured overlap figure; 0: none.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    trace_steps: usize,
+    /// Write each variant's and dispatch's measured trace here (`<variant>-<dispatch>.json`
+    /// and `.svg`).
+    #[arg(long, value_name = "DIR")]
+    trace_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -466,7 +488,14 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         resume: a.resume.clone(),
         dispatch: a.dispatch.into(),
         data,
+        trace: (a.trace.is_some() || a.timeline.is_some()).then(|| erase::train::TraceWindow {
+            start: a.trace_from.unwrap_or(a.warmup),
+            steps: a.trace_steps.max(1),
+        }),
     };
+    if (a.trace.is_some() || a.timeline.is_some()) && dev.is_none() {
+        bail!("--trace and --timeline measure kernels on a CUDA device; this run is on the CPU (`erase-ctr plan --trace/--timeline` gives the simulator's prediction)");
+    }
     if a.checkpoint_every > 0 && a.checkpoint.is_none() {
         bail!("--checkpoint-every needs --checkpoint FILE");
     }
@@ -560,6 +589,22 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         "  data loader       waited {:.3} s for batches in all",
         r.loader_stall_secs
     );
+    if let Some(t) = &r.trace {
+        print_overlap("measured", &t.overlap());
+        let title = format!(
+            "erase-ctr {variant}: measured step on {} (batch {}, {} dispatch)",
+            dev.as_ref().map_or("CPU", |d| d.name.as_str()),
+            model.batch,
+            cfg.dispatch.as_str()
+        );
+        write_trace_files(
+            t,
+            a.trace.as_deref(),
+            a.timeline.as_deref(),
+            &title,
+            "measured",
+        )?;
+    }
     println!(
         "  step program      {} launches, arena {:.1} MiB",
         r.launches,
@@ -604,6 +649,7 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
         schedule: a.model.schedule(),
         optimizer: OptimizerConfig::default(),
         dispatch: a.dispatch.iter().map(|&d| d.into()).collect(),
+        trace_steps: if dev.is_some() { a.trace_steps } else { 0 },
     };
     let name = dev
         .as_ref()
@@ -614,6 +660,27 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
     if let Some(p) = &a.json {
         std::fs::write(p, erase::bench::to_json(&rows))
             .with_context(|| format!("--json {}", p.display()))?;
+    }
+    if let Some(dir) = &a.trace_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("--trace-dir {}", dir.display()))?;
+        for r in &rows {
+            if let Some(t) = &r.trace {
+                let stem = format!("{}-{}", r.variant.as_str(), r.dispatch);
+                let title = format!(
+                    "erase-ctr {}: measured step on {name} (batch {}, {} dispatch)",
+                    r.variant.as_str(),
+                    model.batch,
+                    r.dispatch
+                );
+                write_trace_files(
+                    t,
+                    Some(&dir.join(format!("{stem}.json"))),
+                    Some(&dir.join(format!("{stem}.svg"))),
+                    &title,
+                    "measured",
+                )?;
+            }
+        }
     }
     Ok(())
 }
@@ -926,6 +993,60 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Writes a trace as Chrome / Perfetto JSON and its last step as a picture (SVG or PNG).
+fn write_trace_files(
+    trace: &Trace,
+    json: Option<&std::path::Path>,
+    picture: Option<&std::path::Path>,
+    title: &str,
+    what: &str,
+) -> Result<()> {
+    let step = trace.steps().last().copied().unwrap_or(0);
+    if let Some(path) = picture {
+        let png = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+        let bytes = if png {
+            let h = 40 + 44 * trace.stream_count().max(1) as u32;
+            trace.to_png(step, 1600, h)
+        } else {
+            trace.to_svg(step, title).into_bytes()
+        };
+        std::fs::write(path, bytes).with_context(|| format!("--timeline {}", path.display()))?;
+        println!("{what} timeline written to {}", path.display());
+    }
+    if let Some(path) = json {
+        std::fs::write(path, trace.to_chrome_json())
+            .with_context(|| format!("--trace {}", path.display()))?;
+        println!("{what} trace written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The overlap figure of a trace, as `train` and `bench` print it.
+fn print_overlap(what: &str, o: &erase::runtime::trace::Overlap) {
+    println!(
+        "  {what} overlap: early backward {:.1} µs over {} step(s), of which {:.1} µs ({:.1} %) ran while forward work ran on another stream",
+        o.early_backward_us,
+        o.steps.len(),
+        o.overlapped_us,
+        100.0 * o.fraction
+    );
+    if let Some(last) = o.steps.last() {
+        let busy: Vec<String> = last
+            .streams
+            .iter()
+            .map(|b| format!("{} {:.0} %", b.name, 100.0 * b.busy_fraction))
+            .collect();
+        println!(
+            "  busy share of the {:.1} µs step {} per stream: {}",
+            last.span_us,
+            last.step,
+            busy.join(", ")
+        );
+    }
 }
 
 /// Puts the flags a `--config FILE` holds before the command line's own, so that the

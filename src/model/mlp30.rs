@@ -44,6 +44,7 @@ use erase_runtime::memory::{plan_memory, MemoryPlan};
 use erase_runtime::occupancy::DeviceModel;
 use erase_runtime::program::ProgramRunner;
 use erase_runtime::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram, StreamId};
+use erase_runtime::trace::Trace;
 
 use crate::data::mnist::{self, Mnist, CLASSES, PIXELS};
 use crate::train::StepExec;
@@ -416,6 +417,31 @@ pub struct Stepper<'a> {
     groups: Vec<(Phase, bool, Vec<usize>)>,
     forward: Vec<usize>,
     phased: bool,
+    /// CUDA: the launches whose marks split the step (first, last forward, first
+    /// optimizer, last).
+    cuda_marks: Option<PhaseMarks>,
+    launches: usize,
+}
+
+type PhaseMarks = (Option<usize>, Option<usize>, Option<usize>, Option<usize>);
+
+/// The launches that bound a step's phases: (first launch, last forward launch, first
+/// optimizer launch, last launch), each among the launches that issue kernels.
+fn phase_marks(plan: &GraphPlan) -> PhaseMarks {
+    let g = &plan.graph;
+    let l = &plan.program.launches;
+    let real = |i: &usize| l[*i].spec.is_some();
+    let phase = |i: usize| g.node(l[i].node).phase;
+    let n = l.len();
+    (
+        (0..n).find(real),
+        (0..n)
+            .rev()
+            .filter(real)
+            .find(|&i| phase(i) == Phase::Forward),
+        (0..n).filter(real).find(|&i| phase(i) == Phase::Optimizer),
+        (0..n).rev().find(real),
+    )
 }
 
 impl<'a> Stepper<'a> {
@@ -429,10 +455,21 @@ impl<'a> Stepper<'a> {
         ))
     }
 
-    /// On a CUDA device (blocking dispatch); only the total step time is measured.
+    /// On a CUDA device (blocking dispatch). CUDA events on the streams mark the end of
+    /// the last forward launch and the start of the first optimizer launch, which split
+    /// the step as `torch_mlp30.py` does: forward, backward after the forward (not hidden
+    /// behind it), optimizer.
     pub fn cuda(plan: &'a GraphPlan, dev: &'a CudaDevice, seed: u64) -> Result<Self> {
-        let p = CudaProgram::new(dev, &plan.graph, &plan.program, &plan.memory, seed)?;
-        Ok(Self::with_exec(plan, Box::new(p), false))
+        let mut p = CudaProgram::new(dev, &plan.graph, &plan.program, &plan.memory, seed)?;
+        let (first, last_fwd, first_opt, last) = phase_marks(plan);
+        let marks: Vec<usize> = [first, last_fwd, first_opt, last]
+            .into_iter()
+            .flatten()
+            .collect();
+        p.set_tracing_of(true, &marks)?;
+        let mut s = Self::with_exec(plan, Box::new(p), false);
+        s.cuda_marks = Some((first, last_fwd, first_opt, last));
+        Ok(s)
     }
 
     /// On the CUDA device when `dev` is given, else on the CPU.
@@ -467,6 +504,8 @@ impl<'a> Stepper<'a> {
             groups,
             forward,
             phased,
+            cuda_marks: None,
+            launches: n,
         }
     }
 
@@ -491,10 +530,22 @@ impl<'a> Stepper<'a> {
     pub fn step(&mut self) -> Result<StepTimes> {
         if !self.phased {
             let total = self.exec.step()?;
-            return Ok(StepTimes {
+            let mut t = StepTimes {
                 total,
                 ..Default::default()
-            });
+            };
+            if let Some((Some(first), Some(fwd), Some(opt), Some(last))) = self.cuda_marks {
+                let m = self.exec.traced_step()?;
+                let (start, fwd_end) = (m.launches[first].0, m.launches[fwd].1);
+                let (opt_start, end) = (m.launches[opt].0, m.launches[last].1);
+                t.forward = fwd_end - start;
+                t.backward_exposed = opt_start - fwd_end;
+                // the backward hidden behind the forward is not measured on the GPU
+                t.backward = f64::NAN;
+                t.optimizer = end - opt_start;
+                t.phased = true;
+            }
+            return Ok(t);
         }
         let mut t = StepTimes {
             phased: true,
@@ -517,6 +568,20 @@ impl<'a> Stepper<'a> {
             }
         }
         t.total = t0.elapsed().as_secs_f64();
+        Ok(t)
+    }
+
+    /// Marks every launch of the steps from now on (CUDA), for [`Stepper::last_trace`].
+    pub fn trace_all(&mut self) -> Result<()> {
+        let all: Vec<usize> = (0..self.launches).collect();
+        self.exec.set_tracing_of(true, &all)
+    }
+
+    /// The measured trace of the last step (after [`Stepper::trace_all`]), as step `step`.
+    pub fn last_trace(&self, plan: &GraphPlan, step: usize) -> Result<Trace> {
+        let m = self.exec.traced_step()?;
+        let mut t = Trace::new(&plan.program, "measured (CUDA events)");
+        t.push_measured(&plan.program, &plan.graph, step, &m);
         Ok(t)
     }
 

@@ -310,6 +310,16 @@ impl<'a> NanoTrainer<'a> {
     }
 
     /// One step on the next batch. A non-finite loss is an error.
+    /// Marks every launch of the steps from now on (CUDA), for [`NanoTrainer::last_trace`].
+    pub fn trace_all(&mut self) -> Result<()> {
+        self.stepper.trace_all()
+    }
+
+    /// The measured trace of the last step, after [`NanoTrainer::trace_all`].
+    pub fn last_trace(&self, step: usize) -> Result<erase_runtime::trace::Trace> {
+        self.stepper.last_trace(&self.m.plan, step)
+    }
+
     pub fn train_step(&mut self) -> Result<NanoStep> {
         let (b, s) = (self.m.cfg.batch, self.m.cfg.seq);
         for i in 0..b {

@@ -186,3 +186,82 @@ fn captured_step_graph_orders_launches_exactly_as_the_program_does() {
         );
     }
 }
+
+#[test]
+fn measured_trace_shows_erase_overlapping_and_detached_not() {
+    let Some(dev) = super::device("measured_trace_shows_erase_overlapping_and_detached_not") else {
+        return;
+    };
+    for dispatch in [Dispatch::Graph, Dispatch::Blocking] {
+        let mut fractions = Vec::new();
+        for variant in [Variant::Erase, Variant::Detached] {
+            let cfg = CtrConfig::default().with_variant(variant);
+            let p = plan_step(
+                &cfg,
+                DType::F32,
+                &OptimizerConfig::default(),
+                &ScheduleOptions::default(),
+            )
+            .unwrap();
+            let mut s =
+                Session::with_dispatch(&p, Some(dev), dispatch, &Data::Synthetic, 1, 0, 1).unwrap();
+            for _ in 0..5 {
+                s.train_step().unwrap();
+            }
+            let (trace, results) = s.trace_steps(3).unwrap();
+            assert_eq!(results.last().map(|r| r.step), Some(8));
+            assert_eq!(trace.steps(), vec![5, 6, 7]);
+            let kernels = p
+                .program
+                .launches
+                .iter()
+                .filter(|l| l.spec.is_some())
+                .count();
+            for st in trace.steps() {
+                let (lo, hi) = trace.step_bounds(st);
+                let n = trace
+                    .events
+                    .iter()
+                    .filter(|e| e.step == st && e.kind == erase::runtime::trace::TraceKind::Kernel)
+                    .count();
+                assert!(
+                    n > kernels / 2,
+                    "{variant:?} step {st}: {n} kernel events of {kernels}"
+                );
+                for e in trace.events.iter().filter(|e| e.step == st) {
+                    assert!(
+                        e.end_us >= e.start_us && e.start_us >= lo && e.end_us <= hi,
+                        "{variant:?}: '{}' at {}..{} µs",
+                        e.name,
+                        e.start_us,
+                        e.end_us
+                    );
+                }
+                assert!(hi - lo > 100.0, "{variant:?}: a step of {} µs", hi - lo);
+            }
+            let json: serde_json::Value = serde_json::from_str(&trace.to_chrome_json()).unwrap();
+            assert!(json.is_object() || json.is_array(), "the trace is JSON");
+            let svg = trace.to_svg(7, "test");
+            assert!(svg.starts_with("<svg") || svg.starts_with("<?xml"));
+            let o = trace.overlap();
+            println!(
+                "{dispatch:?} {variant:?}: early backward {:.1} µs, overlapped {:.1} µs ({:.1} %), span {:.1} µs",
+                o.early_backward_us,
+                o.overlapped_us,
+                100.0 * o.fraction,
+                o.steps.last().map_or(0.0, |x| x.span_us)
+            );
+            fractions.push((variant, o.overlapped_us, o.fraction));
+        }
+        let erase = fractions[0];
+        let detached = fractions[1];
+        assert!(
+            erase.1 > 0.0,
+            "{dispatch:?}: no early backward kernel of erase ran beside a forward kernel"
+        );
+        assert_eq!(
+            detached.1, 0.0,
+            "{dispatch:?}: detached runs its backward after the forward, never beside it"
+        );
+    }
+}
