@@ -10,8 +10,10 @@ pub mod init;
 pub mod memory;
 pub mod occupancy;
 pub mod program;
+pub mod rendezvous;
 pub mod schedule;
 pub mod simulate;
+pub mod tcp_collective;
 pub mod trace;
 
 pub use cpu::{CpuConfig, CpuSession};
