@@ -91,6 +91,13 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
     if !matches!(cfg.data, Data::Synthetic) {
         bail!("data parallelism: only synthetic data for now");
     }
+    // NVLink multicast is forbidden on our GPU machines and reduces in no fixed order;
+    // set before any thread starts, so that NCCL (loaded later) reads it
+    std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    if cfg.dispatch == crate::train::Dispatch::Graph {
+        // connect every channel at init: none may be set up inside the graph capture
+        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
+    }
     let fail = FailAt::from_env()?;
     let use_cuda = match opts.device {
         WorkerDevice::Cpu => false,
@@ -99,6 +106,12 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
     };
     if use_cuda {
         return crate::distributed_cuda::run_worker_cuda(cfg, env, opts, fail);
+    }
+    if cfg.dispatch != crate::train::Dispatch::Blocking {
+        bail!(
+            "--dispatch {} needs a CUDA device; CPU ranks run blocking",
+            cfg.dispatch.as_str()
+        );
     }
     let mut local = cfg.model.clone();
     local.batch = cfg.model.batch / world;

@@ -3,11 +3,13 @@
 pub mod collective;
 pub mod cpu;
 pub mod cuda;
+pub mod cuda_collective;
 pub mod cuda_program;
 pub mod error;
 pub mod hb;
 pub mod init;
 pub mod memory;
+pub mod nccl;
 pub mod occupancy;
 pub mod program;
 pub mod rendezvous;
