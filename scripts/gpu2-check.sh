@@ -37,6 +37,14 @@ for d in $dispatches; do
   done
 done
 
+# 1b. one rank of NCCL is plain training: the same losses as the single-process trainer
+timeout 300 "$exe" train "${common[@]}" --batch 4096 --steps 50 --warmup 5 \
+  --metrics "$out/plain-1gpu.jsonl" >"$out/plain-1gpu.log" 2>&1
+plain=$(grep '"loss"' "$out/plain-1gpu.jsonl" | tail -1 | sed -E 's/.*"loss":([^,]+),.*/\1/' | awk '{printf "%.6f", $1}')
+timeout 300 "$exe" train --gpus 1 "${common[@]}" --batch 4096 --steps 50 --warmup 5 >"$out/dp-1gpu.log" 2>&1
+dp1=$(grep -oE 'last loss of its shard [0-9.]+' "$out/dp-1gpu.log" | awk '{print $NF}')
+summary+=("1 NCCL rank vs plain training, last loss after 50 steps: $dp1 vs $plain ($([ -n "$plain" ] && [ "$dp1" = "$plain" ] && echo same || echo DIFFERENT))")
+
 # 2. faults: a crashed rank is named; a hung rank makes rank 0's watchdog abort NCCL
 t0=$(date +%s)
 ERASE_FAIL_AT_STEP=1:5:abort timeout 120 "$exe" train --gpus 2 "${common[@]}" --batch 8192 --steps 20 \
