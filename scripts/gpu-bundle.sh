@@ -22,6 +22,6 @@ cp "$t" "$dest/gpu-tests"
 b=$(cargo bench -j2 --bench kernels --no-run --message-format=json 2>/dev/null | exe_of)
 cp "$b" "$dest/kernels-bench"
 strip "$dest/erase-ctr" "$dest/gpu-tests" "$dest/kernels-bench" 2>/dev/null || true
-cp scripts/gpu-check.sh scripts/ctr-compare.sh scripts/torch_kernels.py "$dest/"
+cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/ctr-compare.sh scripts/torch_kernels.py "$dest/"
 if [ -f ../shared/anchors/torch_ctr.py ]; then cp ../shared/anchors/torch_ctr.py "$dest/"; fi
 du -sh "$dest"

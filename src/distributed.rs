@@ -15,7 +15,7 @@ use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use crate::train::{plan_step, StepPlan, TrainConfig};
 use erase_graph::{DType, Grad, Op, Phase, Tensor};
 use erase_ops::{Buffer, NodeCall};
-use erase_runtime::collective::{cpu_group, Collective, CollectiveRecord, CpuCollective};
+use erase_runtime::collective::{cpu_group, Collective, CollectiveRecord};
 use erase_runtime::program::ProgramRunner;
 
 /// What one rank ends with.
@@ -28,6 +28,8 @@ pub struct RankResult {
     pub losses: Vec<f64>,
     /// Every collective the rank issued.
     pub log: Vec<CollectiveRecord>,
+    /// Wall-clock seconds of each step (data, compute and collectives).
+    pub step_secs: Vec<f64>,
 }
 
 /// A rank that fails on purpose at a step (to test that the others stop).
@@ -35,6 +37,81 @@ pub struct RankResult {
 pub struct FailAt {
     pub rank: usize,
     pub step: usize,
+    pub how: FailHow,
+}
+
+/// How a rank fails on purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailHow {
+    /// Returns an error (the process exits with a message).
+    #[default]
+    Error,
+    /// Aborts the process (SIGABRT, no message): a crash.
+    Abort,
+    /// Stops calling collectives (sleeps): the others must time out.
+    Hang,
+}
+
+impl FailAt {
+    /// Reads `ERASE_FAIL_AT_STEP=RANK:STEP[:error|abort|hang]` (a test hook).
+    pub fn from_env() -> Result<Option<FailAt>> {
+        let Ok(v) = std::env::var("ERASE_FAIL_AT_STEP") else {
+            return Ok(None);
+        };
+        let parts: Vec<&str> = v.split(':').collect();
+        let bad = || anyhow!("ERASE_FAIL_AT_STEP={v}: expected RANK:STEP[:error|abort|hang]");
+        let (Some(r), Some(st)) = (parts.first(), parts.get(1)) else {
+            return Err(bad());
+        };
+        let how = match parts.get(2).copied() {
+            None | Some("error") => FailHow::Error,
+            Some("abort") => FailHow::Abort,
+            Some("hang") => FailHow::Hang,
+            Some(_) => return Err(bad()),
+        };
+        Ok(Some(FailAt {
+            rank: r.parse().map_err(|_| bad())?,
+            step: st.parse().map_err(|_| bad())?,
+            how,
+        }))
+    }
+
+    /// Fails here if this is the rank and the step.
+    pub fn check(this: Option<FailAt>, rank: usize, step: usize) -> Result<()> {
+        let Some(f) = this.filter(|f| f.rank == rank && f.step == step) else {
+            return Ok(());
+        };
+        match f.how {
+            FailHow::Error => bail!("rank {rank} failed on purpose at step {step}"),
+            FailHow::Abort => {
+                eprintln!("rank {rank}: aborting on purpose at step {step}");
+                std::process::abort()
+            }
+            FailHow::Hang => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+        }
+    }
+}
+
+/// When the dense gradients are all-reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AllReduce {
+    /// One bucket per backward program, as soon as that program ends (on the GPU, on a
+    /// communication stream while later work runs).
+    #[default]
+    Early,
+    /// One bucket of every dense gradient, after the whole backward.
+    End,
+}
+
+impl AllReduce {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AllReduce::Early => "early",
+            AllReduce::End => "end",
+        }
+    }
 }
 
 /// Trains `cfg` (its `model.batch` is the global batch) on `world` CPU ranks with
@@ -57,10 +134,12 @@ pub fn train_data_parallel_cpu(
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| {
+            .map(|comm| {
                 let local = local.clone();
-                s.spawn(move || run_rank(cfg, &local, world, rank, comm, fail))
+                s.spawn(move || {
+                    let mut comm = comm;
+                    run_rank(cfg, &local, world, &mut comm, fail, AllReduce::Early)
+                })
             })
             .collect();
         handles
@@ -75,8 +154,20 @@ pub fn train_data_parallel_cpu(
     Ok(results)
 }
 
-/// The dense gradients of each backward program, in program order: one bucket each.
-fn buckets(plan: &StepPlan) -> Vec<(String, Vec<Tensor>)> {
+/// The dense gradients of each backward program, in program order: one bucket each
+/// (`Early`), or all of them in one bucket named `all` (`End`).
+pub fn buckets(plan: &StepPlan, mode: AllReduce) -> Vec<(String, Vec<Tensor>)> {
+    let early = early_buckets(plan);
+    match mode {
+        AllReduce::Early => early,
+        AllReduce::End => vec![(
+            "all".to_string(),
+            early.into_iter().flat_map(|(_, ts)| ts).collect(),
+        )],
+    }
+}
+
+fn early_buckets(plan: &StepPlan) -> Vec<(String, Vec<Tensor>)> {
     let mut by_program: BTreeMap<usize, Vec<Tensor>> = BTreeMap::new();
     for (p, grad) in &plan.training.grads.by_param {
         if let (Grad::Dense(t), Some(&prog)) = (grad, plan.partition.grad_complete.get(p)) {
@@ -89,14 +180,17 @@ fn buckets(plan: &StepPlan) -> Vec<(String, Vec<Tensor>)> {
         .collect()
 }
 
-fn run_rank(
+/// Trains one rank's replica with `comm` (the in-process or the TCP backend): `local`
+/// is the per-rank model (its batch the global batch over `world`).
+pub fn run_rank<C: Collective>(
     cfg: &TrainConfig,
     local: &crate::model::ctr::CtrConfig,
     world: usize,
-    rank: usize,
-    mut comm: CpuCollective,
+    comm: &mut C,
     fail: Option<FailAt>,
+    mode: AllReduce,
 ) -> Result<RankResult> {
+    let rank = comm.rank();
     let plan = plan_step(local, DType::F32, &cfg.optimizer, &cfg.schedule)?;
     let m = &plan.model;
     let g = &m.graph;
@@ -120,7 +214,7 @@ fn run_rank(
             _ => before.push(i),
         }
     }
-    let buckets = buckets(&plan);
+    let buckets = buckets(&plan, mode);
     let global = cfg.model.batch;
     let b = local.batch;
     let (nd, ns) = (local.num_dense, local.num_sparse * local.hot);
@@ -130,10 +224,10 @@ fn run_rank(
     let (mut d, mut r, mut y) = (vec![0f32; b * nd], vec![0u32; b * ns], vec![0f32; b]);
     let scale = 1.0 / world as f32;
     let mut losses = Vec::with_capacity(cfg.steps);
+    let mut step_secs = Vec::with_capacity(cfg.steps);
     for step in 0..cfg.steps {
-        if fail.is_some_and(|f| f.rank == rank && f.step == step) {
-            bail!("rank {rank} failed on purpose at step {step}");
-        }
+        FailAt::check(fail, rank, step)?;
+        let t0 = std::time::Instant::now();
         // this rank's shard of the global batch
         gen.fill_batch(1, (step * global) as u64, global, &mut gd, &mut gr, &mut gy);
         for (j, i) in (rank..global).step_by(world).enumerate() {
@@ -232,6 +326,7 @@ fn run_rank(
         runner
             .run_order(&dense_opt)
             .with_context(|| format!("rank {rank}, step {step}: optimizer"))?;
+        step_secs.push(t0.elapsed().as_secs_f64());
     }
     comm.barrier("end of training")?;
     let mut state = Vec::new();
@@ -248,6 +343,7 @@ fn run_rank(
         state,
         losses,
         log: comm.log().to_vec(),
+        step_secs,
     })
 }
 

@@ -12,5 +12,10 @@ pub fn open_device() -> Result<CudaDevice> {
             .with_context(|| format!("ERASE_DEVICE={v} is not a device number"))?,
         Err(_) => 0,
     };
+    open_device_ordinal(ordinal)
+}
+
+/// Opens CUDA device `ordinal` with the embedded kernels.
+pub fn open_device_ordinal(ordinal: usize) -> Result<CudaDevice> {
     Ok(CudaDevice::open(crate::kernels::library(), ordinal)?)
 }

@@ -327,3 +327,73 @@ fn rank_that_never_calls_makes_the_others_time_out() {
         );
     }
 }
+
+/// The TCP backend (ranks as threads here, over real loopback sockets) on `world` ranks.
+fn tcp_ranks<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(erase::runtime::tcp_collective::TcpCollective) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    use erase::runtime::rendezvous::{free_port, rendezvous, RankEnv};
+    let port = free_port("127.0.0.1").unwrap();
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let f = f.clone();
+            thread::spawn(move || {
+                let env = RankEnv {
+                    rank,
+                    world,
+                    local_rank: rank,
+                    master_addr: "127.0.0.1".into(),
+                    master_port: port,
+                };
+                let rdv = rendezvous(&env, &[rank as u8], "test", TIMEOUT).unwrap();
+                assert_eq!(
+                    rdv.blobs,
+                    (0..world).map(|r| vec![r as u8]).collect::<Vec<_>>()
+                );
+                f(erase::runtime::tcp_collective::TcpCollective::new(
+                    rdv, TIMEOUT,
+                ))
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn tcp_backend_sums_in_rank_order_like_the_in_process_one_on_4_ranks() {
+    let world = 4;
+    let tcp = tcp_ranks(world, move |mut c| {
+        let mut buf = grads(c.rank(), world);
+        c.all_reduce_sum("grads", &mut buf).unwrap();
+        let all = c.all_gather("ids", &[c.rank() as u8; 3]).unwrap();
+        c.barrier("end").unwrap();
+        (bits(&buf), all, c.log().to_vec())
+    });
+    let threads = on_ranks(world, TIMEOUT, move |mut c| {
+        let mut buf = grads(c.rank(), world);
+        c.all_reduce_sum("grads", &mut buf).unwrap();
+        bits(&buf)
+    });
+    for (r, (sum, all, log)) in tcp.iter().enumerate() {
+        assert_eq!(sum, &threads[r], "rank {r}");
+        assert_eq!(
+            all,
+            &(0..world).map(|k| vec![k as u8; 3]).collect::<Vec<_>>()
+        );
+        assert_eq!(log, &tcp[0].2);
+    }
+}
+
+#[test]
+fn tcp_backend_reports_a_mismatch_on_every_rank() {
+    let errs = tcp_ranks(3, |mut c| {
+        let bucket = if c.rank() == 2 { "b" } else { "a" };
+        let mut buf = vec![1.0f32; 4];
+        c.all_reduce_sum(bucket, &mut buf).unwrap_err()
+    });
+    for (r, e) in errs.iter().enumerate() {
+        assert!(matches!(e, CollectiveError::Mismatch { .. }), "{e:?}");
+        assert_mentions(e, &[&format!("rank {r}"), "rank 2 called all_reduce 'b'"]);
+    }
+}

@@ -88,8 +88,17 @@ fn one_rank_is_plain_training() {
 fn a_dying_rank_stops_the_others_within_the_timeout() {
     let timeout = Duration::from_secs(3);
     let t0 = Instant::now();
-    let results =
-        train_data_parallel_cpu(&cfg(10), 2, timeout, Some(FailAt { rank: 1, step: 3 })).unwrap();
+    let results = train_data_parallel_cpu(
+        &cfg(10),
+        2,
+        timeout,
+        Some(FailAt {
+            rank: 1,
+            step: 3,
+            how: Default::default(),
+        }),
+    )
+    .unwrap();
     assert!(
         t0.elapsed() < Duration::from_secs(30),
         "took {:?}",

@@ -14,6 +14,11 @@ use crate::cuda_program::CudaProgram;
 use crate::error::RuntimeError;
 use cudarc::driver::sys;
 
+/// A launch's (before, after) marks.
+pub(crate) type Marks = (Event, Event);
+/// The marks of the launches being traced, and whether they become graph nodes.
+pub(crate) type ActiveMarks<'a> = Option<(&'a [Option<Marks>], bool)>;
+
 pub(crate) struct TraceState {
     /// Per launch that issues kernels: (before, after).
     marks: Vec<Option<(Event, Event)>>,
@@ -40,16 +45,13 @@ impl TraceState {
     }
 
     /// The marks when steps issued now are traced, and whether they become graph nodes.
-    pub(crate) fn active(&self) -> Option<(&[Option<(Event, Event)>], bool)> {
+    pub(crate) fn active(&self) -> ActiveMarks<'_> {
         (self.armed || self.capturing).then_some((&self.marks[..], self.capturing))
     }
 }
 
 /// Launch `i`'s marks out of [`TraceState::active`]'s answer.
-pub(crate) fn mark_of<'a>(
-    active: Option<(&'a [Option<(Event, Event)>], bool)>,
-    i: usize,
-) -> Option<(&'a (Event, Event), bool)> {
+pub(crate) fn mark_of(active: ActiveMarks<'_>, i: usize) -> Option<(&Marks, bool)> {
     let (marks, external) = active?;
     marks.get(i).and_then(|m| m.as_ref()).map(|m| (m, external))
 }

@@ -3,6 +3,7 @@
 pub mod collective;
 pub mod cpu;
 pub mod cuda;
+pub mod cuda_collective;
 pub mod cuda_feed;
 pub mod cuda_graph;
 pub mod cuda_program;
@@ -11,10 +12,13 @@ pub mod error;
 pub mod hb;
 pub mod init;
 pub mod memory;
+pub mod nccl;
 pub mod occupancy;
 pub mod program;
+pub mod rendezvous;
 pub mod schedule;
 pub mod simulate;
+pub mod tcp_collective;
 pub mod trace;
 
 pub use cpu::{CpuConfig, CpuSession};

@@ -247,6 +247,31 @@ struct TrainArgs {
     /// Synthetic data only for now.
     #[arg(long, value_name = "N")]
     cpu_ranks: Option<usize>,
+    /// Data parallelism over N worker processes on this host, one per GPU (NCCL); with
+    /// --device cpu each worker is a CPU rank and the collectives go over TCP on
+    /// loopback. --batch is the global batch. Each worker runs this command with RANK,
+    /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; a process started with
+    /// them set (torchrun style, e.g. on several hosts) is that rank. If one worker
+    /// fails, the others are stopped and the error names it.
+    #[arg(long, value_name = "N")]
+    gpus: Option<usize>,
+    /// With --gpus: all-reduce each backward program's gradients as soon as it ends
+    /// (early, on a communication stream), or all of them once after the backward (end).
+    #[arg(long, value_enum, default_value = "early")]
+    allreduce: AllReduceArg,
+    /// With --gpus: seconds a collective (or the rendezvous) waits for the other ranks
+    /// before the job fails naming the missing rank.
+    #[arg(long, default_value_t = 120.0, value_name = "SECS")]
+    collective_timeout: f64,
+    /// With --gpus: write each rank's log of collectives to DIR/rank-K.log.
+    #[arg(long, value_name = "DIR")]
+    collective_log: Option<std::path::PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum AllReduceArg {
+    Early,
+    End,
 }
 
 #[derive(Args)]
@@ -462,16 +487,33 @@ fn run_eval(a: &EvalArgs) -> Result<()> {
 }
 
 fn run_train(a: &TrainArgs) -> Result<()> {
-    let dev = open(a.device)?;
     if a.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    // a worker of a data-parallel job (RANK and WORLD_SIZE set), or its supervisor
+    let rank_env = erase::runtime::rendezvous::RankEnv::from_env().map_err(anyhow::Error::msg)?;
+    if let (None, Some(n)) = (&rank_env, a.gpus) {
+        let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+        return erase::launch::supervise(n, &args);
+    }
+    let dev = match rank_env {
+        Some(_) => None, // the worker opens device LOCAL_RANK
+        None => open(a.device)?,
+    };
     let variant = Variant::from(a.variant);
     let (model, data) =
         model_and_data(&a.model, variant, &a.data, a.strict, a.cache_dir.as_deref())?;
-    let threads = a
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    // the workers of one host share its cores
+    let per_host = match &rank_env {
+        Some(e) => std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(e.world),
+        None => 1usize,
+    };
+    let threads = a.threads.unwrap_or_else(|| {
+        (std::thread::available_parallelism().map_or(1, |n| n.get()) / per_host.max(1)).max(1)
+    });
     let cfg = TrainConfig {
         model: model.clone(),
         steps: a.steps,
@@ -506,6 +548,32 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         ),
         None => None,
     };
+    if let Some(env) = &rank_env {
+        if a.gpus.is_some_and(|n| n != env.world) {
+            bail!(
+                "--gpus {} but WORLD_SIZE={}",
+                a.gpus.unwrap_or(0),
+                env.world
+            );
+        }
+        if !(a.collective_timeout > 0.0 && a.collective_timeout.is_finite()) {
+            bail!("--collective-timeout must be a positive number of seconds");
+        }
+        let opts = erase::launch::WorkerOptions {
+            device: match a.device {
+                DeviceArg::Auto => erase::launch::WorkerDevice::Auto,
+                DeviceArg::Cpu => erase::launch::WorkerDevice::Cpu,
+                DeviceArg::Cuda => erase::launch::WorkerDevice::Cuda,
+            },
+            allreduce: match a.allreduce {
+                AllReduceArg::Early => erase::distributed::AllReduce::Early,
+                AllReduceArg::End => erase::distributed::AllReduce::End,
+            },
+            timeout: std::time::Duration::from_secs_f64(a.collective_timeout),
+            collective_log: a.collective_log.clone(),
+        };
+        return erase::launch::run_worker(&cfg, env, &opts);
+    }
     let where_ = match &dev {
         Some(d) => format!(
             "{} ({} dispatch)",

@@ -1,0 +1,483 @@
+//! Data-parallel steps on a CUDA device: the step program with its collectives.
+//!
+//! The collectives are part of the step as the program issues it, so every rank issues
+//! the same ones in the same order by construction (blocking dispatch, or captured
+//! inside the whole-step CUDA graph):
+//! - `early`: right after the last launch of each backward program, its stream records
+//!   an event, the communication stream waits for it and averages that program's dense
+//!   gradients over the ranks (one grouped NCCL all-reduce: one bucket), then gathers
+//!   the (ids, pooled gradients) of the embedding tables whose gradients that program
+//!   completes, while the rest of the step runs on the other streams;
+//! - `end`: the same collectives, all issued after the backward's final join (one
+//!   bucket of every dense gradient).
+//!
+//! The optimizer's launches wait for the communication stream. The row-wise Adagrad of
+//! each table runs on the gathered (ids, gradients) of every rank, at the global batch's
+//! shape (the bags of every rank hold `hot` ids each, so the global offsets are fixed),
+//! instead of the local one: every rank applies the same update to the same rows, and
+//! the replicas stay identical.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::cuda::{DeviceBuffer, Event, PreparedLaunch, Stream};
+use crate::cuda_program::CudaProgram;
+use crate::error::RuntimeError;
+use crate::memory::alias_root;
+use crate::nccl::NcclComm;
+use cudarc::driver::{result, sys};
+use erase_graph::{Grad, Gradients, Op, Partition, Phase, Tensor};
+use erase_ops::cuda::{cuda_plan, KArg, Operands};
+
+/// A table's gradient as the ranks exchange it.
+struct SparseExchange {
+    name: String,
+    ids: Tensor,
+    dpooled: Tensor,
+    ids_bytes: usize,
+    dp_bytes: usize,
+    /// Every rank's ids and pooled gradients, in rank order.
+    all_ids: DeviceBuffer,
+    all_dp: DeviceBuffer,
+    /// `0, hot, 2 hot, ...` for the global batch.
+    _all_offsets: DeviceBuffer,
+    /// The row-wise Adagrad at the global batch's shape, and its scratch.
+    update: Vec<PreparedLaunch>,
+    _scratch: Vec<DeviceBuffer>,
+}
+
+/// One bucket: what the ranks exchange after launch `after` (early) or at the join (end).
+struct Bucket {
+    name: String,
+    after: usize,
+    dense: Vec<Tensor>,
+    sparse: Vec<usize>,
+}
+
+/// The collectives of a data-parallel step and the buffers they need.
+pub struct DataParallel {
+    comm_stream: Stream,
+    begin: Event,
+    ready: Vec<Event>,
+    done: Event,
+    buckets: Vec<Bucket>,
+    sparse: Vec<SparseExchange>,
+    /// The local row-wise Adagrad launches, replaced by the global ones.
+    skip: BTreeSet<usize>,
+    first_optimizer: usize,
+    end: bool,
+    /// The collectives one step issues, for the logs: (kind, bucket, bytes).
+    pub per_step: Vec<(&'static str, String, usize)>,
+}
+
+impl DataParallel {
+    /// Plans the collectives of `p`'s step over `world` ranks. `early`: one bucket per
+    /// backward program, after it; else one bucket at the end of the backward.
+    pub fn new(
+        p: &CudaProgram<'_>,
+        part: &Partition,
+        grads: &Gradients,
+        world: usize,
+        early: bool,
+    ) -> Result<Self, RuntimeError> {
+        let (g, prog, dev) = (p.g, p.prog, p.dev);
+        let err = |m: String| RuntimeError::Device(format!("data parallel: {m}"));
+        let launch_of: BTreeMap<_, _> = prog
+            .launches
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.node, i))
+            .collect();
+        let first_optimizer = prog
+            .launches
+            .iter()
+            .position(|l| g.node(l.node).phase == Phase::Optimizer)
+            .ok_or_else(|| err("the step has no optimizer".into()))?;
+        let last_of = |k: usize| -> Option<usize> {
+            part.programs[k]
+                .nodes
+                .iter()
+                .filter_map(|n| launch_of.get(n).copied())
+                .max()
+        };
+        // the optimizer launch that consumes each table's gradient
+        let rowwise: BTreeMap<Tensor, usize> = prog
+            .launches
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| matches!(g.node(l.node).op, Op::RowwiseAdagrad { .. }))
+            .map(|(i, l)| (g.node(l.node).inputs[2], i))
+            .collect();
+        let mut by_program: BTreeMap<usize, (Vec<Tensor>, Vec<usize>)> = BTreeMap::new();
+        let mut sparse = Vec::new();
+        let mut skip = BTreeSet::new();
+        for (param, grad) in &grads.by_param {
+            let Some(&k) = part.grad_complete.get(param) else {
+                continue;
+            };
+            match grad {
+                Grad::Dense(t) => by_program.entry(k).or_default().0.push(*t),
+                Grad::Sparse {
+                    ids,
+                    offsets,
+                    dpooled,
+                    ..
+                } => {
+                    let &li = rowwise.get(dpooled).ok_or_else(|| {
+                        err(format!(
+                            "no row-wise Adagrad reads '{}' (only row-wise Adagrad tables are supported)",
+                            g.name(*dpooled)
+                        ))
+                    })?;
+                    skip.insert(li);
+                    let node = g.node(prog.launches[li].node);
+                    let (n_ids, n_off) = (g.shape(*ids).numel(), g.shape(*offsets).numel());
+                    let n_bags = n_off.saturating_sub(1);
+                    if n_bags == 0 || n_ids % n_bags != 0 {
+                        return Err(err(format!(
+                            "'{}': {n_ids} ids in {n_bags} bags: bags of one size are needed",
+                            node.name
+                        )));
+                    }
+                    let hot = n_ids / n_bags;
+                    let dims = g.shape(*dpooled).dims().to_vec();
+                    let mut gdims = dims.clone();
+                    gdims[0] *= world;
+                    let ids_s = erase_graph::Shape::new(&[n_ids * world]);
+                    let off_s = erase_graph::Shape::new(&[n_bags * world + 1]);
+                    let dp_s = erase_graph::Shape::new(&gdims);
+                    let upd: Vec<_> = node.updates.iter().map(|&t| g.shape(t)).collect();
+                    let plan = cuda_plan(
+                        &node.op,
+                        &Operands {
+                            ins: &[&ids_s, &off_s, &dp_s],
+                            in_dtypes: &[
+                                erase_graph::DType::I32,
+                                erase_graph::DType::I32,
+                                erase_graph::DType::F32,
+                            ],
+                            outs: &[],
+                            out_dtypes: &[],
+                            upd: &upd,
+                        },
+                    )
+                    .map_err(|e| err(format!("'{}' at the global batch: {e}", node.name)))?;
+                    let ids_bytes = n_ids * 4;
+                    let dp_bytes = dims.iter().product::<usize>() * 4;
+                    let all_ids = dev.alloc(ids_bytes * world)?;
+                    let all_dp = dev.alloc(dp_bytes * world)?;
+                    let offs: Vec<i32> = (0..=n_bags * world).map(|i| (i * hot) as i32).collect();
+                    let all_offsets = dev.alloc(offs.len() * 4)?;
+                    dev.upload(&all_offsets, 0, bytemuck::cast_slice(&offs))?;
+                    let scratch = plan
+                        .scratch
+                        .iter()
+                        .map(|&b| dev.alloc(b))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let ptr = |a: KArg| -> Option<u64> {
+                        match a {
+                            KArg::In(0) => Some(all_ids.ptr()),
+                            KArg::In(1) => Some(all_offsets.ptr()),
+                            KArg::In(2) => Some(all_dp.ptr()),
+                            KArg::Upd(j) => node.updates.get(j).and_then(|&t| tensor_ptr(p, t)),
+                            KArg::Scratch(j) => scratch.get(j).map(|b| b.ptr()),
+                            _ => None,
+                        }
+                    };
+                    let update = plan
+                        .calls
+                        .iter()
+                        .map(|c| dev.prepare(c, &ptr))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    by_program.entry(k).or_default().1.push(sparse.len());
+                    sparse.push(SparseExchange {
+                        name: node.name.clone(),
+                        ids: *ids,
+                        dpooled: *dpooled,
+                        ids_bytes,
+                        dp_bytes,
+                        all_ids,
+                        all_dp,
+                        _all_offsets: all_offsets,
+                        update,
+                        _scratch: scratch,
+                    });
+                }
+            }
+        }
+        let mut buckets: Vec<Bucket> = Vec::new();
+        for (k, (dense, sp)) in by_program {
+            let after = last_of(k).ok_or_else(|| {
+                err(format!(
+                    "backward program '{}' has no launch",
+                    part.programs[k].name
+                ))
+            })?;
+            buckets.push(Bucket {
+                name: part.programs[k].name.clone(),
+                after,
+                dense,
+                sparse: sp,
+            });
+        }
+        buckets.sort_by_key(|b| b.after);
+        if !early {
+            let all = Bucket {
+                name: "all".into(),
+                after: first_optimizer,
+                dense: buckets.iter().flat_map(|b| b.dense.clone()).collect(),
+                sparse: buckets.iter().flat_map(|b| b.sparse.clone()).collect(),
+            };
+            buckets = vec![all];
+        }
+        let mut per_step = Vec::new();
+        for b in &buckets {
+            if !b.dense.is_empty() {
+                let bytes = b.dense.iter().map(|&t| g.shape(t).numel() * 4).sum();
+                per_step.push(("all_reduce", b.name.clone(), bytes));
+            }
+            for &s in &b.sparse {
+                let x = &sparse[s];
+                per_step.push(("all_gather", format!("{}.ids", x.name), x.ids_bytes));
+                per_step.push(("all_gather", format!("{}.grad", x.name), x.dp_bytes));
+            }
+        }
+        Ok(DataParallel {
+            comm_stream: dev.stream(false)?,
+            begin: dev.event(false)?,
+            ready: (0..buckets.len())
+                .map(|_| dev.event(false))
+                .collect::<Result<_, _>>()?,
+            done: dev.event(false)?,
+            buckets,
+            sparse,
+            skip,
+            first_optimizer,
+            end: !early,
+            per_step,
+        })
+    }
+}
+
+/// A tensor's device address in `p` (arena or leaf).
+fn tensor_ptr(p: &CudaProgram<'_>, t: Tensor) -> Option<u64> {
+    if let Some(pl) = p.plan.get(alias_root(p.g, &p.arena_set, t)) {
+        return Some(p.arena.ptr() + pl.offset as u64);
+    }
+    p.leaves.get(&t).map(|b| b.ptr())
+}
+
+impl CudaProgram<'_> {
+    /// Issues one data-parallel step (blocking dispatch): the program's launches with the
+    /// collectives of `dp` on its communication stream (see the module documentation).
+    pub fn run_data_parallel(
+        &mut self,
+        dp: &DataParallel,
+        comm: &mut NcclComm,
+    ) -> Result<(), RuntimeError> {
+        if let Some((_, exec)) = self.graph {
+            self.start.record(&self.streams[0])?;
+            // SAFETY: `exec` is a live instantiated graph of this context whose buffers
+            // (the arena, the leaves, `dp`'s) outlive the launch.
+            unsafe { result::graph::launch(exec, self.streams[0].raw()) }
+                .map_err(|e| RuntimeError::Device(format!("launching the step graph: {e:?}")))?;
+            return self.end.record(&self.streams[0]);
+        }
+        self.start.record(&self.streams[0])?;
+        self.issue_data_parallel(dp, comm)?;
+        self.end.record(&self.streams[0])
+    }
+
+    fn issue_data_parallel(
+        &mut self,
+        dp: &DataParallel,
+        comm: &mut NcclComm,
+    ) -> Result<(), RuntimeError> {
+        let main = &self.streams[0];
+        // the communication stream joins the step where it begins
+        dp.begin.record(main)?;
+        dp.begin.wait_on(&dp.comm_stream)?;
+        for i in 0..self.prog.launches.len() {
+            let l = &self.prog.launches[i];
+            let s = &self.streams[l.stream.0 as usize];
+            for w in &l.waits {
+                self.events[w.event.0 as usize].wait_on(s)?;
+            }
+            if i == dp.first_optimizer {
+                if dp.end {
+                    self.exchange(dp, 0, comm, s)?;
+                }
+                // the optimizer waits for every collective, then applies the tables'
+                // row-wise Adagrad to every rank's gathered gradients
+                dp.done.record(&dp.comm_stream)?;
+                dp.done.wait_on(s)?;
+                for x in &dp.sparse {
+                    for call in &x.update {
+                        self.dev.launch_prepared(call, s)?;
+                    }
+                }
+            }
+            if !dp.skip.contains(&i) {
+                for call in &self.prepared[i].calls {
+                    self.dev.launch_prepared(call, s).map_err(|e| {
+                        RuntimeError::Device(format!("'{}': {e}", self.g.node(l.node).name))
+                    })?;
+                }
+            }
+            if let Some(e) = l.record {
+                self.events[e.0 as usize].record(s)?;
+            }
+            if !dp.end {
+                for (b, bucket) in dp.buckets.iter().enumerate() {
+                    if bucket.after == i {
+                        self.exchange(dp, b, comm, s)?;
+                    }
+                }
+            }
+        }
+        for s in &self.streams[1..] {
+            self.join.record(s)?;
+            self.join.wait_on(&self.streams[0])?;
+        }
+        Ok(())
+    }
+
+    /// Bucket `b`'s collectives on the communication stream, after the work issued so
+    /// far on `from`.
+    fn exchange(
+        &self,
+        dp: &DataParallel,
+        b: usize,
+        comm: &mut NcclComm,
+        from: &Stream,
+    ) -> Result<(), RuntimeError> {
+        let bucket = &dp.buckets[b];
+        let cs = dp.comm_stream.raw();
+        dp.ready[b].record(from)?;
+        dp.ready[b].wait_on(&dp.comm_stream)?;
+        let missing = |t: Tensor| {
+            RuntimeError::Device(format!(
+                "data parallel: '{}' has no address",
+                self.g.name(t)
+            ))
+        };
+        if !bucket.dense.is_empty() {
+            let parts = bucket
+                .dense
+                .iter()
+                .map(|&t| {
+                    tensor_ptr(self, t)
+                        .map(|p| (p, self.g.shape(t).numel()))
+                        .ok_or_else(|| missing(t))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            // SAFETY: the gradients live in the arena until the optimizer (which waits for
+            // the communication stream) has read them; the stream waits for the launch
+            // that completed them.
+            unsafe { comm.all_reduce_mean(&bucket.name, &parts, cs) }?;
+        }
+        for &k in &bucket.sparse {
+            let x = &dp.sparse[k];
+            let ids = tensor_ptr(self, x.ids).ok_or_else(|| missing(x.ids))?;
+            let dpd = tensor_ptr(self, x.dpooled).ok_or_else(|| missing(x.dpooled))?;
+            // SAFETY: the sources stay live until the optimizer reads them (it waits for
+            // this stream); the destinations are `dp`'s, of `world` times the size.
+            unsafe {
+                comm.all_gather(
+                    &format!("{}.ids", x.name),
+                    ids,
+                    x.all_ids.ptr(),
+                    x.ids_bytes,
+                    cs,
+                )?;
+                comm.all_gather(
+                    &format!("{}.grad", x.name),
+                    dpd,
+                    x.all_dp.ptr(),
+                    x.dp_bytes,
+                    cs,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Issues every bucket's collectives once, outside any step, and waits: NCCL sets up
+    /// what it needs on first use, which must not happen inside a graph capture. The
+    /// values it averages are dead (the next step writes every gradient first).
+    pub fn warm_up_collectives(
+        &mut self,
+        dp: &DataParallel,
+        comm: &mut NcclComm,
+    ) -> Result<(), RuntimeError> {
+        let main = &self.streams[0];
+        dp.begin.record(main)?;
+        dp.begin.wait_on(&dp.comm_stream)?;
+        for b in 0..dp.buckets.len() {
+            self.exchange(dp, b, comm, main)?;
+        }
+        dp.comm_stream.synchronize()
+    }
+
+    /// Captures the data-parallel step (every stream, the communication stream and its
+    /// NCCL calls included) as one CUDA graph; later [`CudaProgram::run_data_parallel`]
+    /// calls replay it. `comm`'s log gets one step's collectives, as issuing would.
+    pub fn capture_data_parallel(
+        &mut self,
+        dp: &DataParallel,
+        comm: &mut NcclComm,
+    ) -> Result<(), RuntimeError> {
+        let err =
+            |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
+        self.streams[0].synchronize()?;
+        let main = self.streams[0].raw();
+        // SAFETY: `main` is a live stream; thread-local mode keeps other threads' calls
+        // out of the capture.
+        unsafe {
+            result::stream::begin_capture(
+                main,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(|e| err("beginning the capture", e))?;
+        let issued = (|| -> Result<(), RuntimeError> {
+            self.join.record(&self.streams[0])?;
+            for s in &self.streams[1..] {
+                self.join.wait_on(s)?;
+            }
+            self.issue_data_parallel(dp, comm)
+        })();
+        // SAFETY: ends the capture begun above on the same stream, even after an error.
+        let graph = unsafe { result::stream::end_capture(main) };
+        issued?;
+        let graph = graph.map_err(|e| err("ending the capture", e))?;
+        // SAFETY: `graph` is the live graph just captured.
+        let exec = unsafe {
+            result::graph::instantiate(
+                graph,
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+        }
+        .map_err(|e| err("instantiating the data-parallel step graph", e))?;
+        self.graph = Some((graph, exec));
+        self.events = (0..self.prog.events)
+            .map(|_| self.dev.event(false))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.join = self.dev.event(false)?;
+        Ok(())
+    }
+
+    /// Whether the last issued step has finished (without waiting).
+    pub fn step_done(&self) -> Result<bool, RuntimeError> {
+        // SAFETY: `end` is a live event of this context.
+        match unsafe { result::event::query(self.end.raw()) } {
+            Ok(()) => Ok(true),
+            Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(RuntimeError::Device(format!("waiting for the step: {e:?}"))),
+        }
+    }
+
+    /// The main stream's time of the last finished step, in ms.
+    pub fn step_ms(&self) -> Result<f32, RuntimeError> {
+        self.end.elapsed_ms_since(&self.start)
+    }
+}
