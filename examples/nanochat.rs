@@ -13,7 +13,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use erase::graph::{DenseOptimizer, OptimizerConfig};
 use erase::model::mlp30::median;
-use erase::model::nanochat::{load_text, plan, NanoConfig, NanoTrainer};
+use erase::model::mlp30::StepSchedule;
+use erase::model::nanochat::{load_text, plan_with, NanoConfig, NanoTrainer};
 use erase::runtime::schedule::ScheduleKind;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -96,12 +97,23 @@ struct Args {
     /// cross-stream waits) and exit without training.
     #[arg(long)]
     plan: bool,
+    /// The occupancy rule: a launch that fills every SM for long (the fused attention
+    /// backward at long sequences) is not overlapped with other work; the early backward
+    /// of the cut-off segments still overlaps the rest.
+    #[arg(long, value_enum, default_value = "on")]
+    occupancy: OnOff,
     /// Measure the last step's kernels (CUDA) and draw them: SVG, or PNG by the extension.
     #[arg(long, value_name = "FILE")]
     timeline: Option<PathBuf>,
     /// Measure the last step's kernels (CUDA) as Chrome / Perfetto trace-event JSON.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
 }
 
 fn main() -> Result<()> {
@@ -127,7 +139,15 @@ fn main() -> Result<()> {
         Sched::Erase => ScheduleKind::Early,
         Sched::Serial => ScheduleKind::Serial,
     };
-    let p = plan(&cfg, &opt, kind, a.side_streams)?;
+    let p = plan_with(
+        &cfg,
+        &opt,
+        &StepSchedule {
+            kind,
+            side_streams: a.side_streams,
+            occupancy: a.occupancy == OnOff::On,
+        },
+    )?;
     if a.plan {
         print!("{}", p.plan.render());
         return Ok(());

@@ -21,7 +21,14 @@ t=$(cargo test --release -j2 --test gpu --no-run --message-format=json 2>/dev/nu
 cp "$t" "$dest/gpu-tests"
 b=$(cargo bench -j2 --bench kernels --no-run --message-format=json 2>/dev/null | exe_of)
 cp "$b" "$dest/kernels-bench"
-strip "$dest/erase-ctr" "$dest/gpu-tests" "$dest/kernels-bench" 2>/dev/null || true
-cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/ctr-compare.sh scripts/torch_kernels.py "$dest/"
-if [ -f ../shared/anchors/torch_ctr.py ]; then cp ../shared/anchors/torch_ctr.py "$dest/"; fi
+cargo build --release -j2 --example mlp30 --example nanochat
+cp target/release/examples/mlp30 target/release/examples/nanochat "$dest/"
+strip "$dest/erase-ctr" "$dest/gpu-tests" "$dest/kernels-bench" "$dest/mlp30" "$dest/nanochat" 2>/dev/null || true
+cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/ctr-compare.sh scripts/examples-compare.sh \
+  scripts/torch_kernels.py README.md "$dest/"
+for f in torch_ctr.py torch_mlp30.py; do
+  if [ -f "../shared/anchors/$f" ]; then cp "../shared/anchors/$f" "$dest/"; fi
+done
+# MNIST for the mlp30 comparison, when this checkout has it beside it (never committed)
+if [ -d ../shared/data/mnist ]; then mkdir -p "$dest/mnist" && cp ../shared/data/mnist/*-ubyte* "$dest/mnist/"; fi
 du -sh "$dest"

@@ -462,3 +462,70 @@ fn nanochat_refuses_missing_empty_and_short_texts() {
     assert!(e.contains("32 bytes") && e.contains("33"), "{e}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// The paper's limit on nanochat: at GPU sizes the fused attention backward fills every SM
+/// for long, so the occupancy rule keeps it from overlapping anything; without the rule
+/// the early backward of a cut-off segment runs beside later forward work.
+#[test]
+fn nanochat_attention_backward_runs_alone_under_the_occupancy_rule() {
+    use erase::model::mlp30::StepSchedule;
+    use erase::runtime::cuda_graph::program_reachability;
+    let gpu_sized = NanoConfig {
+        seq: 1024,
+        width: 512,
+        heads: 8,
+        layers: 6,
+        batch: 16,
+        aux_weight: 1.0,
+    };
+    let mut alone = Vec::new();
+    for occupancy in [true, false] {
+        let p = nanochat::plan_with(
+            &gpu_sized,
+            &chat_opt(),
+            &StepSchedule {
+                kind: ScheduleKind::Early,
+                side_streams: 2,
+                occupancy,
+            },
+        )
+        .unwrap();
+        let prog = &p.plan.program;
+        let kernels: Vec<bool> = prog.launches.iter().map(|l| l.spec.is_some()).collect();
+        let r = program_reachability(prog, &kernels);
+        let g = &p.plan.graph;
+        let attn_bwd: Vec<usize> = (0..prog.launches.len())
+            .filter(|&i| {
+                kernels[i]
+                    && prog.launches[i].stream.0 != 0
+                    && g.node(prog.launches[i].node).phase == erase::graph::Phase::Backward
+                    && prog.launches[i].label.op.contains("attention")
+            })
+            .collect();
+        assert!(!attn_bwd.is_empty(), "no early attention backward launch");
+        // launches on other streams that may run at the same time as it
+        let concurrent = attn_bwd
+            .iter()
+            .map(|&a| {
+                (0..prog.launches.len())
+                    .filter(|&b| {
+                        kernels[b]
+                            && b != a
+                            && r.ordered(a, b) == Some(false)
+                            && r.ordered(b, a) == Some(false)
+                    })
+                    .count()
+            })
+            .sum::<usize>();
+        alone.push(concurrent);
+    }
+    assert_eq!(
+        alone[0], 0,
+        "with the occupancy rule the attention backward overlaps {} launches",
+        alone[0]
+    );
+    assert!(
+        alone[1] > 0,
+        "without the rule the early attention backward should overlap later forward work"
+    );
+}

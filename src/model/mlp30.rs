@@ -296,6 +296,8 @@ pub struct StepSchedule {
     pub kind: ScheduleKind,
     /// Side streams of the pool (for [`ScheduleKind::Early`]).
     pub side_streams: usize,
+    /// The occupancy rule: a launch that fills the device for long is not overlapped.
+    pub occupancy: bool,
 }
 
 /// Makes `graph` (a forward graph with its losses) trainable and plans its step as
@@ -312,7 +314,7 @@ pub fn plan_graph(
     let scfg = ScheduleConfig {
         kind: sched.kind,
         side_streams: sched.side_streams.max(1),
-        occupancy: false,
+        occupancy: sched.occupancy,
         device: DeviceModel::h200(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
     };
@@ -627,6 +629,7 @@ pub fn plan(cfg: &Mlp30Config, opt: &OptimizerConfig, side_streams: usize) -> Re
     let sched = StepSchedule {
         kind: cfg.mode.schedule_kind(),
         side_streams,
+        occupancy: false,
     };
     let plan = plan_graph(m.graph, opt, &sched, &keep)?;
     Ok(Mlp30Plan {

@@ -225,11 +225,23 @@ pub fn plan(
     kind: ScheduleKind,
     side_streams: usize,
 ) -> Result<NanoPlan> {
+    plan_with(
+        cfg,
+        opt,
+        &StepSchedule {
+            kind,
+            side_streams,
+            occupancy: false,
+        },
+    )
+}
+
+/// [`plan`] with every scheduling choice, the occupancy rule included.
+pub fn plan_with(cfg: &NanoConfig, opt: &OptimizerConfig, sched: &StepSchedule) -> Result<NanoPlan> {
     let m = build(cfg).context("building nanochat")?;
     let mut keep = vec![m.logits, m.main_loss];
     keep.extend(&m.aux_losses);
-    let sched = StepSchedule { kind, side_streams };
-    let plan = plan_graph(m.graph, opt, &sched, &keep)?;
+    let plan = plan_graph(m.graph, opt, sched, &keep)?;
     Ok(NanoPlan {
         plan,
         cfg: m.cfg,
