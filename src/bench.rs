@@ -29,6 +29,8 @@ pub struct BenchConfig {
     pub dispatch: Vec<Dispatch>,
     /// Steps traced after the timed ones, for the overlap figure (CUDA; 0: none).
     pub trace_steps: usize,
+    /// With traced steps: the per-kernel table's longest launches (0: no table).
+    pub kernels: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -41,6 +43,8 @@ pub struct BenchRow {
     pub final_loss: f64,
     /// The measured trace of the traced steps (CUDA).
     pub trace: Option<erase_runtime::trace::Trace>,
+    /// Where the traced steps' time went (see [`crate::profile`]).
+    pub kernel_table: Option<String>,
 }
 
 /// Runs the benchmark; `progress` hears about every finished chunk.
@@ -113,6 +117,7 @@ pub fn bench(
             auc: e.auc,
             final_loss: last_loss[i],
             trace: None,
+            kernel_table: None,
         });
     }
     Ok(rows)
@@ -375,6 +380,15 @@ fn bench_cuda(
             ne: ne.ne().unwrap_or(f64::NAN),
             auc: auc(&scores, &ys).unwrap_or(f64::NAN),
             final_loss,
+            kernel_table: traces[j].as_ref().filter(|_| cfg.kernels > 0).map(|t| {
+                crate::profile::render(
+                    &plans[*i].program,
+                    &m.graph,
+                    t,
+                    &erase_runtime::occupancy::DeviceModel::h200(),
+                    cfg.kernels,
+                )
+            }),
             trace: traces[j].take(),
         });
     }

@@ -19,4 +19,5 @@ pub mod launch;
 pub mod loader;
 pub mod metrics;
 pub mod model;
+pub mod profile;
 pub mod train;

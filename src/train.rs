@@ -134,6 +134,8 @@ pub struct TrainConfig {
 pub struct TraceWindow {
     pub start: usize,
     pub steps: usize,
+    /// Print the measured per-kernel table with this many longest launches (0: none).
+    pub kernels: usize,
 }
 
 /// Training and evaluation examples.
@@ -207,6 +209,8 @@ pub struct TrainReport {
     pub loader_stall_secs: f64,
     /// The measured trace, when asked for.
     pub trace: Option<Trace>,
+    /// Where the traced steps' time went (see [`crate::profile`]), when asked for.
+    pub kernel_table: Option<String>,
 }
 
 /// Where progress goes: a live line on a terminal, plain lines otherwise.
@@ -973,6 +977,7 @@ fn run_training(
         launches: plan.program.launches.len(),
         loader_stall_secs: 0.0,
         trace: None,
+        kernel_table: None,
     };
     let mut qps = Vec::new();
     if let Some(path) = &cfg.resume {
@@ -1010,6 +1015,15 @@ fn run_training(
                 } else {
                     record(r, &mut report, progress);
                 }
+            }
+            if let Some(w) = cfg.trace.filter(|w| w.kernels > 0) {
+                report.kernel_table = Some(crate::profile::render(
+                    &plan.program,
+                    &plan.model.graph,
+                    &trace,
+                    &DeviceModel::h200(),
+                    w.kernels,
+                ));
             }
             report.trace = Some(trace);
         } else if let Some(r) = s.train_step()? {

@@ -439,3 +439,49 @@ fn predicted_erase_step_overlaps_and_detached_does_not() {
     assert_eq!(svg.matches("class=\"lane\"").count(), 1);
     check_chrome(&detached);
 }
+
+/// The per-kernel table over a trace: every kernel once, the longest first, and the time
+/// per op adding up to the kernels' total.
+#[test]
+fn kernel_table_accounts_for_every_kernel_of_the_trace() {
+    let cfg = CtrConfig::small().with_variant(Variant::Erase);
+    let p = plan_step(
+        &cfg,
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions::default(),
+    )
+    .unwrap();
+    let sim = simulate(
+        &p.program,
+        &SimConfig {
+            device: DeviceModel::h200(),
+            host_per_launch_s: 0.0,
+        },
+    );
+    let t = Trace::from_simulation(&p.program, &sim, &p.model.graph);
+    let (rows, span) = erase::profile::kernel_rows(&p.program, &p.model.graph, &t);
+    assert_eq!(rows.len(), t.events.len(), "one row per kernel launch");
+    let longest = t.events.iter().map(|e| e.duration_us()).fold(0.0, f64::max);
+    assert!(
+        (rows[0].us - longest).abs() < 1e-9,
+        "{} vs {longest}",
+        rows[0].us
+    );
+    assert!(rows.windows(2).all(|w| w[0].us >= w[1].us), "longest first");
+    let total: f64 = t.events.iter().map(|e| e.duration_us()).sum();
+    let sum: f64 = rows.iter().map(|r| r.us).sum();
+    assert!((sum - total).abs() < 1e-6 * total.max(1.0));
+    let (lo, hi) = t.step_bounds(0);
+    assert!((span - (hi - lo)).abs() < 1e-9);
+    let table = erase::profile::render(&p.program, &p.model.graph, &t, &DeviceModel::h200(), 5);
+    assert_eq!(
+        table.lines().filter(|l| l.contains(" '")).count(),
+        5,
+        "{table}"
+    );
+    assert!(
+        table.contains("by op:") && table.contains("linear"),
+        "{table}"
+    );
+}

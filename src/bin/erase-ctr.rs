@@ -231,6 +231,10 @@ struct TrainArgs {
     /// How many steps to trace.
     #[arg(long, value_name = "N", default_value_t = 3)]
     trace_steps: usize,
+    /// Print where the traced steps' time went: the N longest launches with the rates
+    /// they reached against the H200's ceilings, and the time per op. Implies tracing.
+    #[arg(long, value_name = "N")]
+    kernels: Option<usize>,
     /// Save parameters and optimizer state here at the end (safetensors, written
     /// atomically).
     #[arg(long, value_name = "FILE")]
@@ -338,6 +342,10 @@ struct BenchArgs {
     /// Steps traced after the timed ones (CUDA) for the measured overlap figure; 0: none.
     #[arg(long, value_name = "N", default_value_t = 3)]
     trace_steps: usize,
+    /// With traced steps: print each variant's measured per-kernel table (the N longest
+    /// launches against the H200's ceilings, and the time per op).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    kernels: usize,
     /// Write each variant's and dispatch's measured trace here (`<variant>-<dispatch>.json`
     /// and `.svg`).
     #[arg(long, value_name = "DIR")]
@@ -530,13 +538,16 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         resume: a.resume.clone(),
         dispatch: a.dispatch.into(),
         data,
-        trace: (a.trace.is_some() || a.timeline.is_some()).then(|| erase::train::TraceWindow {
-            start: a.trace_from.unwrap_or(a.warmup),
-            steps: a.trace_steps.max(1),
+        trace: (a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some()).then(|| {
+            erase::train::TraceWindow {
+                start: a.trace_from.unwrap_or(a.warmup),
+                steps: a.trace_steps.max(1),
+                kernels: a.kernels.unwrap_or(0),
+            }
         }),
     };
-    if (a.trace.is_some() || a.timeline.is_some()) && dev.is_none() {
-        bail!("--trace and --timeline measure kernels on a CUDA device; this run is on the CPU (`erase-ctr plan --trace/--timeline` gives the simulator's prediction)");
+    if (a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some()) && dev.is_none() {
+        bail!("--trace, --timeline and --kernels measure kernels on a CUDA device; this run is on the CPU (`erase-ctr plan --trace/--timeline` gives the simulator's prediction)");
     }
     if a.checkpoint_every > 0 && a.checkpoint.is_none() {
         bail!("--checkpoint-every needs --checkpoint FILE");
@@ -659,6 +670,9 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     );
     if let Some(t) = &r.trace {
         print_overlap("measured", &t.overlap());
+        if let Some(k) = &r.kernel_table {
+            print!("{k}");
+        }
         let title = format!(
             "erase-ctr {variant}: measured step on {} (batch {}, {} dispatch)",
             dev.as_ref().map_or("CPU", |d| d.name.as_str()),
@@ -718,6 +732,7 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
         optimizer: OptimizerConfig::default(),
         dispatch: a.dispatch.iter().map(|&d| d.into()).collect(),
         trace_steps: if dev.is_some() { a.trace_steps } else { 0 },
+        kernels: a.kernels,
     };
     let name = dev
         .as_ref()
@@ -728,6 +743,10 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
     if let Some(p) = &a.json {
         std::fs::write(p, erase::bench::to_json(&rows))
             .with_context(|| format!("--json {}", p.display()))?;
+    }
+    for r in rows.iter().filter(|r| r.kernel_table.is_some()) {
+        println!("\n== {} ({} dispatch) ==", r.variant.as_str(), r.dispatch);
+        print!("{}", r.kernel_table.as_deref().unwrap_or_default());
     }
     if let Some(dir) = &a.trace_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("--trace-dir {}", dir.display()))?;

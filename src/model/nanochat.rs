@@ -237,7 +237,11 @@ pub fn plan(
 }
 
 /// [`plan`] with every scheduling choice, the occupancy rule included.
-pub fn plan_with(cfg: &NanoConfig, opt: &OptimizerConfig, sched: &StepSchedule) -> Result<NanoPlan> {
+pub fn plan_with(
+    cfg: &NanoConfig,
+    opt: &OptimizerConfig,
+    sched: &StepSchedule,
+) -> Result<NanoPlan> {
     let m = build(cfg).context("building nanochat")?;
     let mut keep = vec![m.logits, m.main_loss];
     keep.extend(&m.aux_losses);

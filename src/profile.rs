@@ -1,0 +1,160 @@
+//! Where a measured step's time goes: per launch and per op, from a measured trace, with
+//! the rates each kernel reached against the device's ceilings (the speed work's guide).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use erase_graph::Graph;
+use erase_runtime::occupancy::DeviceModel;
+use erase_runtime::schedule::StepProgram;
+use erase_runtime::trace::{Trace, TraceKind};
+
+/// One launch's mean over the traced steps.
+#[derive(Clone, Debug)]
+pub struct KernelRow {
+    pub launch: usize,
+    pub label: String,
+    pub kernel: &'static str,
+    pub stream: u16,
+    pub us: f64,
+    pub flops: f64,
+    pub bytes: f64,
+    pub tensor_core: bool,
+}
+
+/// Per-launch means over the steps of `trace` (kernels only), longest first, and the mean
+/// step span in µs.
+pub fn kernel_rows(prog: &StepProgram, g: &Graph, trace: &Trace) -> (Vec<KernelRow>, f64) {
+    let steps = trace.steps();
+    let n = steps.len().max(1) as f64;
+    let span: f64 = steps
+        .iter()
+        .map(|&s| {
+            let (a, b) = trace.step_bounds(s);
+            b - a
+        })
+        .sum::<f64>()
+        / n;
+    // each launch is one graph node: events find their launch by the node's name
+    let real: Vec<usize> = (0..prog.launches.len())
+        .filter(|&i| prog.launches[i].spec.is_some())
+        .collect();
+    let by_node: BTreeMap<&str, usize> = real
+        .iter()
+        .map(|&i| (g.node(prog.launches[i].node).name.as_str(), i))
+        .collect();
+    let mut us = vec![0.0; prog.launches.len()];
+    let mut seen = vec![false; prog.launches.len()];
+    for e in trace.events.iter().filter(|e| e.kind == TraceKind::Kernel) {
+        if let Some(&i) = by_node.get(e.node.as_str()) {
+            us[i] += e.duration_us() / n;
+            seen[i] = true;
+        }
+    }
+    let real: Vec<usize> = real.into_iter().filter(|&i| seen[i]).collect();
+    let mut rows: Vec<KernelRow> = real
+        .iter()
+        .filter_map(|&i| {
+            let l = &prog.launches[i];
+            let s = l.spec.as_ref()?;
+            Some(KernelRow {
+                launch: i,
+                label: format!("{} '{}'", l.label, g.node(l.node).name),
+                kernel: s.kernel,
+                stream: l.stream.0,
+                us: us[i],
+                flops: s.flops,
+                bytes: s.bytes,
+                tensor_core: s.tensor_core,
+            })
+        })
+        .collect();
+    rows.sort_by(|a, b| b.us.total_cmp(&a.us));
+    (rows, span)
+}
+
+/// The table people read: the `top` longest launches, then the time per op (summed over
+/// launches), against `dev`'s ceilings (tensor-core or FP32 FLOP/s, memory bandwidth).
+pub fn render(
+    prog: &StepProgram,
+    g: &Graph,
+    trace: &Trace,
+    dev: &DeviceModel,
+    top: usize,
+) -> String {
+    let (rows, span) = kernel_rows(prog, g, trace);
+    let total: f64 = rows.iter().map(|r| r.us).sum();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "measured kernels, mean of {} traced step(s): step {:.1} µs, kernels add up to {:.1} µs (streams overlap); ceilings {:.0} TFLOP/s tensor, {:.0} TFLOP/s FP32, {:.2} TB/s",
+        trace.steps().len(),
+        span,
+        total,
+        dev.tensor_flops / 1e12,
+        dev.simt_flops / 1e12,
+        dev.mem_bw / 1e12
+    );
+    let _ = writeln!(
+        s,
+        "  {:>8} {:>6} {:>9} {:>6} {:>8} {:>6}  stream  launch",
+        "µs", "share", "TFLOP/s", "of pk", "GB/s", "of bw"
+    );
+    let rate = |r: &KernelRow| {
+        let secs = r.us * 1e-6;
+        let fl = if secs > 0.0 { r.flops / secs } else { 0.0 };
+        let by = if secs > 0.0 { r.bytes / secs } else { 0.0 };
+        let peak = if r.tensor_core {
+            dev.tensor_flops
+        } else {
+            dev.simt_flops
+        };
+        (fl, fl / peak, by, by / dev.mem_bw)
+    };
+    for r in rows.iter().take(top) {
+        let (fl, fp, by, bp) = rate(r);
+        let _ = writeln!(
+            s,
+            "  {:8.1} {:5.1}% {:9.1} {:5.0}% {:8.0} {:5.0}%  {:<6}  {} [{}]",
+            r.us,
+            100.0 * r.us / span.max(1e-9),
+            fl / 1e12,
+            100.0 * fp,
+            by / 1e9,
+            100.0 * bp,
+            erase_runtime::trace::stream_name(r.stream),
+            r.label,
+            r.kernel
+        );
+    }
+    // per op: the op is the label's last word (`fwd:cross linear` -> `linear`)
+    let mut by_op: BTreeMap<String, (f64, usize, f64, f64)> = BTreeMap::new();
+    for r in &rows {
+        let op = prog.launches[r.launch].label.op.clone();
+        let e = by_op.entry(op).or_default();
+        e.0 += r.us;
+        e.1 += 1;
+        e.2 += r.flops;
+        e.3 += r.bytes;
+    }
+    let mut ops: Vec<_> = by_op.into_iter().collect();
+    ops.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+    let _ = writeln!(
+        s,
+        "  by op: µs (launches, share of all kernel time, TFLOP/s, GB/s)"
+    );
+    for (op, (us, n, fl, by)) in ops {
+        let secs = us * 1e-6;
+        let _ = writeln!(
+            s,
+            "    {:<26} {:8.1} ({:3}, {:4.1}%, {:6.1}, {:6.0})",
+            op,
+            us,
+            n,
+            100.0 * us / total.max(1e-9),
+            if secs > 0.0 { fl / secs / 1e12 } else { 0.0 },
+            if secs > 0.0 { by / secs / 1e9 } else { 0.0 }
+        );
+    }
+    s
+}
