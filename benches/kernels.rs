@@ -4,7 +4,8 @@
 //! Prints a table; with `--json FILE` also writes one JSON object per line, which
 //! `scripts/torch_kernels.py` reads to put PyTorch's times beside ours.
 //!
-//! `cargo bench --bench kernels -- [--json FILE] [--quick]`
+//! `cargo bench --bench kernels -- [--json FILE] [--quick] [--only WORD]` (`--only gemm`
+//! runs only the benchmarks whose kind or name holds WORD).
 
 use std::collections::BTreeSet;
 use std::io::Write as _;
@@ -38,9 +39,17 @@ struct Bench<'a> {
     dev: &'a CudaDevice,
     iters: usize,
     rows: Vec<Row>,
+    only: Option<String>,
 }
 
 impl Bench<'_> {
+    /// Whether `--only` leaves out the benchmark of this kind.
+    fn skip(&self, kind: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_some_and(|w| !kind.contains(w.as_str()))
+    }
+
     fn time(
         &mut self,
         op: &Op,
@@ -61,6 +70,9 @@ impl Bench<'_> {
 
     /// `[m,k]·[k,n]` style GEMMs: kind is linear (x·wᵀ+b), dx (dy·w), dw (dyᵀ·x) or mm.
     fn gemm(&mut self, kind: &'static str, m: usize, n: usize, k: usize) {
+        if self.skip(&format!("gemm {kind}")) {
+            return;
+        }
         type Case = (Op, Vec<(Shape, Buffer)>, Vec<(Shape, DType)>);
         let (op, ins, outs): Case = match kind {
             "linear" => (
@@ -112,6 +124,9 @@ impl Bench<'_> {
     }
 
     fn attention(&mut self, b: usize, h: usize, s: usize, dh: usize) {
+        if self.skip("attention") {
+            return;
+        }
         let w = h * dh;
         let x = |seed| (Shape::new(&[b, s, w]), rand(seed, b * s * w, 1.0));
         let (q, k, v) = (x(1), x(2), x(3));
@@ -165,6 +180,9 @@ impl Bench<'_> {
     }
 
     fn embedding(&mut self, batch: usize, fields: usize, rows: usize, d: usize) {
+        if self.skip("embedding") {
+            return;
+        }
         let field_rows = vec![rows; fields];
         let nnz = batch * fields;
         let ids: Vec<i32> = (0..nnz)
@@ -244,6 +262,11 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .cloned();
     let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
     let dev = match erase::gpu::open_device() {
         Ok(d) => d,
         Err(e) => {
@@ -259,6 +282,7 @@ fn main() {
         dev: &dev,
         iters: if quick { 5 } else { 20 },
         rows: Vec::new(),
+        only,
     };
     b.copy(1 << 28);
     b.gemm("mm", 4096, 4096, 4096);

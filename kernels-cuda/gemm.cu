@@ -32,8 +32,17 @@
 // writes each thread's two adjacent columns as one float2 where C's alignment allows.
 //
 // Bound: 2·M·N·K FLOPs on tensor cores against 4·(M·K·ceil(N/BN) + N·K·ceil(M/BM) + M·N)
-// bytes; the model's shapes (K = 13..351, N small) are memory-bound, the 128x128 tile
-// (arithmetic intensity 32 FLOP/byte of f32 operand) serves the large square ones.
+// bytes; the model's small shapes (K = 13..351, N small) are memory-bound and run these
+// single-launch kernels.
+//
+// Large GEMMs (ops/src/cuda/dense.rs decides) take the pipelined path instead: the
+// operands are rounded to bf16 once, by `gemm_to_bf16` / `gemm_to_bf16_t`, into K-major
+// zero-padded scratch (the same round-to-nearest-even, so the same products), and
+// `gemm_bf16p_*` multiplies them through a cp.async ring in dynamic shared memory:
+// wgmma on sm_90a, ldmatrix + mma.sync on sm_80 (see gemm_wgmma_body, gemm_pipe_body).
+// Rounding in a separate pass costs 6 bytes per operand element once, against re-reading
+// f32 tiles from L2 for every output tile and keeping the f32 -> bf16 work and register
+// staging out of the main loop.
 #include "common.cuh"
 
 namespace {
@@ -114,6 +123,43 @@ struct GemmTileLoader {
 
 __device__ __forceinline__ bool gemm_vec_ok(const float* p, long long ld) {
     return (ld & 3) == 0 && (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Epilogue of a warp tile of MI x NI mma tiles at (row0, col0) of C: the thread holds
+// rows g, g+8 and columns 2t, 2t+1 of every mma tile; bias (flags & 1), ReLU (flags & 2),
+// two adjacent columns as one float2 where C's alignment allows.
+template <int MI, int NI>
+__device__ __forceinline__ void gemm_epilogue(const float (&acc)[MI][NI][4], float* __restrict__ C,
+                                              const float* __restrict__ bias, int M, int N, long long ldc,
+                                              int row0, int col0, int lane, int flags) {
+    const int g = lane >> 2, t = lane & 3;
+    const bool vec_c = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & 7) == 0;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int m = row0 + mi * 16 + g + half * 8;
+            if (m >= M) continue;
+            float* crow = C + static_cast<long long>(m) * ldc;
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                const int n = col0 + ni * 8 + 2 * t;  // even
+                float v[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    v[e] = acc[mi][ni][half * 2 + e];
+                    if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
+                    if (flags & 2) v[e] = fmaxf(v[e], 0.f);
+                }
+                if (vec_c && n + 1 < N) {
+                    *reinterpret_cast<float2*>(crow + n) = make_float2(v[0], v[1]);
+                } else {
+                    if (n < N) crow[n] = v[0];
+                    if (n + 1 < N) crow[n + 1] = v[1];
+                }
+            }
+        }
+    }
 }
 
 template <int BM, int BN, int WARPS_M, int WARPS_N, int AHEAD, bool TA, bool TB>
@@ -249,36 +295,296 @@ __device__ __forceinline__ void gemm_bf16_body(const float* __restrict__ A, cons
         }
     }
 
-    // epilogue: thread holds rows g, g+8 and columns 2t, 2t+1 of every mma tile
-    const int g = lane >> 2, t = lane & 3;
-    const bool vec_c = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & 7) == 0;
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int m = m0 + wm0 + mi * 16 + g + half * 8;
-            if (m >= M) continue;
-            float* crow = C + static_cast<long long>(m) * ldc;
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int n = n0 + wn0 + ni * 8 + 2 * t;  // even
-                float v[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    v[e] = acc[mi][ni][half * 2 + e];
-                    if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
-                    if (flags & 2) v[e] = fmaxf(v[e], 0.f);
-                }
-                if (vec_c && n + 1 < N) {
-                    *reinterpret_cast<float2*>(crow + n) = make_float2(v[0], v[1]);
-                } else {
-                    if (n < N) crow[n] = v[0];
-                    if (n + 1 < N) crow[n + 1] = v[1];
-                }
-            }
-        }
-    }
+    gemm_epilogue<MI, NI>(acc, C, bias, M, N, ldc, m0 + wm0, n0 + wn0, lane, flags);
 }
+
+// ---- the pipelined path for large GEMMs ---------------------------------------------
+//
+// Operands first rounded to bf16 by `gemm_to_bf16` / `gemm_to_bf16_t` into K-major,
+// zero-padded scratch (A as [Mp][Kp], B as [Np][Kp]: Mp, Np multiples of the tile, Kp of
+// BK), so the main loop has no bounds, no layouts and no conversion: STAGES-deep
+// cp.async ring of 16-byte chunks in dynamic shared memory (rows padded by 8 bf16, so
+// ldmatrix is conflict-free), ldmatrix + mma.sync, one barrier per k step.
+
+__device__ __forceinline__ void gemm_cp_async16(uint32_t smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ uint32_t gemm_smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void gemm_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void gemm_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES>
+__device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__ A,
+                                               const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
+                                               const float* __restrict__ bias, int M, int N, int Kp,
+                                               long long ldc, long long batch_a, long long batch_b,
+                                               long long batch_c, int batch, int k_split, long long split_c,
+                                               int flags) {
+    constexpr int THREADS = WARPS_M * WARPS_N * 32;
+    constexpr int LDS = BK + GEMM_PAD;  // bf16 per shared row
+    constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
+    constexpr int MI = WTM / 16, NI = WTN / 8;
+    constexpr int CPR = BK / 8;  // 16-byte chunks per row
+    constexpr int A_CH = BM * CPR / THREADS, B_CH = BN * CPR / THREADS;
+    static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile must be a multiple of 16x16");
+    static_assert(BM * CPR % THREADS == 0 && BN * CPR % THREADS == 0, "tiles must split over the threads");
+    static_assert(STAGES >= 2, "a pipeline needs two stages");
+    extern __shared__ __align__(16) unsigned char gemm_smem[];
+    __nv_bfloat16* sA = reinterpret_cast<__nv_bfloat16*>(gemm_smem);  // [STAGES][BM][LDS]
+    __nv_bfloat16* sB = sA + STAGES * BM * LDS;                        // [STAGES][BN][LDS]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm0 = (warp / WARPS_N) * WTM, wn0 = (warp % WARPS_N) * WTN;
+    const int split = blockIdx.z / batch, bi = blockIdx.z % batch;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const long long kb = static_cast<long long>(split) * k_split;
+    const int k_begin = static_cast<int>(kb < Kp ? kb : Kp);
+    const int k_end = k_begin + k_split < Kp ? k_begin + k_split : Kp;
+    A += bi * batch_a + static_cast<long long>(m0) * Kp + k_begin;
+    B += bi * batch_b + static_cast<long long>(n0) * Kp + k_begin;
+    C += split * split_c + bi * batch_c;
+
+    auto load_stage = [&](int slot, int kt) {
+        const int k0 = kt * BK;
+        __nv_bfloat16* a = sA + slot * BM * LDS;
+        __nv_bfloat16* b = sB + slot * BN * LDS;
+#pragma unroll
+        for (int i = 0; i < A_CH; ++i) {
+            const int id = tid + i * THREADS, r = id / CPR, c = (id % CPR) * 8;
+            gemm_cp_async16(gemm_smem_addr(a + r * LDS + c), A + static_cast<long long>(r) * Kp + k0 + c);
+        }
+#pragma unroll
+        for (int i = 0; i < B_CH; ++i) {
+            const int id = tid + i * THREADS, r = id / CPR, c = (id % CPR) * 8;
+            gemm_cp_async16(gemm_smem_addr(b + r * LDS + c), B + static_cast<long long>(r) * Kp + k0 + c);
+        }
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    auto compute = [&](int slot) {
+        const __nv_bfloat16* a = sA + slot * BM * LDS;
+        const __nv_bfloat16* b = sB + slot * BN * LDS;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            uint32_t af[MI][4], bfr[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                const int mr = wm0 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int kc = kk + (lane >> 4) * 8;
+                gemm_ldsm_x4(af[mi], a + mr * LDS + kc);
+            }
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; ++nj) {
+                uint32_t r[4];
+                const int nr = wn0 + nj * 16 + (lane & 7) + (lane >> 4) * 8;
+                const int kc = kk + ((lane >> 3) & 1) * 8;
+                gemm_ldsm_x4(r, b + nr * LDS + kc);
+                bfr[2 * nj][0] = r[0];
+                bfr[2 * nj][1] = r[1];
+                bfr[2 * nj + 1][0] = r[2];
+                bfr[2 * nj + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni) gemm_mma(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
+        }
+    };
+
+    // tile kt lives in slot kt % STAGES; STAGES-1 tiles are in flight while one is
+    // multiplied. The barrier at the top of step kt also says every warp is done with
+    // slot (kt-1) % STAGES, which step kt refills. Every step commits a group (empty at
+    // the end) so that wait_group counts steps.
+    const int nk = (k_end - k_begin) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nk) load_stage(s, s);
+        gemm_cp_commit();
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+        gemm_cp_wait<STAGES - 2>();
+        __syncthreads();
+        const int next = kt + STAGES - 1;
+        if (next < nk) load_stage(next % STAGES, next);
+        gemm_cp_commit();
+        compute(kt % STAGES);
+    }
+    gemm_cp_wait<0>();
+
+    gemm_epilogue<MI, NI>(acc, C, bias, M, N, ldc, m0 + wm0, n0 + wn0, lane, flags);
+}
+
+// ---- the wgmma form of the pipelined path (sm_90a) --------------------------------------
+//
+// BM = 128 rows as two warpgroups of 64, BK = 64: a shared row of a stage is 128 bytes,
+// stored with the 128-byte swizzle (16-byte chunk c of row r at r·128 + ((c ^ r%8)·16),
+// stage bases 1024-aligned) that wgmma's descriptors name; cp.async fills it, and each
+// k step is four m64nBNk16 wgmma per warpgroup on the stage's descriptors (a k16 step is
+// 32 bytes further into the swizzled rows).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Shared-memory matrix descriptor: start address, leading byte offset 16 (unused with a
+// swizzle), stride byte offset 1024 (between groups of 8 rows), 128-byte swizzle.
+__device__ __forceinline__ uint64_t gemm_wgmma_desc(uint32_t saddr) {
+    return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
+           (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// D(64x128) += A(64x16)·B(128x16)ᵀ, both in shared memory, K-major, 128-byte swizzle.
+__device__ __forceinline__ void gemm_wgmma_n128(float (&d)[64], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+// D(64x256) += A(64x16)·B(256x16)ᵀ, both in shared memory, K-major, 128-byte swizzle.
+__device__ __forceinline__ void gemm_wgmma_n256(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+// Keeps the compiler from moving accumulator accesses across wgmma issue and wait.
+template <int N>
+__device__ __forceinline__ void gemm_wgmma_hold(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int BN, int STAGES>
+__device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict__ A,
+                                                const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
+                                                const float* __restrict__ bias, int M, int N, int Kp,
+                                                long long ldc, long long batch_a, long long batch_b,
+                                                long long batch_c, int batch, int k_split, long long split_c,
+                                                int flags) {
+    constexpr int BM = 128, BK = 64, THREADS = 256;
+    constexpr int A_BYTES = BM * BK * 2, STAGE = (BM + BN) * BK * 2, NACC = BN / 2;
+    static_assert(BN == 128 || BN == 256, "wgmma tiles are 128 or 256 wide");
+    extern __shared__ __align__(16) unsigned char gemm_smem[];
+    const uint32_t base = (gemm_smem_addr(gemm_smem) + 1023u) & ~1023u;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int split = blockIdx.z / batch, bi = blockIdx.z % batch;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const long long kb = static_cast<long long>(split) * k_split;
+    const int k_begin = static_cast<int>(kb < Kp ? kb : Kp);
+    const int k_end = k_begin + k_split < Kp ? k_begin + k_split : Kp;
+    A += bi * batch_a + static_cast<long long>(m0) * Kp + k_begin;
+    B += bi * batch_b + static_cast<long long>(n0) * Kp + k_begin;
+    C += split * split_c + bi * batch_c;
+
+    auto load_stage = [&](int slot, int kt) {
+        const int k0 = kt * BK;
+        const uint32_t sa = base + slot * STAGE, sb = sa + A_BYTES;
+#pragma unroll
+        for (int i = 0; i < BM * 8 / THREADS; ++i) {
+            const int id = tid + i * THREADS, r = id >> 3, c = id & 7;
+            gemm_cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), A + static_cast<long long>(r) * Kp + k0 + c * 8);
+        }
+#pragma unroll
+        for (int i = 0; i < BN * 8 / THREADS; ++i) {
+            const int id = tid + i * THREADS, r = id >> 3, c = id & 7;
+            gemm_cp_async16(sb + r * 128 + ((c ^ (r & 7)) << 4), B + static_cast<long long>(r) * Kp + k0 + c * 8);
+        }
+    };
+
+    float acc[1][BN / 8][4];
+    float(&d)[NACC] = reinterpret_cast<float(&)[NACC]>(acc);
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) d[i] = 0.f;
+
+    // as gemm_pipe_body: tile kt in slot kt % STAGES, STAGES-1 tiles in flight; the
+    // cp.async writes (generic proxy) are fenced before the barrier for wgmma's reads
+    // (async proxy); every warpgroup waits for its wgmma before the next barrier, so the
+    // slot refilled after that barrier is no longer read.
+    const int nk = (k_end - k_begin) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nk) load_stage(s, s);
+        gemm_cp_commit();
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+        gemm_cp_wait<STAGES - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        const int next = kt + STAGES - 1;
+        if (next < nk) load_stage(next % STAGES, next);
+        gemm_cp_commit();
+        const uint32_t sa = base + (kt % STAGES) * STAGE + wg * 64 * 128, sb = base + (kt % STAGES) * STAGE + A_BYTES;
+        gemm_wgmma_hold(d);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            if constexpr (BN == 128) gemm_wgmma_n128(d, gemm_wgmma_desc(sa + kk * 32), gemm_wgmma_desc(sb + kk * 32));
+            else gemm_wgmma_n256(d, gemm_wgmma_desc(sa + kk * 32), gemm_wgmma_desc(sb + kk * 32));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        gemm_wgmma_hold(d);
+    }
+    gemm_cp_wait<0>();
+
+    // wgmma's accumulator layout is mma.sync's, per warp: rows 16·(warp % 4) + g (+8)
+    gemm_epilogue<1, BN / 8>(acc, C, bias, M, N, ldc, m0 + wg * 64 + (warp & 3) * 16, n0, lane, flags);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace
 
@@ -308,6 +614,108 @@ ERASE_GEMM_KERNELS(nn, false, false)
 ERASE_GEMM_KERNELS(nt, false, true)
 ERASE_GEMM_KERNELS(tn, true, false)
 ERASE_GEMM_KERNELS(tt, true, true)
+
+// The pipelined kernels, arguments in order:
+//   A, B (bf16, K-major and zero-padded: [batch][Mp][Kp], [batch][Np][Kp]), C, bias,
+//   M, N, Kp (i32; Kp a multiple of 64, Mp and Np of the tile),
+//   ldc (i64), batch_a, batch_b, batch_c (i64, elements), batch (i32),
+//   k_split (i32, multiple of 64), split_c (i64), flags (i32: 1 bias, 2 relu).
+// Grid: (Mp/BM, Np/BN, splits·batch); block 256. On sm_90a they run gemm_wgmma_body, on
+// other targets gemm_pipe_body (ldmatrix + mma.sync); dynamic shared memory is the larger
+// of the two forms' needs:
+//   gemm_bf16p_128x128  wgmma BK 64, 3 stages, 99328 | mma.sync BK 64, 3 stages, 110592
+//                       (2 CTAs per SM): 110592
+//   gemm_bf16p_128x256  wgmma BK 64, 4 stages, 197632 | mma.sync BK 32, 4 stages, 122880
+//                       (warp tile 64x64): 197632
+#define ERASE_GEMM_PIPE_ARGS                                                                           \
+    const __nv_bfloat16 *__restrict__ A, const __nv_bfloat16 *__restrict__ B, float *__restrict__ C,   \
+        const float *__restrict__ bias, int M, int N, int Kp, long long ldc, long long batch_a,          \
+        long long batch_b, long long batch_c, int batch, int k_split, long long split_c, int flags
+#define ERASE_GEMM_PIPE_PASS A, B, C, bias, M, N, Kp, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags
+
+ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p_128x128(ERASE_GEMM_PIPE_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gemm_wgmma_body<128, 3>(ERASE_GEMM_PIPE_PASS);
+#else
+    gemm_pipe_body<128, 128, 64, 2, 4, 3>(ERASE_GEMM_PIPE_PASS);
+#endif
+}
+ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p_128x256(ERASE_GEMM_PIPE_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gemm_wgmma_body<256, 4>(ERASE_GEMM_PIPE_PASS);
+#else
+    gemm_pipe_body<128, 256, 32, 2, 4, 4>(ERASE_GEMM_PIPE_PASS);
+#endif
+}
+
+// dst[b][r][c] = bf16(src[b·batch_src + r·ld + c]) (round to nearest even) for r < rows,
+// c < cols, 0 elsewhere in the padded [rp][cp] (cp a multiple of 8). One thread per 8
+// consecutive c: two float4 loads where ld and the base allow, one 16-byte store.
+// Grid (ceil(rp·cp/8 / 256), 1, batch), block 256.
+ERASE_KERNEL void __launch_bounds__(256)
+    gemm_to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
+                 long long batch_src, int rp, int cp) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int chunks = cp / 8;
+    if (i >= static_cast<long long>(rp) * chunks) return;
+    const int r = static_cast<int>(i / chunks), c = static_cast<int>(i % chunks) * 8;
+    src += blockIdx.z * batch_src;
+    dst += static_cast<long long>(blockIdx.z) * rp * cp;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+    if (r < rows) {
+        const float* p = src + static_cast<long long>(r) * ld + c;
+        if (c + 8 <= cols && gemm_vec_ok(p, ld)) {
+            const float4 x = __ldg(reinterpret_cast<const float4*>(p));
+            const float4 y = __ldg(reinterpret_cast<const float4*>(p + 4));
+            v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (c + e < cols) v[e] = __ldg(p + e);
+        }
+    }
+    uint4 o;
+    o.x = gemm_pack_bf16(v[0], v[1]);
+    o.y = gemm_pack_bf16(v[2], v[3]);
+    o.z = gemm_pack_bf16(v[4], v[5]);
+    o.w = gemm_pack_bf16(v[6], v[7]);
+    *reinterpret_cast<uint4*>(dst + static_cast<long long>(r) * cp + c) = o;
+}
+
+// The transposing form: dst[b][r][c] = bf16(src[b·batch_src + c·ld + r]) for r < rows,
+// c < cols, 0 elsewhere in [rp][cp] (rp, cp multiples of 8). A CTA moves a 64 (r) x 64 (c)
+// block through shared memory: coalesced f32 loads along r, 16-byte stores along c.
+// Grid (ceil(rp/64), ceil(cp/64), batch), block 256.
+ERASE_KERNEL void __launch_bounds__(256)
+    gemm_to_bf16_t(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
+                   long long batch_src, int rp, int cp) {
+    __shared__ float tile[64][65];  // [c][r], padded against bank conflicts
+    const int tid = threadIdx.x, tx = tid & 63, ty = tid >> 6;
+    const int r0 = blockIdx.x * 64, c0 = blockIdx.y * 64;
+    src += blockIdx.z * batch_src;
+    dst += static_cast<long long>(blockIdx.z) * rp * cp;
+    const int r = r0 + tx;
+#pragma unroll 4
+    for (int i = 0; i < 16; ++i) {
+        const int cl = ty + 4 * i, c = c0 + cl;
+        tile[cl][tx] = (r < rows && c < cols) ? __ldg(src + static_cast<long long>(c) * ld + r) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int id = tid + j * 256, rl = id >> 3, ch = (id & 7) * 8;
+        const int rr = r0 + rl, c = c0 + ch;
+        if (rr >= rp || c >= cp) continue;
+        uint4 o;
+        o.x = gemm_pack_bf16(tile[ch][rl], tile[ch + 1][rl]);
+        o.y = gemm_pack_bf16(tile[ch + 2][rl], tile[ch + 3][rl]);
+        o.z = gemm_pack_bf16(tile[ch + 4][rl], tile[ch + 5][rl]);
+        o.w = gemm_pack_bf16(tile[ch + 6][rl], tile[ch + 7][rl]);
+        *reinterpret_cast<uint4*>(dst + static_cast<long long>(rr) * cp + c) = o;
+    }
+}
 
 // C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU), for i < count; C is
 // contiguous. Block (256/Y, Y), Y = 1, 2, 4 or 8 (at most the split count): thread (x, y)

@@ -170,6 +170,25 @@ impl Drop for Event {
     }
 }
 
+/// Lets `f` take as much dynamic shared memory as the device allows a CTA (`optin` bytes,
+/// less the kernel's static shared memory): past 48 KB the driver refuses a launch unless
+/// the function says so first (the GEMM pipeline's stages live there).
+fn allow_dynamic_smem(f: sys::CUfunction, optin: i32) -> Result<(), result::DriverError> {
+    // SAFETY: `f` is a live function of a loaded module; both calls only read or set one
+    // of its attributes, to a value the device supports.
+    unsafe {
+        let fixed = result::function::get_function_attribute(
+            f,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+        )?;
+        result::function::set_function_attribute(
+            f,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            (optin - fixed).max(0),
+        )
+    }
+}
+
 /// A kernel launch with its function and argument bytes resolved.
 pub struct PreparedLaunch {
     f: sys::CUfunction,
@@ -256,6 +275,11 @@ impl CudaDevice {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_err("SM count", e))? as u32;
+        let smem_optin = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| driver_err("shared memory per block", e))?;
         let forced = std::env::var("ERASE_PTX").ok();
         let target = match forced.as_deref() {
             Some("sm80") => PtxTarget::Sm80,
@@ -306,6 +330,8 @@ impl CudaDevice {
                 // SAFETY: `module` was just loaded and is alive.
                 let f = unsafe { result::module::get_function(module, cname) }
                     .map_err(|e| driver_err(&format!("kernel {} in {}.cu", k.name, m.file), e))?;
+                allow_dynamic_smem(f, smem_optin)
+                    .map_err(|e| driver_err(&format!("shared memory of kernel {}", k.name), e))?;
                 dev.functions.insert(k.name, f);
             }
         }

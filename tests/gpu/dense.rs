@@ -743,3 +743,75 @@ fn attention_with_an_unsupported_head_dim_is_refused() {
         "head dim 48 must be refused by the plan"
     );
 }
+
+#[test]
+fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
+    let Some(dev) = device("large_gemms_on_the_pipelined_path_match_the_bf16_reference") else {
+        return;
+    };
+    // shapes large enough for the bf16 pre-rounding and the cp.async pipeline (2·M·N·K
+    // ≥ 2^31): ragged M, N, K against the tiles and K = 1337 (odd leading dims, scalar
+    // conversion) with bias; the model's deep forward (float4 conversion)
+    let cases: &[(usize, usize, usize, bool)] = &[(1101, 730, 1337, true), (2048, 512, 1728, true)];
+    for (seed, &(m, n, k, bias)) in cases.iter().enumerate() {
+        let seed = 600 + 10 * seed as u64;
+        let (x, xv) = f32_arg(&[m, k], seed, -1.0, 1.0);
+        let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let mut ins = vec![x, w];
+        if bias {
+            ins.push(b);
+        }
+        let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+        let got = run_gpu(dev, &Op::Linear { bias }, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, bias.then_some(&bv[..]));
+        let what = format!("pipelined linear {m}x{k} -> {n}");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+    }
+    // dx = dy·w: w converted through the transposing kernel (N = 777 ragged)
+    let (m, n, k) = (1500, 1024, 777);
+    let (dy, dyv) = f32_arg(&[m, n], 650, -1.0, 1.0);
+    let (w, wv) = f32_arg(&[n, k], 651, -1.0, 1.0);
+    let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+    let got = run_gpu(dev, &Op::LinearGradInput, &[dy, w], &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+    assert_within("pipelined linear_grad_input", &got[0].to_f64(), &want, &tol);
+    // dw = dyᵀ·x over 4100 rows: both operands transposed, few tiles, so split-K; the
+    // fixed-order reduction gives the same bits twice
+    let (rows, n, k) = (4100, 300, 1000);
+    let (dy, dyv) = f32_arg(&[rows, n], 660, -1.0, 1.0);
+    let (x, xv) = f32_arg(&[rows, k], 661, -1.0, 1.0);
+    let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+    let ins = [dy, x];
+    let got = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+    let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
+    assert_within(
+        "pipelined linear_grad_weight",
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
+    let again = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+    assert_eq!(
+        bits(&got[0]),
+        bits(&again[0]),
+        "pipelined linear_grad_weight: two runs differ"
+    );
+    // batched, every transpose
+    let (batch, m, n, k) = (2, 700, 600, 1300);
+    for (i, (ta, tb)) in [(false, false), (false, true), (true, false), (true, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 670 + 10 * i as u64;
+        let ashape = if ta { [batch, k, m] } else { [batch, m, k] };
+        let bshape = if tb { [batch, n, k] } else { [batch, k, n] };
+        let (a, av) = f32_arg(&ashape, seed, -1.0, 1.0);
+        let (b, bv) = f32_arg(&bshape, seed + 1, -1.0, 1.0);
+        let outs: [(&[usize], DType); 1] = [(&[batch, m, n], DType::F32)];
+        let got = run_gpu(dev, &Op::MatMul { ta, tb }, &[a, b], &outs, &mut []);
+        let (want, tol) = gemm_ref((batch, m, n, k), &av, ta, &bv, tb, None);
+        let what = format!("pipelined matmul ta {ta} tb {tb} {ashape:?} x {bshape:?}");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+    }
+}

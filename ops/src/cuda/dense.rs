@@ -1,11 +1,17 @@
 //! GEMM-shaped ops (linear and its gradients, matmul) and fused attention.
 //!
-//! GEMMs run `gemm_bf16_<layout>_<tile>` (kernels-cuda/gemm.cu): layout `nn`/`nt`/`tn`/`tt`
-//! says which operand is stored transposed (MatMul's `ta`, `tb` on row-major storage), the
-//! tile is 128x128 when the output fills a wave of them, else 64x64. When the output has
-//! too few tiles to fill the GPU and K is long (LinearGradWeight reduces over all rows),
-//! K is split over the grid's z: each split writes an f32 partial to scratch 0 and
-//! `gemm_splitk_reduce` sums them in split order, so the result is deterministic.
+//! GEMMs of at least 2^31 FLOPs with K ≥ 256 take the pipelined path: `gemm_to_bf16`
+//! (or `gemm_to_bf16_t` for an operand whose K is not the inner dim) rounds A and B to
+//! bf16 into K-major, zero-padded scratch, then `gemm_bf16p_<tile>` multiplies them
+//! (wgmma on sm_90a, mma.sync on sm_80; a cp.async ring in dynamic shared memory), the
+//! tile and split count from a wave model of the H200. Smaller GEMMs run
+//! `gemm_bf16_<layout>_<tile>` in one launch, rounding as they load: layout
+//! `nn`/`nt`/`tn`/`tt` says which operand is stored transposed (MatMul's `ta`, `tb` on
+//! row-major storage), the tile is 128x128 when the output fills a wave of them, else
+//! 64x64. When the output has too few tiles to fill the GPU and K is long
+//! (LinearGradWeight reduces over all rows), either path splits K over the grid's z: each
+//! split writes an f32 partial to scratch and `gemm_splitk_reduce` sums them in split
+//! order, so the result is deterministic.
 //! Attention runs the FlashAttention-2 kernels of kernels-cuda/attention.cu.
 
 use super::{blocks, CudaPlan, KArg, KernelCall, Operands};
@@ -21,6 +27,10 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_bf16_tn_64x64",
     "gemm_bf16_tt_128x128",
     "gemm_bf16_tt_64x64",
+    "gemm_bf16p_128x128",
+    "gemm_bf16p_128x256",
+    "gemm_to_bf16",
+    "gemm_to_bf16_t",
     "gemm_splitk_reduce",
     "attn_fwd_d32",
     "attn_fwd_d64",
@@ -117,6 +127,9 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
     if batch * m * n == 0 {
         return Ok(CudaPlan::default());
     }
+    if let Some(t) = pipe_tile(&g) {
+        return gemm_pipe(&g, t);
+    }
     let (mi, ni, ki) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(k, "K")?);
     // 128x128 tiles when they fill at least one wave of the GPU, else 64x64
     let big =
@@ -183,24 +196,7 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
             scratch: vec![],
         });
     }
-    // the reduction reads `lanes` splits of an element at once (a power of two, at most 8)
-    let lanes = [8, 4, 2, 1].into_iter().find(|&l| l <= splits).unwrap_or(1);
-    let reduce = KernelCall {
-        kernel: "gemm_splitk_reduce",
-        grid: [blocks(count, 256 / lanes), 1, 1],
-        block: [256 / lanes as u32, lanes as u32, 1],
-        smem: 0,
-        args: vec![
-            KArg::Scratch(0),
-            g.bias.unwrap_or(KArg::Scratch(0)),
-            KArg::Out(0),
-            i64_of(count),
-            KArg::I32(ni),
-            KArg::I32(splits as i32),
-            i64_of(count),
-            KArg::I32(flags),
-        ],
-    };
+    let reduce = reduce_call(KArg::Scratch(0), g.bias, count, ni, splits, flags);
     Ok(CudaPlan {
         calls: vec![
             KernelCall {
@@ -214,6 +210,230 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         ],
         scratch: vec![splits * count * 4],
     })
+}
+
+/// A tile of the pipelined kernels `gemm_bf16p_*` (operands rounded to bf16 into
+/// K-major, zero-padded scratch first; a `STAGES`-deep cp.async ring in dynamic shared
+/// memory).
+#[derive(Clone, Copy, Debug)]
+struct PipeTile {
+    kernel: &'static str,
+    bm: usize,
+    bn: usize,
+    /// k step: the padded K and a split's K range are multiples of it.
+    bk: usize,
+    /// Dynamic shared memory, bytes.
+    smem: u32,
+    /// CTAs an SM holds (by registers and shared memory).
+    per_sm: usize,
+    /// Throughput relative to the 128x128 tile's, as measured on the H200.
+    speed: f64,
+}
+
+const PIPE_TILES: [PipeTile; 2] = [
+    // wgmma on sm_90a (99 KB used), mma.sync otherwise (108 KB)
+    PipeTile {
+        kernel: "gemm_bf16p_128x128",
+        bm: 128,
+        bn: 128,
+        bk: 64,
+        smem: 3 * (128 + 128) * 72 * 2,
+        per_sm: 2,
+        speed: 1.0,
+    },
+    // wgmma on sm_90a (4 stages of 64, 1 KB for alignment), mma.sync otherwise (120 KB)
+    PipeTile {
+        kernel: "gemm_bf16p_128x256",
+        bm: 128,
+        bn: 256,
+        bk: 64,
+        smem: 4 * (128 + 256) * 64 * 2 + 1024,
+        per_sm: 1,
+        // 5-15 % slower than two 128x128 CTAs per SM at the model's shapes and 4096³
+        speed: 0.9,
+    },
+];
+
+/// Fewest FLOPs (2·M·N·K·batch) for which the conversion launches pay off.
+const PIPE_MIN_FLOPS: usize = 1 << 31;
+/// Fewest k a split of the pipelined kernels gets.
+const PIPE_MIN_K_PER_SPLIT: usize = 512;
+/// Estimated rates for choosing a tile: one SM's mma rate (FLOP/s) and the memory
+/// bandwidth of the split-K reduction (bytes/s).
+const SM_FLOPS: f64 = 3.0e12;
+const MEM_BW: f64 = 3.0e12;
+
+/// The k range of one split and the split count for a pipelined tile.
+fn pipe_splits(t: &PipeTile, g: &Gemm) -> (usize, usize) {
+    let kp = g.k.next_multiple_of(t.bk);
+    let tiles = g.m.div_ceil(t.bm) * g.n.div_ceil(t.bn) * g.batch;
+    let slots = SMS * t.per_sm;
+    let mut splits = 1;
+    if tiles < slots && kp >= 2 * PIPE_MIN_K_PER_SPLIT {
+        splits = (slots / tiles)
+            .min(kp / PIPE_MIN_K_PER_SPLIT)
+            .min(GRID_YZ / g.batch)
+            .max(1);
+    }
+    let k_split = kp.div_ceil(splits).next_multiple_of(t.bk);
+    (k_split, kp.div_ceil(k_split))
+}
+
+/// Estimated seconds of a pipelined tile: full waves of CTAs (each SM running `per_sm`
+/// at the tile's share of its mma rate) and the split-K reduction's bytes.
+fn pipe_cost(t: &PipeTile, g: &Gemm) -> f64 {
+    let (k_split, splits) = pipe_splits(t, g);
+    let ctas = g.m.div_ceil(t.bm) * g.n.div_ceil(t.bn) * g.batch * splits;
+    let waves = ctas.div_ceil(SMS * t.per_sm) as f64;
+    let wave = 2.0 * (t.bm * t.bn * t.per_sm * k_split) as f64 / (SM_FLOPS * t.speed);
+    let reduce = if splits > 1 {
+        (2 * splits + 1) as f64 * (g.m * g.n * g.batch * 4) as f64 / MEM_BW + 2e-6
+    } else {
+        0.0
+    };
+    waves * wave + reduce
+}
+
+/// The pipelined tile for a GEMM large enough to pay for rounding its operands to bf16
+/// in separate launches, or `None` for the single-launch kernels.
+fn pipe_tile(g: &Gemm) -> Option<PipeTile> {
+    let (m, n, k, batch) = (g.m, g.n, g.k, g.batch);
+    if m < 128 || n < 128 || k < 256 || 2 * m * n * k * batch < PIPE_MIN_FLOPS {
+        return None;
+    }
+    // grid limits of the conversion and GEMM launches, and i32 sizes in the kernels
+    let big = m.max(n).next_multiple_of(256) * k.next_multiple_of(64);
+    if k.div_ceil(64) > GRID_YZ || n.div_ceil(64) > GRID_YZ || big >= i32::MAX as usize {
+        return None;
+    }
+    PIPE_TILES
+        .iter()
+        .min_by(|a, b| pipe_cost(a, g).total_cmp(&pipe_cost(b, g)))
+        .copied()
+}
+
+/// The pipelined plan: A and B rounded to bf16 into scratch 0 and 1 (K-major, padded
+/// with zeros to whole tiles), the GEMM, and for split-K the fixed-order reduction of
+/// the partials in scratch 2.
+fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
+    let Gemm { batch, m, n, k, .. } = *g;
+    let (k_split, splits) = pipe_splits(&t, g);
+    let (mp, np, kp) = (
+        m.next_multiple_of(t.bm),
+        n.next_multiple_of(t.bn),
+        k.next_multiple_of(t.bk),
+    );
+    let (mi, ni, kpi) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(kp, "K")?);
+    let count = batch * m * n;
+    // op(A) as [M][K] and op(B)ᵀ as [N][K]: a plain copy when K is the stored rows' inner
+    // dim, else the transposing kernel
+    let convert = |src: KArg,
+                   dst: usize,
+                   rows: usize,
+                   cols: usize,
+                   rp: usize,
+                   trans: bool,
+                   ld: usize,
+                   batch_src: usize| {
+        let (kernel, grid) = if trans {
+            (
+                "gemm_to_bf16_t",
+                [blocks(rp, 64), blocks(kp, 64), batch as u32],
+            )
+        } else {
+            ("gemm_to_bf16", [blocks(rp * kp / 8, 256), 1, batch as u32])
+        };
+        KernelCall {
+            kernel,
+            grid,
+            block: [256, 1, 1],
+            smem: 0,
+            args: vec![
+                src,
+                KArg::Scratch(dst),
+                KArg::I32(rows as i32),
+                KArg::I32(cols as i32),
+                i64_of(ld),
+                i64_of(batch_src),
+                KArg::I32(rp as i32),
+                KArg::I32(kp as i32),
+            ],
+        }
+    };
+    let conv_a = convert(g.a, 0, m, k, mp, g.ta, g.lda, g.batch_a);
+    let conv_b = convert(g.b, 1, n, k, np, !g.tb, g.ldb, g.batch_b);
+    let flags = i32::from(g.bias.is_some());
+    let out = if splits == 1 {
+        KArg::Out(0)
+    } else {
+        KArg::Scratch(2)
+    };
+    let main = KernelCall {
+        kernel: t.kernel,
+        grid: [blocks(mp, t.bm), blocks(np, t.bn), (splits * batch) as u32],
+        block: [256, 1, 1],
+        smem: t.smem,
+        args: vec![
+            KArg::Scratch(0),
+            KArg::Scratch(1),
+            out,
+            g.bias.unwrap_or(g.a),
+            KArg::I32(mi),
+            KArg::I32(ni),
+            KArg::I32(kpi),
+            i64_of(n),
+            i64_of(mp * kp),
+            i64_of(np * kp),
+            i64_of(m * n),
+            KArg::I32(batch as i32),
+            KArg::I32(k_split as i32),
+            i64_of(count),
+            KArg::I32(if splits == 1 { flags } else { 0 }),
+        ],
+    };
+    let mut scratch = vec![batch * mp * kp * 2, batch * np * kp * 2];
+    let mut calls = vec![conv_a, conv_b, main];
+    if splits > 1 {
+        calls.push(reduce_call(
+            KArg::Scratch(2),
+            g.bias,
+            count,
+            ni,
+            splits,
+            flags,
+        ));
+        scratch.push(splits * count * 4);
+    }
+    Ok(CudaPlan { calls, scratch })
+}
+
+/// `gemm_splitk_reduce` of `splits` partials at `part` into output 0.
+fn reduce_call(
+    part: KArg,
+    bias: Option<KArg>,
+    count: usize,
+    n: i32,
+    splits: usize,
+    flags: i32,
+) -> KernelCall {
+    // the reduction reads `lanes` splits of an element at once (a power of two, at most 8)
+    let lanes = [8, 4, 2, 1].into_iter().find(|&l| l <= splits).unwrap_or(1);
+    KernelCall {
+        kernel: "gemm_splitk_reduce",
+        grid: [blocks(count, 256 / lanes), 1, 1],
+        block: [256 / lanes as u32, lanes as u32, 1],
+        smem: 0,
+        args: vec![
+            part,
+            bias.unwrap_or(part),
+            KArg::Out(0),
+            i64_of(count),
+            KArg::I32(n),
+            KArg::I32(splits as i32),
+            i64_of(count),
+            KArg::I32(flags),
+        ],
+    }
 }
 
 fn matrix(s: &Shape, what: &str) -> Result<(usize, usize), String> {
@@ -623,8 +843,52 @@ mod tests {
             &[&[4096, 1024]],
         )
         .unwrap();
+        assert_eq!(p.calls.len(), 3);
+        assert!(p.calls[2].kernel.starts_with("gemm_bf16p_"));
+        assert_eq!(p.calls[2].grid[2], 1);
+        // a short-K GEMM stays one launch
+        let p = plan_of(
+            &Op::Linear { bias: false },
+            &[&[2048, 128], &[2048, 128]],
+            &[&[2048, 2048]],
+        )
+        .unwrap();
         assert_eq!(p.calls.len(), 1);
         assert_eq!(p.calls[0].kernel, "gemm_bf16_nt_128x128");
+    }
+
+    #[test]
+    fn large_gemms_round_operands_first_and_split_half_waves() {
+        // the CTR model's deep-layer weight gradient: 1024 x 1728 outputs over 4096 rows,
+        // half a wave of 128x128 tiles: split in two, reduced in a fixed order
+        let p = plan_of(
+            &Op::LinearGradWeight,
+            &[&[4096, 1024], &[4096, 1728]],
+            &[&[1024, 1728]],
+        )
+        .unwrap();
+        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names[0], "gemm_to_bf16_t");
+        assert_eq!(names[1], "gemm_to_bf16_t");
+        assert!(names[2].starts_with("gemm_bf16p_"), "{names:?}");
+        assert_eq!(names.get(3), Some(&"gemm_splitk_reduce"));
+        assert!(p.calls[2].smem > 48 * 1024);
+        let KArg::I32(splits) = p.calls[3].args[5] else {
+            panic!("splits")
+        };
+        assert!(splits > 1);
+        assert_eq!(p.scratch.len(), 3);
+        assert_eq!(p.scratch[2], splits as usize * 1024 * 1728 * 4);
+        // the forward: x·wᵀ reads both operands K-major
+        let p = plan_of(
+            &Op::Linear { bias: true },
+            &[&[4096, 1728], &[1024, 1728], &[1024]],
+            &[&[4096, 1024]],
+        )
+        .unwrap();
+        assert_eq!(p.calls[0].kernel, "gemm_to_bf16");
+        assert_eq!(p.calls[1].kernel, "gemm_to_bf16");
+        assert_eq!(p.calls.len(), 3);
     }
 
     #[test]
