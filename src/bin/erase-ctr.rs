@@ -36,7 +36,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Train on synthetic data and report loss, NE, AUC and examples per second.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Evaluate a checkpoint: NE and AUC of its main logit on held-out data.
     Eval(EvalArgs),
     /// Run baseline, detached and erase side by side (interleaved) and print QPS
