@@ -297,6 +297,11 @@ fn pipe_cost(t: &PipeTile, g: &Gemm) -> f64 {
 /// The pipelined tile for a GEMM large enough to pay for rounding its operands to bf16
 /// in separate launches, or `None` for the single-launch kernels.
 fn pipe_tile(g: &Gemm) -> Option<PipeTile> {
+    // ERASE_GEMM_PIPELINE=0 keeps every GEMM on the single-launch kernels (a fallback,
+    // and a way to compare the two paths on a model)
+    if std::env::var("ERASE_GEMM_PIPELINE").is_ok_and(|v| v == "0") {
+        return None;
+    }
     let (m, n, k, batch) = (g.m, g.n, g.k, g.batch);
     if m < 128 || n < 128 || k < 256 || 2 * m * n * k * batch < PIPE_MIN_FLOPS {
         return None;
