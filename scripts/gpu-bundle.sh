@@ -24,7 +24,7 @@ cp "$b" "$dest/kernels-bench"
 cargo build --release -j2 --example mlp30 --example nanochat
 cp target/release/examples/mlp30 target/release/examples/nanochat "$dest/"
 strip "$dest/erase-ctr" "$dest/gpu-tests" "$dest/kernels-bench" "$dest/mlp30" "$dest/nanochat" 2>/dev/null || true
-cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/ctr-compare.sh scripts/examples-compare.sh \
+cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/nvtx-check.sh scripts/ctr-compare.sh scripts/examples-compare.sh \
   scripts/torch_kernels.py README.md "$dest/"
 for f in torch_ctr.py torch_mlp30.py; do
   if [ -f "../shared/anchors/$f" ]; then cp "../shared/anchors/$f" "$dest/"; fi

@@ -73,6 +73,7 @@ impl Loader {
         let handle = std::thread::Builder::new()
             .name("erase-loader".into())
             .spawn(move || {
+                erase_runtime::nvtx::name_os_thread("erase-loader");
                 let mut k = first;
                 let mut kept = Vec::new();
                 while let Ok((slot, mut mem)) = free_rx.recv() {

@@ -777,9 +777,11 @@ impl<'a> Session<'a> {
         if f.batch != step {
             bail!("the loader gave batch {} for step {step}", f.batch);
         }
+        let range = erase_runtime::nvtx::range(&format!("step {step}"));
         self.exec
             .issue(step, f.slot, &f.mem)
             .with_context(|| format!("step {step}"))?;
+        drop(range);
         self.in_flight.push_back((step, f.slot, f.mem));
         self.step += 1;
         if self.in_flight.len() >= self.depth {
@@ -883,6 +885,7 @@ impl<'a> Session<'a> {
     /// NE and AUC on `examples` held-out examples (stream 2, whole batches). Waits for
     /// the steps in flight first.
     pub fn evaluate(&mut self, examples: usize) -> Result<Eval> {
+        let _range = erase_runtime::nvtx::range("eval");
         if !self.in_flight.is_empty() {
             bail!(
                 "evaluate: {} steps in flight; drain them first",
@@ -959,6 +962,7 @@ fn run_training(
     dev: Option<&CudaDevice>,
     progress: &mut dyn Progress,
 ) -> Result<TrainReport> {
+    erase_runtime::nvtx::name_os_thread("erase-main");
     let mut s = Session::with_dispatch(
         plan,
         dev,

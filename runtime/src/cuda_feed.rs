@@ -208,9 +208,11 @@ impl CudaProgram<'_> {
             first: self.dev.event(true)?,
             first_step: None,
         });
+        let copy = self.dev.stream(false)?;
+        crate::nvtx::name_stream(copy.raw(), "copy");
         self.pipeline = Some(InputPipeline {
             layout: layout.clone(),
-            copy: self.dev.stream(false)?,
+            copy,
             staging,
             copied,
             consumed,
@@ -248,6 +250,7 @@ impl CudaProgram<'_> {
             )));
         }
         self.dev.bind()?;
+        let copies = crate::nvtx::range("copy batch");
         let main = &self.streams[0];
         let dst = &p.staging[slot];
         // the copy may overwrite the staging buffer once the step that read it took its
@@ -290,6 +293,7 @@ impl CudaProgram<'_> {
             m[1].1.record(main)?;
         }
         p.consumed[slot].record(main)?;
+        drop(copies);
         let rb = self
             .readback
             .as_mut()

@@ -9,7 +9,8 @@ use crate::cpu::initial_store;
 use crate::cuda::{buffer_from_bytes, CudaDevice, DeviceBuffer, Event, PreparedLaunch, Stream};
 use crate::error::RuntimeError;
 use crate::memory::{alias_root, MemoryPlan};
-use crate::schedule::StepProgram;
+use crate::nvtx;
+use crate::schedule::{Label, StepProgram};
 use cudarc::driver::{result, sys};
 use erase_graph::{DType, Graph, Op, Tensor};
 use erase_ops::cuda::{cuda_plan, KArg, Operands};
@@ -146,6 +147,9 @@ impl<'a> CudaProgram<'a> {
         let streams = (0..prog.streams)
             .map(|s| dev.stream(s == 0))
             .collect::<Result<Vec<_>, _>>()?;
+        for (s, st) in streams.iter().enumerate() {
+            nvtx::name_stream(st.raw(), &crate::trace::stream_name(s as u16));
+        }
         let events = (0..prog.events)
             .map(|_| dev.event(false))
             .collect::<Result<Vec<_>, _>>()?;
@@ -220,6 +224,7 @@ impl<'a> CudaProgram<'a> {
             .filter(|t| t.armed)
             .and_then(|t| t.graph.map(|g| g.1));
         if let (Some(exec), Some(_)) = (traced_exec, self.graph) {
+            let _range = nvtx::range("graph replay");
             self.start.record(&self.streams[0])?;
             // SAFETY: as below, for the traced copy of the step graph.
             unsafe { result::graph::launch(exec, self.streams[0].raw()) }.map_err(|e| {
@@ -228,6 +233,7 @@ impl<'a> CudaProgram<'a> {
             return self.end.record(&self.streams[0]);
         }
         if let Some((_, exec)) = self.graph {
+            let _range = nvtx::range("graph replay");
             self.start.record(&self.streams[0])?;
             // SAFETY: `exec` is a live instantiated graph of this context; every buffer
             // it uses is owned by `self` and outlives the launch (drop synchronizes).
@@ -435,12 +441,15 @@ impl<'a> CudaProgram<'a> {
         let work = |me: usize| -> Result<(), RuntimeError> {
             if me == 1 {
                 dev.bind()?;
+                nvtx::name_os_thread("erase-dispatch");
             }
+            let mut ranges = BlockRanges::new();
             for (i, l) in prog.launches.iter().enumerate() {
                 let owner = usize::from(l.stream.0 != 0);
                 if owner != me {
                     continue;
                 }
+                ranges.enter(&l.label);
                 for w in &l.waits {
                     if let Some(r) = recorder[w.event.0 as usize] {
                         let other = usize::from(prog.launches[r].stream.0 != 0);
@@ -473,6 +482,7 @@ impl<'a> CudaProgram<'a> {
                 }
                 progress[me].store(i + 1, Ordering::Release);
             }
+            drop(ranges);
             progress[me].store(n, Ordering::Release);
             Ok(())
         };
@@ -508,8 +518,10 @@ impl<'a> CudaProgram<'a> {
 
     /// Issues launches and joins every pool stream into the main stream.
     fn issue(&mut self, which: &[usize]) -> Result<(), RuntimeError> {
+        let mut ranges = BlockRanges::new();
         for &i in which {
             let l = &self.prog.launches[i];
+            ranges.enter(&l.label);
             let s = &self.streams[l.stream.0 as usize];
             for w in &l.waits {
                 self.events[w.event.0 as usize].wait_on(s)?;
@@ -533,6 +545,7 @@ impl<'a> CudaProgram<'a> {
                 self.events[e.0 as usize].record(s)?;
             }
         }
+        drop(ranges);
         // join every stream into main so the step's end covers all of its work
         for s in &self.streams[1..] {
             self.join.record(s)?;
@@ -561,6 +574,42 @@ impl<'a> CudaProgram<'a> {
         };
         self.dev.download(buf, off, &mut bytes)?;
         Ok(buffer_from_bytes(dt, &bytes))
+    }
+}
+
+/// The NVTX range of each run of consecutive launches of one block and phase, as one
+/// thread issues them: `fwd:cross`, `bwd:cross`, `bwd:remainder`, `optim`.
+struct BlockRanges<'p> {
+    on: bool,
+    open: Option<(&'p Label, nvtx::Range)>,
+}
+
+impl<'p> BlockRanges<'p> {
+    fn new() -> Self {
+        BlockRanges {
+            on: nvtx::enabled(),
+            open: None,
+        }
+    }
+
+    /// Closes the open range unless `label` continues it, and opens `label`'s.
+    fn enter(&mut self, label: &'p Label) {
+        if !self.on {
+            return;
+        }
+        if let Some((open, _)) = &self.open {
+            if open.phase == label.phase && (open.phase == "optim" || open.block == label.block) {
+                return;
+            }
+        }
+        // close before opening: the ranges are a stack
+        self.open = None;
+        let name = if label.phase == "optim" {
+            "optim".to_string()
+        } else {
+            format!("{}:{}", label.phase, label.block)
+        };
+        self.open = Some((label, nvtx::range(&name)));
     }
 }
 

@@ -13,6 +13,7 @@ pub mod hb;
 pub mod init;
 pub mod memory;
 pub mod nccl;
+pub mod nvtx;
 pub mod occupancy;
 pub mod program;
 pub mod rendezvous;
