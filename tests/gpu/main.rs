@@ -50,6 +50,7 @@ pub fn rand_f32(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
 }
 
 /// An operand: its shape and value.
+#[derive(Clone)]
 pub struct Arg {
     pub shape: Shape,
     pub value: Buffer,
