@@ -259,8 +259,8 @@ fn bench_cuda(
         })
         .collect::<Result<Vec<_>>>()?;
     // the same batches for every variant, generated once
-    let mut batches = Vec::with_capacity(total);
-    for k in 0..total {
+    let mut batches = Vec::with_capacity(total + cfg.trace_steps);
+    for k in 0..total + cfg.trace_steps {
         gen.fill_batch(1, (k * b) as u64, b, &mut d, &mut r, &mut y);
         let (bd, bi, bo, bl) = plans[0].model.batch_buffers(&d, &r, &y)?;
         batches.push(vec![bd, bi, bo, bl]);
@@ -312,26 +312,6 @@ fn bench_cuda(
             "{done}/{total} steps of each variant and dispatch"
         ));
     }
-    let mut traces = Vec::new();
-    for (_, prog) in progs.iter_mut() {
-        if cfg.trace_steps == 0 {
-            traces.push(None);
-            continue;
-        }
-        let mut t = None;
-        prog.set_tracing(true)?;
-        for k in 0..cfg.trace_steps {
-            prog.run_staged(total + k, &marks[0])?;
-            prog.synchronize()?;
-            let m = prog.traced_step()?;
-            let tr = t.get_or_insert_with(|| {
-                erase_runtime::trace::Trace::new(prog.program(), "measured (CUDA events)")
-            });
-            tr.push_measured(prog.program(), prog.graph(), k, &m);
-        }
-        prog.set_tracing(false)?;
-        traces.push(t);
-    }
     let mut rows = Vec::new();
     for (j, (i, prog)) in progs.iter_mut().enumerate() {
         let m = &plans[*i].model;
@@ -380,17 +360,34 @@ fn bench_cuda(
             ne: ne.ne().unwrap_or(f64::NAN),
             auc: auc(&scores, &ys).unwrap_or(f64::NAN),
             final_loss,
-            kernel_table: traces[j].as_ref().filter(|_| cfg.kernels > 0).map(|t| {
-                crate::profile::render(
+            kernel_table: None,
+            trace: None,
+        });
+    }
+    // traced steps after the evaluation (the NE is the timed steps' alone), on batches
+    // that continue the stream
+    if cfg.trace_steps > 0 {
+        for (j, (i, prog)) in progs.iter_mut().enumerate() {
+            let mut t = erase_runtime::trace::Trace::new(prog.program(), "measured (CUDA events)");
+            prog.set_tracing(true)?;
+            for k in 0..cfg.trace_steps {
+                prog.run_staged(total + k, &marks[0])?;
+                prog.synchronize()?;
+                let m = prog.traced_step()?;
+                t.push_measured(prog.program(), prog.graph(), total + k, &m);
+            }
+            prog.set_tracing(false)?;
+            if cfg.kernels > 0 {
+                rows[j].kernel_table = Some(crate::profile::render(
                     &plans[*i].program,
-                    &m.graph,
-                    t,
+                    &plans[*i].model.graph,
+                    &t,
                     &erase_runtime::occupancy::DeviceModel::h200(),
                     cfg.kernels,
-                )
-            }),
-            trace: traces[j].take(),
-        });
+                ));
+            }
+            rows[j].trace = Some(t);
+        }
     }
     Ok(rows)
 }
