@@ -5,13 +5,13 @@
 # QPS p50/p90 of baseline / detached / erase on 1 GPU (batch 4096) and on 2 GPUs (global
 # batch 8192, 4096 per GPU) with early and end all-reduce, and the simulator's prediction.
 # Writes logs to $OUT (default <bundle>/out2) and prints a short table last.
-#   bash gpu2-check.sh [BUNDLE]        (STEPS=300 WARMUP=50 DISPATCH="blocking graph")
+#   bash gpu2-check.sh [BUNDLE]        (STEPS=300 WARMUP=50 DISPATCH="blocking threaded graph")
 set -u
 bundle="$(cd "${1:-$(dirname "$0")}" && pwd)"
 out="${OUT:-$bundle/out2}"
 steps="${STEPS:-300}"
 warm="${WARMUP:-50}"
-dispatches="${DISPATCH:-blocking graph}"
+dispatches="${DISPATCH:-blocking threaded graph}"
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu"

@@ -7,6 +7,8 @@
 #      fail on this machine for want of libdw.so.1: reported, not fatal).
 # Writes logs to $OUT (default <bundle>/out) and prints a short table last.
 #   bash nvtx-check.sh [BUNDLE]
+# For step 2 on a machine whose nsys importer lacks libdw.so.1, put Debian's packages in
+# BUNDLE/debs first (on any Debian/Ubuntu amd64 machine: apt-get download libdw1 libelf1).
 set -u
 bundle="$(cd "${1:-$(dirname "$0")}" && pwd)"
 out="${OUT:-$bundle/out}"
@@ -39,17 +41,28 @@ else
   summary+=("ncu: not found")
 fi
 
-# 2. Nsight Systems: record, then the NVTX summary
-if command -v nsys >/dev/null; then
+# 2. Nsight Systems: record, then the NVTX summary. nsys may live off PATH (inside an
+# Nsight Compute install, say); NSYS names it. Its importer needs libdw.so.1: where the
+# bundle has a debs/ folder (Debian's libdw1 and libelf1), they are unpacked into the
+# bundle and put on the library path.
+nsys="${NSYS:-$(command -v nsys || ls /opt/nvidia/nsight-systems*/*/bin/nsys /opt/nvidia/nsight-compute/*/host/*/nsys 2>/dev/null | head -1)}"
+if [ -d "$bundle/debs" ] && command -v dpkg >/dev/null; then
+  mkdir -p "$bundle/libdw"
+  for f in "$bundle"/debs/*.deb; do dpkg -x "$f" "$bundle/libdw"; done
+  export LD_LIBRARY_PATH="$bundle/libdw/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
+fi
+
+if [ -n "$nsys" ] && [ -x "$nsys" ]; then
+  echo "nsys: $nsys"
   rm -f "$out/erase.nsys-rep" "$out/erase.qdstrm" "$out/erase.sqlite"
-  timeout 300 nsys profile --trace=cuda,nvtx --force-overwrite true -o "$out/erase" \
+  timeout 300 "$nsys" profile --trace=cuda,nvtx --force-overwrite true -o "$out/erase" \
     "$exe" "${run[@]}" >"$out/nsys-profile.log" 2>&1
   rc=$?
   tail -5 "$out/nsys-profile.log"
   ls -la "$out"/erase.* 2>/dev/null
   summary+=("nsys profile: rc $rc; $(ls "$out"/erase.* 2>/dev/null | xargs -n1 basename 2>/dev/null | tr '\n' ' ')")
   if [ -f "$out/erase.nsys-rep" ]; then
-    timeout 300 nsys stats --report nvtx_sum "$out/erase.nsys-rep" >"$out/nsys-nvtx-sum.log" 2>&1
+    timeout 300 "$nsys" stats --report nvtx_sum "$out/erase.nsys-rep" >"$out/nsys-nvtx-sum.log" 2>&1
     rc=$?
     head -40 "$out/nsys-nvtx-sum.log"
     ranges=$(grep -cE 'step [0-9]+|fwd:|bwd:|optim' "$out/nsys-nvtx-sum.log")

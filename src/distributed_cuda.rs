@@ -27,9 +27,6 @@ pub fn run_worker_cuda(
     fail: Option<FailAt>,
 ) -> Result<()> {
     let (rank, world) = (env.rank, env.world);
-    if cfg.dispatch == Dispatch::Threaded {
-        bail!("--gpus: threaded dispatch is not supported with collectives yet; use blocking or graph");
-    }
     nccl_check().context("--gpus on CUDA needs NCCL")?;
     let dev = crate::gpu::open_device_ordinal(env.local_rank)
         .with_context(|| format!("rank {rank}: CUDA device {} (LOCAL_RANK)", env.local_rank))?;
@@ -87,6 +84,7 @@ fn train(
         world,
         opts.allreduce == AllReduce::Early,
     )?;
+    prog.set_threaded(cfg.dispatch == Dispatch::Threaded);
     let graph = cfg.dispatch == Dispatch::Graph;
     if graph {
         wd.enter("warming up NCCL before the graph capture");

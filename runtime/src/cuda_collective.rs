@@ -283,8 +283,155 @@ impl CudaProgram<'_> {
             return self.end.record(&self.streams[0]);
         }
         self.start.record(&self.streams[0])?;
-        self.issue_data_parallel(dp, comm)?;
+        if self.threaded {
+            self.issue_data_parallel_threaded(dp, comm)?;
+        } else {
+            self.issue_data_parallel(dp, comm)?;
+        }
         self.end.record(&self.streams[0])
+    }
+
+    /// [`CudaProgram::issue_data_parallel`] under threaded dispatch: the main stream's
+    /// launches from this thread, the pool streams' from a dispatcher thread, each waiting
+    /// on an event only after the other thread has issued the launch that records it. The
+    /// collectives keep the program's order across the two threads: bucket `b` is issued
+    /// (by the thread that issued the launch it follows) only after bucket `b - 1`, and
+    /// the NCCL calls are serialised by a lock, so every rank issues the same sequence.
+    /// No deadlock: a thread waiting for bucket `b - 1` has issued every launch before
+    /// bucket `b`'s, and the other thread's waits before bucket `b - 1` only need those.
+    fn issue_data_parallel_threaded(
+        &self,
+        dp: &DataParallel,
+        comm: &mut NcclComm,
+    ) -> Result<(), RuntimeError> {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let n = self.prog.launches.len();
+        let resolved = (0..dp.buckets.len())
+            .map(|b| self.resolve_bucket(dp, b))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut recorder: Vec<Option<usize>> = vec![None; self.prog.events];
+        for (i, l) in self.prog.launches.iter().enumerate() {
+            if let Some(e) = l.record {
+                recorder[e.0 as usize] = Some(i);
+            }
+        }
+        let progress = [AtomicUsize::new(0), AtomicUsize::new(0)];
+        let next_bucket = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        let comm = std::sync::Mutex::new(comm);
+        let (dev, prog, prepared, streams, events, g) = (
+            self.dev,
+            self.prog,
+            &self.prepared,
+            &self.streams,
+            &self.events,
+            self.g,
+        );
+        let main = &streams[0];
+        dp.begin.record(main)?;
+        dp.begin.wait_on(&dp.comm_stream)?;
+        let spin = |until: &dyn Fn() -> bool| -> Result<(), RuntimeError> {
+            while !until() {
+                if failed.load(Ordering::Relaxed) {
+                    return Err(RuntimeError::Device(
+                        "the other dispatch thread failed".into(),
+                    ));
+                }
+                std::thread::yield_now();
+            }
+            Ok(())
+        };
+        let exchange = |b: usize, from: &Stream| -> Result<(), RuntimeError> {
+            spin(&|| next_bucket.load(Ordering::Acquire) == b)?;
+            let mut c = comm
+                .lock()
+                .map_err(|_| RuntimeError::Device("the NCCL lock is poisoned".into()))?;
+            exchange_resolved(dp, b, &resolved[b], &mut c, from)?;
+            next_bucket.store(b + 1, Ordering::Release);
+            Ok(())
+        };
+        let work = |me: usize| -> Result<(), RuntimeError> {
+            if me == 1 {
+                dev.bind()?;
+            }
+            for (i, l) in prog.launches.iter().enumerate() {
+                if usize::from(l.stream.0 != 0) != me {
+                    continue;
+                }
+                let s = &streams[l.stream.0 as usize];
+                for w in &l.waits {
+                    if let Some(r) = recorder[w.event.0 as usize] {
+                        let other = usize::from(prog.launches[r].stream.0 != 0);
+                        if other != me {
+                            spin(&|| progress[other].load(Ordering::Acquire) > r)?;
+                        }
+                    }
+                    events[w.event.0 as usize].wait_on(s)?;
+                }
+                if i == dp.first_optimizer {
+                    if dp.end {
+                        exchange(0, s)?;
+                    }
+                    // the optimizer waits for every collective
+                    spin(&|| next_bucket.load(Ordering::Acquire) == dp.buckets.len())?;
+                    dp.done.record(&dp.comm_stream)?;
+                    dp.done.wait_on(s)?;
+                    for x in &dp.sparse {
+                        for call in &x.update {
+                            dev.launch_prepared(call, s)?;
+                        }
+                    }
+                }
+                if !dp.skip.contains(&i) {
+                    for call in &prepared[i].calls {
+                        dev.launch_prepared(call, s).map_err(|e| {
+                            RuntimeError::Device(format!("'{}': {e}", g.node(l.node).name))
+                        })?;
+                    }
+                }
+                if let Some(e) = l.record {
+                    events[e.0 as usize].record(s)?;
+                }
+                if !dp.end {
+                    for (b, bucket) in dp.buckets.iter().enumerate() {
+                        if bucket.after == i {
+                            exchange(b, s)?;
+                        }
+                    }
+                }
+                progress[me].store(i + 1, Ordering::Release);
+            }
+            progress[me].store(n, Ordering::Release);
+            Ok(())
+        };
+        let (a, b) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                let r = work(1);
+                if r.is_err() {
+                    failed.store(true, Ordering::Relaxed);
+                }
+                r
+            });
+            let a = work(0);
+            if a.is_err() {
+                failed.store(true, Ordering::Relaxed);
+            }
+            (
+                a,
+                h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Device(
+                        "the dispatcher thread panicked".into(),
+                    ))
+                }),
+            )
+        });
+        a?;
+        b?;
+        for s in &self.streams[1..] {
+            self.join.record(s)?;
+            self.join.wait_on(&self.streams[0])?;
+        }
+        Ok(())
     }
 
     fn issue_data_parallel(
@@ -350,55 +497,39 @@ impl CudaProgram<'_> {
         comm: &mut NcclComm,
         from: &Stream,
     ) -> Result<(), RuntimeError> {
+        let r = self.resolve_bucket(dp, b)?;
+        exchange_resolved(dp, b, &r, comm, from)
+    }
+
+    /// The device addresses bucket `b` exchanges.
+    fn resolve_bucket(&self, dp: &DataParallel, b: usize) -> Result<ResolvedBucket, RuntimeError> {
         let bucket = &dp.buckets[b];
-        let cs = dp.comm_stream.raw();
-        dp.ready[b].record(from)?;
-        dp.ready[b].wait_on(&dp.comm_stream)?;
         let missing = |t: Tensor| {
             RuntimeError::Device(format!(
                 "data parallel: '{}' has no address",
                 self.g.name(t)
             ))
         };
-        if !bucket.dense.is_empty() {
-            let parts = bucket
-                .dense
-                .iter()
-                .map(|&t| {
-                    tensor_ptr(self, t)
-                        .map(|p| (p, self.g.shape(t).numel()))
-                        .ok_or_else(|| missing(t))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            // SAFETY: the gradients live in the arena until the optimizer (which waits for
-            // the communication stream) has read them; the stream waits for the launch
-            // that completed them.
-            unsafe { comm.all_reduce_mean(&bucket.name, &parts, cs) }?;
-        }
-        for &k in &bucket.sparse {
-            let x = &dp.sparse[k];
-            let ids = tensor_ptr(self, x.ids).ok_or_else(|| missing(x.ids))?;
-            let dpd = tensor_ptr(self, x.dpooled).ok_or_else(|| missing(x.dpooled))?;
-            // SAFETY: the sources stay live until the optimizer reads them (it waits for
-            // this stream); the destinations are `dp`'s, of `world` times the size.
-            unsafe {
-                comm.all_gather(
-                    &format!("{}.ids", x.name),
-                    ids,
-                    x.all_ids.ptr(),
-                    x.ids_bytes,
-                    cs,
-                )?;
-                comm.all_gather(
-                    &format!("{}.grad", x.name),
-                    dpd,
-                    x.all_dp.ptr(),
-                    x.dp_bytes,
-                    cs,
-                )?;
-            }
-        }
-        Ok(())
+        let dense = bucket
+            .dense
+            .iter()
+            .map(|&t| {
+                tensor_ptr(self, t)
+                    .map(|p| (p, self.g.shape(t).numel()))
+                    .ok_or_else(|| missing(t))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let sparse = bucket
+            .sparse
+            .iter()
+            .map(|&k| {
+                let x = &dp.sparse[k];
+                let ids = tensor_ptr(self, x.ids).ok_or_else(|| missing(x.ids))?;
+                let dpd = tensor_ptr(self, x.dpooled).ok_or_else(|| missing(x.dpooled))?;
+                Ok((k, ids, dpd))
+            })
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
+        Ok(ResolvedBucket { dense, sparse })
     }
 
     /// Issues every bucket's collectives once, outside any step, and waits: NCCL sets up
@@ -480,4 +611,54 @@ impl CudaProgram<'_> {
     pub fn step_ms(&self) -> Result<f32, RuntimeError> {
         self.end.elapsed_ms_since(&self.start)
     }
+}
+
+/// A bucket's device addresses: (pointer, elements) of each dense gradient, and
+/// (table, ids pointer, pooled-gradient pointer) of each table it gathers.
+struct ResolvedBucket {
+    dense: Vec<(u64, usize)>,
+    sparse: Vec<(usize, u64, u64)>,
+}
+
+/// Bucket `b`'s collectives on the communication stream, after the work issued so far on
+/// `from` (the addresses resolved beforehand, so that any dispatch thread can issue it).
+fn exchange_resolved(
+    dp: &DataParallel,
+    b: usize,
+    r: &ResolvedBucket,
+    comm: &mut NcclComm,
+    from: &Stream,
+) -> Result<(), RuntimeError> {
+    let bucket = &dp.buckets[b];
+    let cs = dp.comm_stream.raw();
+    dp.ready[b].record(from)?;
+    dp.ready[b].wait_on(&dp.comm_stream)?;
+    if !r.dense.is_empty() {
+        // SAFETY: the gradients live in the arena until the optimizer (which waits for
+        // the communication stream) has read them; the stream waits for the launch that
+        // completed them.
+        unsafe { comm.all_reduce_mean(&bucket.name, &r.dense, cs) }?;
+    }
+    for &(k, ids, dpd) in &r.sparse {
+        let x = &dp.sparse[k];
+        // SAFETY: the sources stay live until the optimizer reads them (it waits for this
+        // stream); the destinations are `dp`'s, of `world` times the size.
+        unsafe {
+            comm.all_gather(
+                &format!("{}.ids", x.name),
+                ids,
+                x.all_ids.ptr(),
+                x.ids_bytes,
+                cs,
+            )?;
+            comm.all_gather(
+                &format!("{}.grad", x.name),
+                dpd,
+                x.all_dp.ptr(),
+                x.dp_bytes,
+                cs,
+            )?;
+        }
+    }
+    Ok(())
 }

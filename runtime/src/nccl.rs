@@ -64,6 +64,10 @@ struct RawComm(sys::ncclComm_t);
 unsafe impl Send for RawComm {}
 
 /// One rank's NCCL communicator.
+///
+/// NCCL allows a communicator's calls from any thread as long as they are not
+/// concurrent; `&mut self` on every call, and a lock where several dispatch threads
+/// share it, keep them one at a time.
 pub struct NcclComm {
     comm: sys::ncclComm_t,
     rank: usize,
@@ -72,6 +76,11 @@ pub struct NcclComm {
     log: Vec<CollectiveRecord>,
     aborted: Arc<AtomicBool>,
 }
+
+// SAFETY: the handle may move between threads (NCCL requires only that calls on one
+// communicator do not overlap, which `&mut self` guarantees); the device context is bound
+// by every thread that issues work before it calls in.
+unsafe impl Send for NcclComm {}
 
 /// What the host is doing, for the watchdog: since when, and what.
 #[derive(Default)]
