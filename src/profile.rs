@@ -158,3 +158,60 @@ pub fn render(
     }
     s
 }
+
+/// Kernel times per graph node (mean µs over the events of a measured trace in Chrome /
+/// Perfetto JSON, as `train --trace` and `bench --trace-dir` write them).
+pub fn load_measured(path: &std::path::Path) -> anyhow::Result<BTreeMap<String, f64>> {
+    let text = std::fs::read_to_string(path)?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("not trace-event JSON: {e}"))?;
+    let events = v
+        .get("traceEvents")
+        .and_then(|e| e.as_array())
+        .ok_or_else(|| anyhow::anyhow!("no traceEvents array"))?;
+    let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for e in events {
+        let args = e.get("args");
+        let node = args.and_then(|a| a.get("node")).and_then(|n| n.as_str());
+        let kind = args.and_then(|a| a.get("kind")).and_then(|k| k.as_str());
+        let dur = e.get("dur").and_then(|d| d.as_f64());
+        if let (Some(node), Some("kernel"), Some(dur)) = (node, kind, dur) {
+            let x = sum.entry(node.to_string()).or_default();
+            x.0 += dur;
+            x.1 += 1;
+        }
+    }
+    if sum.is_empty() {
+        anyhow::bail!("the trace has no kernel events with a node");
+    }
+    Ok(sum
+        .into_iter()
+        .map(|(k, (t, n))| (k, t / n as f64))
+        .collect())
+}
+
+/// Each launch's time alone in seconds: measured (by its node's name) where `measured`
+/// has it, else `dev`'s model. Returns the times and how many were measured.
+pub fn measured_work(
+    prog: &StepProgram,
+    g: &Graph,
+    measured: &BTreeMap<String, f64>,
+    dev: &DeviceModel,
+) -> (Vec<f64>, usize) {
+    let mut found = 0;
+    let work = prog
+        .launches
+        .iter()
+        .map(|l| match &l.spec {
+            None => 0.0,
+            Some(s) => match measured.get(&g.node(l.node).name) {
+                Some(&us) => {
+                    found += 1;
+                    us * 1e-6
+                }
+                None => dev.duration_s(s),
+            },
+        })
+        .collect();
+    (work, found)
+}

@@ -485,3 +485,52 @@ fn kernel_table_accounts_for_every_kernel_of_the_trace() {
         "{table}"
     );
 }
+
+/// A serial variant's trace fed back to the simulator: its kernel times written as JSON and
+/// read again predict the same steps, its own and `erase`'s (the round trip of
+/// `plan --measured`; a serial trace's times are the kernels' times alone).
+#[test]
+fn measured_times_from_a_trace_file_reproduce_the_simulation() {
+    let plan = |v: Variant| {
+        plan_step(
+            &CtrConfig::small().with_variant(v),
+            DType::F32,
+            &OptimizerConfig::default(),
+            &ScheduleOptions::default(),
+        )
+        .unwrap()
+    };
+    let (det, erase) = (plan(Variant::Detached), plan(Variant::Erase));
+    let sim_cfg = SimConfig {
+        device: DeviceModel::h200(),
+        host_per_launch_s: 0.0,
+    };
+    let sim = simulate(&det.program, &sim_cfg);
+    let t = Trace::from_simulation(&det.program, &sim, &det.model.graph);
+    let dir = std::env::temp_dir().join(format!("erase-measured-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("trace.json");
+    std::fs::write(&path, t.to_chrome_json()).unwrap();
+    let m = erase::profile::load_measured(&path).unwrap();
+    for p in [&det, &erase] {
+        let (work, found) =
+            erase::profile::measured_work(&p.program, &p.model.graph, &m, &sim_cfg.device);
+        let kernels = p
+            .program
+            .launches
+            .iter()
+            .filter(|l| l.spec.is_some())
+            .count();
+        assert_eq!(found, kernels, "every launch found by its node");
+        let want = simulate(&p.program, &sim_cfg).step_s;
+        let got = erase::runtime::simulate::simulate_with(&p.program, &sim_cfg, &work).step_s;
+        assert!((got - want).abs() < 1e-9 + 1e-6 * want, "{got} vs {want}");
+    }
+    // a file that is not a trace is refused with a reason
+    std::fs::write(&path, "{\"x\": 1}").unwrap();
+    let e = erase::profile::load_measured(&path)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("traceEvents"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -29,13 +29,23 @@ pub struct SimResult {
     pub busy_s: Vec<f64>,
 }
 
-/// Simulates one step of `p`.
+/// Simulates one step of `p`, each launch taking the device model's time alone.
 pub fn simulate(p: &StepProgram, cfg: &SimConfig) -> SimResult {
-    let n = p.launches.len();
     let work: Vec<f64> = p
         .launches
         .iter()
         .map(|l| l.spec.as_ref().map_or(0.0, |s| cfg.device.duration_s(s)))
+        .collect();
+    simulate_with(p, cfg, &work)
+}
+
+/// Simulates one step of `p` with the given time alone of every launch (seconds; for
+/// instance measured on a serial schedule), the device model still deciding how
+/// concurrent launches share the GPU.
+pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResult {
+    let n = p.launches.len();
+    let work: Vec<f64> = (0..n)
+        .map(|i| work.get(i).copied().unwrap_or(0.0))
         .collect();
     let foot: Vec<f64> = p
         .launches

@@ -382,6 +382,11 @@ struct PlanArgs {
     /// with each block's gradients all-reduced early and with one all-reduce at the end.
     #[arg(long, value_name = "N")]
     gpus: Option<usize>,
+    /// Predict with kernel times measured on a GPU instead of the cost model's: a trace
+    /// written by `train --trace` or `bench --trace-dir` (best of a serial variant, whose
+    /// kernels ran alone). Launches it lacks keep the model's time.
+    #[arg(long, value_name = "TRACE.json")]
+    measured: Option<std::path::PathBuf>,
 }
 
 /// The model sized for the data, and the data: synthetic, or loaded (with a held-out
@@ -853,10 +858,31 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
     let shown = Variant::from(a.variant);
     let mut rows = Vec::new();
     let mut erase_overlap = None;
+    let measured = match &a.measured {
+        Some(path) => Some(
+            erase::profile::load_measured(path)
+                .with_context(|| format!("--measured {}", path.display()))?,
+        ),
+        None => None,
+    };
     for v in Variant::ALL {
         let cfg = a.model.config(v)?;
         let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched)?;
-        let r = simulate(&p.program, &sim);
+        let r = match &measured {
+            None => simulate(&p.program, &sim),
+            Some(m) => {
+                let (work, found) =
+                    erase::profile::measured_work(&p.program, &p.model.graph, m, &sim.device);
+                let kernels = p
+                    .program
+                    .launches
+                    .iter()
+                    .filter(|l| l.spec.is_some())
+                    .count();
+                println!("{v}: {found} of {kernels} launches take their measured time");
+                erase::runtime::simulate::simulate_with(&p.program, &sim, &work)
+            }
+        };
         let g = &p.model.graph;
         if v == shown {
             println!(
