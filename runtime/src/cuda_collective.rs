@@ -404,34 +404,8 @@ impl CudaProgram<'_> {
             progress[me].store(n, Ordering::Release);
             Ok(())
         };
-        let (a, b) = std::thread::scope(|sc| {
-            let h = sc.spawn(|| {
-                let r = work(1);
-                if r.is_err() {
-                    failed.store(true, Ordering::Relaxed);
-                }
-                r
-            });
-            let a = work(0);
-            if a.is_err() {
-                failed.store(true, Ordering::Relaxed);
-            }
-            (
-                a,
-                h.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::Device(
-                        "the dispatcher thread panicked".into(),
-                    ))
-                }),
-            )
-        });
-        a?;
-        b?;
-        for s in &self.streams[1..] {
-            self.join.record(s)?;
-            self.join.wait_on(&self.streams[0])?;
-        }
-        Ok(())
+        crate::cuda_program::two_dispatch_threads(&failed, &work)?;
+        self.join_pool_streams()
     }
 
     fn issue_data_parallel(
@@ -481,11 +455,7 @@ impl CudaProgram<'_> {
                 }
             }
         }
-        for s in &self.streams[1..] {
-            self.join.record(s)?;
-            self.join.wait_on(&self.streams[0])?;
-        }
-        Ok(())
+        self.join_pool_streams()
     }
 
     /// Bucket `b`'s collectives on the communication stream, after the work issued so

@@ -428,7 +428,7 @@ impl<'a> CudaProgram<'a> {
         };
         // progress[0]: launches of the main thread issued below this index; [1]: dispatcher's
         let progress = [AtomicUsize::new(0), AtomicUsize::new(0)];
-        let failed = AtomicUsize::new(0);
+        let failed = std::sync::atomic::AtomicBool::new(false);
         // only the parts the threads share (the graph handles stay on this thread)
         let (dev, prog, prepared, streams, events) = (
             self.dev,
@@ -455,7 +455,7 @@ impl<'a> CudaProgram<'a> {
                         let other = usize::from(prog.launches[r].stream.0 != 0);
                         if other != me {
                             while progress[other].load(Ordering::Acquire) <= r {
-                                if failed.load(Ordering::Relaxed) != 0 {
+                                if failed.load(Ordering::Relaxed) {
                                     return Err(RuntimeError::Device(
                                         "the other dispatch thread failed".into(),
                                     ));
@@ -486,29 +486,13 @@ impl<'a> CudaProgram<'a> {
             progress[me].store(n, Ordering::Release);
             Ok(())
         };
-        let (a, b) = std::thread::scope(|sc| {
-            let h = sc.spawn(|| {
-                let r = work(1);
-                if r.is_err() {
-                    failed.store(1, Ordering::Relaxed);
-                }
-                r
-            });
-            let a = work(0);
-            if a.is_err() {
-                failed.store(1, Ordering::Relaxed);
-            }
-            (
-                a,
-                h.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::Device(
-                        "the dispatcher thread panicked".into(),
-                    ))
-                }),
-            )
-        });
-        a?;
-        b?;
+        two_dispatch_threads(&failed, &work)?;
+        self.join_pool_streams()
+    }
+
+    /// Makes the main stream wait for everything issued on the pool streams, so that the
+    /// step's end covers all of its work.
+    pub(crate) fn join_pool_streams(&self) -> Result<(), RuntimeError> {
         for s in &self.streams[1..] {
             self.join.record(s)?;
             self.join.wait_on(&self.streams[0])?;
@@ -547,11 +531,7 @@ impl<'a> CudaProgram<'a> {
         }
         drop(ranges);
         // join every stream into main so the step's end covers all of its work
-        for s in &self.streams[1..] {
-            self.join.record(s)?;
-            self.join.wait_on(&self.streams[0])?;
-        }
-        Ok(())
+        self.join_pool_streams()
     }
 
     /// Waits for the last issued step; returns its time on the main stream in ms.
@@ -611,6 +591,39 @@ impl<'p> BlockRanges<'p> {
         };
         self.open = Some((label, nvtx::range(&name)));
     }
+}
+
+/// Runs `work(0)` on this thread and `work(1)` on a dispatcher thread (threaded
+/// dispatch): a failure on either side sets `failed`, which the other side's waits watch,
+/// and the first error is returned.
+pub(crate) fn two_dispatch_threads(
+    failed: &std::sync::atomic::AtomicBool,
+    work: &(dyn Fn(usize) -> Result<(), RuntimeError> + Sync),
+) -> Result<(), RuntimeError> {
+    use std::sync::atomic::Ordering;
+    let (a, b) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| {
+            let r = work(1);
+            if r.is_err() {
+                failed.store(true, Ordering::Relaxed);
+            }
+            r
+        });
+        let a = work(0);
+        if a.is_err() {
+            failed.store(true, Ordering::Relaxed);
+        }
+        (
+            a,
+            h.join().unwrap_or_else(|_| {
+                Err(RuntimeError::Device(
+                    "the dispatcher thread panicked".into(),
+                ))
+            }),
+        )
+    });
+    a?;
+    b
 }
 
 impl Drop for CudaProgram<'_> {
