@@ -534,3 +534,22 @@ fn measured_times_from_a_trace_file_reproduce_the_simulation() {
     assert!(e.contains("traceEvents"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `plan --sweep-side-streams`: every count predicted, the fastest named.
+#[test]
+fn plan_sweeps_side_streams_and_names_the_fastest() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_erase-ctr"))
+        .args(["plan", "--preset", "small", "--sweep-side-streams", "3"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for k in 1..=3 {
+        assert!(text.contains(&format!("  {k} side stream(s):")), "{text}");
+    }
+    assert!(text.contains("fastest:"), "{text}");
+}

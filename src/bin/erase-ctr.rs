@@ -387,6 +387,10 @@ struct PlanArgs {
     /// kernels ran alone). Launches it lacks keep the model's time.
     #[arg(long, value_name = "TRACE.json")]
     measured: Option<std::path::PathBuf>,
+    /// Also predict the `erase` step for every side-stream count from 1 to N (with the
+    /// occupancy rule as set) and name the fastest: how the simulator chooses the pool.
+    #[arg(long, value_name = "N")]
+    sweep_side_streams: Option<usize>,
 }
 
 /// The model sized for the data, and the data: synthetic, or loaded (with a held-out
@@ -1020,6 +1024,48 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
             dp.push((v, data_parallel_inputs(&p, &r)));
         }
         rows.push((v, r.step_s, p.memory.arena_bytes, r.busy_s));
+    }
+    if let Some(max) = a.sweep_side_streams {
+        let cfg = a.model.config(Variant::Erase)?;
+        println!(
+            "erase step by side streams (occupancy rule {}), {}:",
+            if sched.occupancy { "on" } else { "off" },
+            if measured.is_some() {
+                "measured kernel times"
+            } else {
+                "cost model"
+            }
+        );
+        let mut best: Option<(usize, f64)> = None;
+        for k in 1..=max.max(1) {
+            let sk = ScheduleOptions {
+                side_streams: k,
+                ..sched.clone()
+            };
+            let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sk)?;
+            let r = match &measured {
+                None => simulate(&p.program, &sim),
+                Some(m) => {
+                    let (work, _) =
+                        erase::profile::measured_work(&p.program, &p.model.graph, m, &sim.device);
+                    erase::runtime::simulate::simulate_with(&p.program, &sim, &work)
+                }
+            };
+            println!(
+                "  {k} side stream(s): {:8.1} µs, {} streams used",
+                r.step_s * 1e6,
+                p.program.streams
+            );
+            if best.is_none_or(|b| r.step_s < b.1 * (1.0 - 1e-3)) {
+                best = Some((k, r.step_s));
+            }
+        }
+        if let Some((k, t)) = best {
+            println!(
+                "  fastest: {k} side stream(s), {:.1} µs (fewer streams win ties)",
+                t * 1e6
+            );
+        }
     }
     if let Some(n) = a.gpus {
         use erase::runtime::simulate::{predict_data_parallel, LinkModel};
