@@ -313,3 +313,22 @@ fn rendezvous_names_a_rank_that_never_comes_and_refuses_a_different_job() {
         "{se1}"
     );
 }
+
+/// What every worker would refuse is refused once, by the supervisor, before any starts.
+#[test]
+fn options_no_cpu_rank_takes_are_refused_before_the_workers_start() {
+    for extra in [["--dispatch", "threaded"], ["--trace", "t.json"]] {
+        let mut a = args(2);
+        a.extend(["--gpus".to_string(), "2".to_string()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let (out, took) = run(&a, &[]);
+        let (stdout, stderr) = text(&out);
+        assert!(!out.status.success(), "{extra:?}: {stdout}{stderr}");
+        assert!(stderr.contains(extra[0]), "{extra:?}: {stderr}");
+        assert!(
+            !stderr.contains("[rank"),
+            "{extra:?}: no worker may start: {stderr}"
+        );
+        assert!(took < Duration::from_secs(10), "{extra:?}: took {took:?}");
+    }
+}

@@ -510,6 +510,13 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     // a worker of a data-parallel job (RANK and WORLD_SIZE set), or its supervisor
     let rank_env = erase::runtime::rendezvous::RankEnv::from_env().map_err(anyhow::Error::msg)?;
     if let (None, Some(n)) = (&rank_env, a.gpus) {
+        // refuse what every worker would refuse, once, before starting them
+        if matches!(a.device, DeviceArg::Cpu) && !matches!(a.dispatch, DispatchArg::Blocking) {
+            bail!("--gpus {n} --device cpu runs CPU ranks, which dispatch blocking; drop --dispatch or use --device cuda");
+        }
+        if a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some() {
+            bail!("--trace, --timeline and --kernels trace one process; run them without --gpus");
+        }
         let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
         return erase::launch::supervise(n, &args);
     }
