@@ -122,6 +122,9 @@ pub fn train_data_parallel_cpu(
     timeout: Duration,
     fail: Option<FailAt>,
 ) -> Result<Vec<Result<RankResult>>> {
+    if cfg.schedule.early_updates {
+        bail!("early per-block updates would run before the gradients are all-reduced; data parallelism updates at the end");
+    }
     if world == 0 || !cfg.model.batch.is_multiple_of(world) {
         bail!(
             "the global batch {} must split evenly over {world} ranks",

@@ -27,6 +27,9 @@ pub fn run_worker_cuda(
     fail: Option<FailAt>,
 ) -> Result<()> {
     let (rank, world) = (env.rank, env.world);
+    if cfg.schedule.early_updates {
+        bail!("--optimizer-update early updates a block before its gradients are all-reduced; with several ranks use end");
+    }
     nccl_check().context("--gpus on CUDA needs NCCL")?;
     let dev = crate::gpu::open_device_ordinal(env.local_rank)
         .with_context(|| format!("rank {rank}: CUDA device {} (LOCAL_RANK)", env.local_rank))?;

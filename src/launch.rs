@@ -82,6 +82,9 @@ fn job_tag(cfg: &TrainConfig, backend: &str, opts: &WorkerOptions, world: usize)
 /// the global batch.
 pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Result<()> {
     let world = env.world;
+    if cfg.schedule.early_updates {
+        bail!("--optimizer-update early updates a block before its gradients are all-reduced; with several ranks use end");
+    }
     if !cfg.model.batch.is_multiple_of(world) {
         bail!(
             "the global batch {} must split evenly over {world} ranks",

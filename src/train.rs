@@ -31,6 +31,9 @@ pub struct ScheduleOptions {
     pub side_streams: usize,
     pub occupancy: bool,
     pub device: DeviceModel,
+    /// Each early block's dense parameters updated right after its backward, on its
+    /// stream, instead of in the single update after the whole backward.
+    pub early_updates: bool,
 }
 
 impl Default for ScheduleOptions {
@@ -39,6 +42,7 @@ impl Default for ScheduleOptions {
             side_streams: 4,
             occupancy: false,
             device: DeviceModel::h200(),
+            early_updates: false,
         }
     }
 }
@@ -69,8 +73,12 @@ pub fn plan_step(
 ) -> Result<StepPlan> {
     cfg.validate()?;
     let mut model = build(cfg, float).context("building the CTR model")?;
-    let training =
-        make_trainable(&mut model.graph, opt).context("differentiating the CTR model")?;
+    let training = if sched.early_updates {
+        erase_graph::make_trainable_early_updates(&mut model.graph, opt)
+    } else {
+        make_trainable(&mut model.graph, opt)
+    }
+    .context("differentiating the CTR model")?;
     let partition = partition(&model.graph, &training.grads);
     let scfg = ScheduleConfig {
         kind: schedule_kind(cfg.variant),

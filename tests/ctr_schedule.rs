@@ -217,3 +217,63 @@ fn erase_equals_detached_bit_for_bit_and_baseline_differs() {
         "baseline should train differently"
     );
 }
+
+/// ERASE's early per-block update: each early block's parameters updated right after its
+/// backward, on its side stream, the step count incremented first; the same bits as the
+/// single update after the join, in issue order and in random interleavings.
+#[test]
+fn early_per_block_updates_run_after_their_block_and_train_the_same_bits() {
+    let cfg = tiny(Variant::Erase);
+    let early = plan_step(
+        &cfg,
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions {
+            early_updates: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let end = plan(&cfg, 4);
+    let prog = &early.program;
+    let g = &early.model.graph;
+    let name = |i: usize| g.node(prog.launches[i].node).name.clone();
+    // the step count first, on main
+    assert!(name(0).contains("optim/step"), "first launch: {}", name(0));
+    // one update per early block, each on its block's stream right after its backward
+    let mut early_updates = 0;
+    for (k, ups) in &early.partition.early_updates {
+        let bwd = &early.partition.programs[*k];
+        assert!(bwd.early);
+        for &u in ups {
+            let i = prog.launches.iter().position(|l| l.node == u).unwrap();
+            let last_bwd = prog
+                .launches
+                .iter()
+                .rposition(|l| bwd.nodes.contains(&l.node))
+                .unwrap();
+            assert_eq!(prog.launches[i].stream, prog.launches[last_bwd].stream);
+            assert_ne!(prog.launches[i].stream, StreamId::MAIN, "{}", name(i));
+            assert!(i > last_bwd, "{} before its block's backward", name(i));
+            early_updates += 1;
+        }
+    }
+    let blocks = early.partition.programs.iter().filter(|p| p.early).count();
+    assert!(
+        early_updates >= blocks - 1,
+        "{early_updates} early updates for {blocks} blocks"
+    );
+    assert_eq!(check(g, prog, &early.memory).len(), 0);
+    // the same bits as one update after the join
+    let want = run(&end, 4, None);
+    assert!(
+        run(&early, 4, None) == want,
+        "early updates (issue order) differ"
+    );
+    for seed in 0..4 {
+        assert!(
+            run(&early, 4, Some(seed)) == want,
+            "early updates (interleaving {seed}) differ"
+        );
+    }
+}

@@ -317,7 +317,11 @@ fn rendezvous_names_a_rank_that_never_comes_and_refuses_a_different_job() {
 /// What every worker would refuse is refused once, by the supervisor, before any starts.
 #[test]
 fn options_no_cpu_rank_takes_are_refused_before_the_workers_start() {
-    for extra in [["--dispatch", "threaded"], ["--trace", "t.json"]] {
+    for extra in [
+        ["--dispatch", "threaded"],
+        ["--trace", "t.json"],
+        ["--optimizer-update", "early"],
+    ] {
         let mut a = args(2);
         a.extend(["--gpus".to_string(), "2".to_string()]);
         a.extend(extra.iter().map(|s| s.to_string()));

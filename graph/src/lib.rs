@@ -31,3 +31,20 @@ pub fn make_trainable(g: &mut Graph, cfg: &OptimizerConfig) -> Result<Training> 
     let updates = optim::attach(g, &grads, cfg)?;
     Ok(Training { grads, updates })
 }
+
+/// [`make_trainable`] with the dense parameters of each early backward program updated by
+/// their own optimizer node, which the schedule can run right after that program (ERASE's
+/// early per-block update) instead of in the single update after the whole backward.
+/// Parameters whose gradient completes in the remainder keep one update at the end.
+pub fn make_trainable_early_updates(g: &mut Graph, cfg: &OptimizerConfig) -> Result<Training> {
+    let grads = autodiff::backward(g)?;
+    let p = partition(g, &grads);
+    let early: std::collections::BTreeMap<Tensor, usize> = p
+        .grad_complete
+        .iter()
+        .filter(|(_, &k)| p.programs[k].early)
+        .map(|(&t, &k)| (t, k))
+        .collect();
+    let updates = optim::attach_grouped(g, &grads, cfg, &|t| early.get(&t).copied())?;
+    Ok(Training { grads, updates })
+}

@@ -55,7 +55,8 @@ impl Default for OptimizerConfig {
 #[derive(Clone, Debug, Default)]
 pub struct Updates {
     pub step_increment: Option<NodeId>,
-    pub dense: Option<NodeId>,
+    /// One dense update per group of parameters (one in all unless grouped).
+    pub dense: Vec<NodeId>,
     pub sparse: Vec<NodeId>,
 }
 
@@ -72,6 +73,20 @@ fn check_hyper(name: &str, v: f64, lo_open: f64, hi: Option<f64>) -> Result<()> 
 
 /// Appends the optimizer updates for `grads`.
 pub fn attach(g: &mut Graph, grads: &Gradients, cfg: &OptimizerConfig) -> Result<Updates> {
+    attach_grouped(g, grads, cfg, &|_| None)
+}
+
+/// [`attach`] with the dense parameters split into groups, one update node each:
+/// `group_of(param)` is `Some(k)` for a parameter of group `k` (say, the backward program
+/// that completes its gradient, so that its update can run right after it), `None` for
+/// the parameters updated together after the whole backward. Every update reads the same
+/// step count; the arithmetic of each parameter is the same in any grouping.
+pub fn attach_grouped(
+    g: &mut Graph,
+    grads: &Gradients,
+    cfg: &OptimizerConfig,
+    group_of: &dyn Fn(Tensor) -> Option<usize>,
+) -> Result<Updates> {
     let mut up = Updates::default();
     let mut dense: Vec<(Tensor, Tensor)> = Vec::new();
     for (&p, grad) in &grads.by_param {
@@ -116,12 +131,34 @@ pub fn attach(g: &mut Graph, grads: &Gradients, cfg: &OptimizerConfig) -> Result
     if dense.is_empty() {
         return Ok(up);
     }
-    let ps: Vec<Tensor> = dense.iter().map(|d| d.0).collect();
-    let gs: Vec<Tensor> = dense.iter().map(|d| d.1).collect();
+    // groups in a fixed order: the named ones by number, then the rest
+    let mut groups: std::collections::BTreeMap<(bool, usize), Vec<(Tensor, Tensor)>> =
+        std::collections::BTreeMap::new();
+    for &(p, gr) in &dense {
+        let key = match group_of(p) {
+            Some(k) => (false, k),
+            None => (true, 0),
+        };
+        groups.entry(key).or_default().push((p, gr));
+    }
+    let suffix = |key: &(bool, usize)| {
+        if groups.len() == 1 {
+            String::new()
+        } else if key.0 {
+            ".rest".to_string()
+        } else {
+            format!(".g{}", key.1)
+        }
+    };
     match cfg.dense {
         DenseOptimizer::Sgd { lr } => {
             check_hyper("sgd lr", lr, 0.0, None)?;
-            up.dense = Some(g.push_update(Op::Sgd { lr }, gs, ps, "optim/sgd".into()));
+            for (key, members) in &groups {
+                let ps: Vec<Tensor> = members.iter().map(|d| d.0).collect();
+                let gs: Vec<Tensor> = members.iter().map(|d| d.1).collect();
+                let name = format!("optim/sgd{}", suffix(key));
+                up.dense.push(g.push_update(Op::Sgd { lr }, gs, ps, name));
+            }
         }
         DenseOptimizer::Adam {
             lr,
@@ -141,26 +178,31 @@ pub fn attach(g: &mut Graph, grads: &Gradients, cfg: &OptimizerConfig) -> Result
                 "optim/step".into(),
             ));
             let float = g.float_dtype();
-            let mut updates = ps.clone();
-            for kind in ["m", "v"] {
-                for &p in &ps {
-                    let s = g.shape(p).dims().to_vec();
-                    updates.push(g.state(&format!("{}.adam_{kind}", g.name(p)), &s, float));
+            for (key, members) in &groups {
+                let ps: Vec<Tensor> = members.iter().map(|d| d.0).collect();
+                let gs: Vec<Tensor> = members.iter().map(|d| d.1).collect();
+                let mut updates = ps.clone();
+                for kind in ["m", "v"] {
+                    for &p in &ps {
+                        let s = g.shape(p).dims().to_vec();
+                        updates.push(g.state(&format!("{}.adam_{kind}", g.name(p)), &s, float));
+                    }
                 }
+                let mut inputs = vec![step];
+                inputs.extend(gs);
+                let name = format!("optim/adam{}", suffix(key));
+                up.dense.push(g.push_update(
+                    Op::Adam {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                    },
+                    inputs,
+                    updates,
+                    name,
+                ));
             }
-            let mut inputs = vec![step];
-            inputs.extend(gs);
-            up.dense = Some(g.push_update(
-                Op::Adam {
-                    lr,
-                    beta1,
-                    beta2,
-                    eps,
-                },
-                inputs,
-                updates,
-                "optim/adam".into(),
-            ));
         }
     }
     Ok(up)

@@ -43,6 +43,9 @@ pub struct Partition {
     pub grad_complete: BTreeMap<Tensor, usize>,
     /// For every node: its readiness (the forward position after which it can run).
     pub ready: BTreeMap<NodeId, ForwardPos>,
+    /// Dense updates that may run right after early program `k` (all the gradients they
+    /// read come from it): present when the optimizer was attached per program.
+    pub early_updates: BTreeMap<usize, Vec<NodeId>>,
 }
 
 impl Partition {
@@ -152,11 +155,34 @@ pub fn partition(g: &Graph, grads: &crate::autodiff::Gradients) -> Partition {
         .iter()
         .filter_map(|n| ready[n.id.index()].map(|r| (n.id, r)))
         .collect();
+    let mut early_updates: BTreeMap<usize, Vec<NodeId>> = BTreeMap::new();
+    for &n in &optimizer {
+        let node = g.node(n);
+        if !matches!(
+            node.op,
+            crate::op::Op::Adam { .. } | crate::op::Op::Sgd { .. }
+        ) {
+            continue;
+        }
+        let progs: std::collections::BTreeSet<Option<usize>> = node
+            .inputs
+            .iter()
+            .map(|&t| g.info(t).producer)
+            .filter(|&p| !g.node(p).op.is_leaf())
+            .map(|p| prog_of_node.get(&p).copied())
+            .collect();
+        if let [Some(k)] = progs.into_iter().collect::<Vec<_>>()[..] {
+            if programs[k].early {
+                early_updates.entry(k).or_default().push(n);
+            }
+        }
+    }
     Partition {
         forward,
         programs,
         optimizer,
         grad_complete,
         ready,
+        early_updates,
     }
 }

@@ -471,14 +471,25 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             }
         }
         ScheduleKind::Early => {
+            // early per-block updates read the step count: increment it first
+            if !part.early_updates.is_empty() {
+                for &n in &part.optimizer {
+                    if matches!(g.node(n).op, erase_graph::Op::StepIncrement) {
+                        b.push(n, StreamId::MAIN, "optim");
+                    }
+                }
+            }
             let mut next_side = 0usize;
             for (pos, &n) in part.forward.iter().enumerate() {
                 b.push(n, StreamId::MAIN, &fwd_block(n));
-                for (_, prog) in part.ready_at(pos) {
+                for (k, prog) in part.ready_at(pos) {
                     let s = StreamId(1 + (next_side % cfg.side_streams.max(1)) as u16);
                     next_side += 1;
                     for &bn in &prog.nodes {
                         b.push(bn, s, &prog.name);
+                    }
+                    for &un in part.early_updates.get(&k).into_iter().flatten() {
+                        b.push(un, s, &prog.name);
                     }
                 }
             }
@@ -490,7 +501,22 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
         }
     }
     b.join_next = true;
-    for &n in &part.optimizer {
+    let placed: std::collections::BTreeSet<NodeId> = match cfg.kind {
+        ScheduleKind::Early if !part.early_updates.is_empty() => part
+            .early_updates
+            .values()
+            .flatten()
+            .copied()
+            .chain(
+                part.optimizer
+                    .iter()
+                    .copied()
+                    .filter(|&n| matches!(g.node(n).op, erase_graph::Op::StepIncrement)),
+            )
+            .collect(),
+        _ => Default::default(),
+    };
+    for &n in part.optimizer.iter().filter(|n| !placed.contains(n)) {
         b.push(n, StreamId::MAIN, "optim");
     }
     b.finish()

@@ -136,6 +136,17 @@ struct ModelArgs {
     /// without it (see BENCHMARKS.md).
     #[arg(long, value_enum, default_value = "off")]
     occupancy: OnOff,
+    /// When the dense parameters are updated: `end`, one update of all of them after the
+    /// whole backward; `early`, each early block's right after its backward, on its side
+    /// stream (the remainder's at the end). Same bits either way.
+    #[arg(long, value_enum, default_value = "end")]
+    optimizer_update: UpdateArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum UpdateArg {
+    End,
+    Early,
 }
 
 impl ModelArgs {
@@ -164,6 +175,7 @@ impl ModelArgs {
             side_streams: self.side_streams,
             occupancy: self.occupancy == OnOff::On,
             device: DeviceModel::h200(),
+            early_updates: self.optimizer_update == UpdateArg::Early,
         }
     }
 }
@@ -516,6 +528,9 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         }
         if a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some() {
             bail!("--trace, --timeline and --kernels trace one process; run them without --gpus");
+        }
+        if a.model.optimizer_update == UpdateArg::Early {
+            bail!("--optimizer-update early updates a block before its gradients are all-reduced; with --gpus use end");
         }
         let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
         return erase::launch::supervise(n, &args);
