@@ -9,12 +9,40 @@ use erase_runtime::occupancy::DeviceModel;
 use erase_runtime::schedule::StepProgram;
 use erase_runtime::trace::{Trace, TraceKind};
 
+/// The CUDA kernels a node's launch runs, in order, joined by `+` (e.g.
+/// `gemm_to_bf16+gemm_to_bf16_t+gemm_bf16p_128x128+gemm_splitk_reduce`).
+pub fn kernels_of(g: &Graph, node: erase_graph::NodeId) -> String {
+    let n = g.node(node);
+    let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
+    let ind: Vec<_> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
+    let outs: Vec<_> = n.outputs.iter().map(|&t| g.shape(t)).collect();
+    let outd: Vec<_> = n.outputs.iter().map(|&t| g.dtype(t)).collect();
+    let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
+    let o = erase_ops::cuda::Operands {
+        ins: &ins,
+        in_dtypes: &ind,
+        outs: &outs,
+        out_dtypes: &outd,
+        upd: &upd,
+    };
+    match erase_ops::cuda::cuda_plan(&n.op, &o) {
+        Ok(p) => p
+            .calls
+            .iter()
+            .map(|c| c.kernel)
+            .collect::<Vec<_>>()
+            .join("+"),
+        Err(_) => String::new(),
+    }
+}
+
 /// One launch's mean over the traced steps.
 #[derive(Clone, Debug)]
 pub struct KernelRow {
     pub launch: usize,
     pub label: String,
-    pub kernel: &'static str,
+    /// The kernels the launch runs, joined by `+`.
+    pub kernel: String,
     pub stream: u16,
     pub us: f64,
     pub flops: f64,
@@ -60,7 +88,14 @@ pub fn kernel_rows(prog: &StepProgram, g: &Graph, trace: &Trace) -> (Vec<KernelR
             Some(KernelRow {
                 launch: i,
                 label: format!("{} '{}'", l.label, g.node(l.node).name),
-                kernel: s.kernel,
+                kernel: {
+                    let k = kernels_of(g, l.node);
+                    if k.is_empty() {
+                        s.kernel.to_string()
+                    } else {
+                        k
+                    }
+                },
                 stream: l.stream.0,
                 us: us[i],
                 flops: s.flops,

@@ -1008,10 +1008,15 @@ fn run_plan(a: &PlanArgs) -> Result<()> {
                 );
                 for (t, i) in by_time.into_iter().take(n) {
                     let l = &p.program.launches[i];
-                    let s = l
-                        .spec
-                        .as_ref()
-                        .map_or((0, 0.0, 0.0, ""), |s| (s.grid, s.flops, s.bytes, s.kernel));
+                    let s = l.spec.as_ref().map_or((0, 0.0, 0.0, String::new()), |s| {
+                        let k = erase::profile::kernels_of(g, l.node);
+                        let k = if k.is_empty() {
+                            s.kernel.to_string()
+                        } else {
+                            k
+                        };
+                        (s.grid, s.flops, s.bytes, k)
+                    });
                     println!(
                         "  {:8.1}  {:5.1}%  {:8}  {:9.3}  {:9.2}  {} ({}) '{}'",
                         t * 1e6,
