@@ -85,7 +85,20 @@ fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrar
             * u64::from(c.grid[2])
             * u64::from(c.block[0] * c.block[1] * c.block[2])
     };
-    let Some(call) = plan.calls.iter().max_by_key(|c| size(c)) else {
+    // the launch's own kernel, not a helper pass around it (the pipelined GEMM's operand
+    // rounding, a split-K reduction): the widest of the others, else the widest of all
+    let helper = |c: &&KernelCall| {
+        matches!(
+            c.kernel,
+            "gemm_to_bf16" | "gemm_to_bf16_t" | "gemm_splitk_reduce"
+        )
+    };
+    let main = plan
+        .calls
+        .iter()
+        .filter(|c| !helper(c))
+        .max_by_key(|c| size(c));
+    let Some(call) = main.or_else(|| plan.calls.iter().max_by_key(|c| size(c))) else {
         return spec;
     };
     let Some(info) = lib.find(call.kernel) else {
