@@ -527,43 +527,10 @@ impl CudaProgram<'_> {
         dp: &DataParallel,
         comm: &mut NcclComm,
     ) -> Result<(), RuntimeError> {
-        let err =
-            |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
-        self.streams[0].synchronize()?;
-        let main = self.streams[0].raw();
-        // SAFETY: `main` is a live stream; thread-local mode keeps other threads' calls
-        // out of the capture.
-        unsafe {
-            result::stream::begin_capture(
-                main,
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-        }
-        .map_err(|e| err("beginning the capture", e))?;
-        let issued = (|| -> Result<(), RuntimeError> {
-            self.join.record(&self.streams[0])?;
-            for s in &self.streams[1..] {
-                self.join.wait_on(s)?;
-            }
-            self.issue_data_parallel(dp, comm)
-        })();
-        // SAFETY: ends the capture begun above on the same stream, even after an error.
-        let graph = unsafe { result::stream::end_capture(main) };
-        issued?;
-        let graph = graph.map_err(|e| err("ending the capture", e))?;
-        // SAFETY: `graph` is the live graph just captured.
-        let exec = unsafe {
-            result::graph::instantiate(
-                graph,
-                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-            )
-        }
-        .map_err(|e| err("instantiating the data-parallel step graph", e))?;
+        let (graph, exec) = self.capture_with("the data-parallel step graph", |p| {
+            p.issue_data_parallel(dp, comm)
+        })?;
         self.graph = Some((graph, exec));
-        self.events = (0..self.prog.events)
-            .map(|_| self.dev.event(false))
-            .collect::<Result<Vec<_>, _>>()?;
-        self.join = self.dev.event(false)?;
         Ok(())
     }
 

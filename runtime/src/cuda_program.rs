@@ -257,12 +257,6 @@ impl<'a> CudaProgram<'a> {
     pub fn capture(&mut self) -> Result<usize, RuntimeError> {
         let (graph, exec, kernels) = self.capture_graph(false)?;
         self.graph = Some((graph, exec));
-        // events recorded during the capture became graph edges; eager launches (such as
-        // an evaluation's forward) need events of their own
-        self.events = (0..self.prog.events)
-            .map(|_| self.dev.event(false))
-            .collect::<Result<Vec<_>, _>>()?;
-        self.join = self.dev.event(false)?;
         Ok(kernels)
     }
 
@@ -273,8 +267,36 @@ impl<'a> CudaProgram<'a> {
         &mut self,
         traced: bool,
     ) -> Result<(sys::CUgraph, sys::CUgraphExec, usize), RuntimeError> {
+        if let Some(t) = self.trace.as_mut() {
+            t.capturing = traced;
+        }
+        if !traced {
+            self.capture_nodes = Some(Vec::new());
+        }
+        let all: Vec<usize> = (0..self.prog.launches.len()).collect();
+        let captured = self.capture_with("the step graph", |p| p.issue(&all));
+        if let Some(t) = self.trace.as_mut() {
+            t.capturing = false;
+        }
+        if !traced {
+            self.graph_nodes = self.capture_nodes.take().unwrap_or_default();
+        }
+        let (graph, exec) = captured?;
+        Ok((graph, exec, count_kernel_nodes(graph)?))
+    }
+
+    /// Captures what `issue` issues as one CUDA graph and instantiates it: the pool
+    /// streams enter the capture through the main stream (`issue` joins them back, as
+    /// every step does), and after the capture the program gets fresh events (those
+    /// recorded during it became graph edges; eager launches, such as an evaluation's
+    /// forward, need events of their own). `what` names the graph in errors.
+    pub(crate) fn capture_with(
+        &mut self,
+        what: &str,
+        issue: impl FnOnce(&mut Self) -> Result<(), RuntimeError>,
+    ) -> Result<(sys::CUgraph, sys::CUgraphExec), RuntimeError> {
         let err =
-            |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
+            |doing: &str, e: result::DriverError| RuntimeError::Device(format!("{doing}: {e:?}"));
         self.streams[0].synchronize()?;
         let main = self.streams[0].raw();
         // SAFETY: `main` is a live stream; thread-local mode keeps other threads' calls
@@ -285,51 +307,20 @@ impl<'a> CudaProgram<'a> {
                 sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             )
         }
-        .map_err(|e| err("beginning the capture", e))?;
-        if let Some(t) = self.trace.as_mut() {
-            t.capturing = traced;
-        }
-        let issued = (|| -> Result<(), RuntimeError> {
-            // every pool stream enters the capture through the main stream
+        .map_err(|e| err(&format!("beginning the capture of {what}"), e))?;
+        // every pool stream enters the capture through the main stream
+        let forked = (|| -> Result<(), RuntimeError> {
             self.join.record(&self.streams[0])?;
             for s in &self.streams[1..] {
                 self.join.wait_on(s)?;
             }
-            let all: Vec<usize> = (0..self.prog.launches.len()).collect();
-            if !traced {
-                self.capture_nodes = Some(Vec::new());
-            }
-            self.issue(&all)
+            Ok(())
         })();
+        let issued = forked.and_then(|()| issue(self));
         // SAFETY: ends the capture begun above on the same stream, even after an error.
         let graph = unsafe { result::stream::end_capture(main) };
-        if let Some(t) = self.trace.as_mut() {
-            t.capturing = false;
-        }
-        if !traced {
-            self.graph_nodes = self.capture_nodes.take().unwrap_or_default();
-        }
         issued?;
-        let graph = graph.map_err(|e| err("ending the capture", e))?;
-        let mut n: usize = 0;
-        // SAFETY: a null node array asks only for the count.
-        unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
-            .result()
-            .map_err(|e| err("counting graph nodes", e))?;
-        let mut nodes = vec![std::ptr::null_mut(); n];
-        // SAFETY: `nodes` has room for the `n` nodes the graph holds.
-        unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
-            .result()
-            .map_err(|e| err("listing graph nodes", e))?;
-        let mut kernels = 0;
-        for &node in &nodes {
-            let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-            // SAFETY: `node` belongs to the live graph.
-            unsafe { sys::cuGraphNodeGetType(node, &mut t) }
-                .result()
-                .map_err(|e| err("graph node type", e))?;
-            kernels += usize::from(t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL);
-        }
+        let graph = graph.map_err(|e| err(&format!("ending the capture of {what}"), e))?;
         // SAFETY: `graph` is the live graph just captured.
         let exec = unsafe {
             result::graph::instantiate(
@@ -337,8 +328,12 @@ impl<'a> CudaProgram<'a> {
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
             )
         }
-        .map_err(|e| err("instantiating the step graph", e))?;
-        Ok((graph, exec, kernels))
+        .map_err(|e| err(&format!("instantiating {what}"), e))?;
+        self.events = (0..self.prog.events)
+            .map(|_| self.dev.event(false))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.join = self.dev.event(false)?;
+        Ok((graph, exec))
     }
 
     /// Copies `batches` (each one buffer per tensor of `inputs`) to device memory, so that
@@ -591,6 +586,31 @@ impl<'p> BlockRanges<'p> {
         };
         self.open = Some((label, nvtx::range(&name)));
     }
+}
+
+/// The kernel nodes of a captured graph.
+fn count_kernel_nodes(graph: sys::CUgraph) -> Result<usize, RuntimeError> {
+    let err = |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
+    let mut n: usize = 0;
+    // SAFETY: a null node array asks only for the count.
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
+        .result()
+        .map_err(|e| err("counting graph nodes", e))?;
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` has room for the `n` nodes the graph holds.
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
+        .result()
+        .map_err(|e| err("listing graph nodes", e))?;
+    let mut kernels = 0;
+    for &node in &nodes {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to the live graph.
+        unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+            .result()
+            .map_err(|e| err("graph node type", e))?;
+        kernels += usize::from(t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL);
+    }
+    Ok(kernels)
 }
 
 /// Runs `work(0)` on this thread and `work(1)` on a dispatcher thread (threaded

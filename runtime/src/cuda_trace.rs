@@ -127,11 +127,6 @@ impl CudaProgram<'_> {
                 if let Some(t) = self.trace.as_mut() {
                     t.graph = Some((graph, exec));
                 }
-                // as after the first capture: eager launches need events of their own
-                self.events = (0..self.prog.events)
-                    .map(|_| self.dev.event(false))
-                    .collect::<Result<Vec<_>, _>>()?;
-                self.join = self.dev.event(false)?;
             }
         }
         if let Some(t) = self.trace.as_mut() {
