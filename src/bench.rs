@@ -271,15 +271,7 @@ fn bench_cuda(
         for (i, p) in plans.iter().enumerate() {
             let m = &p.model;
             let mut prog = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, cfg.seed)?;
-            prog.stage(
-                &[
-                    m.inputs.dense,
-                    m.inputs.ids,
-                    m.inputs.offsets,
-                    m.inputs.label,
-                ],
-                &batches,
-            )?;
+            prog.stage(&m.inputs.in_batch_order(), &batches)?;
             prog.set_threaded(dispatch == Dispatch::Threaded);
             if dispatch == Dispatch::Graph {
                 prog.capture()?;

@@ -276,6 +276,14 @@ pub struct CtrInputs {
     pub label: Tensor,
 }
 
+impl CtrInputs {
+    /// The inputs in the order [`CtrModel::batch_buffers`] returns their buffers (a
+    /// packed batch's layout follows it).
+    pub fn in_batch_order(&self) -> [Tensor; 4] {
+        [self.dense, self.ids, self.offsets, self.label]
+    }
+}
+
 /// The forward graph of the model, with its losses registered (main weight 1, each aux
 /// loss weight `cfg.aux_weight`) but no backward or optimizer yet: callers run
 /// [`erase_graph::make_trainable`] (or `autodiff::backward_with`) with the options they want.
