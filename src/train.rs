@@ -701,16 +701,10 @@ impl<'a> Session<'a> {
         })
     }
 
-    /// The model's inputs in the packed order of a loader's batch.
-    fn input_tensors(&self) -> [Tensor; 4] {
-        let i = &self.plan.model.inputs;
-        [i.dense, i.ids, i.offsets, i.label]
-    }
-
     /// Starts the loader thread at the next step's batch, with the device's slots.
     fn start_loader(&mut self) -> Result<()> {
         let m = &self.plan.model;
-        let layout = InputLayout::new(&m.graph, &self.input_tensors());
+        let layout = InputLayout::new(&m.graph, &m.inputs.in_batch_order());
         let mut readback = vec![m.main_loss];
         readback.extend(m.aux_losses.iter().map(|x| x.1));
         let slots = self.exec.slots(&layout, &readback, LOADER_SLOTS)?;
@@ -785,7 +779,9 @@ impl<'a> Session<'a> {
         if f.batch != step {
             bail!("the loader gave batch {} for step {step}", f.batch);
         }
-        let range = erase_runtime::nvtx::range(&format!("step {step}"));
+        // the range's name is only built when a profiler listens
+        let range = erase_runtime::nvtx::enabled()
+            .then(|| erase_runtime::nvtx::range(&format!("step {step}")));
         self.exec
             .issue(step, f.slot, &f.mem)
             .with_context(|| format!("step {step}"))?;
