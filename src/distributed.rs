@@ -114,6 +114,57 @@ impl AllReduce {
     }
 }
 
+/// One rank's share of each global batch of the synthetic stream: examples `rank`,
+/// `rank + world`, `rank + 2 world`, ... of it, so that the ranks together train on the
+/// global batch.
+pub(crate) struct Shard {
+    rank: usize,
+    world: usize,
+    global: usize,
+    /// Dense features and ids per example.
+    per: (usize, usize),
+    all: (Vec<f32>, Vec<u32>, Vec<f32>),
+    mine: (Vec<f32>, Vec<u32>, Vec<f32>),
+}
+
+impl Shard {
+    /// `local` is the model one rank trains (its batch a `world`-th of `global`).
+    pub(crate) fn new(
+        local: &crate::model::ctr::CtrConfig,
+        global: usize,
+        rank: usize,
+        world: usize,
+    ) -> Shard {
+        let (nd, ns, b) = (local.num_dense, local.num_sparse * local.hot, local.batch);
+        Shard {
+            rank,
+            world,
+            global,
+            per: (nd, ns),
+            all: (
+                vec![0.0; global * nd],
+                vec![0; global * ns],
+                vec![0.0; global],
+            ),
+            mine: (vec![0.0; b * nd], vec![0; b * ns], vec![0.0; b]),
+        }
+    }
+
+    /// This rank's examples of global batch `step`: (dense, rows, labels).
+    pub(crate) fn fill(&mut self, gen: &SyntheticCtr, step: usize) -> (&[f32], &[u32], &[f32]) {
+        let ((nd, ns), g) = (self.per, self.global);
+        let (gd, gr, gy) = &mut self.all;
+        gen.fill_batch(1, (step * g) as u64, g, gd, gr, gy);
+        let (d, r, y) = &mut self.mine;
+        for (j, i) in (self.rank..g).step_by(self.world).enumerate() {
+            d[j * nd..(j + 1) * nd].copy_from_slice(&gd[i * nd..(i + 1) * nd]);
+            r[j * ns..(j + 1) * ns].copy_from_slice(&gr[i * ns..(i + 1) * ns]);
+            y[j] = gy[i];
+        }
+        (d, r, y)
+    }
+}
+
 /// Trains `cfg` (its `model.batch` is the global batch) on `world` CPU ranks with
 /// synthetic data. Returns each rank's result or its error.
 pub fn train_data_parallel_cpu(
@@ -218,13 +269,7 @@ pub fn run_rank<C: Collective>(
         }
     }
     let buckets = buckets(&plan, mode);
-    let global = cfg.model.batch;
-    let b = local.batch;
-    let (nd, ns) = (local.num_dense, local.num_sparse * local.hot);
-    let mut gd = vec![0f32; global * nd];
-    let mut gr = vec![0u32; global * ns];
-    let mut gy = vec![0f32; global];
-    let (mut d, mut r, mut y) = (vec![0f32; b * nd], vec![0u32; b * ns], vec![0f32; b]);
+    let mut shard = Shard::new(local, cfg.model.batch, rank, world);
     let scale = 1.0 / world as f32;
     let mut losses = Vec::with_capacity(cfg.steps);
     let mut step_secs = Vec::with_capacity(cfg.steps);
@@ -232,13 +277,8 @@ pub fn run_rank<C: Collective>(
         FailAt::check(fail, rank, step)?;
         let t0 = std::time::Instant::now();
         // this rank's shard of the global batch
-        gen.fill_batch(1, (step * global) as u64, global, &mut gd, &mut gr, &mut gy);
-        for (j, i) in (rank..global).step_by(world).enumerate() {
-            d[j * nd..(j + 1) * nd].copy_from_slice(&gd[i * nd..(i + 1) * nd]);
-            r[j * ns..(j + 1) * ns].copy_from_slice(&gr[i * ns..(i + 1) * ns]);
-            y[j] = gy[i];
-        }
-        let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y)?;
+        let (d, r, y) = shard.fill(&gen, step);
+        let (bd, bi, bo, bl) = m.batch_buffers(d, r, y)?;
         runner.feed(m.inputs.dense, bd)?;
         runner.feed(m.inputs.ids, bi)?;
         runner.feed(m.inputs.offsets, bo)?;

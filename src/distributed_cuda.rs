@@ -8,7 +8,7 @@
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
-use crate::distributed::{AllReduce, FailAt, RankResult};
+use crate::distributed::{AllReduce, FailAt, RankResult, Shard};
 use crate::launch::{report, WorkerOptions};
 use crate::train::{plan_step, Dispatch, TrainConfig};
 use erase_graph::DType;
@@ -102,25 +102,14 @@ fn train(
         hot: local.hot,
     })
     .map_err(|e| anyhow!("synthetic data: {e}"))?;
-    let global = cfg.model.batch;
-    let b = local.batch;
-    let (nd, ns) = (local.num_dense, local.num_sparse * local.hot);
-    let mut gd = vec![0f32; global * nd];
-    let mut gr = vec![0u32; global * ns];
-    let mut gy = vec![0f32; global];
-    let (mut d, mut r, mut y) = (vec![0f32; b * nd], vec![0u32; b * ns], vec![0f32; b]);
+    let mut shard = Shard::new(&local, cfg.model.batch, rank, world);
     let mut losses = Vec::with_capacity(cfg.steps);
     let mut step_secs = Vec::with_capacity(cfg.steps);
     let mut log: Vec<CollectiveRecord> = Vec::new();
     for step in 0..cfg.steps {
         FailAt::check(fail, rank, step)?;
-        gen.fill_batch(1, (step * global) as u64, global, &mut gd, &mut gr, &mut gy);
-        for (j, i) in (rank..global).step_by(world).enumerate() {
-            d[j * nd..(j + 1) * nd].copy_from_slice(&gd[i * nd..(i + 1) * nd]);
-            r[j * ns..(j + 1) * ns].copy_from_slice(&gr[i * ns..(i + 1) * ns]);
-            y[j] = gy[i];
-        }
-        let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y)?;
+        let (d, r, y) = shard.fill(&gen, step);
+        let (bd, bi, bo, bl) = m.batch_buffers(d, r, y)?;
         wd.enter(format!("step {step}: feeding the batch"));
         prog.feed(m.inputs.dense, &bd)?;
         prog.feed(m.inputs.ids, &bi)?;
