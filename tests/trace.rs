@@ -6,9 +6,9 @@ use std::io::Read as _;
 use erase::graph::{DType, OptimizerConfig};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::runtime::occupancy::DeviceModel;
-use erase::runtime::simulate::{simulate, SimConfig};
+use erase::runtime::simulate::{simulate, SimConfig, SimResult};
 use erase::runtime::trace::{Trace, TraceEvent, TraceKind};
-use erase::train::{plan_step, ScheduleOptions};
+use erase::train::{plan_step, ScheduleOptions, StepPlan};
 use serde_json::Value;
 
 fn ev(
@@ -376,7 +376,9 @@ fn png_has_a_valid_header_size_and_crcs() {
     }
 }
 
-fn predicted(variant: Variant) -> (Trace, usize, Vec<f64>) {
+/// The small preset's plan of `variant`, simulated on the H200 model (graph dispatch), and
+/// its predicted trace.
+fn simulated(variant: Variant) -> (StepPlan, SimConfig, SimResult, Trace) {
     let cfg = CtrConfig::small().with_variant(variant);
     let p = plan_step(
         &cfg,
@@ -385,14 +387,17 @@ fn predicted(variant: Variant) -> (Trace, usize, Vec<f64>) {
         &ScheduleOptions::default(),
     )
     .unwrap();
-    let sim = simulate(
-        &p.program,
-        &SimConfig {
-            device: DeviceModel::h200(),
-            host_per_launch_s: 0.0,
-        },
-    );
+    let sim_cfg = SimConfig {
+        device: DeviceModel::h200(),
+        host_per_launch_s: 0.0,
+    };
+    let sim = simulate(&p.program, &sim_cfg);
     let t = Trace::from_simulation(&p.program, &sim, &p.model.graph);
+    (p, sim_cfg, sim, t)
+}
+
+fn predicted(variant: Variant) -> (Trace, usize, Vec<f64>) {
+    let (p, _, sim, t) = simulated(variant);
     let kernels = p
         .program
         .launches
@@ -444,22 +449,7 @@ fn predicted_erase_step_overlaps_and_detached_does_not() {
 /// per op adding up to the kernels' total.
 #[test]
 fn kernel_table_accounts_for_every_kernel_of_the_trace() {
-    let cfg = CtrConfig::small().with_variant(Variant::Erase);
-    let p = plan_step(
-        &cfg,
-        DType::F32,
-        &OptimizerConfig::default(),
-        &ScheduleOptions::default(),
-    )
-    .unwrap();
-    let sim = simulate(
-        &p.program,
-        &SimConfig {
-            device: DeviceModel::h200(),
-            host_per_launch_s: 0.0,
-        },
-    );
-    let t = Trace::from_simulation(&p.program, &sim, &p.model.graph);
+    let (p, _, _, t) = simulated(Variant::Erase);
     let (rows, span) = erase::profile::kernel_rows(&p.program, &p.model.graph, &t);
     assert_eq!(rows.len(), t.events.len(), "one row per kernel launch");
     let longest = t.events.iter().map(|e| e.duration_us()).fold(0.0, f64::max);
@@ -491,22 +481,8 @@ fn kernel_table_accounts_for_every_kernel_of_the_trace() {
 /// `plan --measured`; a serial trace's times are the kernels' times alone).
 #[test]
 fn measured_times_from_a_trace_file_reproduce_the_simulation() {
-    let plan = |v: Variant| {
-        plan_step(
-            &CtrConfig::small().with_variant(v),
-            DType::F32,
-            &OptimizerConfig::default(),
-            &ScheduleOptions::default(),
-        )
-        .unwrap()
-    };
-    let (det, erase) = (plan(Variant::Detached), plan(Variant::Erase));
-    let sim_cfg = SimConfig {
-        device: DeviceModel::h200(),
-        host_per_launch_s: 0.0,
-    };
-    let sim = simulate(&det.program, &sim_cfg);
-    let t = Trace::from_simulation(&det.program, &sim, &det.model.graph);
+    let (det, sim_cfg, _, t) = simulated(Variant::Detached);
+    let (erase, ..) = simulated(Variant::Erase);
     let dir = std::env::temp_dir().join(format!("erase-measured-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("trace.json");
