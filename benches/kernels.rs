@@ -133,6 +133,7 @@ impl Bench<'_> {
         let fwd = Op::Attention {
             heads: h,
             causal: false,
+            packed: false,
         };
         let outs = vec![
             (Shape::new(&[b, s, w]), DType::F32),
@@ -160,6 +161,7 @@ impl Bench<'_> {
                 &Op::AttentionGrad {
                     heads: h,
                     causal: false,
+                    packed: false,
                 },
                 &bins,
                 &bouts,

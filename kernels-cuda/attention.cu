@@ -174,7 +174,7 @@ __device__ __forceinline__ void attn_store_rows(float* __restrict__ dst, long lo
     }
 }
 
-template <int D>
+template <int D, bool P>
 __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const float* __restrict__ k,
                                               const float* __restrict__ v, float* __restrict__ o,
                                               float* __restrict__ lse, int S, int H, int causal, float scale) {
@@ -185,10 +185,15 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, q0 = blockIdx.x * ATTN_ROWS;
     const long long W = static_cast<long long>(H) * D;
-    const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    // q, k, v and their gradients: rows W floats apart, or 3·W when packed (P)
+    const long long ldi = P ? 3 * W : W;
+    const long long pbase = static_cast<long long>(b) * S * ldi + static_cast<long long>(h) * D;
+    q += pbase;
+    k += pbase;
+    v += pbase;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<D>(sQ, q + base, W, q0, S, tid);
+    attn_load_tile<D>(sQ, q, ldi, q0, S, tid);
     __syncthreads();
     uint32_t qf[D / 16][4];
     attn_load_a<D>(qf, sQ, warp * 16, lane);
@@ -203,8 +208,8 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
     for (int kt = 0; kt < kt_end; ++kt) {
         const int k0 = kt * ATTN_ROWS;
         __syncthreads();  // the previous tile's readers are done
-        attn_load_tile<D>(sK, k + base, W, k0, S, tid);
-        attn_load_tile<D>(sV, v + base, W, k0, S, tid);
+        attn_load_tile<D>(sK, k, ldi, k0, S, tid);
+        attn_load_tile<D>(sV, v, ldi, k0, S, tid);
         __syncthreads();
 
         float s[8][4];
@@ -254,10 +259,12 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
         if (t == 0 && row[r] < S)
             lse[(static_cast<long long>(b) * H + h) * S + row[r]] = m[r] * ATTN_LN2 + logf(l[r]);
     }
-    attn_store_rows<D>(o + base, W, oacc, q0 + warp * 16, S, 1.f / l[0], 1.f / l[1], lane);
+    // o's offset recomputed here rather than kept live through the loop
+    o += static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    attn_store_rows<D>(o, W, oacc, q0 + warp * 16, S, 1.f / l[0], 1.f / l[1], lane);
 }
 
-template <int D>
+template <int D, bool P>
 __device__ __forceinline__ void attn_bwd_dkdv_body(const float* __restrict__ dO, const float* __restrict__ q,
                                                    const float* __restrict__ k, const float* __restrict__ v,
                                                    const float* __restrict__ lse, const float* __restrict__ Dv,
@@ -273,11 +280,20 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(const float* __restrict__ dO,
     const int h = blockIdx.y, b = blockIdx.z, kt = blockIdx.x, j0 = kt * ATTN_ROWS;
     const long long W = static_cast<long long>(H) * D;
     const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
-    const long long lbase = (static_cast<long long>(b) * H + h) * S;
+    // q, k, v and their gradients: rows W floats apart, or 3·W when packed (P)
+    // 32-bit strides: fewer registers in the loop (rows × stride fits, checked on the host)
+    const int Wi = H * D, ldi = P ? 3 * Wi : Wi;
+    const long long pbase = static_cast<long long>(b) * S * ldi + static_cast<long long>(h) * D;
+    dO += base;
+    q += pbase;
+    k += pbase;
+    v += pbase;
+    lse += (static_cast<long long>(b) * H + h) * S;
+    Dv += (static_cast<long long>(b) * H + h) * S;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<D>(sK, k + base, W, j0, S, tid);
-    attn_load_tile<D>(sV, v + base, W, j0, S, tid);
+    attn_load_tile<D>(sK, k, ldi, j0, S, tid);
+    attn_load_tile<D>(sV, v, ldi, j0, S, tid);
     __syncthreads();
     uint32_t kf[D / 16][4], vf[D / 16][4];
     attn_load_a<D>(kf, sK, warp * 16, lane);
@@ -292,12 +308,12 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(const float* __restrict__ dO,
     for (int qt = causal ? kt : 0; qt < tiles; ++qt) {
         const int i0 = qt * ATTN_ROWS;
         __syncthreads();
-        attn_load_tile<D>(sQ, q + base, W, i0, S, tid);
-        attn_load_tile<D>(sdO, dO + base, W, i0, S, tid);
+        attn_load_tile<D>(sQ, q, ldi, i0, S, tid);
+        attn_load_tile<D>(sdO, dO, Wi, i0, S, tid);
         if (tid < ATTN_ROWS) {
             const bool ok = i0 + tid < S;
-            sL[tid] = ok ? __ldg(lse + lbase + i0 + tid) * ATTN_LOG2E : 0.f;
-            sD[tid] = ok ? __ldg(Dv + lbase + i0 + tid) : 0.f;
+            sL[tid] = ok ? __ldg(lse + i0 + tid) * ATTN_LOG2E : 0.f;
+            sD[tid] = ok ? __ldg(Dv + i0 + tid) : 0.f;
         }
         __syncthreads();
 
@@ -326,11 +342,13 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(const float* __restrict__ dO,
         // dK += dSᵀ·Q
         attn_mma_pt<D>(dkacc, p, sQ, lane);
     }
-    attn_store_rows<D>(dk + base, W, dkacc, j0 + warp * 16, S, scale, scale, lane);
-    attn_store_rows<D>(dv + base, W, dvacc, j0 + warp * 16, S, 1.f, 1.f, lane);
+    // the gradients' offset recomputed here rather than kept live through the loop
+    const long long obase = static_cast<long long>(b) * S * ldi + static_cast<long long>(h) * D;
+    attn_store_rows<D>(dk + obase, ldi, dkacc, j0 + warp * 16, S, scale, scale, lane);
+    attn_store_rows<D>(dv + obase, ldi, dvacc, j0 + warp * 16, S, 1.f, 1.f, lane);
 }
 
-template <int D>
+template <int D, bool P>
 __device__ __forceinline__ void attn_bwd_dq_body(const float* __restrict__ dO, const float* __restrict__ q,
                                                  const float* __restrict__ k, const float* __restrict__ v,
                                                  const float* __restrict__ lse, const float* __restrict__ Dv,
@@ -344,11 +362,19 @@ __device__ __forceinline__ void attn_bwd_dq_body(const float* __restrict__ dO, c
     const int h = blockIdx.y, b = blockIdx.z, qt = blockIdx.x, i0 = qt * ATTN_ROWS;
     const long long W = static_cast<long long>(H) * D;
     const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    // q, k, v and their gradients: rows W floats apart, or 3·W when packed (P)
+    const long long ldi = P ? 3 * W : W;
+    const long long pbase = static_cast<long long>(b) * S * ldi + static_cast<long long>(h) * D;
+    dO += base;
+    q += pbase;
+    k += pbase;
+    v += pbase;
+    dq += pbase;
     const long long lbase = (static_cast<long long>(b) * H + h) * S;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<D>(sQ, q + base, W, i0, S, tid);
-    attn_load_tile<D>(sdO, dO + base, W, i0, S, tid);
+    attn_load_tile<D>(sQ, q, ldi, i0, S, tid);
+    attn_load_tile<D>(sdO, dO, W, i0, S, tid);
     __syncthreads();
     uint32_t qf[D / 16][4], dof[D / 16][4];
     attn_load_a<D>(qf, sQ, warp * 16, lane);
@@ -370,8 +396,8 @@ __device__ __forceinline__ void attn_bwd_dq_body(const float* __restrict__ dO, c
     for (int kt = 0; kt < kt_end; ++kt) {
         const int j0 = kt * ATTN_ROWS;
         __syncthreads();
-        attn_load_tile<D>(sK, k + base, W, j0, S, tid);
-        attn_load_tile<D>(sV, v + base, W, j0, S, tid);
+        attn_load_tile<D>(sK, k, ldi, j0, S, tid);
+        attn_load_tile<D>(sV, v, ldi, j0, S, tid);
         __syncthreads();
 
         float p[8][4];
@@ -392,14 +418,14 @@ __device__ __forceinline__ void attn_bwd_dq_body(const float* __restrict__ dO, c
         // dQ += dS·K
         attn_mma_pt<D>(dqacc, p, sK, lane);
     }
-    attn_store_rows<D>(dq + base, W, dqacc, i0 + warp * 16, S, scale, scale, lane);
+    attn_store_rows<D>(dq, ldi, dqacc, i0 + warp * 16, S, scale, scale, lane);
 }
 
 
 // S ≤ 64: one CTA per (b, h) holds every query and key, so the three gradients come out
 // of one pass: D from do and o, dK and dV as in attn_bwd_dkdv (warps own 16 keys), dSᵀ to
 // shared memory as bf16, then dQ = dS·K with warps owning 16 queries. No scratch.
-template <int D>
+template <int D, bool P>
 __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO, const float* __restrict__ q,
                                                     const float* __restrict__ k, const float* __restrict__ v,
                                                     const float* __restrict__ o, const float* __restrict__ lse,
@@ -416,20 +442,31 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
     const int h = blockIdx.y, b = blockIdx.z;
     const long long W = static_cast<long long>(H) * D;
     const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    // q, k, v and their gradients: rows W floats apart, or 3·W when packed (P)
+    const long long ldi = P ? 3 * W : W;
+    const long long pbase = static_cast<long long>(b) * S * ldi + static_cast<long long>(h) * D;
+    o += base;
+    dO += base;
+    q += pbase;
+    k += pbase;
+    v += pbase;
+    dq += pbase;
+    dk += pbase;
+    dv += pbase;
     const long long lbase = (static_cast<long long>(b) * H + h) * S;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<D>(sK, k + base, W, 0, S, tid);
-    attn_load_tile<D>(sV, v + base, W, 0, S, tid);
-    attn_load_tile<D>(sQ, q + base, W, 0, S, tid);
-    attn_load_tile<D>(sdO, dO + base, W, 0, S, tid);
+    attn_load_tile<D>(sK, k, ldi, 0, S, tid);
+    attn_load_tile<D>(sV, v, ldi, 0, S, tid);
+    attn_load_tile<D>(sQ, q, ldi, 0, S, tid);
+    attn_load_tile<D>(sdO, dO, W, 0, S, tid);
     if (tid < ATTN_ROWS) sL[tid] = tid < S ? __ldg(lse + lbase + tid) * ATTN_LOG2E : 0.f;
     // D_i = Σ_c bf16(do_ic)·o_ic, the same order as attn_bwd_prep: warp w takes rows w, w+4, ..
     for (int i = warp; i < ATTN_ROWS; i += ATTN_THREADS / 32) {
         float d = 0.f;
         if (i < S) {
-            const float* dor = dO + base + static_cast<long long>(i) * W;
-            const float* orow = o + base + static_cast<long long>(i) * W;
+            const float* dor = dO + static_cast<long long>(i) * W;
+            const float* orow = o + static_cast<long long>(i) * W;
             for (int c = lane; c < D; c += 32) d += erase_round_bf16(__ldg(dor + c)) * __ldg(orow + c);
         }
         d = erase_warp_sum(d);
@@ -472,8 +509,8 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
             for (int r = 0; r < 2; ++r)
                 *reinterpret_cast<uint32_t*>(&sdS[key[r]][ni * 8 + 2 * t]) =
                     attn_pack_bf16(p[ni][2 * r], p[ni][2 * r + 1]);
-        attn_store_rows<D>(dk + base, W, dkacc, warp * 16, S, scale, scale, lane);
-        attn_store_rows<D>(dv + base, W, dvacc, warp * 16, S, 1.f, 1.f, lane);
+        attn_store_rows<D>(dk, ldi, dkacc, warp * 16, S, scale, scale, lane);
+        attn_store_rows<D>(dv, ldi, dvacc, warp * 16, S, 1.f, 1.f, lane);
     }
     __syncthreads();
 
@@ -493,40 +530,47 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
             attn_mma(dqacc[2 * dp2 + 1], a, r[2], r[3]);
         }
     }
-    attn_store_rows<D>(dq + base, W, dqacc, warp * 16, S, scale, scale, lane);
+    attn_store_rows<D>(dq, ldi, dqacc, warp * 16, S, scale, scale, lane);
 }
 
 }  // namespace
 
 // attn_fwd_d*(q, k, v, o, lse, S, H, causal, scale): grid (ceil(S/64), H, B), block 128.
-#define ERASE_ATTN_KERNELS(DH)                                                                               \
-    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS)                                                        \
-        attn_fwd_d##DH(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, \
-                       float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) { \
-        attn_fwd_body<DH>(q, k, v, o, lse, S, H, causal, scale);                                            \
+// attn_*_packed_d*: the same with q, k and v (and dq, dk, dv in the backward) one packed
+// [B, S, 3·H·Dh] tensor: rows 3·H·Dh floats apart, k and v passed as pointers H·Dh and
+// 2·H·Dh into it; o, do and lse are always their own tensors.
+#define ERASE_ATTN_KERNELS(DH, P, SUFFIX, FWD_MIN_CTAS)                                                                    \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, FWD_MIN_CTAS) attn_fwd##SUFFIX##_d##DH(                              \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,               \
+        float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) {             \
+        attn_fwd_body<DH, P>(q, k, v, o, lse, S, H, causal, scale);                                          \
     }                                                                                                        \
-    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_dkdv_d##DH(                                   \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_dkdv##SUFFIX##_d##DH(                         \
         const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
         const float* __restrict__ v, const float* __restrict__ lse, const float* __restrict__ Dv,            \
         float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal, float scale) {             \
-        attn_bwd_dkdv_body<DH>(dO, q, k, v, lse, Dv, dk, dv, S, H, causal, scale);                          \
+        attn_bwd_dkdv_body<DH, P>(dO, q, k, v, lse, Dv, dk, dv, S, H, causal, scale);                        \
     }                                                                                                        \
-    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_dq_d##DH(                                     \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_dq##SUFFIX##_d##DH(                           \
         const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
         const float* __restrict__ v, const float* __restrict__ lse, const float* __restrict__ Dv,            \
         float* __restrict__ dq, int S, int H, int causal, float scale) {                                     \
-        attn_bwd_dq_body<DH>(dO, q, k, v, lse, Dv, dq, S, H, causal, scale);                                \
+        attn_bwd_dq_body<DH, P>(dO, q, k, v, lse, Dv, dq, S, H, causal, scale);                              \
     }                                                                                                        \
-    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_small_d##DH(                                  \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_small##SUFFIX##_d##DH(                        \
         const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
         const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,             \
         float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal,    \
         float scale) {                                                                                       \
-        attn_bwd_small_body<DH>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                      \
+        attn_bwd_small_body<DH, P>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                    \
     }
 
-ERASE_ATTN_KERNELS(32)
-ERASE_ATTN_KERNELS(64)
+// FWD_MIN_CTAS: 4 resident CTAs per SM (at most 128 registers) keeps the Dh = 32 forward
+// free of spills; Dh = 64 needs more registers.
+ERASE_ATTN_KERNELS(32, false, , 4)
+ERASE_ATTN_KERNELS(64, false, , 1)
+ERASE_ATTN_KERNELS(32, true, _packed, 4)
+ERASE_ATTN_KERNELS(64, true, _packed, 1)
 
 // D[(b·H + h)·S + i] = Σ_c bf16(do[b, i, h·Dh + c])·o[b, i, h·Dh + c]: one warp per row
 // (b, h, i), lanes over c, then a fixed-order warp tree. Block 256 (8 rows), grid
@@ -541,7 +585,7 @@ ERASE_KERNEL void __launch_bounds__(256)
     const long long i = w % S, bh = w / S, h = bh % H, b = bh / H;
     const long long base = ((b * S + i) * H + h) * Dh;
     float s = 0.f;
-    for (int c = lane; c < Dh; c += 32) s += erase_round_bf16(__ldg(dO + base + c)) * __ldg(o + base + c);
+    for (int c = lane; c < Dh; c += 32) s += erase_round_bf16(__ldg(dO + c)) * __ldg(o + c);
     s = erase_warp_sum(s);
     if (lane == 0) Dv[w] = s;
 }

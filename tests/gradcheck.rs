@@ -248,6 +248,16 @@ fn attention() {
                 let v = param(g, r, "v", &[b, s, w], 1.0);
                 g.attention(q, k, v, heads, causal).unwrap()
             });
+            check(
+                &format!("attention packed causal={causal}"),
+                65 + t,
+                |g, r| {
+                    let (b, s, heads, dh) =
+                        (r.range(1, 3), r.range(1, 7), r.range(1, 3), r.range(1, 5));
+                    let qkv = param(g, r, "qkv", &[b, s, 3 * heads * dh], 1.0);
+                    g.attention_packed(qkv, heads, causal).unwrap()
+                },
+            );
         }
     }
 }

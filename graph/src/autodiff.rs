@@ -424,12 +424,35 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 );
                 b.contribute(ins[0], de);
             }
-            Op::Attention { heads, causal } => {
+            Op::Attention {
+                heads,
+                causal,
+                packed: true,
+            } => {
+                let dqkv = b.add1(
+                    Op::AttentionGrad {
+                        heads: *heads,
+                        causal: *causal,
+                        packed: true,
+                    },
+                    vec![dy, ins[0], node.outputs[0], node.outputs[1]],
+                    shape_of(&b, 0),
+                    format!("{nm}.grad"),
+                    id,
+                );
+                b.contribute(ins[0], dqkv);
+            }
+            Op::Attention {
+                heads,
+                causal,
+                packed: false,
+            } => {
                 let s = shape_of(&b, 0);
                 let outs = b.add(
                     Op::AttentionGrad {
                         heads: *heads,
                         causal: *causal,
+                        packed: false,
                     },
                     vec![dy, ins[0], ins[1], ins[2], node.outputs[0], node.outputs[1]],
                     vec![s.clone(), s.clone(), s],

@@ -869,7 +869,52 @@ impl Graph {
                 dtype: dt,
             },
         ];
-        Ok(self.add_forward(Op::Attention { heads, causal }, vec![q, k, v], outs, name)[0])
+        let op = Op::Attention {
+            heads,
+            causal,
+            packed: false,
+        };
+        Ok(self.add_forward(op, vec![q, k, v], outs, name)[0])
+    }
+
+    /// [`Graph::attention`] over one `[B, S, 3·H·Dh]` tensor holding q, k and v side by side
+    /// in its last dim, as a fused QKV projection makes it: the same result as slicing it
+    /// into three, without the slices, and its gradient is one tensor of `qkv`'s shape.
+    pub fn attention_packed(&mut self, qkv: Tensor, heads: usize, causal: bool) -> Result<Tensor> {
+        let op = "attention";
+        let dt = self.expect_float(op, &[qkv])?;
+        self.expect_rank(op, qkv, 3, "packed q, k, v")?;
+        let d = self.shape(qkv).dims().to_vec();
+        if !d[2].is_multiple_of(3) {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "packed q, k, v {} has a last dim that is not 3 widths",
+                    self.desc(qkv)
+                ),
+            ));
+        }
+        let w = d[2] / 3;
+        if heads == 0 || !w.is_multiple_of(heads) {
+            return Err(self.invalid(op, format!("{heads} heads do not divide width {w}")));
+        }
+        let name = self.auto_name(op);
+        let outs = vec![
+            OutSpec {
+                shape: Shape(vec![d[0], d[1], w]),
+                dtype: dt,
+            },
+            OutSpec {
+                shape: Shape(vec![d[0], heads, d[1]]),
+                dtype: dt,
+            },
+        ];
+        let op = Op::Attention {
+            heads,
+            causal,
+            packed: true,
+        };
+        Ok(self.add_forward(op, vec![qkv], outs, name)[0])
     }
 
     /// One parameter holding several embedding tables, `[Σ rows, dim]`, uniform

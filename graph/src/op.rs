@@ -91,9 +91,13 @@ pub enum Op {
     PairwiseDot,
     /// `[q, k, v] -> [o, lse]`: multi-head scaled dot-product attention over `[B, S, H·Dh]`
     /// tensors; `lse [B, H, S]` is the log-sum-exp of each softmax row, kept for backward.
+    /// `packed`: one input `[qkv] -> [o, lse]`, `qkv [B, S, 3·H·Dh]` holding q, k and v side
+    /// by side in its last dim (a QKV projection's output, read in place: no slices, and the
+    /// backward writes one `dqkv` instead of three gradients padded and summed).
     Attention {
         heads: usize,
         causal: bool,
+        packed: bool,
     },
     /// `[table, ids, offsets] -> [y]`: sum-pooled bags over several tables stored as one
     /// `[Σ rows, D]` parameter. `ids` (i32) are rows local to their field's table; bag `b`
@@ -141,10 +145,11 @@ pub enum Op {
     },
     /// `[dy, e] -> [de]`
     PairwiseDotGrad,
-    /// `[do, q, k, v, o, lse] -> [dq, dk, dv]`
+    /// `[do, q, k, v, o, lse] -> [dq, dk, dv]`; `packed`: `[do, qkv, o, lse] -> [dqkv]`.
     AttentionGrad {
         heads: usize,
         causal: bool,
+        packed: bool,
     },
     /// `[dy, ids, offsets] -> [dtable]`: the dense table gradient of `EmbeddingBag`
     /// (a scatter in a fixed order). Training uses the sparse form instead: the pooled

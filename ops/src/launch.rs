@@ -111,7 +111,12 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 ins[1]
             };
             let d = q.dims();
-            let (b, s, w) = (d[0], d[1], d[2]);
+            let packed = matches!(
+                op,
+                Op::Attention { packed: true, .. } | Op::AttentionGrad { packed: true, .. }
+            );
+            let (b, s) = (d[0], d[1]);
+            let w = if packed { d[2] / 3 } else { d[2] };
             let dh = w / heads;
             let fwd = 4.0 * (b * heads * s * s * dh) as f64;
             let bwd = matches!(op, Op::AttentionGrad { .. });

@@ -507,7 +507,13 @@ impl CudaDevice {
                 KArg::F32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
                 KArg::I64(v) => b.copy_from_slice(&v.to_ne_bytes()),
                 other => {
-                    let p = ptr(other).ok_or_else(|| {
+                    // a pointer into a tensor: the tensor's pointer, then the offset
+                    let (base, off) = match other {
+                        KArg::InAt(i, off) => (KArg::In(i), off),
+                        KArg::OutAt(i, off) => (KArg::Out(i), off),
+                        a => (a, 0),
+                    };
+                    let p = ptr(base).map(|p| p + off).ok_or_else(|| {
                         RuntimeError::Device(format!(
                             "{}: no device pointer for argument {other:?}",
                             call.kernel

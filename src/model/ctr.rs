@@ -594,16 +594,13 @@ fn cross(g: &mut Graph, e: Tensor, p: &CrossParams) -> Result<Tensor> {
 }
 
 fn autoint(g: &mut Graph, e: Tensor, p: &AutoIntParams, cfg: &CtrConfig) -> Result<Tensor> {
-    let hw = cfg.heads * cfg.head_dim;
     let mut x = e;
     for l in 0..p.qkv.len() {
         // columns [3][heads][head_dim], as the anchor's .view(B, F, 3, heads, dh)
         let qkv = linear(g, x, p.qkv[l])?;
-        let q = g.slice(qkv, 2, 0, hw)?;
-        let k = g.slice(qkv, 2, hw, hw)?;
-        let v = g.slice(qkv, 2, 2 * hw, hw)?;
-        // head h in columns h·dh..(h+1)·dh of q, k, v and of the output
-        let a = g.attention(q, k, v, cfg.heads, false)?;
+        // q, k, v read in place from the projection: head h in columns h·dh..(h+1)·dh of
+        // each third of qkv, and of the output
+        let a = g.attention_packed(qkv, cfg.heads, false)?;
         let o = linear(g, a, p.o[l])?;
         let s = g.add(x, o)?;
         x = g.layer_norm_with(s, p.ln[l].gamma, p.ln[l].beta, LAYER_NORM_EPS)?;

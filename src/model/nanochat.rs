@@ -125,10 +125,7 @@ fn block(g: &mut Graph, x: Tensor, cfg: &NanoConfig) -> Result<Tensor> {
     let d = cfg.width;
     let h = g.layer_norm(x)?;
     let qkv = g.linear(h, 3 * d)?;
-    let q = g.slice(qkv, 2, 0, d)?;
-    let k = g.slice(qkv, 2, d, d)?;
-    let v = g.slice(qkv, 2, 2 * d, d)?;
-    let a = g.attention(q, k, v, cfg.heads, true)?;
+    let a = g.attention_packed(qkv, cfg.heads, true)?;
     let o = g.linear(a, d)?;
     let x = g.add(x, o)?;
     let h = g.layer_norm(x)?;

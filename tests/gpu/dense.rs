@@ -443,6 +443,7 @@ fn check_attention_forward(
     let op = Op::Attention {
         heads: g.h,
         causal: g.causal,
+        packed: false,
     };
     let ins = vec![
         arg(&shape, Buffer::F32(d.q.clone())),
@@ -524,6 +525,7 @@ fn check_attention_backward(
     let op = Op::AttentionGrad {
         heads: g.h,
         causal: g.causal,
+        packed: false,
     };
     let ins = vec![
         arg(&shape, Buffer::F32(d.d_o.clone())),
@@ -652,7 +654,126 @@ fn attention_case(test: &str, b: usize, h: usize, s: usize, dh: usize, seed: u64
         let d = attn_data(&g, seed + u64::from(causal));
         let (o, lse) = check_attention_forward(dev, g, &d);
         check_attention_backward(dev, g, &d, &o, &lse);
+        check_packed_attention(dev, g, &d, &o, &lse);
     }
+}
+
+/// `[rows, w]` tensors side by side in one `[rows, 3·w]` tensor.
+fn pack3<T: Copy>(parts: [&[T]; 3], w: usize) -> Vec<T> {
+    let rows = parts[0].len() / w;
+    let mut y = Vec::with_capacity(3 * parts[0].len());
+    for r in 0..rows {
+        for p in parts {
+            y.extend_from_slice(&p[r * w..(r + 1) * w]);
+        }
+    }
+    y
+}
+
+/// Packed attention (q, k, v read from one `[B, S, 3·W]` tensor, one `dqkv` written) gives
+/// the bits of the three-tensor kernels, whose results the checks above hold against the
+/// reference, and the CPU reference's packed op gives the bits of its three-tensor op.
+/// Every output is poisoned first, so a column the packed kernels leave unwritten fails.
+fn check_packed_attention(
+    dev: &erase::runtime::cuda::CudaDevice,
+    g: Geo,
+    d: &AttnData,
+    o_ref: &[f64],
+    lse_ref: &[f64],
+) {
+    let w = g.h * g.dh;
+    let shape = g.shape();
+    let packed_shape = [g.b, g.s, 3 * w];
+    let lse_shape = [g.b, g.h, g.s];
+    let name = format!(
+        "packed attention B {} H {} S {} Dh {} causal {}",
+        g.b, g.h, g.s, g.dh, g.causal
+    );
+    let op = |packed| Op::Attention {
+        heads: g.h,
+        causal: g.causal,
+        packed,
+    };
+    let grad_op = |packed| Op::AttentionGrad {
+        heads: g.h,
+        causal: g.causal,
+        packed,
+    };
+    let qkv = pack3([&d.q, &d.k, &d.v], w);
+    let outs: [(&[usize], DType); 2] = [(&shape, DType::F32), (&lse_shape, DType::F32)];
+    let three = vec![
+        arg(&shape, Buffer::F32(d.q.clone())),
+        arg(&shape, Buffer::F32(d.k.clone())),
+        arg(&shape, Buffer::F32(d.v.clone())),
+    ];
+    let want = run_gpu(dev, &op(false), &three, &outs, &mut []);
+    let got = run_gpu(
+        dev,
+        &op(true),
+        &[arg(&packed_shape, Buffer::F32(qkv.clone()))],
+        &outs,
+        &mut [],
+    );
+    assert_eq!(bits(&got[0]), bits(&want[0]), "{name}: o");
+    assert_eq!(bits(&got[1]), bits(&want[1]), "{name}: lse");
+
+    let o32: Vec<f32> = o_ref.iter().map(|&x| x as f32).collect();
+    let lse32: Vec<f32> = lse_ref.iter().map(|&x| x as f32).collect();
+    let (d_o, o, lse) = (
+        arg(&shape, Buffer::F32(d.d_o.clone())),
+        arg(&shape, Buffer::F32(o32)),
+        arg(&lse_shape, Buffer::F32(lse32)),
+    );
+    let mut three_ins = vec![d_o.clone()];
+    three_ins.extend(three);
+    three_ins.extend([o.clone(), lse.clone()]);
+    let grads: [(&[usize], DType); 3] = [
+        (&shape, DType::F32),
+        (&shape, DType::F32),
+        (&shape, DType::F32),
+    ];
+    let want = run_gpu(dev, &grad_op(false), &three_ins, &grads, &mut []);
+    let want: Vec<f32> = pack3(
+        [
+            want[0].as_f32().expect("f32"),
+            want[1].as_f32().expect("f32"),
+            want[2].as_f32().expect("f32"),
+        ],
+        w,
+    );
+    let got = run_gpu(
+        dev,
+        &grad_op(true),
+        &[d_o, arg(&packed_shape, Buffer::F32(qkv)), o, lse],
+        &[(&packed_shape, DType::F32)],
+        &mut [],
+    );
+    assert_eq!(
+        bits(&got[0]),
+        bits(&Buffer::F32(want)),
+        "{name}: dqkv against dq, dk, dv side by side"
+    );
+
+    // the CPU reference: packed and three-tensor ops agree bit for bit (f64, bf16 rounding)
+    let (q, k, v) = (rounded(&d.q), rounded(&d.k), rounded(&d.v));
+    let rq = run_cpu(
+        &op(false),
+        &[
+            f64_arg(&shape, q.clone()),
+            f64_arg(&shape, k.clone()),
+            f64_arg(&shape, v.clone()),
+        ],
+        &[(&shape, DType::F64), (&lse_shape, DType::F64)],
+        &mut [],
+    );
+    let rp = run_cpu(
+        &op(true),
+        &[f64_arg(&packed_shape, pack3([&q, &k, &v], w))],
+        &[(&shape, DType::F64), (&lse_shape, DType::F64)],
+        &mut [],
+    );
+    assert_eq!(rq[0].to_f64(), rp[0].to_f64(), "{name}: CPU o");
+    assert_eq!(rq[1].to_f64(), rp[1].to_f64(), "{name}: CPU lse");
 }
 
 #[test]
@@ -733,6 +854,7 @@ fn attention_with_an_unsupported_head_dim_is_refused() {
         &Op::Attention {
             heads: 1,
             causal: false,
+            packed: false,
         },
         &in_refs,
         &outs,

@@ -387,6 +387,7 @@ fn autoint_attention_matches_the_bf16_emulating_reference() {
     let fwd = Op::Attention {
         heads: h,
         causal: false,
+        packed: false,
     };
     let want = cpu(
         &fwd,
@@ -411,6 +412,7 @@ fn autoint_attention_matches_the_bf16_emulating_reference() {
     let bwd = Op::AttentionGrad {
         heads: h,
         causal: false,
+        packed: false,
     };
     let (o, lse) = (&want[0], &want[1]);
     let ins = [&d_o, &q, &k, &v, o, lse];

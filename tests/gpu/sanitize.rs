@@ -61,7 +61,11 @@ fn sanitize_attention() {
             )
         };
         let ins = vec![x(1), x(2), x(3)];
-        let op = Op::Attention { heads: h, causal };
+        let op = Op::Attention {
+            heads: h,
+            causal,
+            packed: false,
+        };
         let outs: [(&[usize], DType); 2] = [(&[b, s, w], DType::F32), (&[b, h, s], DType::F32)];
         let g = run_gpu(dev, &op, &ins, &outs, &mut []);
         let c = run_cpu(&op, &ins, &outs, &mut []);
@@ -74,7 +78,11 @@ fn sanitize_attention() {
             arg(&[b, s, w], c[0].clone()),
             arg(&[b, h, s], c[1].clone()),
         ];
-        let bop = Op::AttentionGrad { heads: h, causal };
+        let bop = Op::AttentionGrad {
+            heads: h,
+            causal,
+            packed: false,
+        };
         let bouts: [(&[usize], DType); 3] = [
             (&[b, s, w], DType::F32),
             (&[b, s, w], DType::F32),
@@ -85,6 +93,36 @@ fn sanitize_attention() {
         for i in 0..3 {
             close(&format!("attention grad {i}"), &g[i], &c[i], 5e-2);
         }
+
+        // packed q, k, v: one [B, S, 3·W] input, one dqkv output, against the CPU's op
+        let qkv = arg(
+            &[b, s, 3 * w],
+            Buffer::F32(rand_f32(5, b * s * 3 * w, -1.0, 1.0)),
+        );
+        let op = Op::Attention {
+            heads: h,
+            causal,
+            packed: true,
+        };
+        let ins = vec![qkv.clone()];
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close("packed attention o", &g[0], &c[0], 3e-2);
+        let bop = Op::AttentionGrad {
+            heads: h,
+            causal,
+            packed: true,
+        };
+        let bins = vec![
+            x(4),
+            qkv,
+            arg(&[b, s, w], c[0].clone()),
+            arg(&[b, h, s], c[1].clone()),
+        ];
+        let bouts: [(&[usize], DType); 1] = [(&[b, s, 3 * w], DType::F32)];
+        let g = run_gpu(dev, &bop, &bins, &bouts, &mut []);
+        let c = run_cpu(&bop, &bins, &bouts, &mut []);
+        close("packed attention dqkv", &g[0], &c[0], 5e-2);
     }
 }
 

@@ -190,6 +190,25 @@ fn three<T: Elem>(outs: &mut [Buffer]) -> Result<Three<'_, T>, String> {
     Ok((out::<T>(a)?, out::<T>(b)?, out::<T>(c)?))
 }
 
+/// The three `[rows, w]` parts of a `[rows, 3·w]` tensor (packed q, k, v).
+fn unpack3<T: Elem>(x: &[T], w: usize) -> [Vec<T>; 3] {
+    let part = |i: usize| -> Vec<T> {
+        x.chunks(3 * w)
+            .flat_map(|r| r[i * w..(i + 1) * w].iter().copied())
+            .collect()
+    };
+    [part(0), part(1), part(2)]
+}
+
+/// The inverse of [`unpack3`]: three `[rows, w]` tensors side by side in `y [rows, 3·w]`.
+fn pack3<T: Elem>(parts: [&[T]; 3], w: usize, y: &mut [T]) {
+    for (r, row) in y.chunks_mut(3 * w).enumerate() {
+        for (i, p) in parts.iter().enumerate() {
+            row[i * w..(i + 1) * w].copy_from_slice(&p[r * w..(r + 1) * w]);
+        }
+    }
+}
+
 fn exec_typed<T: Elem>(
     call: &NodeCall,
     ins: &[&Buffer],
@@ -200,6 +219,8 @@ fn exec_typed<T: Elem>(
     // f32), q, k, v of attention, and do, q, k, v of its backward
     let rounded_inputs = match call.op {
         Op::Linear { .. } | Op::LinearGradInput | Op::LinearGradWeight | Op::MatMul { .. } => 2,
+        Op::Attention { packed: true, .. } => 1,
+        Op::AttentionGrad { packed: true, .. } => 2,
         Op::Attention { .. } => 3,
         Op::AttentionGrad { .. } => 4,
         _ => 0,
@@ -366,7 +387,54 @@ fn exec_inner<T: Elem>(
             let (dy, e) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "e")?);
             kernels::pairwise_dot_grad(dy, e, out(&mut outs[0])?, d[1], d[2]);
         }
-        Op::Attention { heads, causal } => {
+        Op::Attention {
+            heads,
+            causal,
+            packed: true,
+        } => {
+            let d = ish(0).dims();
+            let a = AttnDims {
+                s: d[1],
+                heads: *heads,
+                dh: d[2] / 3 / heads,
+                causal: *causal,
+                bf16: call.bf16_gemm,
+            };
+            let [q, k, v] = unpack3(get::<T>(ins[0], "qkv")?, d[2] / 3);
+            let [o, lse] = outs else {
+                return Err("expected two outputs".into());
+            };
+            kernels::attention(&q, &k, &v, out(o)?, out(lse)?, a);
+        }
+        Op::AttentionGrad {
+            heads,
+            causal,
+            packed: true,
+        } => {
+            let d = ish(1).dims();
+            let w = d[2] / 3;
+            let a = AttnDims {
+                s: d[1],
+                heads: *heads,
+                dh: w / heads,
+                causal: *causal,
+                bf16: call.bf16_gemm,
+            };
+            let [q, k, v] = unpack3(get::<T>(ins[1], "qkv")?, w);
+            let x = AttnGradIn {
+                d_o: get::<T>(ins[0], "do")?,
+                q: &q,
+                k: &k,
+                v: &v,
+                o: get::<T>(ins[2], "o")?,
+                lse: get::<T>(ins[3], "lse")?,
+            };
+            let n = q.len();
+            let (mut dq, mut dk, mut dv) = (vec![T::ZERO; n], vec![T::ZERO; n], vec![T::ZERO; n]);
+            kernels::attention_grad(x, &mut dq, &mut dk, &mut dv, a);
+            pack3([&dq, &dk, &dv], w, out(&mut outs[0])?);
+        }
+        Op::Attention { heads, causal, .. } => {
             let d = ish(0).dims();
             let a = AttnDims {
                 s: d[1],
@@ -385,7 +453,7 @@ fn exec_inner<T: Elem>(
             };
             kernels::attention(q, k, v, out(o)?, out(lse)?, a);
         }
-        Op::AttentionGrad { heads, causal } => {
+        Op::AttentionGrad { heads, causal, .. } => {
             let d = ish(1).dims();
             let a = AttnDims {
                 s: d[1],

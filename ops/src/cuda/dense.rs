@@ -41,6 +41,14 @@ pub(crate) const KERNELS: &[&str] = &[
     "attn_bwd_dq_d64",
     "attn_bwd_small_d32",
     "attn_bwd_small_d64",
+    "attn_fwd_packed_d32",
+    "attn_fwd_packed_d64",
+    "attn_bwd_dkdv_packed_d32",
+    "attn_bwd_dkdv_packed_d64",
+    "attn_bwd_dq_packed_d32",
+    "attn_bwd_dq_packed_d64",
+    "attn_bwd_small_packed_d32",
+    "attn_bwd_small_packed_d64",
 ];
 
 /// Streaming multiprocessors of the target (H200); only tiling heuristics depend on it.
@@ -58,8 +66,16 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         Op::LinearGradInput => linear_grad_input(o),
         Op::LinearGradWeight => linear_grad_weight(o),
         Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
-        Op::Attention { heads, causal } => attention(o, *heads, *causal),
-        Op::AttentionGrad { heads, causal } => attention_grad(o, *heads, *causal),
+        Op::Attention {
+            heads,
+            causal,
+            packed,
+        } => attention(o, *heads, *causal, *packed),
+        Op::AttentionGrad {
+            heads,
+            causal,
+            packed,
+        } => attention_grad(o, *heads, *causal, *packed),
         _ => return None,
     };
     Some(p.map_err(|e| format!("{}: {e}", op.name())))
@@ -579,12 +595,22 @@ struct Attn {
     s: usize,
     heads: usize,
     dh: usize,
+    packed: bool,
 }
 
 impl Attn {
-    fn new(x: &Shape, heads: usize) -> Result<Self, String> {
+    /// From q's shape `[B, S, H·Dh]`, or packed q, k, v's `[B, S, 3·H·Dh]`.
+    fn new(x: &Shape, heads: usize, packed: bool) -> Result<Self, String> {
         let [b, s, w] = *x.dims() else {
             return Err(format!("q must be [B, S, H·Dh], got {x}"));
+        };
+        let w = if packed {
+            if w % 3 != 0 {
+                return Err(format!("packed q, k, v {x}: last dim is not 3 widths"));
+            }
+            w / 3
+        } else {
+            w
         };
         if heads == 0 || w % heads != 0 {
             return Err(format!("width {w} is not a multiple of {heads} heads"));
@@ -598,9 +624,15 @@ impl Attn {
                 "{b} batches of {heads} heads need more CTAs than a grid holds"
             ));
         }
-        i32_of(s * heads * dh, "S·H·Dh")?;
+        i32_of(3 * s * heads * dh, "3·S·H·Dh")?;
         i32_of(b * heads * s, "B·H·S")?;
-        Ok(Attn { b, s, heads, dh })
+        Ok(Attn {
+            b,
+            s,
+            heads,
+            dh,
+            packed,
+        })
     }
 
     fn empty(&self) -> bool {
@@ -620,6 +652,31 @@ impl Attn {
             KArg::F32((1.0 / (self.dh as f64).sqrt()) as f32),
         ]
     }
+
+    /// q, k and v (or dq, dk, dv) for the kernels: three tensors from operand `first` on,
+    /// or pointers 0, H·Dh and 2·H·Dh floats into the one packed operand `first`.
+    fn three(&self, arg: fn(usize) -> KArg, at: fn(usize, u64) -> KArg, first: usize) -> [KArg; 3] {
+        if self.packed {
+            let w = (self.heads * self.dh * 4) as u64;
+            [arg(first), at(first, w), at(first, 2 * w)]
+        } else {
+            [arg(first), arg(first + 1), arg(first + 2)]
+        }
+    }
+
+    /// The kernel `{stem}[_packed]_d{Dh}`.
+    fn kernel(&self, stem: &str) -> Result<&'static str, String> {
+        let name = format!(
+            "{stem}{}_d{}",
+            if self.packed { "_packed" } else { "" },
+            self.dh
+        );
+        KERNELS
+            .iter()
+            .copied()
+            .find(|k| *k == name)
+            .ok_or_else(|| format!("no attention kernel {name}"))
+    }
 }
 
 fn same_shapes(o: &Operands, idx: &[usize], what: &str) -> Result<(), String> {
@@ -633,27 +690,22 @@ fn same_shapes(o: &Operands, idx: &[usize], what: &str) -> Result<(), String> {
     }
 }
 
-/// `[q, k, v] -> [o, lse]`.
-fn attention(o: &Operands, heads: usize, causal: bool) -> Result<CudaPlan, String> {
-    check_f32(o, 3, 2)?;
-    same_shapes(o, &[0, 1, 2], "q, k and v differ")?;
-    let a = Attn::new(o.ins[0], heads)?;
+/// `[q, k, v] -> [o, lse]`, or packed `[qkv] -> [o, lse]`.
+fn attention(o: &Operands, heads: usize, causal: bool, packed: bool) -> Result<CudaPlan, String> {
+    if packed {
+        check_f32(o, 1, 2)?;
+    } else {
+        check_f32(o, 3, 2)?;
+        same_shapes(o, &[0, 1, 2], "q, k and v differ")?;
+    }
+    let a = Attn::new(o.ins[0], heads, packed)?;
     if a.empty() {
         return Ok(CudaPlan::default());
     }
-    let mut args = vec![
-        KArg::In(0),
-        KArg::In(1),
-        KArg::In(2),
-        KArg::Out(0),
-        KArg::Out(1),
-    ];
+    let mut args = a.three(KArg::In, KArg::InAt, 0).to_vec();
+    args.extend([KArg::Out(0), KArg::Out(1)]);
     args.extend(a.tail(causal));
-    let kernel = if a.dh == 32 {
-        "attn_fwd_d32"
-    } else {
-        "attn_fwd_d64"
-    };
+    let kernel = a.kernel("attn_fwd")?;
     Ok(CudaPlan {
         calls: vec![KernelCall {
             kernel,
@@ -666,32 +718,46 @@ fn attention(o: &Operands, heads: usize, causal: bool) -> Result<CudaPlan, Strin
     })
 }
 
-/// `[do, q, k, v, o, lse] -> [dq, dk, dv]`: for S ≤ 64 one fused kernel; else
-/// `attn_bwd_prep` (scratch 0 gets D = rowsum(bf16(do)∘o)), then dk/dv by key tile and dq
-/// by query tile.
-fn attention_grad(o: &Operands, heads: usize, causal: bool) -> Result<CudaPlan, String> {
-    check_f32(o, 6, 3)?;
-    same_shapes(o, &[0, 1, 2, 3, 4], "do, q, k, v and o differ")?;
-    let a = Attn::new(o.ins[1], heads)?;
-    if o.ins[5].numel() != a.b * a.heads * a.s {
+/// `[do, q, k, v, o, lse] -> [dq, dk, dv]` (packed: `[do, qkv, o, lse] -> [dqkv]`): for
+/// S ≤ 64 one fused kernel; else `attn_bwd_prep` (scratch 0 gets D = rowsum(bf16(do)∘o)),
+/// then dk/dv by key tile and dq by query tile.
+fn attention_grad(
+    o: &Operands,
+    heads: usize,
+    causal: bool,
+    packed: bool,
+) -> Result<CudaPlan, String> {
+    // input positions of o and lse
+    let (io, il) = if packed {
+        check_f32(o, 4, 1)?;
+        if o.ins[0] != o.ins[2] {
+            return Err(format!("do {} and o {} differ", o.ins[0], o.ins[2]));
+        }
+        (2, 3)
+    } else {
+        check_f32(o, 6, 3)?;
+        same_shapes(o, &[0, 1, 2, 3, 4], "do, q, k, v and o differ")?;
+        (4, 5)
+    };
+    let a = Attn::new(o.ins[1], heads, packed)?;
+    if o.ins[il].numel() != a.b * a.heads * a.s {
         return Err(format!(
             "lse {} is not [B, H, S] = [{}, {}, {}]",
-            o.ins[5], a.b, a.heads, a.s
+            o.ins[il], a.b, a.heads, a.s
         ));
     }
     if a.empty() {
         return Ok(CudaPlan::default());
     }
+    let qkv = a.three(KArg::In, KArg::InAt, 1);
+    let [dq, dk, dv] = a.three(KArg::Out, KArg::OutAt, 0);
     if a.s <= 64 {
         // one tile of queries and keys: D, dk, dv and dq in one CTA per (batch, head)
-        let mut args: Vec<KArg> = (0..6).map(KArg::In).collect();
-        args.extend([KArg::Out(0), KArg::Out(1), KArg::Out(2)]);
+        let mut args = vec![KArg::In(0)];
+        args.extend(qkv);
+        args.extend([KArg::In(io), KArg::In(il), dq, dk, dv]);
         args.extend(a.tail(causal));
-        let kernel = if a.dh == 32 {
-            "attn_bwd_small_d32"
-        } else {
-            "attn_bwd_small_d64"
-        };
+        let kernel = a.kernel("attn_bwd_small")?;
         return Ok(CudaPlan {
             calls: vec![KernelCall {
                 kernel,
@@ -711,7 +777,7 @@ fn attention_grad(o: &Operands, heads: usize, causal: bool) -> Result<CudaPlan, 
         smem: 0,
         args: vec![
             KArg::In(0),
-            KArg::In(4),
+            KArg::In(io),
             KArg::Scratch(0),
             KArg::I32(a.b as i32),
             KArg::I32(a.s as i32),
@@ -719,25 +785,16 @@ fn attention_grad(o: &Operands, heads: usize, causal: bool) -> Result<CudaPlan, 
             KArg::I32(a.dh as i32),
         ],
     };
-    let ins = [
-        KArg::In(0),
-        KArg::In(1),
-        KArg::In(2),
-        KArg::In(3),
-        KArg::In(5),
-        KArg::Scratch(0),
-    ];
-    let mut dkdv_args = ins.to_vec();
-    dkdv_args.extend([KArg::Out(1), KArg::Out(2)]);
+    let mut ins = vec![KArg::In(0)];
+    ins.extend(qkv);
+    ins.extend([KArg::In(il), KArg::Scratch(0)]);
+    let mut dkdv_args = ins.clone();
+    dkdv_args.extend([dk, dv]);
     dkdv_args.extend(a.tail(causal));
-    let mut dq_args = ins.to_vec();
-    dq_args.push(KArg::Out(0));
+    let mut dq_args = ins;
+    dq_args.push(dq);
     dq_args.extend(a.tail(causal));
-    let (dkdv, dq) = if a.dh == 32 {
-        ("attn_bwd_dkdv_d32", "attn_bwd_dq_d32")
-    } else {
-        ("attn_bwd_dkdv_d64", "attn_bwd_dq_d64")
-    };
+    let (dkdv, dq) = (a.kernel("attn_bwd_dkdv")?, a.kernel("attn_bwd_dq")?);
     Ok(CudaPlan {
         calls: vec![
             prep,
@@ -784,6 +841,7 @@ mod tests {
         let op = Op::AttentionGrad {
             heads: 1,
             causal: false,
+            packed: false,
         };
         plan_of(&op, &[x, x, x, x, x, &[1, 1, s]], &[x, x, x])
     }
@@ -810,6 +868,7 @@ mod tests {
                 &Op::Attention {
                     heads: 2,
                     causal: true,
+                    packed: false,
                 },
                 &[&[3, 27, 64], &[3, 27, 64], &[3, 27, 64]],
                 &[&[3, 27, 64], &[3, 2, 27]],
@@ -902,6 +961,7 @@ mod tests {
             &Op::Attention {
                 heads: 2,
                 causal: false,
+                packed: false,
             },
             &[&[1, 8, 96], &[1, 8, 96], &[1, 8, 96]],
             &[&[1, 8, 96], &[1, 2, 8]],

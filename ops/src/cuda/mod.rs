@@ -15,8 +15,12 @@ use erase_graph::{DType, Op, Shape};
 pub enum KArg {
     /// Device pointer to the node's input `i`.
     In(usize),
+    /// Device pointer `bytes` into the node's input `i` (a part of a packed tensor).
+    InAt(usize, u64),
     /// Device pointer to the node's output `i`.
     Out(usize),
+    /// Device pointer `bytes` into the node's output `i`.
+    OutAt(usize, u64),
     /// Device pointer to the node's updated (persistent) tensor `i`.
     Upd(usize),
     /// Device pointer to the node's scratch buffer `i` (see [`CudaPlan::scratch`]).
