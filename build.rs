@@ -153,7 +153,9 @@ fn main() {
                     let ptx = out_dir.join(format!("{stem}.{tag}.ptx"));
                     let mut c = Command::new(&nvcc);
                     base(&mut c);
-                    c.args(["-ptx", &format!("-arch={arch}")])
+                    // a front-end warning (an unused variable, a narrowing) fails the build:
+                    // in a kernel it is more often a bug than noise
+                    c.args(["-ptx", &format!("-arch={arch}"), "-Werror", "all-warnings"])
                         .arg(&f)
                         .arg("-o")
                         .arg(&ptx);

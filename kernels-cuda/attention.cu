@@ -585,7 +585,7 @@ ERASE_KERNEL void __launch_bounds__(256)
     const long long i = w % S, bh = w / S, h = bh % H, b = bh / H;
     const long long base = ((b * S + i) * H + h) * Dh;
     float s = 0.f;
-    for (int c = lane; c < Dh; c += 32) s += erase_round_bf16(__ldg(dO + c)) * __ldg(o + c);
+    for (int c = lane; c < Dh; c += 32) s += erase_round_bf16(__ldg(dO + base + c)) * __ldg(o + base + c);
     s = erase_warp_sum(s);
     if (lane == 0) Dv[w] = s;
 }
