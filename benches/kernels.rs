@@ -76,7 +76,10 @@ impl Bench<'_> {
         type Case = (Op, Vec<(Shape, Buffer)>, Vec<(Shape, DType)>);
         let (op, ins, outs): Case = match kind {
             "linear" => (
-                Op::Linear { bias: true },
+                Op::Linear {
+                    bias: true,
+                    relu: false,
+                },
                 vec![
                     (Shape::new(&[m, k]), rand(1, m * k, 1.0)),
                     (Shape::new(&[n, k]), rand(2, n * k, 0.1)),

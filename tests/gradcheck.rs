@@ -121,6 +121,13 @@ fn linear_and_matmul() {
             let bias = param(g, r, "b", &[n], 1.0);
             g.linear_with(x, w, Some(bias)).unwrap()
         });
+        check("linear_relu", 30 + t, |g, r| {
+            let (m, k, n) = (r.range(1, 7), r.range(1, 9), r.range(1, 7));
+            let x = param(g, r, "x", &[m, k], 1.0);
+            let w = param(g, r, "w", &[n, k], 1.0);
+            let bias = param(g, r, "b", &[n], 1.0);
+            g.linear_relu_with(x, w, Some(bias)).unwrap()
+        });
         check("linear_nobias", 10 + t, |g, r| {
             let (m, k, n) = (r.range(1, 7), r.range(1, 9), r.range(1, 7));
             let x = param(g, r, "x", &[m, k], 1.0);

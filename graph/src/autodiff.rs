@@ -233,7 +233,15 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
         let needs = |i: usize| req[ins[i].index()];
         let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
         match &node.op {
-            Op::Linear { bias } => {
+            Op::Linear { bias, relu } => {
+                // the fused ReLU's gradient first: dy ⊙ (y > 0), y the node's own output
+                let dy = if *relu {
+                    let y = node.outputs[0];
+                    let s = b.g.shape(y).clone();
+                    b.add1(Op::ReluGrad, vec![dy, y], s, format!("{nm}.relu_dx"), id)
+                } else {
+                    dy
+                };
                 if needs(0) {
                     let dx = b.add1(
                         Op::LinearGradInput,

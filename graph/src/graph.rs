@@ -511,6 +511,16 @@ impl Graph {
 
     /// `x·wᵀ (+ b)` with given parameters: x `[.., K]`, w `[N, K]`, b `[N]`.
     pub fn linear_with(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
+        self.linear_op(x, w, b, false)
+    }
+
+    /// `relu(x·wᵀ (+ b))` as one op: the ReLU runs in the GEMM's epilogue (the same values
+    /// as [`Graph::linear_with`] followed by [`Graph::relu`], one launch and one tensor fewer).
+    pub fn linear_relu_with(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
+        self.linear_op(x, w, b, true)
+    }
+
+    fn linear_op(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>, relu: bool) -> Result<Tensor> {
         let op = "linear";
         let mut all = vec![x, w];
         all.extend(b);
@@ -546,7 +556,11 @@ impl Graph {
         }
         let mut out = xs.dims().to_vec();
         *out.last_mut().unwrap_or(&mut 0) = n;
-        Ok(self.add1(Op::Linear { bias: b.is_some() }, all, Shape(out), dt))
+        let op = Op::Linear {
+            bias: b.is_some(),
+            relu,
+        };
+        Ok(self.add1(op, all, Shape(out), dt))
     }
 
     /// Matrix product `a·b` of `[M, K]` and `[K, N]` (or with an equal leading batch dim).

@@ -47,9 +47,11 @@ pub enum Op {
     Leaf(Leaf),
 
     // ---- forward ops --------------------------------------------------------------
-    /// `[x, w, b?] -> [y]`: `y = x·wᵀ (+ b)`, x `[.., K]`, w `[N, K]`, b `[N]`.
+    /// `[x, w, b?] -> [y]`: `y = x·wᵀ (+ b)`, x `[.., K]`, w `[N, K]`, b `[N]`; with `relu`,
+    /// `y = max(x·wᵀ (+ b), 0)` (the activation in the GEMM's epilogue, no second pass).
     Linear {
         bias: bool,
+        relu: bool,
     },
     /// `[a, b] -> [c]`: matrix product of the last two dims (optional equal leading batch
     /// dim), `op(a)·op(b)` where `op` transposes when its flag is set.

@@ -569,13 +569,19 @@ fn linear(g: &mut Graph, x: Tensor, l: Lin) -> Result<Tensor> {
     Ok(g.linear_with(x, l.w, l.b)?)
 }
 
+/// `relu(linear)` with the ReLU in the GEMM's epilogue.
+fn linear_relu(g: &mut Graph, x: Tensor, l: Lin) -> Result<Tensor> {
+    Ok(g.linear_relu_with(x, l.w, l.b)?)
+}
+
 /// The anchor's `MLP`: ReLU after every layer, the last one too when `last_relu`.
 fn mlp(g: &mut Graph, mut x: Tensor, layers: &[Lin], last_relu: bool) -> Result<Tensor> {
     for (i, &l) in layers.iter().enumerate() {
-        x = linear(g, x, l)?;
-        if i + 1 < layers.len() || last_relu {
-            x = g.relu(x)?;
-        }
+        x = if i + 1 < layers.len() || last_relu {
+            linear_relu(g, x, l)?
+        } else {
+            linear(g, x, l)?
+        };
     }
     Ok(x)
 }
@@ -589,8 +595,7 @@ fn cross(g: &mut Graph, e: Tensor, p: &CrossParams) -> Result<Tensor> {
         let gated = g.mul(x0, up)?;
         x = g.add(gated, x)?;
     }
-    let o = linear(g, x, p.out)?;
-    Ok(g.relu(o)?)
+    linear_relu(g, x, p.out)
 }
 
 fn autoint(g: &mut Graph, e: Tensor, p: &AutoIntParams, cfg: &CtrConfig) -> Result<Tensor> {
@@ -606,21 +611,18 @@ fn autoint(g: &mut Graph, e: Tensor, p: &AutoIntParams, cfg: &CtrConfig) -> Resu
         x = g.layer_norm_with(s, p.ln[l].gamma, p.ln[l].beta, LAYER_NORM_EPS)?;
     }
     let xf = g.flatten(x)?;
-    let o = linear(g, xf, p.out)?;
-    Ok(g.relu(o)?)
+    linear_relu(g, xf, p.out)
 }
 
 fn masknet(g: &mut Graph, e: Tensor, p: &MaskNetParams) -> Result<Tensor> {
     let xf = g.flatten(e)?;
-    let m = linear(g, xf, p.m1)?;
-    let m = g.relu(m)?;
+    let m = linear_relu(g, xf, p.m1)?;
     let m = linear(g, m, p.m2)?;
     let masked = g.mul(m, xf)?;
     let h = linear(g, masked, p.h)?;
     let h = g.layer_norm_with(h, p.ln.gamma, p.ln.beta, LAYER_NORM_EPS)?;
     let h = g.relu(h)?;
-    let o = linear(g, h, p.out)?;
-    Ok(g.relu(o)?)
+    linear_relu(g, h, p.out)
 }
 
 /// `Linear(dim, 1)` + BCE with the label: one auxiliary loss.

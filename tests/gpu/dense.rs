@@ -184,15 +184,36 @@ fn linear_matches_the_bf16_reference() {
         }
         let yshape: Vec<usize> = lead.iter().copied().chain([n]).collect();
         let outs: [(&[usize], DType); 1] = [(&yshape, DType::F32)];
-        let got = run_gpu(dev, &Op::Linear { bias }, &ins, &outs, &mut []);
         let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, bias.then_some(&bv[..]));
-        assert_within(
-            &format!("linear {lead:?}x{k} -> {n} bias {bias}"),
-            &got[0].to_f64(),
-            &want,
-            &tol,
-        );
+        // the ReLU epilogue too (in the GEMM, or after the split-K sum): relu is
+        // 1-Lipschitz, so the same tolerance holds
+        for relu in [false, true] {
+            let got = run_gpu(dev, &Op::Linear { bias, relu }, &ins, &outs, &mut []);
+            assert_within(
+                &format!("linear {lead:?}x{k} -> {n} bias {bias} relu {relu}"),
+                &got[0].to_f64(),
+                &relu_if(relu, &want),
+                &tol,
+            );
+        }
     }
+}
+
+/// `max(x, 0)` elementwise when `relu`.
+fn relu_if(relu: bool, x: &[f64]) -> Vec<f64> {
+    x.iter()
+        .map(|&v| {
+            if relu {
+                if v > 0.0 {
+                    v
+                } else {
+                    0.0
+                }
+            } else {
+                v
+            }
+        })
+        .collect()
 }
 
 #[test]
@@ -276,7 +297,16 @@ fn linear_on_positive_data_matches_the_bf16_reference() {
     let (w, wv) = f32_arg(&[n, k], 402, 0.25, 2.0);
     let (b, bv) = f32_arg(&[n], 403, -1.0, 1.0);
     let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
-    let got = run_gpu(dev, &Op::Linear { bias: true }, &[x, w, b], &outs, &mut []);
+    let got = run_gpu(
+        dev,
+        &Op::Linear {
+            bias: true,
+            relu: false,
+        },
+        &[x, w, b],
+        &outs,
+        &mut [],
+    );
     let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv));
     assert_within(
         "linear positive 257x351 -> 70",
@@ -885,10 +915,12 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
             ins.push(b);
         }
         let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
-        let got = run_gpu(dev, &Op::Linear { bias }, &ins, &outs, &mut []);
         let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, bias.then_some(&bv[..]));
-        let what = format!("pipelined linear {m}x{k} -> {n}");
-        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        for relu in [false, true] {
+            let got = run_gpu(dev, &Op::Linear { bias, relu }, &ins, &outs, &mut []);
+            let what = format!("pipelined linear {m}x{k} -> {n} relu {relu}");
+            assert_within(&what, &got[0].to_f64(), &relu_if(relu, &want), &tol);
+        }
     }
     // dx = dy·w: w converted through the transposing kernel (N = 777 ragged)
     let (m, n, k) = (1500, 1024, 777);
@@ -958,7 +990,10 @@ fn the_ctr_models_large_gemms_match_the_bf16_reference() {
         let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
         let got = run_gpu(
             dev,
-            &Op::Linear { bias: true },
+            &Op::Linear {
+                bias: true,
+                relu: false,
+            },
             &[x.clone(), w.clone(), b],
             &outs,
             &mut [],

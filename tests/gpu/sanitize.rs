@@ -33,7 +33,10 @@ fn sanitize_gemm() {
             arg(&[n], Buffer::F32(rand_f32(3, n, -1.0, 1.0))),
         ];
         let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
-        let op = Op::Linear { bias: true };
+        let op = Op::Linear {
+            bias: true,
+            relu: false,
+        };
         let g = run_gpu(dev, &op, &ins, &outs, &mut []);
         let c = run_cpu(&op, &ins, &outs, &mut []);
         close(&format!("linear {m}x{n}x{k}"), &g[0], &c[0], 2e-2);

@@ -250,7 +250,7 @@ fn exec_inner<T: Elem>(
     let ish = |i: usize| call.in_shapes[i];
     let osh = |i: usize| call.out_shapes[i];
     match call.op {
-        Op::Linear { bias } => {
+        Op::Linear { bias, relu } => {
             let (x, w) = (get::<T>(ins[0], "input")?, get::<T>(ins[1], "weight")?);
             let b = if *bias {
                 Some(get::<T>(ins[2], "bias")?)
@@ -258,7 +258,14 @@ fn exec_inner<T: Elem>(
                 None
             };
             let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
-            kernels::linear(x, w, b, out(&mut outs[0])?, ish(0).rows(), k, n);
+            let y = out(&mut outs[0])?;
+            kernels::linear(x, w, b, y, ish(0).rows(), k, n);
+            if *relu {
+                // as the Relu op (and the GEMM epilogue's fmaxf): x if x > 0, else 0
+                y.iter_mut().for_each(|v| {
+                    *v = if *v > T::ZERO { *v } else { T::ZERO };
+                });
+            }
         }
         Op::LinearGradInput => {
             let (dy, w) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "weight")?);

@@ -62,7 +62,7 @@ const GRID_YZ: usize = 65_535;
 
 pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
     let p = match op {
-        Op::Linear { bias } => linear(o, *bias),
+        Op::Linear { bias, relu } => linear(o, *bias, *relu),
         Op::LinearGradInput => linear_grad_input(o),
         Op::LinearGradWeight => linear_grad_weight(o),
         Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
@@ -119,10 +119,19 @@ struct Gemm {
     a: KArg,
     b: KArg,
     bias: Option<KArg>,
+    /// ReLU in the epilogue (after the bias; after the split-K sum).
+    relu: bool,
     lda: usize,
     ldb: usize,
     batch_a: usize,
     batch_b: usize,
+}
+
+impl Gemm {
+    /// The epilogue flags of the kernels: bit 0 adds the bias, bit 1 applies ReLU.
+    fn flags(&self) -> i32 {
+        i32::from(self.bias.is_some()) | (i32::from(self.relu) << 1)
+    }
 }
 
 fn gemm_kernel(ta: bool, tb: bool, big: bool) -> &'static str {
@@ -174,7 +183,7 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
     }
     let k_split = k.div_ceil(splits).div_ceil(BK).max(1) * BK;
     let splits = k.div_ceil(k_split).max(1);
-    let flags = i32::from(g.bias.is_some());
+    let flags = g.flags();
     let count = batch * m * n;
     let grid = [blocks(m, bm), blocks(n, bn), (splits * batch) as u32];
     let block = [threads, 1, 1];
@@ -383,7 +392,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     };
     let conv_a = convert(g.a, 0, m, k, mp, g.ta, g.lda, g.batch_a);
     let conv_b = convert(g.b, 1, n, k, np, !g.tb, g.ldb, g.batch_b);
-    let flags = i32::from(g.bias.is_some());
+    let flags = g.flags();
     let out = if splits == 1 {
         KArg::Out(0)
     } else {
@@ -465,7 +474,7 @@ fn matrix(s: &Shape, what: &str) -> Result<(usize, usize), String> {
 }
 
 /// `[x, w, b?] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b).
-fn linear(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
+fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
     check_f32(o, 2 + usize::from(bias), 1)?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != k {
@@ -491,6 +500,7 @@ fn linear(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
         a: KArg::In(0),
         b: KArg::In(1),
         bias: bias.then_some(KArg::In(2)),
+        relu,
         lda: k,
         ldb: k,
         batch_a: 0,
@@ -515,6 +525,7 @@ fn linear_grad_input(o: &Operands) -> Result<CudaPlan, String> {
         a: KArg::In(0),
         b: KArg::In(1),
         bias: None,
+        relu: false,
         lda: n,
         ldb: k,
         batch_a: 0,
@@ -543,6 +554,7 @@ fn linear_grad_weight(o: &Operands) -> Result<CudaPlan, String> {
         a: KArg::In(0),
         b: KArg::In(1),
         bias: None,
+        relu: false,
         lda: n,
         ldb: k,
         batch_a: 0,
@@ -582,6 +594,7 @@ fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
         a: KArg::In(0),
         b: KArg::In(1),
         bias: None,
+        relu: false,
         lda: ca,
         ldb: cb,
         batch_a: ra * ca,
@@ -850,7 +863,10 @@ mod tests {
     fn every_plan_names_a_listed_kernel() {
         let plans = [
             plan_of(
-                &Op::Linear { bias: true },
+                &Op::Linear {
+                    bias: true,
+                    relu: false,
+                },
                 &[&[4096, 27, 13], &[64, 13], &[64]],
                 &[&[4096, 27, 64]],
             ),
@@ -902,7 +918,10 @@ mod tests {
         assert_eq!(p.calls[0].grid[2], splits as u32);
         // a square GEMM that fills the GPU needs no split
         let p = plan_of(
-            &Op::Linear { bias: false },
+            &Op::Linear {
+                bias: false,
+                relu: false,
+            },
             &[&[4096, 1024], &[1024, 1024]],
             &[&[4096, 1024]],
         )
@@ -912,7 +931,10 @@ mod tests {
         assert_eq!(p.calls[2].grid[2], 1);
         // a short-K GEMM stays one launch
         let p = plan_of(
-            &Op::Linear { bias: false },
+            &Op::Linear {
+                bias: false,
+                relu: false,
+            },
             &[&[2048, 128], &[2048, 128]],
             &[&[2048, 2048]],
         )
@@ -945,7 +967,10 @@ mod tests {
         assert_eq!(p.scratch[2], splits as usize * 1024 * 1728 * 4);
         // the forward: x·wᵀ reads both operands K-major
         let p = plan_of(
-            &Op::Linear { bias: true },
+            &Op::Linear {
+                bias: true,
+                relu: false,
+            },
             &[&[4096, 1728], &[1024, 1728], &[1024]],
             &[&[4096, 1024]],
         )
