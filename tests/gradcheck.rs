@@ -234,6 +234,19 @@ fn shape_ops() {
                 g.slice(x, axis, start, len).unwrap()
             });
         }
+        check("mul_add", 56 + t, |g, r| {
+            let dims = [r.range(1, 4), r.range(1, 6)];
+            let a = param(g, r, "a", &dims, 1.0);
+            let b = param(g, r, "b", &dims, 1.0);
+            let c = param(g, r, "c", &dims, 1.0);
+            g.mul_add(a, b, c).unwrap()
+        });
+        check("mul of one shape (fused gradient)", 57 + t, |g, r| {
+            let dims = [r.range(1, 4), r.range(1, 6)];
+            let a = param(g, r, "a", &dims, 1.0);
+            let b = param(g, r, "b", &dims, 1.0);
+            g.mul(a, b).unwrap()
+        });
         check("pairwise_dot", 53 + t, |g, r| {
             let (b, f, d) = (r.range(1, 4), r.range(2, 7), r.range(1, 5));
             let e = param(g, r, "e", &[b, f, d], 1.0);

@@ -303,6 +303,42 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     b.contribute(ins[1], db);
                 }
             }
+            Op::Mul | Op::MulAdd
+                if needs(0) && needs(1) && b.g.shape(ins[0]) == b.g.shape(ins[1]) =>
+            {
+                // both factors' gradients in one pass
+                let s = shape_of(&b, 0);
+                let g = b.add(
+                    Op::MulGrad,
+                    vec![dy, ins[0], ins[1]],
+                    vec![s.clone(), s],
+                    format!("{nm}.grad"),
+                    id,
+                );
+                b.contribute(ins[0], g[0]);
+                b.contribute(ins[1], g[1]);
+                if matches!(node.op, Op::MulAdd) && needs(2) {
+                    b.contribute(ins[2], dy);
+                }
+            }
+            Op::MulAdd => {
+                let s = shape_of(&b, 0);
+                for (i, other, what) in [(0, 1, "da"), (1, 0, "db")] {
+                    if needs(i) {
+                        let d = b.add1(
+                            Op::Mul,
+                            vec![dy, ins[other]],
+                            s.clone(),
+                            format!("{nm}.{what}"),
+                            id,
+                        );
+                        b.contribute(ins[i], d);
+                    }
+                }
+                if needs(2) {
+                    b.contribute(ins[2], dy);
+                }
+            }
             Op::Mul => {
                 let out_shape = b.g.shape(dy).clone();
                 if needs(0) {

@@ -641,6 +641,26 @@ impl Graph {
         self.broadcast_binary(Op::Mul, a, b)
     }
 
+    /// `a ⊙ b + c` in one op, for three tensors of one shape: the same values as
+    /// `add(mul(a, b), c)`, one pass over memory instead of two and no intermediate.
+    pub fn mul_add(&mut self, a: Tensor, b: Tensor, c: Tensor) -> Result<Tensor> {
+        let op = "mul_add";
+        let dt = self.expect_float(op, &[a, b, c])?;
+        let s = self.shape(a).clone();
+        if self.shape(b) != &s || self.shape(c) != &s {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "{}, {} and {} must have one shape",
+                    self.desc(a),
+                    self.desc(b),
+                    self.desc(c)
+                ),
+            ));
+        }
+        Ok(self.add1(Op::MulAdd, vec![a, b, c], s, dt))
+    }
+
     pub fn scale(&mut self, x: Tensor, factor: f64) -> Result<Tensor> {
         let dt = self.expect_float("scale", &[x])?;
         let s = self.shape(x).clone();

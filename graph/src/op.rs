@@ -64,6 +64,9 @@ pub enum Op {
     Add,
     /// `[a, b] -> [c]`: elementwise product, broadcasting as `Add`.
     Mul,
+    /// `[a, b, c] -> [y]`: `y = a ⊙ b + c` of three tensors of one shape, rounded as `Mul`
+    /// then `Add` (the DCN cross update `x0 ⊙ up + x` in one pass).
+    MulAdd,
     /// `[x] -> [y]`: `y = x · factor`.
     Scale {
         factor: f64,
@@ -131,6 +134,9 @@ pub enum Op {
     ReluGrad,
     /// `[dy, x] -> [dx]`
     GeluGrad,
+    /// `[dy, a, b] -> [da, db]`: `da = dy ⊙ b`, `db = dy ⊙ a` (the gradient of a product of
+    /// two tensors of one shape, in one pass).
+    MulGrad,
     /// `[dy, y] -> [dx]`
     SigmoidGrad,
     /// `[dy, x, gamma, mean, rstd] -> [dx, dgamma, dbeta]`
@@ -209,6 +215,7 @@ impl Op {
             Op::MatMul { .. } => "matmul",
             Op::Add => "add",
             Op::Mul => "mul",
+            Op::MulAdd => "mul_add",
             Op::Scale { .. } => "scale",
             Op::Relu => "relu",
             Op::Gelu => "gelu",
@@ -230,6 +237,7 @@ impl Op {
             Op::LinearGradWeight => "linear_grad_weight",
             Op::ReluGrad => "relu_grad",
             Op::GeluGrad => "gelu_grad",
+            Op::MulGrad => "mul_grad",
             Op::SigmoidGrad => "sigmoid_grad",
             Op::LayerNormGrad => "layer_norm_grad",
             Op::SumToShape => "sum_to_shape",

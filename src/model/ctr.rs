@@ -592,8 +592,8 @@ fn cross(g: &mut Graph, e: Tensor, p: &CrossParams) -> Result<Tensor> {
     for (&u, &v) in p.u.iter().zip(&p.v) {
         let low = linear(g, x, u)?;
         let up = linear(g, low, v)?;
-        let gated = g.mul(x0, up)?;
-        x = g.add(gated, x)?;
+        // x0 ⊙ up + x in one pass
+        x = g.mul_add(x0, up, x)?;
     }
     linear_relu(g, x, p.out)
 }

@@ -107,6 +107,26 @@ fn elementwise_maps_match_cpu() {
             o,
             &[EXACT],
         );
+        // the fused products: exact, as mul then add (no FMA); n = 1, 7, 33 and 4099
+        // exercise the scalar tail after the float4 lanes
+        let z = rand_arg(&shape, next());
+        compare(
+            dev,
+            &format!("mul_add [{n}]"),
+            &Op::MulAdd,
+            &[dup(&x), dup(&y), dup(&z)],
+            o,
+            &[EXACT],
+        );
+        let o2: &[(&[usize], DType)] = &[(&shape, F32), (&shape, F32)];
+        compare(
+            dev,
+            &format!("mul_grad [{n}]"),
+            &Op::MulGrad,
+            &[dup(&z), dup(&x), dup(&y)],
+            o2,
+            &[EXACT],
+        );
         compare(
             dev,
             &format!("scale [{n}]"),

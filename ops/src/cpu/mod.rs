@@ -293,6 +293,26 @@ fn exec_inner<T: Elem>(
                 *tb,
             );
         }
+        Op::MulAdd => {
+            let (a, b, c) = (
+                get::<T>(ins[0], "a")?,
+                get::<T>(ins[1], "b")?,
+                get::<T>(ins[2], "c")?,
+            );
+            kernels::map_index(out(&mut outs[0])?, |i| a[i] * b[i] + c[i]);
+        }
+        Op::MulGrad => {
+            let (dy, a, b) = (
+                get::<T>(ins[0], "dy")?,
+                get::<T>(ins[1], "a")?,
+                get::<T>(ins[2], "b")?,
+            );
+            let [da, db] = outs else {
+                return Err("expected two outputs".into());
+            };
+            kernels::map_index(out(da)?, |i| dy[i] * b[i]);
+            kernels::map_index(out(db)?, |i| dy[i] * a[i]);
+        }
         Op::Add | Op::Mul => {
             let (a, b) = (get::<T>(ins[0], "a")?, get::<T>(ins[1], "b")?);
             kernels::broadcast_binary(a, b, out(&mut outs[0])?, matches!(call.op, Op::Mul));

@@ -17,6 +17,8 @@ pub(crate) const KERNELS: &[&str] = &[
     // elementwise.cu
     "ew_add",
     "ew_mul",
+    "ew_mul_add",
+    "ew_mul_grad",
     "ew_scale",
     "ew_relu",
     "ew_gelu",
@@ -188,6 +190,8 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         | Op::AttentionGrad { .. } => return None,
         Op::Add => binary(op, o, "ew_add"),
         Op::Mul => binary(op, o, "ew_mul"),
+        Op::MulAdd => mul_add(op, o),
+        Op::MulGrad => mul_grad(op, o),
         Op::Scale { factor } => expect(op, o, &[F], &[F]).map(|_| {
             let n = o.outs[0].numel();
             plan_of(
@@ -282,6 +286,47 @@ fn binary(op: &Op, o: &Operands, kernel: &'static str) -> Result<CudaPlan, Strin
             n,
             vec![KArg::In(0), KArg::In(1), Out(0), n64(n), n64(nb)],
         )],
+        vec![],
+    ))
+}
+
+/// The element count when every input and all `outs` outputs have input 0's shape.
+fn one_shape(op: &Op, o: &Operands, outs: usize) -> Result<usize, String> {
+    let s = o.ins[0];
+    if let Some(t) = o.ins.iter().chain(o.outs.iter()).find(|t| **t != s) {
+        return Err(format!(
+            "{}: every operand must have one shape, {t} is not {s}",
+            op.name()
+        ));
+    }
+    if o.outs.len() != outs {
+        return Err(format!("{}: expected {outs} outputs", op.name()));
+    }
+    Ok(s.numel())
+}
+
+/// `[a, b, c] -> [a ⊙ b + c]`.
+fn mul_add(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F, F], &[F])?;
+    let n = one_shape(op, o, 1)?;
+    let args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0), n64(n)];
+    Ok(plan_of(vec![ew("ew_mul_add", n.div_ceil(4), args)], vec![]))
+}
+
+/// `[dy, a, b] -> [dy ⊙ b, dy ⊙ a]`.
+fn mul_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F, F], &[F, F])?;
+    let n = one_shape(op, o, 2)?;
+    let args = vec![
+        KArg::In(0),
+        KArg::In(1),
+        KArg::In(2),
+        Out(0),
+        Out(1),
+        n64(n),
+    ];
+    Ok(plan_of(
+        vec![ew("ew_mul_grad", n.div_ceil(4), args)],
         vec![],
     ))
 }
