@@ -197,7 +197,10 @@ fn ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch() {
         let mut flipped_blocks: Vec<String> = Vec::new();
         let mut flips = 0usize;
         for node in m.graph.nodes() {
-            if !matches!(node.op, erase::graph::Op::Relu) {
+            if !matches!(
+                node.op,
+                erase::graph::Op::Relu | erase::graph::Op::Linear { relu: true, .. }
+            ) {
                 continue;
             }
             let t = node.outputs[0];
@@ -219,7 +222,12 @@ fn ctr_step_on_the_gpu_matches_the_cpu_on_the_golden_batch() {
             .graph
             .nodes()
             .iter()
-            .filter(|n| matches!(n.op, erase::graph::Op::Relu))
+            .filter(|n| {
+                matches!(
+                    n.op,
+                    erase::graph::Op::Relu | erase::graph::Op::Linear { relu: true, .. }
+                )
+            })
             .map(|n| m.graph.shape(n.outputs[0]).numel())
             .sum();
         println!("{variant}: {flips} of {relu_elems} ReLU mask elements differ from the reference, in {flipped_blocks:?}");
