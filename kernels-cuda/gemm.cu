@@ -718,32 +718,64 @@ ERASE_KERNEL void __launch_bounds__(256)
 }
 
 // C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU), for i < count; C is
-// contiguous. Block (256/Y, Y), Y = 1, 2, 4 or 8 (at most the split count): thread (x, y)
-// sums splits y, y+Y, y+2Y, .. of element blockDim.x·blockIdx.x + x in that order, then
-// thread (x, 0) adds the Y lane sums in lane order: a fixed order for a given split count
-// and Y (deterministic), Y loads in flight per element. Grid ceil(count / (256/Y)).
-ERASE_KERNEL void __launch_bounds__(256)
+// contiguous. Block (32, Y), Y = 1, 2, 4, .. 32 (at most the split count): thread (x, y)
+// owns 4 consecutive elements (float4 loads when count and split_stride are multiples of
+// 4, as the plan arranges, else 4 scalar loads) and sums splits y, y+Y, y+2Y, .. of them
+// in that order; then thread (x, 0) adds the Y lane sums in lane order: a fixed order for
+// a given split count and Y (deterministic), Y float4 loads in flight per element group.
+// Grid ceil(count / 128).
+ERASE_KERNEL void __launch_bounds__(1024)
     gemm_splitk_reduce(const float* __restrict__ part, const float* __restrict__ bias, float* __restrict__ C,
                        long long count, int N, int splits, long long split_stride, int flags) {
-    __shared__ float lanes[256];
-    const int nx = blockDim.x, ny = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
-    const long long i = static_cast<long long>(blockIdx.x) * nx + tx;
-    float s = 0.f;
-    if (i < count) {
+    __shared__ float4 lanes[1024];
+    const int ny = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+    const long long i0 = (static_cast<long long>(blockIdx.x) * 32 + tx) * 4;
+    const bool vec = (count & 3) == 0 && (split_stride & 3) == 0;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (i0 < count) {
+        if (vec) {
 #pragma unroll 4
-        for (int sp = ty; sp < splits; sp += ny) s += __ldg(part + sp * split_stride + i);
+            for (int sp = ty; sp < splits; sp += ny) {
+                const float4 v = __ldg(reinterpret_cast<const float4*>(part + sp * split_stride + i0));
+                s.x += v.x;
+                s.y += v.y;
+                s.z += v.z;
+                s.w += v.w;
+            }
+        } else {
+            for (int sp = ty; sp < splits; sp += ny) {
+                const float* p = part + sp * split_stride + i0;
+                s.x += __ldg(p);
+                if (i0 + 1 < count) s.y += __ldg(p + 1);
+                if (i0 + 2 < count) s.z += __ldg(p + 2);
+                if (i0 + 3 < count) s.w += __ldg(p + 3);
+            }
+        }
     }
     if (ny > 1) {
-        lanes[ty * nx + tx] = s;
+        lanes[ty * 32 + tx] = s;
         __syncthreads();
         if (ty == 0) {
             s = lanes[tx];
-            for (int y = 1; y < ny; ++y) s += lanes[y * nx + tx];
+            for (int y = 1; y < ny; ++y) {
+                const float4 v = lanes[y * 32 + tx];
+                s.x += v.x;
+                s.y += v.y;
+                s.z += v.z;
+                s.w += v.w;
+            }
         }
     }
-    if (ty == 0 && i < count) {
-        if (flags & 1) s += __ldg(bias + i % N);
-        if (flags & 2) s = fmaxf(s, 0.f);
-        C[i] = s;
+    if (ty == 0) {
+        const float v[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const long long i = i0 + e;
+            if (i >= count) break;
+            float r = v[e];
+            if (flags & 1) r += __ldg(bias + i % N);
+            if (flags & 2) r = fmaxf(r, 0.f);
+            C[i] = r;
+        }
     }
 }

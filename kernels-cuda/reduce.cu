@@ -12,7 +12,7 @@
 //    partials, 8 loads in flight a column instead of one long serial chain).
 // S is a function of the shape only (ops/src/cuda/misc.rs::col_slices), so the summation
 // order is the same on every run; with S == 1 the plan writes the output in pass 1.
-// Bound: memory (4 bytes per input element; the partials are S·n floats, S ≤ 1024).
+// Bound: memory (4 bytes per input element; the partials are S·n floats, S ≤ 256).
 #include "common.cuh"
 
 ERASE_KERNEL void sum_to_shape_partial(const float* __restrict__ dy, float* __restrict__ part, long long rows,

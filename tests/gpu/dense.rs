@@ -160,7 +160,8 @@ fn linear_matches_the_bf16_reference() {
     };
     // (leading dims of x, N, K, bias): K in {1, 13, 31, 33, 351, 1729}, N = 1, odd M,
     // 64/128 tile edges, a rank-3 input, split-K (K = 1729 on 2 tiles, bias applied by
-    // the reduction) and the 128x128 tile (2049 x 1100 outputs fill a wave)
+    // the reduction; 99 x 41 outputs, not a multiple of 4, take its scalar loads) and
+    // the 128x128 tile (2049 x 1100 outputs fill a wave)
     let cases: &[(&[usize], usize, usize, bool)] = &[
         (&[1], 1, 1, true),
         (&[37], 1, 13, true),
@@ -169,6 +170,7 @@ fn linear_matches_the_bf16_reference() {
         (&[4, 27], 64, 13, true),
         (&[301], 17, 351, true),
         (&[99], 40, 1729, true),
+        (&[99], 41, 1729, true),
         (&[2049], 1100, 65, true),
     ];
     for (seed, &(lead, n, k, bias)) in cases.iter().enumerate() {
@@ -261,6 +263,8 @@ fn linear_grad_weight_matches_the_bf16_reference() {
         (4097, 33, 31),
         (1729, 130, 129),
         (2001, 1, 1),
+        // AutoInt's o projection: hundreds of splits, reduced by 32 lanes a column group
+        (110_592, 64, 64),
     ];
     for (seed, &(rows, n, k)) in cases.iter().enumerate() {
         let seed = 300 + 10 * seed as u64;

@@ -446,12 +446,16 @@ fn reduce_call(
     splits: usize,
     flags: i32,
 ) -> KernelCall {
-    // the reduction reads `lanes` splits of an element at once (a power of two, at most 8)
-    let lanes = [8, 4, 2, 1].into_iter().find(|&l| l <= splits).unwrap_or(1);
+    // the reduction reads `lanes` splits of a group of 4 elements at once: a power of two,
+    // at most 32, about one split in 2 per lane (few, long chains only when splits are many)
+    let lanes = [32, 16, 8, 4, 2, 1]
+        .into_iter()
+        .find(|&l| l <= splits.div_ceil(2).max(1))
+        .unwrap_or(1);
     KernelCall {
         kernel: "gemm_splitk_reduce",
-        grid: [blocks(count, 256 / lanes), 1, 1],
-        block: [256 / lanes as u32, lanes as u32, 1],
+        grid: [blocks(count, 128), 1, 1],
+        block: [32, lanes as u32, 1],
         smem: 0,
         args: vec![
             part,

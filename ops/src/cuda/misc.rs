@@ -606,14 +606,16 @@ fn step_increment(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
 // ---- layer norm and column reductions ---------------------------------------------------------
 
 /// Row slices of a deterministic two-pass column reduction over `rows × cols`: enough
-/// CTAs to fill the GPU, at least 64 rows (8 a thread) per slice. A function of the shape
-/// only, so the summation order never changes. Returns (slices, rows per slice).
+/// CTAs to fill the GPU, at least 64 rows (8 a thread) per slice, at most 256 slices (the
+/// second pass adds a column's slices with 8 threads: 1024 made it a 17 µs serial chain
+/// on a 64-wide layer norm). A function of the shape only, so the summation order never
+/// changes. Returns (slices, rows per slice).
 fn col_slices(rows: usize, cols: usize) -> (usize, usize) {
     let col_blocks = cols.div_ceil(32).max(1);
     let s = rows
         .div_ceil(64)
         .min((2048 / col_blocks).max(1))
-        .clamp(1, 1024);
+        .clamp(1, 256);
     let per = rows.div_ceil(s).max(1);
     (rows.div_ceil(per).max(1), per)
 }
