@@ -648,14 +648,16 @@ ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p_128x256(ERASE_GEMM_PIPE_A
 #endif
 }
 
+namespace {
+
 // dst[b][r][c] = bf16(src[b·batch_src + r·ld + c]) (round to nearest even) for r < rows,
 // c < cols, 0 elsewhere in the padded [rp][cp] (cp a multiple of 8). One thread per 8
-// consecutive c: two float4 loads where ld and the base allow, one 16-byte store.
-// Grid (ceil(rp·cp/8 / 256), 1, batch), block 256.
-ERASE_KERNEL void __launch_bounds__(256)
-    gemm_to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
-                 long long batch_src, int rp, int cp) {
-    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+// consecutive c: two float4 loads where ld and the base allow, one 16-byte store. `blk`
+// is the CTA's index over ceil(rp·cp/8 / 256) CTAs of 256 threads.
+__device__ __forceinline__ void gemm_to_bf16_body(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst,
+                                                  int rows, int cols, long long ld, long long batch_src, int rp,
+                                                  int cp, long long blk) {
+    const long long i = blk * 256 + threadIdx.x;
     const int chunks = cp / 8;
     if (i >= static_cast<long long>(rp) * chunks) return;
     const int r = static_cast<int>(i / chunks), c = static_cast<int>(i % chunks) * 8;
@@ -685,15 +687,15 @@ ERASE_KERNEL void __launch_bounds__(256)
 }
 
 // The transposing form: dst[b][r][c] = bf16(src[b·batch_src + c·ld + r]) for r < rows,
-// c < cols, 0 elsewhere in [rp][cp] (rp, cp multiples of 8). A CTA moves a 64 (r) x 64 (c)
-// block through shared memory: coalesced f32 loads along r, 16-byte stores along c.
-// Grid (ceil(rp/64), ceil(cp/64), batch), block 256.
-ERASE_KERNEL void __launch_bounds__(256)
-    gemm_to_bf16_t(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
-                   long long batch_src, int rp, int cp) {
+// c < cols, 0 elsewhere in [rp][cp] (rp, cp multiples of 8). A CTA moves the 64 (r) x 64
+// (c) block (bx, by) through shared memory: coalesced f32 loads along r, 16-byte stores
+// along c. 256 threads.
+__device__ __forceinline__ void gemm_to_bf16_t_body(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst,
+                                                    int rows, int cols, long long ld, long long batch_src, int rp,
+                                                    int cp, int bx, int by) {
     __shared__ float tile[64][65];  // [c][r], padded against bank conflicts
     const int tid = threadIdx.x, tx = tid & 63, ty = tid >> 6;
-    const int r0 = blockIdx.x * 64, c0 = blockIdx.y * 64;
+    const int r0 = bx * 64, c0 = by * 64;
     src += blockIdx.z * batch_src;
     dst += static_cast<long long>(blockIdx.z) * rp * cp;
     const int r = r0 + tx;
@@ -715,6 +717,44 @@ ERASE_KERNEL void __launch_bounds__(256)
         o.w = gemm_pack_bf16(tile[ch + 6][rl], tile[ch + 7][rl]);
         *reinterpret_cast<uint4*>(dst + static_cast<long long>(rr) * cp + c) = o;
     }
+}
+
+}  // namespace
+
+// gemm_to_bf16 / gemm_to_bf16_t as above, one matrix a launch. Grid (ceil(rp·cp/8 / 256),
+// 1, batch) and (ceil(rp/64), ceil(cp/64), batch), block 256.
+ERASE_KERNEL void __launch_bounds__(256)
+    gemm_to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
+                 long long batch_src, int rp, int cp) {
+    gemm_to_bf16_body(src, dst, rows, cols, ld, batch_src, rp, cp, blockIdx.x);
+}
+
+ERASE_KERNEL void __launch_bounds__(256)
+    gemm_to_bf16_t(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
+                   long long batch_src, int rp, int cp) {
+    gemm_to_bf16_t_body(src, dst, rows, cols, ld, batch_src, rp, cp, blockIdx.x, blockIdx.y);
+}
+
+// Both operands of a pipelined GEMM in one launch (one launch fewer, and the small
+// operand's conversion runs beside the large one's instead of after it). Operand X (A or
+// B) takes CTAs [first_x, first_x + n_x) of grid x: plain when trans_x == 0 (n_x =
+// ceil(rp_x·cp/8 / 256)), else the transposing form (n_x = gx_x · ceil(cp/64), CTA i at
+// (i % gx_x, i / gx_x)). Grid (n_a + n_b, 1, batch), block 256.
+ERASE_KERNEL void __launch_bounds__(256)
+    gemm_to_bf16_pair(const float* __restrict__ src_a, __nv_bfloat16* __restrict__ dst_a, int rows_a, int cols_a,
+                      long long ld_a, long long batch_a, int rp_a, int trans_a, int gx_a, int n_a,
+                      const float* __restrict__ src_b, __nv_bfloat16* __restrict__ dst_b, int rows_b, int cols_b,
+                      long long ld_b, long long batch_b, int rp_b, int trans_b, int gx_b, int cp) {
+    int blk = blockIdx.x;
+    const bool a = blk < n_a;
+    if (!a) blk -= n_a;
+    const float* src = a ? src_a : src_b;
+    __nv_bfloat16* dst = a ? dst_a : dst_b;
+    const int rows = a ? rows_a : rows_b, cols = a ? cols_a : cols_b, rp = a ? rp_a : rp_b;
+    const long long ld = a ? ld_a : ld_b, bs = a ? batch_a : batch_b;
+    const int gx = a ? gx_a : gx_b;
+    if (a ? trans_a : trans_b) gemm_to_bf16_t_body(src, dst, rows, cols, ld, bs, rp, cp, blk % gx, blk / gx);
+    else gemm_to_bf16_body(src, dst, rows, cols, ld, bs, rp, cp, blk);
 }
 
 // C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU), for i < count; C is

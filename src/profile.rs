@@ -10,7 +10,7 @@ use erase_runtime::schedule::StepProgram;
 use erase_runtime::trace::{Trace, TraceKind};
 
 /// The CUDA kernels a node's launch runs, in order, joined by `+` (e.g.
-/// `gemm_to_bf16+gemm_to_bf16_t+gemm_bf16p_128x128+gemm_splitk_reduce`).
+/// `gemm_to_bf16_pair+gemm_bf16p_128x128+gemm_splitk_reduce`).
 pub fn kernels_of(g: &Graph, node: erase_graph::NodeId) -> String {
     let n = g.node(node);
     let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();

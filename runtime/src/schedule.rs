@@ -90,7 +90,7 @@ fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrar
     let helper = |c: &&KernelCall| {
         matches!(
             c.kernel,
-            "gemm_to_bf16" | "gemm_to_bf16_t" | "gemm_splitk_reduce"
+            "gemm_to_bf16" | "gemm_to_bf16_t" | "gemm_to_bf16_pair" | "gemm_splitk_reduce"
         )
     };
     let main = plan

@@ -908,7 +908,12 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
     // shapes large enough for the bf16 pre-rounding and the cp.async pipeline (2·M·N·K
     // ≥ 2^31): ragged M, N, K against the tiles and K = 1337 (odd leading dims, scalar
     // conversion) with bias; the model's deep forward (float4 conversion)
-    let cases: &[(usize, usize, usize, bool)] = &[(1101, 730, 1337, true), (2048, 512, 1728, true)];
+    let cases: &[(usize, usize, usize, bool)] = &[
+        (1101, 730, 1337, true),
+        (2048, 512, 1728, true),
+        // K under one k step of 64 more (padded), on a QKV-projection-like shape
+        (60_001, 192, 100, true),
+    ];
     for (seed, &(m, n, k, bias)) in cases.iter().enumerate() {
         let seed = 600 + 10 * seed as u64;
         let (x, xv) = f32_arg(&[m, k], seed, -1.0, 1.0);
