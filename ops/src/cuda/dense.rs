@@ -938,17 +938,17 @@ mod tests {
             &[&[4096, 1024]],
         )
         .unwrap();
-        assert_eq!(p.calls.len(), 3);
-        assert!(p.calls[2].kernel.starts_with("gemm_bf16p_"));
-        assert_eq!(p.calls[2].grid[2], 1);
-        // a short-K GEMM stays one launch
+        assert_eq!(p.calls.len(), 2);
+        assert!(p.calls[1].kernel.starts_with("gemm_bf16p_"));
+        assert_eq!(p.calls[1].grid[2], 1);
+        // a GEMM under 2^31 FLOPs stays one launch
         let p = plan_of(
             &Op::Linear {
                 bias: false,
                 relu: false,
             },
-            &[&[2048, 128], &[2048, 128]],
-            &[&[2048, 2048]],
+            &[&[4096, 128], &[1024, 128]],
+            &[&[4096, 1024]],
         )
         .unwrap();
         assert_eq!(p.calls.len(), 1);
@@ -966,12 +966,14 @@ mod tests {
         )
         .unwrap();
         let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names[0], "gemm_to_bf16_t");
-        assert_eq!(names[1], "gemm_to_bf16_t");
-        assert!(names[2].starts_with("gemm_bf16p_"), "{names:?}");
-        assert_eq!(names.get(3), Some(&"gemm_splitk_reduce"));
-        assert!(p.calls[2].smem > 48 * 1024);
-        let KArg::I32(splits) = p.calls[3].args[5] else {
+        assert_eq!(names[0], "gemm_to_bf16_pair");
+        // both operands transposed: the pair's trans flags (args 7 and 17)
+        assert_eq!(p.calls[0].args[7], KArg::I32(1));
+        assert_eq!(p.calls[0].args[17], KArg::I32(1));
+        assert!(names[1].starts_with("gemm_bf16p_"), "{names:?}");
+        assert_eq!(names.get(2), Some(&"gemm_splitk_reduce"));
+        assert!(p.calls[1].smem > 48 * 1024);
+        let KArg::I32(splits) = p.calls[2].args[5] else {
             panic!("splits")
         };
         assert!(splits > 1);
@@ -987,9 +989,10 @@ mod tests {
             &[&[4096, 1024]],
         )
         .unwrap();
-        assert_eq!(p.calls[0].kernel, "gemm_to_bf16");
-        assert_eq!(p.calls[1].kernel, "gemm_to_bf16");
-        assert_eq!(p.calls.len(), 3);
+        assert_eq!(p.calls[0].kernel, "gemm_to_bf16_pair");
+        assert_eq!(p.calls[0].args[7], KArg::I32(0));
+        assert_eq!(p.calls[0].args[17], KArg::I32(0));
+        assert_eq!(p.calls.len(), 2);
     }
 
     #[test]
