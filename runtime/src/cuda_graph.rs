@@ -116,6 +116,17 @@ fn to_reachability(anc: &[Vec<bool>], kernels: &[bool]) -> Reachability {
 }
 
 impl CudaProgram<'_> {
+    /// (priority, kernel nodes) of the captured graph's kernel nodes, most urgent (lowest
+    /// number) first: a node keeps the priority of the stream it was captured from.
+    pub fn kernel_node_priorities(&self) -> Result<Vec<(i32, usize)>, RuntimeError> {
+        let Some((graph, _)) = self.graph else {
+            return Err(RuntimeError::Device(
+                "no captured graph: call capture first".into(),
+            ));
+        };
+        crate::cuda_program::node_priorities(graph)
+    }
+
     /// The captured graph's order between launches, from its dependency edges: launch `b`
     /// is after `a` when a path of edges leads from a node of `a` to a node of `b`.
     pub fn captured_order(&self) -> Result<Reachability, RuntimeError> {

@@ -321,14 +321,22 @@ impl<'a> CudaProgram<'a> {
         let graph = unsafe { result::stream::end_capture(main) };
         issued?;
         let graph = graph.map_err(|e| err(&format!("ending the capture of {what}"), e))?;
-        // SAFETY: `graph` is the live graph just captured.
-        let exec = unsafe {
-            result::graph::instantiate(
-                graph,
-                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-            )
+        // the kernel nodes keep the priority of the stream they were captured from (the
+        // main stream's is the highest, the pool's the lowest): without USE_NODE_PRIORITY a
+        // graph runs every node at the priority of the stream it is launched into, and the
+        // forward waits behind early backward work (erase measured 1.4 % faster with it;
+        // ERASE_GRAPH_NODE_PRIORITY=0 turns it off)
+        let mut flags =
+            sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH as u64;
+        if std::env::var("ERASE_GRAPH_NODE_PRIORITY").map_or(true, |v| v != "0") {
+            flags |=
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY as u64;
         }
-        .map_err(|e| err(&format!("instantiating {what}"), e))?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `graph` is the live graph just captured; `exec` is a live out-pointer.
+        unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, flags) }
+            .result()
+            .map_err(|e| err(&format!("instantiating {what}"), e))?;
         self.events = (0..self.prog.events)
             .map(|_| self.dev.event(false))
             .collect::<Result<Vec<_>, _>>()?;
@@ -589,6 +597,47 @@ impl<'p> BlockRanges<'p> {
 }
 
 /// The kernel nodes of a captured graph.
+/// (priority, kernel nodes) of a graph's kernel nodes, by priority.
+pub(crate) fn node_priorities(graph: sys::CUgraph) -> Result<Vec<(i32, usize)>, RuntimeError> {
+    let err = |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
+    let mut n: usize = 0;
+    // SAFETY: a null node array asks only for the count.
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
+        .result()
+        .map_err(|e| err("counting graph nodes", e))?;
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` has room for the `n` nodes the graph holds.
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
+        .result()
+        .map_err(|e| err("listing graph nodes", e))?;
+    let mut by = std::collections::BTreeMap::new();
+    for &node in &nodes {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to the live graph.
+        unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+            .result()
+            .map_err(|e| err("graph node type", e))?;
+        if t != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            continue;
+        }
+        // SAFETY: all-zero bytes are a valid value of this plain-data union.
+        let mut v: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        // SAFETY: `node` is a kernel node of the live graph; `v` is a live out-value.
+        unsafe {
+            sys::cuGraphKernelNodeGetAttribute(
+                node,
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY,
+                &mut v,
+            )
+        }
+        .result()
+        .map_err(|e| err("kernel node priority", e))?;
+        // SAFETY: the driver wrote the priority member.
+        *by.entry(unsafe { v.priority }).or_insert(0) += 1;
+    }
+    Ok(by.into_iter().collect())
+}
+
 fn count_kernel_nodes(graph: sys::CUgraph) -> Result<usize, RuntimeError> {
     let err = |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
     let mut n: usize = 0;

@@ -143,6 +143,14 @@ fn captured_step_graph_orders_launches_exactly_as_the_program_does() {
         let mut prog = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 1).unwrap();
         let kernels = prog.capture().unwrap();
         assert_eq!(kernels, prog.kernel_launches());
+        // the main stream's nodes outrank the pool's (the graph runs by node priority)
+        let prio = prog.kernel_node_priorities().unwrap();
+        let pool = p.program.launches.iter().any(|l| l.stream.0 != 0);
+        assert_eq!(
+            prio.len(),
+            if pool { 2 } else { 1 },
+            "{variant:?}: kernel node priorities {prio:?}"
+        );
         let mask = prog.kernel_mask();
         let got = prog.captured_order().unwrap();
         let want = program_reachability(&p.program, &mask);
