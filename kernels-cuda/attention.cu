@@ -461,16 +461,30 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
     attn_load_tile<D>(sQ, q, ldi, 0, S, tid);
     attn_load_tile<D>(sdO, dO, W, 0, S, tid);
     if (tid < ATTN_ROWS) sL[tid] = tid < S ? __ldg(lse + lbase + tid) * ATTN_LOG2E : 0.f;
-    // D_i = Σ_c bf16(do_ic)·o_ic, the same order as attn_bwd_prep: warp w takes rows w, w+4, ..
-    for (int i = warp; i < ATTN_ROWS; i += ATTN_THREADS / 32) {
-        float d = 0.f;
-        if (i < S) {
-            const float* dor = dO + static_cast<long long>(i) * W;
-            const float* orow = o + static_cast<long long>(i) * W;
-            for (int c = lane; c < D; c += 32) d += erase_round_bf16(__ldg(dor + c)) * __ldg(orow + c);
+    // D_i = Σ_c bf16(do_ic)·o_ic, the same order as attn_bwd_prep: warp w takes rows w, w+4,
+    // ..; the loads of 8 rows are issued before their reductions (one row at a time left
+    // this loop bound by load latency)
+    constexpr int WARPS = ATTN_THREADS / 32, BATCH = 8;
+#pragma unroll
+    for (int j0 = 0; j0 < ATTN_ROWS / WARPS; j0 += BATCH) {
+        float dd[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int i = warp + (j0 + j) * WARPS;
+            float d = 0.f;
+            if (i < S) {
+                const float* dor = dO + static_cast<long long>(i) * W;
+                const float* orow = o + static_cast<long long>(i) * W;
+#pragma unroll
+                for (int c = lane; c < D; c += 32) d += erase_round_bf16(__ldg(dor + c)) * __ldg(orow + c);
+            }
+            dd[j] = d;
         }
-        d = erase_warp_sum(d);
-        if (lane == 0) sD[i] = d;
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const float d = erase_warp_sum(dd[j]);
+            if (lane == 0) sD[warp + (j0 + j) * WARPS] = d;
+        }
     }
     __syncthreads();
 
