@@ -96,7 +96,7 @@ impl Bench<'_> {
                 vec![(Shape::new(&[m, k]), DType::F32)],
             ),
             "dw" => (
-                Op::LinearGradWeight,
+                Op::LinearGradWeight { bias: false },
                 vec![
                     (Shape::new(&[m, n]), rand(1, m * n, 1.0)),
                     (Shape::new(&[m, k]), rand(2, m * k, 1.0)),
@@ -313,7 +313,7 @@ fn main() {
                     let (dy, w) = (s(0), s(1));
                     shapes.insert(("dx", dy.rows(), w.dims()[0], w.dims()[1]));
                 }
-                Op::LinearGradWeight => {
+                Op::LinearGradWeight { .. } => {
                     let (dy, x) = (s(0), s(1));
                     shapes.insert(("dw", dy.rows(), dy.last(), x.last()));
                 }

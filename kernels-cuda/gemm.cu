@@ -689,10 +689,12 @@ __device__ __forceinline__ void gemm_to_bf16_body(const float* __restrict__ src,
 // The transposing form: dst[b][r][c] = bf16(src[b·batch_src + c·ld + r]) for r < rows,
 // c < cols, 0 elsewhere in [rp][cp] (rp, cp multiples of 8). A CTA moves the 64 (r) x 64
 // (c) block (bx, by) through shared memory: coalesced f32 loads along r, 16-byte stores
-// along c. 256 threads.
+// along c. 256 threads. With `sums` (batch 1), it also writes the f32 sum of its 64 c of
+// row r, c ascending, to sums[by·rows + r]: a weight gradient's bias gradient in
+// ceil(cols/64) partials, without a pass over src of its own.
 __device__ __forceinline__ void gemm_to_bf16_t_body(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst,
                                                     int rows, int cols, long long ld, long long batch_src, int rp,
-                                                    int cp, int bx, int by) {
+                                                    int cp, int bx, int by, float* __restrict__ sums) {
     __shared__ float tile[64][65];  // [c][r], padded against bank conflicts
     const int tid = threadIdx.x, tx = tid & 63, ty = tid >> 6;
     const int r0 = bx * 64, c0 = by * 64;
@@ -705,6 +707,11 @@ __device__ __forceinline__ void gemm_to_bf16_t_body(const float* __restrict__ sr
         tile[cl][tx] = (r < rows && c < cols) ? __ldg(src + static_cast<long long>(c) * ld + r) : 0.f;
     }
     __syncthreads();
+    if (sums != nullptr && tid < 64 && r0 + tid < rows) {
+        float s = 0.f;
+        for (int cl = 0; cl < 64; ++cl) s += tile[cl][tid];
+        sums[static_cast<long long>(by) * rows + r0 + tid] = s;
+    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const int id = tid + j * 256, rl = id >> 3, ch = (id & 7) * 8;
@@ -732,19 +739,22 @@ ERASE_KERNEL void __launch_bounds__(256)
 ERASE_KERNEL void __launch_bounds__(256)
     gemm_to_bf16_t(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
                    long long batch_src, int rp, int cp) {
-    gemm_to_bf16_t_body(src, dst, rows, cols, ld, batch_src, rp, cp, blockIdx.x, blockIdx.y);
+    gemm_to_bf16_t_body(src, dst, rows, cols, ld, batch_src, rp, cp, blockIdx.x, blockIdx.y, nullptr);
 }
 
 // Both operands of a pipelined GEMM in one launch (one launch fewer, and the small
 // operand's conversion runs beside the large one's instead of after it). Operand X (A or
 // B) takes CTAs [first_x, first_x + n_x) of grid x: plain when trans_x == 0 (n_x =
 // ceil(rp_x·cp/8 / 256)), else the transposing form (n_x = gx_x · ceil(cp/64), CTA i at
-// (i % gx_x, i / gx_x)). Grid (n_a + n_b, 1, batch), block 256.
+// (i % gx_x, i / gx_x)). Grid (n_a + n_b, 1, batch), block 256. sums_a != 0 (a
+// transposed A, batch 1): A's rows also summed over their K into sums_a, in
+// ceil(K/64) partials of rows_a (see gemm_to_bf16_t_body).
 ERASE_KERNEL void __launch_bounds__(256)
     gemm_to_bf16_pair(const float* __restrict__ src_a, __nv_bfloat16* __restrict__ dst_a, int rows_a, int cols_a,
                       long long ld_a, long long batch_a, int rp_a, int trans_a, int gx_a, int n_a,
                       const float* __restrict__ src_b, __nv_bfloat16* __restrict__ dst_b, int rows_b, int cols_b,
-                      long long ld_b, long long batch_b, int rp_b, int trans_b, int gx_b, int cp) {
+                      long long ld_b, long long batch_b, int rp_b, int trans_b, int gx_b, int cp,
+                      float* __restrict__ sums_a, int sum_a) {
     int blk = blockIdx.x;
     const bool a = blk < n_a;
     if (!a) blk -= n_a;
@@ -753,7 +763,8 @@ ERASE_KERNEL void __launch_bounds__(256)
     const int rows = a ? rows_a : rows_b, cols = a ? cols_a : cols_b, rp = a ? rp_a : rp_b;
     const long long ld = a ? ld_a : ld_b, bs = a ? batch_a : batch_b;
     const int gx = a ? gx_a : gx_b;
-    if (a ? trans_a : trans_b) gemm_to_bf16_t_body(src, dst, rows, cols, ld, bs, rp, cp, blk % gx, blk / gx);
+    float* sums = a && sum_a ? sums_a : nullptr;
+    if (a ? trans_a : trans_b) gemm_to_bf16_t_body(src, dst, rows, cols, ld, bs, rp, cp, blk % gx, blk / gx, sums);
     else gemm_to_bf16_body(src, dst, rows, cols, ld, bs, rp, cp, blk);
 }
 

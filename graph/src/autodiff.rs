@@ -252,17 +252,27 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     );
                     b.contribute(ins[0], dx);
                 }
+                // the bias gradient from the weight gradient's own pass over dy when both
+                // are wanted, else a reduction of its own
+                let fused_db = *bias && needs(1) && needs(2);
                 if needs(1) {
-                    let dw = b.add1(
-                        Op::LinearGradWeight,
+                    let mut outs = vec![shape_of(&b, 1)];
+                    if fused_db {
+                        outs.push(shape_of(&b, 2));
+                    }
+                    let g = b.add(
+                        Op::LinearGradWeight { bias: fused_db },
                         vec![dy, ins[0]],
-                        shape_of(&b, 1),
+                        outs,
                         format!("{nm}.dw"),
                         id,
                     );
-                    b.contribute(ins[1], dw);
+                    b.contribute(ins[1], g[0]);
+                    if fused_db {
+                        b.contribute(ins[2], g[1]);
+                    }
                 }
-                if *bias && needs(2) {
+                if *bias && needs(2) && !fused_db {
                     let db = b.add1(
                         Op::SumToShape,
                         vec![dy],

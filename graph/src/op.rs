@@ -128,8 +128,12 @@ pub enum Op {
     // ---- backward ops (appended by autodiff) --------------------------------------
     /// `[dy, w] -> [dx]`: `dx = dy·w` over the rows of `dy` (the data gradient of `Linear`).
     LinearGradInput,
-    /// `[dy, x] -> [dw]`: `dw = dyᵀ·x` summed over all rows (the weight gradient).
-    LinearGradWeight,
+    /// `[dy, x] -> [dw]`: `dw = dyᵀ·x` summed over all rows (the weight gradient); with
+    /// `bias`, `[dy, x] -> [dw, db]`, `db` the column sums of `dy` (as `SumToShape` gives
+    /// them) from the same pass over `dy`.
+    LinearGradWeight {
+        bias: bool,
+    },
     /// `[dy, y] -> [dx]`
     ReluGrad,
     /// `[dy, x] -> [dx]`
@@ -234,7 +238,7 @@ impl Op {
             Op::Detach => "detach",
             Op::Cast { .. } => "cast",
             Op::LinearGradInput => "linear_grad_input",
-            Op::LinearGradWeight => "linear_grad_weight",
+            Op::LinearGradWeight { .. } => "linear_grad_weight",
             Op::ReluGrad => "relu_grad",
             Op::GeluGrad => "gelu_grad",
             Op::MulGrad => "mul_grad",

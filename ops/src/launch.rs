@@ -77,7 +77,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             ins[1].dims()[1],
             ins[1].dims()[0],
         ),
-        Op::LinearGradWeight => {
+        Op::LinearGradWeight { .. } => {
             let mut s = gemm(
                 "gemm_linear_dw",
                 outs[0].dims()[0],

@@ -272,7 +272,13 @@ fn linear_grad_weight_matches_the_bf16_reference() {
         let (x, xv) = f32_arg(&[rows, k], seed + 1, -1.0, 1.0);
         let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
         let ins = [dy, x];
-        let got = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+        let got = run_gpu(
+            dev,
+            &Op::LinearGradWeight { bias: false },
+            &ins,
+            &outs,
+            &mut [],
+        );
         let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
         assert_within(
             &format!("linear_grad_weight rows {rows} N {n} K {k}"),
@@ -281,11 +287,66 @@ fn linear_grad_weight_matches_the_bf16_reference() {
             &tol,
         );
         // split-K is deterministic: a second run gives the same bits
-        let again = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+        let again = run_gpu(
+            dev,
+            &Op::LinearGradWeight { bias: false },
+            &ins,
+            &outs,
+            &mut [],
+        );
         assert_eq!(
             bits(&got[0]),
             bits(&again[0]),
             "linear_grad_weight rows {rows}: two runs differ"
+        );
+    }
+}
+
+#[test]
+fn linear_grad_weight_with_the_bias_gradient_matches_the_reference() {
+    let Some(dev) = device("linear_grad_weight_with_the_bias_gradient_matches_the_reference")
+    else {
+        return;
+    };
+    // (rows, N, K): db summed while the pipelined path rounds dyᵀ (the cross layers'
+    // 4096 x 256 x 1728, ragged rows and N); past 256 partials of 64 rows (20000 rows) and
+    // on the single-launch path, by SumToShape's kernels appended to the plan
+    let cases = [
+        (4096, 256, 1728),
+        (4001, 300, 1000),
+        (20_000, 300, 1000),
+        (4096, 64, 13),
+    ];
+    for (seed, &(rows, n, k)) in cases.iter().enumerate() {
+        let seed = 900 + 10 * seed as u64;
+        let (dy, dyv) = f32_arg(&[rows, n], seed, -1.0, 1.0);
+        let (x, xv) = f32_arg(&[rows, k], seed + 1, -1.0, 1.0);
+        let outs: [(&[usize], DType); 2] = [(&[n, k], DType::F32), (&[n], DType::F32)];
+        let ins = [dy, x];
+        let op = Op::LinearGradWeight { bias: true };
+        let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
+        let what = format!("linear_grad_weight with bias, rows {rows} N {n} K {k}");
+        assert_within(&format!("{what}: dw"), &got[0].to_f64(), &want, &tol);
+        // db[j] = Σ_r dy[r, j] in f64; f32 sums in any order are within rows·2^-24·Σ|dy|
+        let (mut db, mut mag) = (vec![0.0f64; n], vec![0.0f64; n]);
+        for r in 0..rows {
+            for j in 0..n {
+                let v = f64::from(dyv[r * n + j]);
+                db[j] += v;
+                mag[j] += v.abs();
+            }
+        }
+        let db_tol: Vec<f64> = mag
+            .iter()
+            .map(|m| rows as f64 * 2f64.powi(-24) * m)
+            .collect();
+        assert_within(&format!("{what}: db"), &got[1].to_f64(), &db, &db_tol);
+        let again = run_gpu(dev, &op, &ins, &outs, &mut []);
+        assert_eq!(
+            bits(&got[1]),
+            bits(&again[1]),
+            "{what}: db differs run to run"
         );
     }
 }
@@ -946,7 +1007,13 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
     let (x, xv) = f32_arg(&[rows, k], 661, -1.0, 1.0);
     let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
     let ins = [dy, x];
-    let got = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+    let got = run_gpu(
+        dev,
+        &Op::LinearGradWeight { bias: false },
+        &ins,
+        &outs,
+        &mut [],
+    );
     let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
     assert_within(
         "pipelined linear_grad_weight",
@@ -954,7 +1021,13 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
         &want,
         &tol,
     );
-    let again = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
+    let again = run_gpu(
+        dev,
+        &Op::LinearGradWeight { bias: false },
+        &ins,
+        &outs,
+        &mut [],
+    );
     assert_eq!(
         bits(&got[0]),
         bits(&again[0]),
@@ -1026,7 +1099,13 @@ fn the_ctr_models_large_gemms_match_the_bf16_reference() {
         );
         // dw = dyᵀ·x
         let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
-        let got = run_gpu(dev, &Op::LinearGradWeight, &[dy, x], &outs, &mut []);
+        let got = run_gpu(
+            dev,
+            &Op::LinearGradWeight { bias: false },
+            &[dy, x],
+            &outs,
+            &mut [],
+        );
         let (want, tol) = gemm_ref((1, n, k, m), &dyv, true, &xv, false, None);
         assert_within(
             &format!("linear dw {n}x{k} over {m}"),

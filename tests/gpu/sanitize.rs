@@ -44,8 +44,14 @@ fn sanitize_gemm() {
         let x = arg(&[m, k], Buffer::F32(rand_f32(5, m * k, -1.0, 1.0)));
         let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
         let ins = vec![dy, x];
-        let g = run_gpu(dev, &Op::LinearGradWeight, &ins, &outs, &mut []);
-        let c = run_cpu(&Op::LinearGradWeight, &ins, &outs, &mut []);
+        let g = run_gpu(
+            dev,
+            &Op::LinearGradWeight { bias: false },
+            &ins,
+            &outs,
+            &mut [],
+        );
+        let c = run_cpu(&Op::LinearGradWeight { bias: false }, &ins, &outs, &mut []);
         close(&format!("linear dw {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
     }
 }

@@ -218,13 +218,24 @@ fn exec_typed<T: Elem>(
     // operands the kernels round to bf16: the two matrices of a GEMM (a bias is added in
     // f32), q, k, v of attention, and do, q, k, v of its backward
     let rounded_inputs = match call.op {
-        Op::Linear { .. } | Op::LinearGradInput | Op::LinearGradWeight | Op::MatMul { .. } => 2,
+        Op::Linear { .. }
+        | Op::LinearGradInput
+        | Op::LinearGradWeight { .. }
+        | Op::MatMul { .. } => 2,
         Op::Attention { packed: true, .. } => 1,
         Op::AttentionGrad { packed: true, .. } => 2,
         Op::Attention { .. } => 3,
         Op::AttentionGrad { .. } => 4,
         _ => 0,
     };
+    // the fused bias gradient sums dy as it is (SumToShape's kernel and order), before
+    // any rounding of the GEMM operands
+    if let Op::LinearGradWeight { bias: true } = call.op {
+        let [_, db] = outs else {
+            return Err("expected two outputs: dw and db".into());
+        };
+        kernels::sum_to_shape(get::<T>(ins[0], "dy")?, out(db)?);
+    }
     if call.bf16_gemm && rounded_inputs > 0 {
         let mut owned: Vec<Buffer> = Vec::with_capacity(ins.len());
         for (i, b) in ins.iter().enumerate() {
@@ -272,7 +283,8 @@ fn exec_inner<T: Elem>(
             let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
             kernels::linear_grad_input(dy, w, out(&mut outs[0])?, ish(0).rows(), k, n);
         }
-        Op::LinearGradWeight => {
+        Op::LinearGradWeight { .. } => {
+            // db (with `bias`) is summed in exec_typed from the unrounded dy
             let (dy, x) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "input")?);
             let (n, k) = (osh(0).dims()[0], osh(0).dims()[1]);
             kernels::linear_grad_weight(dy, x, out(&mut outs[0])?, ish(0).rows(), k, n);

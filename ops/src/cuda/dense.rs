@@ -1,8 +1,10 @@
 //! GEMM-shaped ops (linear and its gradients, matmul) and fused attention.
 //!
-//! GEMMs of at least 2^31 FLOPs with K ≥ 256 take the pipelined path: `gemm_to_bf16`
-//! (or `gemm_to_bf16_t` for an operand whose K is not the inner dim) rounds A and B to
-//! bf16 into K-major, zero-padded scratch, then `gemm_bf16p_<tile>` multiplies them
+//! GEMMs of at least 2^31 FLOPs with K ≥ 64 take the pipelined path: `gemm_to_bf16_pair`
+//! rounds A and B to bf16 into K-major, zero-padded scratch in one launch (transposing an
+//! operand whose K is not its inner dim; for a weight gradient with a bias it also sums
+//! dy's columns over each 64-row block, so the bias gradient costs no pass over dy of its
+//! own), then `gemm_bf16p_<tile>` multiplies them
 //! (wgmma on sm_90a, mma.sync on sm_80; a cp.async ring in dynamic shared memory), the
 //! tile and split count from a wave model of the H200. Smaller GEMMs run
 //! `gemm_bf16_<layout>_<tile>` in one launch, rounding as they load: layout
@@ -65,7 +67,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
     let p = match op {
         Op::Linear { bias, relu } => linear(o, *bias, *relu),
         Op::LinearGradInput => linear_grad_input(o),
-        Op::LinearGradWeight => linear_grad_weight(o),
+        Op::LinearGradWeight { bias } => linear_grad_weight(o, *bias),
         Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
         Op::Attention {
             heads,
@@ -122,6 +124,10 @@ struct Gemm {
     bias: Option<KArg>,
     /// ReLU in the epilogue (after the bias; after the split-K sum).
     relu: bool,
+    /// Where the sums of op(A)'s rows over K go (a weight gradient's bias gradient): the
+    /// pipelined path with a transposed A sums them while rounding A; see
+    /// [`linear_grad_weight`].
+    a_row_sums: Option<KArg>,
     lda: usize,
     ldb: usize,
     batch_a: usize,
@@ -388,11 +394,25 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         ];
         (args, ctas)
     };
+    let mut scratch = vec![batch * mp * kp * 2, batch * np * kp * 2];
+    if splits > 1 {
+        scratch.push(splits * count * 4);
+    }
+    // op(A)'s row sums: one partial per 64 of K, summed by colsum_final after the GEMM
+    let row_sums = g.a_row_sums.map(|out| {
+        let slices = kp.div_ceil(64);
+        scratch.push(slices * m * 4);
+        (out, KArg::Scratch(scratch.len() - 1), slices)
+    });
     let (mut conv_args, ctas_a) = part(g.a, 0, m, k, mp, g.ta, g.lda, g.batch_a);
     conv_args.push(KArg::I32(ctas_a as i32));
     let (args_b, ctas_b) = part(g.b, 1, n, k, np, !g.tb, g.ldb, g.batch_b);
     conv_args.extend(args_b);
     conv_args.push(KArg::I32(kpi));
+    match row_sums {
+        Some((_, part, _)) => conv_args.extend([part, KArg::I32(1)]),
+        None => conv_args.extend([g.a, KArg::I32(0)]),
+    }
     let convert = KernelCall {
         kernel: "gemm_to_bf16_pair",
         grid: [ctas_a + ctas_b, 1, batch as u32],
@@ -429,7 +449,6 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
             KArg::I32(if splits == 1 { flags } else { 0 }),
         ],
     };
-    let mut scratch = vec![batch * mp * kp * 2, batch * np * kp * 2];
     let mut calls = vec![convert, main];
     if splits > 1 {
         calls.push(reduce_call(
@@ -440,7 +459,9 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
             splits,
             flags,
         ));
-        scratch.push(splits * count * 4);
+    }
+    if let Some((out, part, slices)) = row_sums {
+        calls.push(super::misc::colsum_final_call(part, out, slices, m));
     }
     Ok(CudaPlan { calls, scratch })
 }
@@ -513,6 +534,7 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
         b: KArg::In(1),
         bias: bias.then_some(KArg::In(2)),
         relu,
+        a_row_sums: None,
         lda: k,
         ldb: k,
         batch_a: 0,
@@ -538,6 +560,7 @@ fn linear_grad_input(o: &Operands) -> Result<CudaPlan, String> {
         b: KArg::In(1),
         bias: None,
         relu: false,
+        a_row_sums: None,
         lda: n,
         ldb: k,
         batch_a: 0,
@@ -546,8 +569,8 @@ fn linear_grad_input(o: &Operands) -> Result<CudaPlan, String> {
 }
 
 /// `[dy, x] -> [dw]`: dw[N,K] = dy[M,N]ᵀ·x[M,K], K-dimension of the GEMM = the M rows.
-fn linear_grad_weight(o: &Operands) -> Result<CudaPlan, String> {
-    check_f32(o, 2, 1)?;
+fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
+    check_f32(o, 2, 1 + usize::from(bias))?;
     let (n, k) = matrix(o.outs[0], "the weight gradient")?;
     let rows = o.ins[0].rows();
     if o.ins[0].last() != n || o.ins[1].last() != k || o.ins[1].rows() != rows {
@@ -556,7 +579,10 @@ fn linear_grad_weight(o: &Operands) -> Result<CudaPlan, String> {
             o.ins[0], o.ins[1]
         ));
     }
-    gemm(Gemm {
+    if bias && o.outs[1].numel() != n {
+        return Err(format!("db {} does not match dw [{n}, {k}]", o.outs[1]));
+    }
+    let mut g = Gemm {
         ta: true,
         tb: false,
         batch: 1,
@@ -567,11 +593,30 @@ fn linear_grad_weight(o: &Operands) -> Result<CudaPlan, String> {
         b: KArg::In(1),
         bias: None,
         relu: false,
+        a_row_sums: None,
         lda: n,
         ldb: k,
         batch_a: 0,
         batch_b: 0,
-    })
+    };
+    // db = dy's column sums: while the pipelined path rounds dyᵀ (at most 256 partials of
+    // 64 rows for the second pass), else by the column reduction of SumToShape
+    let fused = bias && pipe_tile(&g).is_some() && rows.div_ceil(64) <= 256;
+    if fused {
+        g.a_row_sums = Some(KArg::Out(1));
+    }
+    let mut plan = gemm(g)?;
+    if bias && !fused {
+        super::misc::append_column_sums(
+            &mut plan.calls,
+            &mut plan.scratch,
+            KArg::In(0),
+            rows,
+            n,
+            KArg::Out(1),
+        );
+    }
+    Ok(plan)
 }
 
 /// `[a, b] -> [c]`: c = op(a)·op(b) over the last two dims, with an optional equal
@@ -607,6 +652,7 @@ fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
         b: KArg::In(1),
         bias: None,
         relu: false,
+        a_row_sums: None,
         lda: ca,
         ldb: cb,
         batch_a: ra * ca,
@@ -883,7 +929,7 @@ mod tests {
                 &[&[4096, 27, 64]],
             ),
             plan_of(
-                &Op::LinearGradWeight,
+                &Op::LinearGradWeight { bias: false },
                 &[&[110_592, 1], &[110_592, 351]],
                 &[&[1, 351]],
             ),
@@ -915,7 +961,7 @@ mod tests {
     #[test]
     fn long_reductions_split_k_in_a_fixed_number_of_parts() {
         let p = plan_of(
-            &Op::LinearGradWeight,
+            &Op::LinearGradWeight { bias: false },
             &[&[110_592, 1], &[110_592, 351]],
             &[&[1, 351]],
         )
@@ -960,7 +1006,7 @@ mod tests {
         // the CTR model's deep-layer weight gradient: 1024 x 1728 outputs over 4096 rows,
         // half a wave of 128x128 tiles: split in two, reduced in a fixed order
         let p = plan_of(
-            &Op::LinearGradWeight,
+            &Op::LinearGradWeight { bias: false },
             &[&[4096, 1024], &[4096, 1728]],
             &[&[1024, 1728]],
         )
@@ -979,6 +1025,20 @@ mod tests {
         assert!(splits > 1);
         assert_eq!(p.scratch.len(), 3);
         assert_eq!(p.scratch[2], splits as usize * 1024 * 1728 * 4);
+        // with the bias gradient: dy's column sums from the conversion (64 partials of 64
+        // rows in scratch 3), added by colsum_final after the GEMM; no pass of its own
+        let p = plan_of(
+            &Op::LinearGradWeight { bias: true },
+            &[&[4096, 1024], &[4096, 1728]],
+            &[&[1024, 1728], &[1024]],
+        )
+        .unwrap();
+        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names.last(), Some(&"colsum_final"), "{names:?}");
+        assert!(!names.contains(&"sum_to_shape_partial"), "{names:?}");
+        let conv = &p.calls[0].args;
+        assert_eq!(conv[conv.len() - 2..], [KArg::Scratch(3), KArg::I32(1)]);
+        assert_eq!(p.scratch[3], 64 * 1024 * 4);
         // the forward: x·wᵀ reads both operands K-major
         let p = plan_of(
             &Op::Linear {

@@ -184,7 +184,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         Op::Leaf(_)
         | Op::Linear { .. }
         | Op::LinearGradInput
-        | Op::LinearGradWeight
+        | Op::LinearGradWeight { .. }
         | Op::MatMul { .. }
         | Op::Attention { .. }
         | Op::AttentionGrad { .. } => return None,
@@ -620,6 +620,38 @@ fn col_slices(rows: usize, cols: usize) -> (usize, usize) {
     (rows.div_ceil(per).max(1), per)
 }
 
+/// `colsum_final`: `out[j] = Σ_{s < slices} part[s·n + j]` in a fixed order.
+pub(crate) fn colsum_final_call(part: KArg, out: KArg, slices: usize, n: usize) -> KernelCall {
+    kc(
+        "colsum_final",
+        [blocks(n, 32), 1, 1],
+        [32, 8, 1],
+        0,
+        vec![part, out, I32(slices as i32), n64(n)],
+    )
+}
+
+/// The launches of SumToShape over `rows × n` at `src` into `out`, appended to a plan
+/// (the bias gradient of a weight gradient that could not fuse it).
+pub(crate) fn append_column_sums(
+    calls: &mut Vec<KernelCall>,
+    scratch: &mut Vec<usize>,
+    src: KArg,
+    rows: usize,
+    n: usize,
+    out: KArg,
+) {
+    column_reduce(calls, scratch, rows, n, &[out], |s, per, t| {
+        kc(
+            "sum_to_shape_partial",
+            [blocks(n, 32), s, 1],
+            [32, 8, 1],
+            0,
+            vec![src, t[0], n64(rows), n64(n), n64(per)],
+        )
+    });
+}
+
 /// Pass 1 into `part` (or straight into the outputs when one slice suffices) and pass 2.
 /// `partial(slices, rows_per_slice, targets)` makes pass 1 given where it writes.
 fn column_reduce(
@@ -644,13 +676,7 @@ fn column_reduce(
         .collect();
     calls.push(partial(s as u32, per, &parts));
     for (p, out) in parts.iter().zip(outs) {
-        calls.push(kc(
-            "colsum_final",
-            [blocks(cols, 32), 1, 1],
-            [32, 8, 1],
-            0,
-            vec![*p, *out, I32(s as i32), n64(cols)],
-        ));
+        calls.push(colsum_final_call(*p, *out, s, cols));
     }
 }
 
@@ -771,15 +797,7 @@ fn sum_to_shape(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
     let rows = total / n;
     let mut calls = Vec::new();
     let mut scratch = Vec::new();
-    column_reduce(&mut calls, &mut scratch, rows, n, &[Out(0)], |s, per, t| {
-        kc(
-            "sum_to_shape_partial",
-            [blocks(n, 32), s, 1],
-            [32, 8, 1],
-            0,
-            vec![KArg::In(0), t[0], n64(rows), n64(n), n64(per)],
-        )
-    });
+    append_column_sums(&mut calls, &mut scratch, KArg::In(0), rows, n, Out(0));
     Ok(plan_of(calls, scratch))
 }
 
