@@ -709,8 +709,7 @@ fn layer_norm(op: &Op, o: &Operands, eps: f64) -> Result<CudaPlan, String> {
         F32(eps as f32),
     ];
     Ok(plan_of(
-        // a warp takes two rows at a time
-        vec![warp_rows("layer_norm_fwd", rows.div_ceil(2), args)],
+        vec![warp_rows("layer_norm_fwd", rows, args)],
         vec![],
     ))
 }
@@ -739,7 +738,7 @@ fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
     let di = i32_of(d, "layer_norm width")?;
     let mut calls = vec![warp_rows(
         "layer_norm_bwd_dx",
-        rows.div_ceil(2),
+        rows,
         vec![
             KArg::In(0),
             KArg::In(1),
