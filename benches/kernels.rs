@@ -126,6 +126,52 @@ impl Bench<'_> {
         });
     }
 
+    /// The pipelined GEMM's passes at n³ timed one by one: the wgmma kernel alone is a
+    /// bf16 GEMM (operands already bf16 in device memory), what `torch.matmul` on bf16
+    /// tensors measures; the rounding of the f32 operands is the pass before it.
+    fn gemm_bf16_kernel(&mut self, n: usize) {
+        if self.skip("gemm mm") {
+            return;
+        }
+        let op = Op::MatMul {
+            ta: false,
+            tb: false,
+        };
+        let ins = [
+            (Shape::new(&[n, n]), rand(1, n * n, 1.0)),
+            (Shape::new(&[n, n]), rand(2, n * n, 1.0)),
+        ];
+        let i: Vec<(&Shape, &Buffer)> = ins.iter().map(|(s, b)| (s, b)).collect();
+        let outs = [(Shape::new(&[n, n]), DType::F32)];
+        let calls = match self.dev.time_node_calls(&op, &i, &outs, 3, self.iters) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("gemm passes: {e}");
+                return;
+            }
+        };
+        for (kernel, ms) in calls {
+            let main = kernel.starts_with("gemm_bf16p_");
+            self.rows.push(Row {
+                name: format!("gemm mm M={n} N={n} K={n}: pass {kernel}"),
+                kind: "gemm",
+                ms,
+                flops: if main { 2.0 * (n * n * n) as f64 } else { 0.0 },
+                bytes: if main {
+                    (4 * n * n + 4 * n * n) as f64
+                } else {
+                    12.0 * (n * n) as f64
+                },
+                // the wgmma pass is the bf16 GEMM PyTorch times; the others have no twin
+                torch: if main {
+                    format!("{{\"op\":\"gemm\",\"kind\":\"mm\",\"m\":{n},\"n\":{n},\"k\":{n}}}")
+                } else {
+                    "{\"op\":\"none\"}".into()
+                },
+            });
+        }
+    }
+
     fn attention(&mut self, b: usize, h: usize, s: usize, dh: usize) {
         if self.skip("attention") {
             return;
@@ -291,6 +337,7 @@ fn main() {
     };
     b.copy(1 << 28);
     b.gemm("mm", 4096, 4096, 4096);
+    b.gemm_bf16_kernel(4096);
     // every GEMM shape of the spec's CTR model at batch 4096
     let cfg = CtrConfig::default();
     let mut shapes = BTreeSet::new();

@@ -612,6 +612,51 @@ impl CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// Times each launch of one op's plan separately (events between the launches):
+    /// `warmup` untimed runs, then per launch the median of `iters` runs. (kernel,
+    /// milliseconds) in plan order; for benchmarks that split an op into its passes (the
+    /// pipelined GEMM's operand rounding, its wgmma kernel, the split-K sum).
+    pub fn time_node_calls(
+        &self,
+        op: &Op,
+        ins: &[(&Shape, &Buffer)],
+        outs: &[(Shape, DType)],
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Vec<(&'static str, f64)>, RuntimeError> {
+        let node = NodeOnDevice::new(self, op, ins, outs, &[])?;
+        let s = self.stream(true)?;
+        let calls = &node.plan.calls;
+        let marks = (0..=calls.len())
+            .map(|_| self.event(true))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ptr = node.pointers();
+        let mut times = vec![Vec::with_capacity(iters); calls.len()];
+        for i in 0..warmup + iters {
+            marks[0].record(&s)?;
+            for (c, call) in calls.iter().enumerate() {
+                self.launch(call, &s, &ptr)?;
+                marks[c + 1].record(&s)?;
+            }
+            marks[calls.len()].synchronize()?;
+            if i >= warmup {
+                for (c, t) in times.iter_mut().enumerate() {
+                    t.push(f64::from(marks[c + 1].elapsed_ms_since(&marks[c])?));
+                }
+            }
+        }
+        Ok(calls
+            .iter()
+            .zip(times)
+            .map(|(call, mut t)| {
+                t.sort_by(f64::total_cmp);
+                (call.kernel, t.get(t.len() / 2).copied().unwrap_or(f64::NAN))
+            })
+            .collect())
+    }
+}
+
 /// One op's plan with its operands in device memory (inputs uploaded; outputs and
 /// scratch poisoned with NaN so an unwritten element shows).
 struct NodeOnDevice {
@@ -669,8 +714,9 @@ impl NodeOnDevice {
         })
     }
 
-    fn launch(&self, dev: &CudaDevice, s: &Stream) -> Result<(), RuntimeError> {
-        let ptr = |a: KArg| -> Option<u64> {
+    /// The device pointer of a pointer argument of this node's launches.
+    fn pointers(&self) -> impl Fn(KArg) -> Option<u64> + '_ {
+        move |a: KArg| -> Option<u64> {
             match a {
                 KArg::In(i) => self.ins.get(i).map(|b| b.ptr),
                 KArg::Out(i) => self.out.get(i).map(|b| b.ptr),
@@ -678,7 +724,11 @@ impl NodeOnDevice {
                 KArg::Scratch(i) => self.scratch.get(i).map(|b| b.ptr),
                 _ => None,
             }
-        };
+        }
+    }
+
+    fn launch(&self, dev: &CudaDevice, s: &Stream) -> Result<(), RuntimeError> {
+        let ptr = self.pointers();
         for call in &self.plan.calls {
             dev.launch(call, s, &ptr)?;
         }
