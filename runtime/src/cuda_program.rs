@@ -597,8 +597,7 @@ impl<'p> BlockRanges<'p> {
 }
 
 /// The kernel nodes of a captured graph.
-/// (priority, kernel nodes) of a graph's kernel nodes, by priority.
-pub(crate) fn node_priorities(graph: sys::CUgraph) -> Result<Vec<(i32, usize)>, RuntimeError> {
+fn kernel_nodes(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, RuntimeError> {
     let err = |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
     let mut n: usize = 0;
     // SAFETY: a null node array asks only for the count.
@@ -610,16 +609,28 @@ pub(crate) fn node_priorities(graph: sys::CUgraph) -> Result<Vec<(i32, usize)>, 
     unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
         .result()
         .map_err(|e| err("listing graph nodes", e))?;
-    let mut by = std::collections::BTreeMap::new();
-    for &node in &nodes {
+    let mut kernels = Vec::with_capacity(n);
+    for node in nodes {
         let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
         // SAFETY: `node` belongs to the live graph.
         unsafe { sys::cuGraphNodeGetType(node, &mut t) }
             .result()
             .map_err(|e| err("graph node type", e))?;
-        if t != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
-            continue;
+        if t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            kernels.push(node);
         }
+    }
+    Ok(kernels)
+}
+
+fn count_kernel_nodes(graph: sys::CUgraph) -> Result<usize, RuntimeError> {
+    Ok(kernel_nodes(graph)?.len())
+}
+
+/// (priority, kernel nodes) of a graph's kernel nodes, by priority.
+pub(crate) fn node_priorities(graph: sys::CUgraph) -> Result<Vec<(i32, usize)>, RuntimeError> {
+    let mut by = std::collections::BTreeMap::new();
+    for node in kernel_nodes(graph)? {
         // SAFETY: all-zero bytes are a valid value of this plain-data union.
         let mut v: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
         // SAFETY: `node` is a kernel node of the live graph; `v` is a live out-value.
@@ -631,35 +642,11 @@ pub(crate) fn node_priorities(graph: sys::CUgraph) -> Result<Vec<(i32, usize)>, 
             )
         }
         .result()
-        .map_err(|e| err("kernel node priority", e))?;
+        .map_err(|e| RuntimeError::Device(format!("kernel node priority: {e:?}")))?;
         // SAFETY: the driver wrote the priority member.
         *by.entry(unsafe { v.priority }).or_insert(0) += 1;
     }
     Ok(by.into_iter().collect())
-}
-
-fn count_kernel_nodes(graph: sys::CUgraph) -> Result<usize, RuntimeError> {
-    let err = |what: &str, e: result::DriverError| RuntimeError::Device(format!("{what}: {e:?}"));
-    let mut n: usize = 0;
-    // SAFETY: a null node array asks only for the count.
-    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
-        .result()
-        .map_err(|e| err("counting graph nodes", e))?;
-    let mut nodes = vec![std::ptr::null_mut(); n];
-    // SAFETY: `nodes` has room for the `n` nodes the graph holds.
-    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
-        .result()
-        .map_err(|e| err("listing graph nodes", e))?;
-    let mut kernels = 0;
-    for &node in &nodes {
-        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-        // SAFETY: `node` belongs to the live graph.
-        unsafe { sys::cuGraphNodeGetType(node, &mut t) }
-            .result()
-            .map_err(|e| err("graph node type", e))?;
-        kernels += usize::from(t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL);
-    }
-    Ok(kernels)
 }
 
 /// Runs `work(0)` on this thread and `work(1)` on a dispatcher thread (threaded

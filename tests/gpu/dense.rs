@@ -254,100 +254,61 @@ fn linear_grad_weight_matches_the_bf16_reference() {
     let Some(dev) = device("linear_grad_weight_matches_the_bf16_reference") else {
         return;
     };
-    // (rows, N, K) of dw[N,K] = dy[rows,N]ᵀ·x[rows,K]: the GEMM's inner dim is the rows,
-    // long like the model's 4096·27 (split-K with a fixed-order reduction)
+    // (rows, N, K, bias) of dw[N,K] = dyᵀ·x (+ db = dy's column sums): the GEMM's inner
+    // dim is the rows, long like the model's 4096·27 (split-K with a fixed-order
+    // reduction); AutoInt's output projection (hundreds of splits, reduced by 32 lanes a
+    // column group). With the bias gradient: summed while the pipelined path rounds dyᵀ
+    // (the cross layers' 4096 x 256 x 1728, ragged rows and N), past 256 partials of 64
+    // rows (20000 rows) and on the single-launch path by SumToShape's kernels appended
     let cases = [
-        (1, 5, 7),
-        (30_000, 1, 351),
-        (30_000, 64, 13),
-        (4097, 33, 31),
-        (1729, 130, 129),
-        (2001, 1, 1),
-        // AutoInt's o projection: hundreds of splits, reduced by 32 lanes a column group
-        (110_592, 64, 64),
+        (1, 5, 7, false),
+        (30_000, 1, 351, false),
+        (30_000, 64, 13, false),
+        (4097, 33, 31, false),
+        (1729, 130, 129, false),
+        (2001, 1, 1, false),
+        (110_592, 64, 64, false),
+        (4096, 256, 1728, true),
+        (4001, 300, 1000, true),
+        (20_000, 300, 1000, true),
+        (4096, 64, 13, true),
     ];
-    for (seed, &(rows, n, k)) in cases.iter().enumerate() {
+    for (seed, &(rows, n, k, bias)) in cases.iter().enumerate() {
         let seed = 300 + 10 * seed as u64;
         let (dy, dyv) = f32_arg(&[rows, n], seed, -1.0, 1.0);
         let (x, xv) = f32_arg(&[rows, k], seed + 1, -1.0, 1.0);
-        let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+        let (dw_shape, db_shape) = ([n, k], [n]);
+        let mut outs: Vec<(&[usize], DType)> = vec![(&dw_shape, DType::F32)];
+        if bias {
+            outs.push((&db_shape, DType::F32));
+        }
         let ins = [dy, x];
-        let got = run_gpu(
-            dev,
-            &Op::LinearGradWeight { bias: false },
-            &ins,
-            &outs,
-            &mut [],
-        );
-        let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
-        assert_within(
-            &format!("linear_grad_weight rows {rows} N {n} K {k}"),
-            &got[0].to_f64(),
-            &want,
-            &tol,
-        );
-        // split-K is deterministic: a second run gives the same bits
-        let again = run_gpu(
-            dev,
-            &Op::LinearGradWeight { bias: false },
-            &ins,
-            &outs,
-            &mut [],
-        );
-        assert_eq!(
-            bits(&got[0]),
-            bits(&again[0]),
-            "linear_grad_weight rows {rows}: two runs differ"
-        );
-    }
-}
-
-#[test]
-fn linear_grad_weight_with_the_bias_gradient_matches_the_reference() {
-    let Some(dev) = device("linear_grad_weight_with_the_bias_gradient_matches_the_reference")
-    else {
-        return;
-    };
-    // (rows, N, K): db summed while the pipelined path rounds dyᵀ (the cross layers'
-    // 4096 x 256 x 1728, ragged rows and N); past 256 partials of 64 rows (20000 rows) and
-    // on the single-launch path, by SumToShape's kernels appended to the plan
-    let cases = [
-        (4096, 256, 1728),
-        (4001, 300, 1000),
-        (20_000, 300, 1000),
-        (4096, 64, 13),
-    ];
-    for (seed, &(rows, n, k)) in cases.iter().enumerate() {
-        let seed = 900 + 10 * seed as u64;
-        let (dy, dyv) = f32_arg(&[rows, n], seed, -1.0, 1.0);
-        let (x, xv) = f32_arg(&[rows, k], seed + 1, -1.0, 1.0);
-        let outs: [(&[usize], DType); 2] = [(&[n, k], DType::F32), (&[n], DType::F32)];
-        let ins = [dy, x];
-        let op = Op::LinearGradWeight { bias: true };
+        let op = Op::LinearGradWeight { bias };
         let got = run_gpu(dev, &op, &ins, &outs, &mut []);
         let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
-        let what = format!("linear_grad_weight with bias, rows {rows} N {n} K {k}");
-        assert_within(&format!("{what}: dw"), &got[0].to_f64(), &want, &tol);
-        // db[j] = Σ_r dy[r, j] in f64; f32 sums in any order are within rows·2^-24·Σ|dy|
-        let (mut db, mut mag) = (vec![0.0f64; n], vec![0.0f64; n]);
-        for r in 0..rows {
-            for j in 0..n {
-                let v = f64::from(dyv[r * n + j]);
-                db[j] += v;
-                mag[j] += v.abs();
+        let what = format!("linear_grad_weight rows {rows} N {n} K {k} bias {bias}");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        if bias {
+            // db[j] = Σ_r dy[r, j] in f64; f32 sums in any order: within rows·2^-24·Σ|dy|
+            let (mut db, mut mag) = (vec![0.0f64; n], vec![0.0f64; n]);
+            for r in 0..rows {
+                for j in 0..n {
+                    let v = f64::from(dyv[r * n + j]);
+                    db[j] += v;
+                    mag[j] += v.abs();
+                }
             }
+            let tol: Vec<f64> = mag
+                .iter()
+                .map(|m| rows as f64 * 2f64.powi(-24) * m)
+                .collect();
+            assert_within(&format!("{what}: db"), &got[1].to_f64(), &db, &tol);
         }
-        let db_tol: Vec<f64> = mag
-            .iter()
-            .map(|m| rows as f64 * 2f64.powi(-24) * m)
-            .collect();
-        assert_within(&format!("{what}: db"), &got[1].to_f64(), &db, &db_tol);
+        // split-K and the partial sums are deterministic: a second run gives the same bits
         let again = run_gpu(dev, &op, &ins, &outs, &mut []);
-        assert_eq!(
-            bits(&got[1]),
-            bits(&again[1]),
-            "{what}: db differs run to run"
-        );
+        for (a, b) in got.iter().zip(&again) {
+            assert_eq!(bits(a), bits(b), "{what}: two runs differ");
+        }
     }
 }
 
