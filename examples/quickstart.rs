@@ -9,10 +9,8 @@ fn main() -> anyhow::Result<()> {
     let mut g = Graph::new(DType::F32);
     let x = g.input("x", &[256, 13], DType::F32)?;
     let y = g.input("y", &[256], DType::F32)?;
-    let h = g.scoped("block", |g| {
-        let h = g.linear(x, 64)?;
-        g.relu(h)
-    })?;
+    // linear + ReLU as one op: the ReLU runs in the GEMM's epilogue on a GPU
+    let h = g.scoped("block", |g| g.linear_relu(x, 64))?;
     let head = g.scoped("block_head", |g| g.linear(h, 1))?;
     let aux = g.bce_with_logits(head, y)?;
     g.loss(aux, 1.0)?; // the block's local loss

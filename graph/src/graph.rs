@@ -492,6 +492,13 @@ impl Graph {
     /// A fully connected layer `x·wᵀ + b` with fresh parameters `{name}.weight` `[out, in]`
     /// (uniform ±1/sqrt(in)) and `{name}.bias` (zeros).
     pub fn linear(&mut self, x: Tensor, out: usize) -> Result<Tensor> {
+        let (w, b) = self.linear_params(x, out)?;
+        self.linear_with(x, w, Some(b))
+    }
+
+    /// A new linear layer's weight (uniform ±1/sqrt(K)) and bias (zeros), named after the
+    /// node it will make.
+    fn linear_params(&mut self, x: Tensor, out: usize) -> Result<(Tensor, Tensor)> {
         let k = self.shape(x).last();
         if out == 0 {
             return Err(self.invalid("linear", "zero output features".into()));
@@ -506,7 +513,14 @@ impl Graph {
             Init::Uniform { bound },
         )?;
         let b = self.param(&format!("{base}.bias"), &[out], Init::Zeros)?;
-        self.linear_with(x, w, Some(b))
+        Ok((w, b))
+    }
+
+    /// `relu(x·wᵀ + b)` with new parameters initialised as [`Graph::linear`]'s, the ReLU in
+    /// the GEMM's epilogue (see [`Graph::linear_relu_with`]).
+    pub fn linear_relu(&mut self, x: Tensor, out: usize) -> Result<Tensor> {
+        let (w, b) = self.linear_params(x, out)?;
+        self.linear_relu_with(x, w, Some(b))
     }
 
     /// `x·wᵀ (+ b)` with given parameters: x `[.., K]`, w `[N, K]`, b `[N]`.
