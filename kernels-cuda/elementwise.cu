@@ -1,6 +1,7 @@
-// Elementwise maps and copies: add/mul with suffix broadcasting, scale, the activations
-// and their gradients, casts, the n-ary gradient sum, fills, the step counter, and the
-// shape ops (concat/slice/pad as strided row copies, reshape/detach as a plain copy).
+// Elementwise maps and copies: add/mul with suffix broadcasting, the fused products of
+// same-shape tensors (mul_add, mul_grad: float4 lanes), scale, the activations and their
+// gradients, casts, the n-ary gradient sum, fills, the step counter, and the shape ops
+// (concat/slice/pad as strided row copies, reshape/detach as a plain copy).
 //
 // Tiling: 1-D grid-stride loops; 256 threads per CTA, a grid of at most a few thousand
 // CTAs (the plan caps it), each thread one element per iteration, consecutive threads on
