@@ -277,3 +277,53 @@ fn early_per_block_updates_run_after_their_block_and_train_the_same_bits() {
         );
     }
 }
+
+#[test]
+fn the_ctr_step_uses_the_fused_forms() {
+    use erase::graph::Op;
+    for variant in [Variant::Baseline, Variant::Erase] {
+        let p = plan(&tiny(variant), 4);
+        let g = &p.model.graph;
+        let count = |f: &dyn Fn(&Op) -> bool| g.nodes().iter().filter(|n| f(&n.op)).count();
+        // AutoInt reads q, k, v in place: no slices of the projection, no pads back
+        assert_eq!(
+            count(&|o| matches!(o, Op::Pad { .. })),
+            0,
+            "{variant:?}: pads"
+        );
+        assert!(
+            count(&|o| matches!(o, Op::Attention { packed: true, .. })) > 0,
+            "{variant:?}: no packed attention"
+        );
+        assert_eq!(
+            count(&|o| matches!(o, Op::Attention { packed: false, .. })),
+            0,
+            "{variant:?}: attention on sliced q, k, v"
+        );
+        // a ReLU straight after a linear is the linear's epilogue
+        for n in g.nodes() {
+            if matches!(n.op, Op::Relu) {
+                let producer = g.info(n.inputs[0]).producer;
+                assert!(
+                    !matches!(g.node(producer).op, Op::Linear { .. }),
+                    "{variant:?}: '{}' is a separate ReLU after a linear",
+                    n.name
+                );
+            }
+        }
+        assert!(count(&|o| matches!(o, Op::Linear { relu: true, .. })) >= 10);
+        // the cross update is one mul_add a layer; the bias gradients come with dw
+        assert_eq!(
+            count(&|o| matches!(o, Op::MulAdd)),
+            3,
+            "{variant:?}: mul_add"
+        );
+        assert_eq!(
+            count(&|o| matches!(o, Op::SumToShape)),
+            0,
+            "{variant:?}: a bias gradient of its own"
+        );
+        assert!(count(&|o| matches!(o, Op::LinearGradWeight { bias: true })) >= 10);
+        assert!(count(&|o| matches!(o, Op::MulGrad)) >= 4);
+    }
+}
