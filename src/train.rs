@@ -181,6 +181,30 @@ impl std::fmt::Debug for Data {
 }
 
 impl TrainConfig {
+    /// `steps` steps of `model` on the synthetic data with every other setting at its
+    /// default: seeds 0, evaluation at the end on one batch, one thread, the default
+    /// schedule and optimizer, no warm-up, checkpoint or trace, blocking dispatch.
+    pub fn new(model: CtrConfig, steps: usize) -> Self {
+        TrainConfig {
+            eval_examples: model.batch,
+            model,
+            steps,
+            seed: 0,
+            data_seed: 0,
+            eval_every: 0,
+            threads: 1,
+            schedule: ScheduleOptions::default(),
+            optimizer: OptimizerConfig::default(),
+            warmup: 0,
+            checkpoint: None,
+            checkpoint_every: 0,
+            resume: None,
+            dispatch: Dispatch::default(),
+            data: Data::default(),
+            trace: None,
+        }
+    }
+
     /// What must match between a checkpoint and the run that resumes it.
     pub fn identity(&self) -> String {
         format!(

@@ -2,9 +2,9 @@
 //! checkpoint is refused with a clear error; a non-finite loss stops training naming the
 //! step and the block.
 
-use erase::graph::{DenseOptimizer, OptimizerConfig};
+use erase::graph::DenseOptimizer;
 use erase::model::ctr::CtrConfig;
-use erase::train::{train, Eval, Progress, ScheduleOptions, TrainConfig};
+use erase::train::{train, Eval, Progress, TrainConfig};
 
 struct Quiet;
 impl Progress for Quiet {
@@ -17,22 +17,12 @@ fn cfg(steps: usize, dir: &std::path::Path, name: &str) -> TrainConfig {
     model.batch = 32;
     model.rows = 100;
     TrainConfig {
-        model,
-        steps,
         seed: 3,
         data_seed: 1,
-        eval_every: 0,
         eval_examples: 32,
         threads: 2,
-        schedule: ScheduleOptions::default(),
-        optimizer: OptimizerConfig::default(),
-        warmup: 0,
         checkpoint: Some(dir.join(name)),
-        checkpoint_every: 0,
-        resume: None,
-        dispatch: Default::default(),
-        data: Default::default(),
-        trace: None,
+        ..TrainConfig::new(model, steps)
     }
 }
 

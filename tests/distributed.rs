@@ -5,31 +5,18 @@
 use std::time::{Duration, Instant};
 
 use erase::distributed::{train_data_parallel_cpu, FailAt};
-use erase::graph::OptimizerConfig;
 use erase::model::ctr::CtrConfig;
-use erase::train::{plan_step, ScheduleOptions, Session, TrainConfig};
+use erase::train::{plan_step, Session, TrainConfig};
 
 fn cfg(steps: usize) -> TrainConfig {
     let mut model = CtrConfig::small();
     model.batch = 64;
     model.rows = 100;
     TrainConfig {
-        model,
-        steps,
         seed: 7,
         data_seed: 3,
-        eval_every: 0,
         eval_examples: 64,
-        threads: 1,
-        schedule: ScheduleOptions::default(),
-        optimizer: OptimizerConfig::default(),
-        warmup: 0,
-        checkpoint: None,
-        checkpoint_every: 0,
-        resume: None,
-        dispatch: Default::default(),
-        data: Default::default(),
-        trace: None,
+        ..TrainConfig::new(model, steps)
     }
 }
 

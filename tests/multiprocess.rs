@@ -9,10 +9,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use erase::distributed::train_data_parallel_cpu;
-use erase::graph::OptimizerConfig;
 use erase::launch::fnv64;
 use erase::model::ctr::CtrConfig;
-use erase::train::{ScheduleOptions, TrainConfig};
+use erase::train::TrainConfig;
 
 const EXE: &str = env!("CARGO_BIN_EXE_erase-ctr");
 
@@ -128,22 +127,10 @@ fn two_processes_keep_replicas_bit_identical_and_log_the_same_collectives() {
     model.batch = 64;
     model.rows = 100;
     let cfg = TrainConfig {
-        model,
-        steps: 20,
         seed: 7,
         data_seed: 3,
-        eval_every: 0,
         eval_examples: 64,
-        threads: 1,
-        schedule: ScheduleOptions::default(),
-        optimizer: OptimizerConfig::default(),
-        warmup: 0,
-        checkpoint: None,
-        checkpoint_every: 0,
-        resume: None,
-        dispatch: Default::default(),
-        data: Default::default(),
-        trace: None,
+        ..TrainConfig::new(model, 20)
     };
     let threads = train_data_parallel_cpu(&cfg, 2, Duration::from_secs(60), None).unwrap();
     let state = &threads[0].as_ref().unwrap().state;
