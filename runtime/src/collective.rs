@@ -20,7 +20,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// One call of a collective, as every rank records it in its log.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct CollectiveRecord {
     /// The call's sequence number on this rank: 0, 1, 2, ...
     pub seq: u64,
@@ -30,6 +30,34 @@ pub struct CollectiveRecord {
     pub bucket: String,
     /// This rank's payload in bytes (0 for a barrier).
     pub bytes: usize,
+}
+
+/// The calls one rank has made, in order: every backend keeps one, and a call's sequence
+/// number is its place in it.
+#[derive(Clone, Debug, Default)]
+pub struct CallLog(Vec<CollectiveRecord>);
+
+impl CallLog {
+    /// Records the next call and returns its record.
+    pub fn record(&mut self, kind: &'static str, bucket: &str, bytes: usize) -> CollectiveRecord {
+        let r = CollectiveRecord {
+            seq: self.0.len() as u64,
+            kind,
+            bucket: bucket.to_string(),
+            bytes,
+        };
+        self.0.push(r.clone());
+        r
+    }
+
+    pub fn records(&self) -> &[CollectiveRecord] {
+        &self.0
+    }
+
+    /// The last call's record (a default one before any call).
+    pub fn last(&self) -> CollectiveRecord {
+        self.0.last().cloned().unwrap_or_default()
+    }
 }
 
 impl fmt::Display for CollectiveRecord {
@@ -118,8 +146,7 @@ pub fn cpu_group(world: usize, timeout: Duration) -> Vec<CpuCollective> {
             rank,
             world,
             timeout,
-            seq: 0,
-            log: Vec::new(),
+            log: CallLog::default(),
             shared: Arc::clone(&shared),
         })
         .collect()
@@ -130,8 +157,7 @@ pub struct CpuCollective {
     rank: usize,
     world: usize,
     timeout: Duration,
-    seq: u64,
-    log: Vec<CollectiveRecord>,
+    log: CallLog,
     shared: Arc<Shared>,
 }
 
@@ -215,15 +241,8 @@ impl CpuCollective {
         bytes: usize,
         payload: Payload,
     ) -> Result<Arc<Payload>, CollectiveError> {
-        let seq = self.seq;
-        self.seq += 1;
-        let op = CollectiveRecord {
-            seq,
-            kind,
-            bucket: bucket.to_string(),
-            bytes,
-        };
-        self.log.push(op.clone());
+        let op = self.log.record(kind, bucket, bytes);
+        let seq = op.seq;
         let rank = self.rank;
         let world = self.world;
         let deadline = Instant::now() + self.timeout;
@@ -418,7 +437,7 @@ impl Collective for CpuCollective {
     }
 
     fn log(&self) -> &[CollectiveRecord] {
-        &self.log
+        self.log.records()
     }
 }
 
@@ -426,7 +445,8 @@ impl Drop for CpuCollective {
     fn drop(&mut self) {
         self.fail_group(format!(
             "rank {} dropped its handle after {} collective(s) (it failed or returned early)",
-            self.rank, self.seq
+            self.rank,
+            self.log.records().len()
         ));
     }
 }

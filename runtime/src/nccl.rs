@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys;
 
-use crate::collective::CollectiveRecord;
+use crate::collective::{CallLog, CollectiveRecord};
 use crate::error::RuntimeError;
 
 fn nccl_err(what: &str, e: cudarc::nccl::result::NcclError) -> RuntimeError {
@@ -72,8 +72,7 @@ pub struct NcclComm {
     comm: sys::ncclComm_t,
     rank: usize,
     world: usize,
-    seq: u64,
-    log: Vec<CollectiveRecord>,
+    log: CallLog,
     aborted: Arc<AtomicBool>,
 }
 
@@ -196,8 +195,7 @@ impl NcclComm {
             comm,
             rank,
             world,
-            seq: 0,
-            log: Vec::new(),
+            log: CallLog::default(),
             aborted: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -211,19 +209,11 @@ impl NcclComm {
     }
 
     pub fn log(&self) -> &[CollectiveRecord] {
-        &self.log
+        self.log.records()
     }
 
     fn record(&mut self, kind: &'static str, bucket: &str, bytes: usize) -> CollectiveRecord {
-        let r = CollectiveRecord {
-            seq: self.seq,
-            kind,
-            bucket: bucket.to_string(),
-            bytes,
-        };
-        self.seq += 1;
-        self.log.push(r.clone());
-        r
+        self.log.record(kind, bucket, bytes)
     }
 
     /// Averages each `(pointer, f32 count)` over the ranks in place, as one grouped

@@ -20,7 +20,7 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::collective::{Collective, CollectiveError, CollectiveRecord};
+use crate::collective::{CallLog, Collective, CollectiveError, CollectiveRecord};
 use crate::rendezvous::{write_u64, Links, Rendezvous};
 
 const CALL: u64 = 0;
@@ -36,8 +36,7 @@ pub struct TcpCollective {
     rank: usize,
     world: usize,
     timeout: Duration,
-    seq: u64,
-    log: Vec<CollectiveRecord>,
+    log: CallLog,
     links: Links,
     /// Set once the group failed: later calls fail at once with this reason.
     failed: Option<String>,
@@ -82,8 +81,7 @@ impl TcpCollective {
             rank: rdv.rank,
             world: rdv.world,
             timeout,
-            seq: 0,
-            log: Vec::new(),
+            log: CallLog::default(),
             links: rdv.links,
             failed: None,
         }
@@ -120,15 +118,8 @@ impl TcpCollective {
         bytes: usize,
         payload: Vec<u8>,
     ) -> Result<Vec<u8>, CollectiveError> {
-        let seq = self.seq;
-        self.seq += 1;
-        let op = CollectiveRecord {
-            seq,
-            kind,
-            bucket: bucket.to_string(),
-            bytes,
-        };
-        self.log.push(op.clone());
+        let op = self.log.record(kind, bucket, bytes);
+        let seq = op.seq;
         let rank = self.rank;
         if let Some(reason) = &self.failed {
             return Err(CollectiveError::Aborted {
@@ -289,30 +280,21 @@ fn root_exchange(
         }
         Err(e)
     };
+    let aborted = |reason: String| CollectiveError::Aborted {
+        rank: 0,
+        op: op.clone(),
+        reason,
+    };
     for r in 1..world {
         let Some(s) = peers[r].as_mut() else {
-            return fail(
-                peers,
-                CollectiveError::Aborted {
-                    rank: 0,
-                    op: op.clone(),
-                    reason: format!("rank {r} has no connection"),
-                },
-            );
+            return fail(peers, aborted(format!("rank {r} has no connection")));
         };
         let arrival = read_arrival(s, deadline);
         let c = match arrival {
             Ok(Arrival::Call(c)) => c,
             Ok(Arrival::Abort) => {
                 peers[r] = None;
-                return fail(
-                    peers,
-                    CollectiveError::Aborted {
-                        rank: 0,
-                        op: op.clone(),
-                        reason: format!("rank {r} aborted the group"),
-                    },
-                );
+                return fail(peers, aborted(format!("rank {r} aborted the group")));
             }
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                 let mut missing = vec![r];
@@ -332,11 +314,9 @@ fn root_exchange(
                 peers[r] = None;
                 return fail(
                     peers,
-                    CollectiveError::Aborted {
-                        rank: 0,
-                        op: op.clone(),
-                        reason: format!("rank {r} closed its connection (it exited or died): {e}"),
-                    },
+                    aborted(format!(
+                        "rank {r} closed its connection (it exited or died): {e}"
+                    )),
                 );
             }
         };
@@ -374,11 +354,9 @@ fn root_exchange(
             *p = None;
             return fail(
                 peers,
-                CollectiveError::Aborted {
-                    rank: 0,
-                    op: op.clone(),
-                    reason: format!("rank {r} closed its connection (it exited or died): {e}"),
-                },
+                aborted(format!(
+                    "rank {r} closed its connection (it exited or died): {e}"
+                )),
             );
         }
     }
@@ -479,7 +457,7 @@ impl Collective for TcpCollective {
         if sum.len() != bytes {
             return Err(CollectiveError::Aborted {
                 rank: self.rank,
-                op: self.log[self.log.len() - 1].clone(),
+                op: self.log.last(),
                 reason: format!("rank 0 sent {} bytes for {bytes}", sum.len()),
             });
         }
@@ -493,7 +471,7 @@ impl Collective for TcpCollective {
         if all.len() != n * self.world {
             return Err(CollectiveError::Aborted {
                 rank: self.rank,
-                op: self.log[self.log.len() - 1].clone(),
+                op: self.log.last(),
                 reason: format!("rank 0 sent {} bytes for {} x {n}", all.len(), self.world),
             });
         }
@@ -509,7 +487,7 @@ impl Collective for TcpCollective {
     }
 
     fn log(&self) -> &[CollectiveRecord] {
-        &self.log
+        self.log.records()
     }
 }
 
