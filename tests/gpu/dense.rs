@@ -174,30 +174,41 @@ fn linear_matches_the_bf16_reference() {
         (&[2049], 1100, 65, true),
     ];
     for (seed, &(lead, n, k, bias)) in cases.iter().enumerate() {
-        let seed = 100 + 10 * seed as u64;
-        let m: usize = lead.iter().product();
-        let xshape: Vec<usize> = lead.iter().copied().chain([k]).collect();
-        let (x, xv) = f32_arg(&xshape, seed, -1.0, 1.0);
-        let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
-        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
-        let mut ins = vec![x, w];
-        if bias {
-            ins.push(b);
-        }
-        let yshape: Vec<usize> = lead.iter().copied().chain([n]).collect();
-        let outs: [(&[usize], DType); 1] = [(&yshape, DType::F32)];
-        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, bias.then_some(&bv[..]));
-        // the ReLU epilogue too (in the GEMM, or after the split-K sum): relu is
-        // 1-Lipschitz, so the same tolerance holds
-        for relu in [false, true] {
-            let got = run_gpu(dev, &Op::Linear { bias, relu }, &ins, &outs, &mut []);
-            assert_within(
-                &format!("linear {lead:?}x{k} -> {n} bias {bias} relu {relu}"),
-                &got[0].to_f64(),
-                &relu_if(relu, &want),
-                &tol,
-            );
-        }
+        check_linear(dev, lead, n, k, bias, 100 + 10 * seed as u64);
+    }
+}
+
+/// Linear on `x [lead.., K]`, `w [N, K]` (and a bias) against the bf16 reference, without
+/// and with the ReLU epilogue (in the GEMM, or after the split-K sum): relu is
+/// 1-Lipschitz, so the same tolerance holds.
+fn check_linear(
+    dev: &erase::runtime::cuda::CudaDevice,
+    lead: &[usize],
+    n: usize,
+    k: usize,
+    bias: bool,
+    seed: u64,
+) {
+    let m: usize = lead.iter().product();
+    let xshape: Vec<usize> = lead.iter().copied().chain([k]).collect();
+    let (x, xv) = f32_arg(&xshape, seed, -1.0, 1.0);
+    let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+    let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+    let mut ins = vec![x, w];
+    if bias {
+        ins.push(b);
+    }
+    let yshape: Vec<usize> = lead.iter().copied().chain([n]).collect();
+    let outs: [(&[usize], DType); 1] = [(&yshape, DType::F32)];
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, bias.then_some(&bv[..]));
+    for relu in [false, true] {
+        let got = run_gpu(dev, &Op::Linear { bias, relu }, &ins, &outs, &mut []);
+        assert_within(
+            &format!("linear {lead:?}x{k} -> {n} bias {bias} relu {relu}"),
+            &got[0].to_f64(),
+            &relu_if(relu, &want),
+            &tol,
+        );
     }
 }
 
@@ -937,21 +948,7 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
         (60_001, 192, 100, true),
     ];
     for (seed, &(m, n, k, bias)) in cases.iter().enumerate() {
-        let seed = 600 + 10 * seed as u64;
-        let (x, xv) = f32_arg(&[m, k], seed, -1.0, 1.0);
-        let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
-        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
-        let mut ins = vec![x, w];
-        if bias {
-            ins.push(b);
-        }
-        let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
-        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, bias.then_some(&bv[..]));
-        for relu in [false, true] {
-            let got = run_gpu(dev, &Op::Linear { bias, relu }, &ins, &outs, &mut []);
-            let what = format!("pipelined linear {m}x{k} -> {n} relu {relu}");
-            assert_within(&what, &got[0].to_f64(), &relu_if(relu, &want), &tol);
-        }
+        check_linear(dev, &[m], n, k, bias, 600 + 10 * seed as u64);
     }
     // dx = dy·w: w converted through the transposing kernel (N = 777 ragged)
     let (m, n, k) = (1500, 1024, 777);
