@@ -5,8 +5,8 @@
 # paths (a crashed rank, a hung rank), then global QPS p50/p90 and NE of baseline /
 # detached / erase on 1 GPU (batch 4096) and on GPUS GPUs (4096 per GPU) with early and
 # end all-reduce, and the simulator's prediction. Writes logs to $OUT (default
-# <bundle>/out<GPUS>) and prints a short table last. The data-parallel trainer does not
-# evaluate yet, so only the 1-GPU rows carry an NE; the multi-GPU rows' NE stays empty.
+# <bundle>/out<GPUS>) and prints a short table last. Every row carries its held-out NE
+# (on the multi-GPU rows rank 0 evaluates its replica at the global batch).
 #   bash gpu2-check.sh [BUNDLE]   (GPUS=2 STEPS=300 WARMUP=50 EVAL=200000
 #                                  DISPATCH="blocking threaded graph")
 set -u

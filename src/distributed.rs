@@ -24,6 +24,8 @@ pub struct RankResult {
     pub rank: usize,
     /// Every persistent tensor's bytes (parameters and optimizer state), in tensor order.
     pub state: Vec<u8>,
+    /// What `state` holds: each tensor's name, element type and element count, in order.
+    pub layout: StateLayout,
     /// The main loss of the rank's shard, per step.
     pub losses: Vec<f64>,
     /// Every collective the rank issued.
@@ -31,6 +33,9 @@ pub struct RankResult {
     /// Wall-clock seconds of each step (data, compute and collectives).
     pub step_secs: Vec<f64>,
 }
+
+/// The tensors of a replica's state in order: name, element type, element count.
+pub type StateLayout = Vec<(String, DType, usize)>;
 
 /// A rank that fails on purpose at a step (to test that the others stop).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -372,22 +377,76 @@ pub fn run_rank<C: Collective>(
         step_secs.push(t0.elapsed().as_secs_f64());
     }
     comm.barrier("end of training")?;
-    let mut state = Vec::new();
-    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
-        state.extend_from_slice(
-            runner
-                .get(t)
-                .ok_or_else(|| anyhow!("'{}' has no value", g.name(t)))?
-                .bytes(),
-        );
-    }
+    let (state, layout) = persistent_state(g, |t| {
+        runner
+            .get(t)
+            .ok_or_else(|| anyhow!("'{}' has no value", g.name(t)))
+    })?;
     Ok(RankResult {
         rank,
         state,
+        layout,
         losses,
         log: comm.log().to_vec(),
         step_secs,
     })
+}
+
+/// The persistent tensors of `g` (read through `get`) as one byte string in tensor
+/// order, with each one's name, type and length.
+pub(crate) fn persistent_state(
+    g: &erase_graph::Graph,
+    get: impl Fn(Tensor) -> Result<Buffer>,
+) -> Result<(Vec<u8>, StateLayout)> {
+    let (mut state, mut layout) = (Vec::new(), Vec::new());
+    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
+        let b = get(t)?;
+        state.extend_from_slice(b.bytes());
+        layout.push((g.name(t).to_string(), b.dtype(), b.len()));
+    }
+    Ok((state, layout))
+}
+
+/// Evaluates a trained replica like `train` does at the end: its persistent tensors
+/// (`r.state`, matched by name) are copied into the model at the global batch, on `dev`
+/// or the CPU, which then runs its forward over the first `eval_examples` examples of
+/// the held-out stream. Every rank ends with the same parameters, so one rank's NE is
+/// the run's.
+pub fn evaluate_replica(
+    cfg: &TrainConfig,
+    r: &RankResult,
+    dev: Option<&erase_runtime::cuda::CudaDevice>,
+) -> Result<crate::train::Eval> {
+    let mut tensors = BTreeMap::new();
+    let mut at = 0;
+    for (name, dtype, n) in &r.layout {
+        let end = at + n * dtype.size_bytes();
+        let bytes = r
+            .state
+            .get(at..end)
+            .ok_or_else(|| anyhow!("rank {}'s state ends inside '{name}'", r.rank))?;
+        tensors.insert(name.as_str(), (*dtype, *n, bytes));
+        at = end;
+    }
+    let plan = plan_step(&cfg.model, DType::F32, &cfg.optimizer, &cfg.schedule)?;
+    let g = &plan.model.graph;
+    let mut session =
+        crate::train::Session::new(&plan, dev, cfg.seed, cfg.data_seed, cfg.threads.max(1))?;
+    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
+        let name = g.name(t);
+        let &(dtype, n, bytes) = tensors
+            .get(name)
+            .ok_or_else(|| anyhow!("the per-rank model has no persistent tensor '{name}'"))?;
+        if dtype != g.dtype(t) || n != g.shape(t).numel() {
+            bail!(
+                "'{name}' is {n} {dtype:?} values in the per-rank model but {:?} {:?} at the global batch",
+                g.shape(t).dims(),
+                g.dtype(t)
+            );
+        }
+        session.write_tensor(t, erase_runtime::cuda::buffer_from_bytes(dtype, bytes))?;
+    }
+    session.evaluate(cfg.eval_examples)
 }
 
 fn bytemuck_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {

@@ -55,7 +55,9 @@ pub fn run_worker_cuda(
     let r = train(cfg, env, opts, fail, &dev, &mut comm, &wd);
     comm.unwatch(&wd);
     match r {
-        Ok(r) => report(&mut control, &r, cfg, opts, "CUDA"),
+        Ok(r) => report(&mut control, &r, cfg, opts, "CUDA", || {
+            crate::distributed::evaluate_replica(cfg, &r, Some(&dev))
+        }),
         Err(e) => {
             comm.abort();
             control.abort();
@@ -163,13 +165,11 @@ fn train(
             log.len()
         );
     }
-    let mut state = Vec::new();
-    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
-        state.extend_from_slice(prog.get(t)?.bytes());
-    }
+    let (state, layout) = crate::distributed::persistent_state(g, |t| Ok(prog.get(t)?))?;
     Ok(RankResult {
         rank,
         state,
+        layout,
         losses,
         log,
         step_secs,

@@ -128,18 +128,22 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
             return Err(e.context(format!("rank {}", env.rank)));
         }
     };
-    report(&mut comm, &r, cfg, opts, "CPU")
+    report(&mut comm, &r, cfg, opts, "CPU", || {
+        crate::distributed::evaluate_replica(cfg, &r, None)
+    })
 }
 
 /// Compares every rank's replica and collective log through `comm` (an all-gather of
-/// their fingerprints), prints this rank's line and, on rank 0, the job's summary. Fails
-/// naming the first rank that differs from rank 0.
+/// their fingerprints), prints this rank's line and, on rank 0, the job's summary with
+/// the held-out evaluation `eval` gives (run after the check, when no rank waits on rank
+/// 0 any more). Fails naming the first rank that differs from rank 0.
 pub fn report<C: Collective>(
     comm: &mut C,
     r: &RankResult,
     cfg: &TrainConfig,
     opts: &WorkerOptions,
     device: &str,
+    eval: impl FnOnce() -> Result<crate::train::Eval>,
 ) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world());
     if let Some(dir) = &opts.collective_log {
@@ -197,6 +201,12 @@ pub fn report<C: Collective>(
                 q.p50, q.p90, q.mean, q.steps
             );
         }
+        let _ = std::io::stdout().flush();
+        let e = eval().context("rank 0: evaluating its replica")?;
+        println!(
+            "  held-out NE {:.4}  AUC {:.4} ({} examples, rank 0's replica at the global batch)",
+            e.ne, e.auc, e.examples
+        );
     }
     let _ = std::io::stdout().flush();
     Ok(())

@@ -946,6 +946,13 @@ impl<'a> Session<'a> {
         })
     }
 
+    /// Sets a tensor of the program (a parameter or optimizer state, say); the step's
+    /// next run reads it.
+    pub fn write_tensor(&mut self, t: Tensor, b: Buffer) -> Result<()> {
+        self.drain()?;
+        self.exec.write(t, b)
+    }
+
     pub fn save(&self, path: &std::path::Path, identity: &str) -> Result<()> {
         if !self.in_flight.is_empty() {
             bail!(

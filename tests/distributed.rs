@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use erase::distributed::{train_data_parallel_cpu, FailAt};
+use erase::distributed::{evaluate_replica, train_data_parallel_cpu, FailAt};
 use erase::model::ctr::CtrConfig;
 use erase::train::{plan_step, Session, TrainConfig};
 
@@ -68,6 +68,52 @@ fn one_rank_is_plain_training() {
     assert_eq!(
         dp.losses, losses,
         "one data-parallel rank must train exactly as one process"
+    );
+    let single = s.evaluate(c.eval_examples).unwrap();
+    let e = evaluate_replica(&c, &dp, None).unwrap();
+    assert_eq!(
+        (e.ne, e.auc, e.examples),
+        (single.ne, single.auc, single.examples),
+        "one data-parallel rank must evaluate exactly as one process"
+    );
+}
+
+#[test]
+fn rank_0_reports_the_held_out_ne_of_the_run() {
+    let mut c = cfg(20);
+    c.eval_examples = 128;
+    let ranks = train_data_parallel_cpu(&c, 2, Duration::from_secs(60), None).unwrap();
+    let ranks: Vec<_> = ranks.into_iter().map(|r| r.unwrap()).collect();
+    let e = evaluate_replica(&c, &ranks[0], None).unwrap();
+    assert_eq!(e.examples, 128, "two whole global batches of held-out data");
+    assert_eq!(e.step, 0, "a fresh session at the global batch evaluates");
+    // the same run in one process: the shards' mean gradient is the global batch's up
+    // to rounding, so the held-out NE agrees closely (and differs from an untrained one)
+    let plan = plan_step(
+        &c.model,
+        erase::graph::DType::F32,
+        &c.optimizer,
+        &c.schedule,
+    )
+    .unwrap();
+    let mut s = Session::new(&plan, None, c.seed, c.data_seed, 1).unwrap();
+    let untrained = s.evaluate(c.eval_examples).unwrap();
+    for _ in 0..20 {
+        s.train_step_now().unwrap();
+    }
+    let single = s.evaluate(c.eval_examples).unwrap();
+    assert!(
+        (e.ne - single.ne).abs() <= 1e-5 * single.ne,
+        "NE {} on 2 ranks against {} in one process",
+        e.ne,
+        single.ne
+    );
+    assert!(
+        (e.ne - untrained.ne).abs() > 10.0 * (e.ne - single.ne).abs(),
+        "NE {} on 2 ranks, {} untrained, {} in one process: the replica's parameters did not reach the evaluation",
+        e.ne,
+        untrained.ne,
+        single.ne
     );
 }
 

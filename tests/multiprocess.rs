@@ -111,6 +111,7 @@ fn two_processes_keep_replicas_bit_identical_and_log_the_same_collectives() {
         so.contains("replicas bit-identical on all 2 ranks"),
         "{so}\n{se}"
     );
+    assert!(so.contains("held-out NE "), "rank 0 evaluates:\n{so}");
     let hashes = state_hashes(&so);
     assert_eq!(hashes.len(), 2, "{so}");
     assert_eq!(hashes[0].1, hashes[1].1, "{so}");

@@ -664,6 +664,11 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         if !same {
             bail!("the replicas differ after training");
         }
+        let e = erase::distributed::evaluate_replica(&cfg, &ok[0], None)?;
+        println!(
+            "  held-out NE {:.4}  AUC {:.4} ({} examples, rank 0's replica at the global batch)",
+            e.ne, e.auc, e.examples
+        );
         return Ok(());
     }
     let mut progress = ConsoleProgress::new(jsonl);
