@@ -74,26 +74,26 @@ __device__ __forceinline__ void attn_mma(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Rows r0 .. r0+63 of one head (`src` points at the head's column 0 of row 0; rows are
-// `ld` floats apart) to bf16 shared memory, zero past row S.
-template <int D>
+// Rows r0 .. r0+R-1 of one head (`src` points at the head's column 0 of row 0; rows are
+// `ld` floats apart) to bf16 shared memory, zero past row S; T threads (tid < T) share it.
+template <int D, int R = ATTN_ROWS, int T = ATTN_THREADS>
 __device__ __forceinline__ void attn_load_tile(__nv_bfloat16 (*dst)[D + 8], const float* __restrict__ src,
                                                long long ld, int r0, int S, int tid) {
     constexpr int CPR = D / 4;
-    constexpr int PER = ATTN_ROWS * CPR / ATTN_THREADS;
+    constexpr int PER = R * CPR / T;
     // rows are H·Dh floats apart (a multiple of 4) and tensors start 16-byte aligned (the
     // runtime's arena aligns to 256): float4 loads
     float4 v[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        const int id = tid + i * ATTN_THREADS;
+        const int id = tid + i * T;
         const int r = r0 + id / CPR, c = (id % CPR) * 4;
         v[i] = r < S ? __ldg(reinterpret_cast<const float4*>(src + static_cast<long long>(r) * ld + c))
                      : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        const int id = tid + i * ATTN_THREADS;
+        const int id = tid + i * T;
         uint2 p;
         p.x = attn_pack_bf16(v[i].x, v[i].y);
         p.y = attn_pack_bf16(v[i].z, v[i].w);
@@ -110,14 +110,14 @@ __device__ __forceinline__ void attn_load_a(uint32_t (&f)[D / 16][4], __nv_bfloa
         attn_ldsm_x4(f[kc], &s[row0 + (lane & 7) + ((lane >> 3) & 1) * 8][kc * 16 + (lane >> 4) * 8]);
 }
 
-// acc[16 x 64] += A[16 x Dh] · Tᵀ, T a [64][Dh] shared tile (B operand k = Dh, n = T's rows).
-template <int D>
-__device__ __forceinline__ void attn_mma_abt(float (&acc)[8][4], const uint32_t (&a)[D / 16][4],
+// acc[16 x R] += A[16 x Dh] · Tᵀ, T an [R][Dh] shared tile (B operand k = Dh, n = T's rows).
+template <int D, int R = ATTN_ROWS>
+__device__ __forceinline__ void attn_mma_abt(float (&acc)[R / 8][4], const uint32_t (&a)[D / 16][4],
                                              __nv_bfloat16 (*s)[D + 8], int lane) {
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
+        for (int np = 0; np < R / 16; ++np) {
             uint32_t r[4];
             attn_ldsm_x4(r, &s[np * 16 + (lane & 7) + (lane >> 4) * 8][kc * 16 + ((lane >> 3) & 1) * 8]);
             attn_mma(acc[2 * np], a[kc], r[0], r[1]);
@@ -126,13 +126,13 @@ __device__ __forceinline__ void attn_mma_abt(float (&acc)[8][4], const uint32_t 
     }
 }
 
-// acc[16 x Dh] += P[16 x 64] · T, P in accumulator layout (rounded to bf16 here), T a
-// [64][Dh] shared tile (B operand k = T's rows, n = Dh).
-template <int D>
-__device__ __forceinline__ void attn_mma_pt(float (&acc)[D / 8][4], const float (&p)[8][4],
+// acc[16 x Dh] += P[16 x R] · T, P in accumulator layout (rounded to bf16 here), T an
+// [R][Dh] shared tile (B operand k = T's rows, n = Dh).
+template <int D, int R = ATTN_ROWS>
+__device__ __forceinline__ void attn_mma_pt(float (&acc)[D / 8][4], const float (&p)[R / 8][4],
                                             __nv_bfloat16 (*s)[D + 8], int lane) {
 #pragma unroll
-    for (int kc = 0; kc < 4; ++kc) {
+    for (int kc = 0; kc < R / 16; ++kc) {
         uint32_t a[4];
         a[0] = attn_pack_bf16(p[2 * kc][0], p[2 * kc][1]);
         a[1] = attn_pack_bf16(p[2 * kc][2], p[2 * kc][3]);
@@ -174,16 +174,36 @@ __device__ __forceinline__ void attn_store_rows(float* __restrict__ dst, long lo
     }
 }
 
-template <int D, bool P>
+// R = 64: the CTA's 4 warps own one tile of 64 queries of one (b, h). R = 32 (S <= 32
+// only): two groups of 2 warps, each a head of its own (h = blockIdx.y·2 + group), so
+// the padding to the tile is half as wide and twice the heads fit an SM.
+template <int R>
+struct AttnGroups {
+    static constexpr int WARPS = R / 16;                        // warps per (b, h)
+    static constexpr int N = ATTN_THREADS / 32 / WARPS;         // (b, h) per CTA
+    static constexpr int T = WARPS * 32;                        // threads per (b, h)
+};
+
+template <int D, bool P, int R = ATTN_ROWS>
 __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const float* __restrict__ k,
                                               const float* __restrict__ v, float* __restrict__ o,
                                               float* __restrict__ lse, int S, int H, int causal, float scale) {
     constexpr int LD = D + 8;
-    __shared__ __align__(16) __nv_bfloat16 sQ[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sK[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sV[ATTN_ROWS][LD];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int h = blockIdx.y, b = blockIdx.z, q0 = blockIdx.x * ATTN_ROWS;
+    using G = AttnGroups<R>;
+    __shared__ __align__(16) __nv_bfloat16 sQs[G::N][R][LD];
+    __shared__ __align__(16) __nv_bfloat16 sKs[G::N][R][LD];
+    __shared__ __align__(16) __nv_bfloat16 sVs[G::N][R][LD];
+    const int tid0 = threadIdx.x, lane = tid0 & 31, g = lane >> 2, t = lane & 3;
+    // (R = 64: one group, the whole CTA; written so that nothing is computed for it)
+    const int grp = G::N == 1 ? 0 : (tid0 >> 5) / G::WARPS;
+    const int warp = G::N == 1 ? tid0 >> 5 : (tid0 >> 5) % G::WARPS, tid = G::N == 1 ? tid0 : tid0 % G::T;
+    auto sQ = sQs[grp];
+    auto sK = sKs[grp];
+    auto sV = sVs[grp];
+    const int h = blockIdx.y * G::N + grp, b = blockIdx.z, q0 = blockIdx.x * R;
+    // a group past the last head loads nothing and stores nothing, but keeps the CTA's
+    // barriers: its rows count as past the sequence's end
+    const int Sg = G::N == 1 || h < H ? S : 0;
     const long long W = static_cast<long long>(H) * D;
     // q, k, v and their gradients: rows W floats apart, or 3·W when packed (P)
     const long long ldi = P ? 3 * W : W;
@@ -193,7 +213,7 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
     v += pbase;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<D>(sQ, q, ldi, q0, S, tid);
+    attn_load_tile<D, R, G::T>(sQ, q, ldi, q0, Sg, tid);
     __syncthreads();
     uint32_t qf[D / 16][4];
     attn_load_a<D>(qf, sQ, warp * 16, lane);
@@ -203,26 +223,26 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
     float oacc[D / 8][4];
     attn_zero(oacc);
 
-    const int tiles = (S + ATTN_ROWS - 1) / ATTN_ROWS;
+    const int tiles = (S + R - 1) / R;
     const int kt_end = causal ? min(tiles, static_cast<int>(blockIdx.x) + 1) : tiles;
     for (int kt = 0; kt < kt_end; ++kt) {
-        const int k0 = kt * ATTN_ROWS;
+        const int k0 = kt * R;
         __syncthreads();  // the previous tile's readers are done
-        attn_load_tile<D>(sK, k, ldi, k0, S, tid);
-        attn_load_tile<D>(sV, v, ldi, k0, S, tid);
+        attn_load_tile<D, R, G::T>(sK, k, ldi, k0, Sg, tid);
+        attn_load_tile<D, R, G::T>(sV, v, ldi, k0, Sg, tid);
         __syncthreads();
 
-        float s[8][4];
+        float s[R / 8][4];
         attn_zero(s);
-        attn_mma_abt<D>(s, qf, sK, lane);
+        attn_mma_abt<D, R>(s, qf, sK, lane);
 
         float mt[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
+        for (int ni = 0; ni < R / 8; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int j = k0 + ni * 8 + 2 * t + (e & 1), r = e >> 1;
-                const bool ok = j < S && (!causal || j <= row[r]);
+                const bool ok = j < Sg && (!causal || j <= row[r]);
                 s[ni][e] = ok ? s[ni][e] * sl2 : -INFINITY;
                 mt[r] = fmaxf(mt[r], s[ni][e]);
             }
@@ -241,7 +261,7 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
                 oacc[dn][2 * r + 1] *= alpha;
             }
 #pragma unroll
-            for (int ni = 0; ni < 8; ++ni)
+            for (int ni = 0; ni < R / 8; ++ni)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const float p = exp2f(s[ni][2 * r + e] - mu);
@@ -249,19 +269,19 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
                     l[r] += p;
                 }
         }
-        attn_mma_pt<D>(oacc, s, sV, lane);
+        attn_mma_pt<D, R>(oacc, s, sV, lane);
     }
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        if (t == 0 && row[r] < S)
+        if (t == 0 && row[r] < Sg)
             lse[(static_cast<long long>(b) * H + h) * S + row[r]] = m[r] * ATTN_LN2 + logf(l[r]);
     }
     // o's offset recomputed here rather than kept live through the loop
     o += static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
-    attn_store_rows<D>(o, W, oacc, q0 + warp * 16, S, 1.f / l[0], 1.f / l[1], lane);
+    attn_store_rows<D>(o, W, oacc, q0 + warp * 16, Sg, 1.f / l[0], 1.f / l[1], lane);
 }
 
 template <int D, bool P>
@@ -425,21 +445,34 @@ __device__ __forceinline__ void attn_bwd_dq_body(const float* __restrict__ dO, c
 // S ≤ 64: one CTA per (b, h) holds every query and key, so the three gradients come out
 // of one pass: D from do and o, dK and dV as in attn_bwd_dkdv (warps own 16 keys), dSᵀ to
 // shared memory as bf16, then dQ = dS·K with warps owning 16 queries. No scratch.
-template <int D, bool P>
+template <int D, bool P, int R = ATTN_ROWS>
 __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO, const float* __restrict__ q,
                                                     const float* __restrict__ k, const float* __restrict__ v,
                                                     const float* __restrict__ o, const float* __restrict__ lse,
                                                     float* __restrict__ dq, float* __restrict__ dk,
                                                     float* __restrict__ dv, int S, int H, int causal, float scale) {
     constexpr int LD = D + 8;
-    __shared__ __align__(16) __nv_bfloat16 sK[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sV[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sQ[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sdO[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sdS[ATTN_ROWS][ATTN_ROWS + 8];  // [key][query]
-    __shared__ float sL[ATTN_ROWS], sD[ATTN_ROWS];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int h = blockIdx.y, b = blockIdx.z;
+    using G = AttnGroups<R>;
+    __shared__ __align__(16) __nv_bfloat16 sKs[G::N][R][LD];
+    __shared__ __align__(16) __nv_bfloat16 sVs[G::N][R][LD];
+    __shared__ __align__(16) __nv_bfloat16 sQs[G::N][R][LD];
+    __shared__ __align__(16) __nv_bfloat16 sdOs[G::N][R][LD];
+    __shared__ __align__(16) __nv_bfloat16 sdSs[G::N][R][R + 8];  // [key][query]
+    __shared__ float sLs[G::N][R], sDs[G::N][R];
+    const int tid0 = threadIdx.x, lane = tid0 & 31, g = lane >> 2, t = lane & 3;
+    // (R = 64: one group, the whole CTA; written so that nothing is computed for it)
+    const int grp = G::N == 1 ? 0 : (tid0 >> 5) / G::WARPS;
+    const int warp = G::N == 1 ? tid0 >> 5 : (tid0 >> 5) % G::WARPS, tid = G::N == 1 ? tid0 : tid0 % G::T;
+    auto sK = sKs[grp];
+    auto sV = sVs[grp];
+    auto sQ = sQs[grp];
+    auto sdO = sdOs[grp];
+    auto sdS = sdSs[grp];
+    float* sL = sLs[grp];
+    float* sD = sDs[grp];
+    const int h = blockIdx.y * G::N + grp, b = blockIdx.z;
+    // a group past the last head: nothing loaded or stored, the barriers kept
+    S = G::N == 1 || h < H ? S : 0;
     const long long W = static_cast<long long>(H) * D;
     const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
     // q, k, v and their gradients: rows W floats apart, or 3·W when packed (P)
@@ -456,17 +489,17 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
     const long long lbase = (static_cast<long long>(b) * H + h) * S;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<D>(sK, k, ldi, 0, S, tid);
-    attn_load_tile<D>(sV, v, ldi, 0, S, tid);
-    attn_load_tile<D>(sQ, q, ldi, 0, S, tid);
-    attn_load_tile<D>(sdO, dO, W, 0, S, tid);
-    if (tid < ATTN_ROWS) sL[tid] = tid < S ? __ldg(lse + lbase + tid) * ATTN_LOG2E : 0.f;
+    attn_load_tile<D, R, G::T>(sK, k, ldi, 0, S, tid);
+    attn_load_tile<D, R, G::T>(sV, v, ldi, 0, S, tid);
+    attn_load_tile<D, R, G::T>(sQ, q, ldi, 0, S, tid);
+    attn_load_tile<D, R, G::T>(sdO, dO, W, 0, S, tid);
+    if (tid < R) sL[tid] = tid < S ? __ldg(lse + lbase + tid) * ATTN_LOG2E : 0.f;
     // D_i = Σ_c bf16(do_ic)·o_ic, the same order as attn_bwd_prep: warp w takes rows w, w+4,
     // ..; the loads of 8 rows are issued before their reductions (one row at a time left
     // this loop bound by load latency)
-    constexpr int WARPS = ATTN_THREADS / 32, BATCH = 8;
+    constexpr int WARPS = G::WARPS, BATCH = 8;
 #pragma unroll
-    for (int j0 = 0; j0 < ATTN_ROWS / WARPS; j0 += BATCH) {
+    for (int j0 = 0; j0 < R / WARPS; j0 += BATCH) {
         float dd[BATCH];
 #pragma unroll
         for (int j = 0; j < BATCH; ++j) {
@@ -496,29 +529,29 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
         float dkacc[D / 8][4], dvacc[D / 8][4];
         attn_zero(dkacc);
         attn_zero(dvacc);
-        float p[8][4];
+        float p[R / 8][4];
         attn_zero(p);
-        attn_mma_abt<D>(p, kf, sQ, lane);
+        attn_mma_abt<D, R>(p, kf, sQ, lane);
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
+        for (int ni = 0; ni < R / 8; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = ni * 8 + 2 * t + (e & 1), j = key[e >> 1];
                 const bool ok = i < S && j < S && (!causal || j <= i);
                 p[ni][e] = ok ? exp2f(p[ni][e] * sl2 - sL[i]) : 0.f;
             }
-        attn_mma_pt<D>(dvacc, p, sdO, lane);
-        float dp[8][4];
+        attn_mma_pt<D, R>(dvacc, p, sdO, lane);
+        float dp[R / 8][4];
         attn_zero(dp);
-        attn_mma_abt<D>(dp, vf, sdO, lane);
+        attn_mma_abt<D, R>(dp, vf, sdO, lane);
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
+        for (int ni = 0; ni < R / 8; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) p[ni][e] *= dp[ni][e] - sD[ni * 8 + 2 * t + (e & 1)];
-        attn_mma_pt<D>(dkacc, p, sQ, lane);
+        attn_mma_pt<D, R>(dkacc, p, sQ, lane);
         // dSᵀ rounded as attn_mma_pt rounds it, for dQ
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
+        for (int ni = 0; ni < R / 8; ++ni)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
                 *reinterpret_cast<uint32_t*>(&sdS[key[r]][ni * 8 + 2 * t]) =
@@ -533,7 +566,7 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
     float dqacc[D / 8][4];
     attn_zero(dqacc);
 #pragma unroll
-    for (int kc = 0; kc < 4; ++kc) {
+    for (int kc = 0; kc < R / 16; ++kc) {
         uint32_t a[4];
         attn_ldsm_x4_trans(a, &sdS[kc * 16 + (lane & 7) + (lane >> 4) * 8][warp * 16 + ((lane >> 3) & 1) * 8]);
 #pragma unroll
@@ -553,7 +586,7 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
 // attn_*_packed_d*: the same with q, k and v (and dq, dk, dv in the backward) one packed
 // [B, S, 3·H·Dh] tensor: rows 3·H·Dh floats apart, k and v passed as pointers H·Dh and
 // 2·H·Dh into it; o, do and lse are always their own tensors.
-#define ERASE_ATTN_KERNELS(DH, P, SUFFIX, FWD_MIN_CTAS)                                                                    \
+#define ERASE_ATTN_KERNELS(DH, P, SUFFIX, FWD_MIN_CTAS, TFWD_MIN_CTAS, TBWD_MIN_CTAS)                                                                    \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, FWD_MIN_CTAS) attn_fwd##SUFFIX##_d##DH(                              \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,               \
         float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) {             \
@@ -577,15 +610,29 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
         float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal,    \
         float scale) {                                                                                       \
         attn_bwd_small_body<DH, P>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                    \
+    }                                                                                                        \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, TFWD_MIN_CTAS) attn_fwd_tiny##SUFFIX##_d##DH(           \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,               \
+        float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) {             \
+        attn_fwd_body<DH, P, 32>(q, k, v, o, lse, S, H, causal, scale);                                      \
+    }                                                                                                        \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, TBWD_MIN_CTAS) attn_bwd_tiny##SUFFIX##_d##DH(           \
+        const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
+        const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,             \
+        float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal,    \
+        float scale) {                                                                                       \
+        attn_bwd_small_body<DH, P, 32>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                \
     }
 
 // FWD_MIN_CTAS: 5 resident CTAs per SM (at most 102 registers) keeps the Dh = 32 forward
 // at 96 registers without spills (left to itself ptxas spilled the packed form; at 4 CTAs
 // it took 127 registers and ran 12 % slower at the AutoInt shape); Dh = 64 needs more.
-ERASE_ATTN_KERNELS(32, false, , 5)
-ERASE_ATTN_KERNELS(64, false, , 1)
-ERASE_ATTN_KERNELS(32, true, _packed, 5)
-ERASE_ATTN_KERNELS(64, true, _packed, 1)
+// TFWD_MIN_CTAS, TBWD_MIN_CTAS: the S <= 32 kernels (two heads a CTA): the most CTAs an
+// SM whose register cap leaves them without spills.
+ERASE_ATTN_KERNELS(32, false, , 5, 5, 8)
+ERASE_ATTN_KERNELS(64, false, , 1, 2, 4)
+ERASE_ATTN_KERNELS(32, true, _packed, 5, 5, 8)
+ERASE_ATTN_KERNELS(64, true, _packed, 1, 2, 4)
 
 // D[(b·H + h)·S + i] = Σ_c bf16(do[b, i, h·Dh + c])·o[b, i, h·Dh + c]: one warp per row
 // (b, h, i), lanes over c, then a fixed-order warp tree. Block 256 (8 rows), grid

@@ -167,7 +167,8 @@ __device__ __forceinline__ void gemm_bf16_body(const float* __restrict__ A, cons
                                                float* __restrict__ C, const float* __restrict__ bias, int M,
                                                int N, int K, long long lda, long long ldb, long long ldc,
                                                long long batch_a, long long batch_b, long long batch_c,
-                                               int batch, int k_split, long long split_c, int flags) {
+                                               int batch, int k_split, long long split_c, int flags,
+                                               float* __restrict__ asum) {
     constexpr int THREADS = WARPS_M * WARPS_N * 32;
     constexpr int BK = GEMM_BK;
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
@@ -204,9 +205,26 @@ __device__ __forceinline__ void gemm_bf16_body(const float* __restrict__ A, cons
         if (TB) s.b.load(B, ldb, n0, k0, N, k_end, vec_b, tid);
         else s.b.load(B, ldb, k0, n0, k_end, N, vec_b, tid);
     };
+    // flags & 4 (TA only): the sums of A's stored columns over this split's k rows, from
+    // the f32 values as they are staged. A thread's chunks of an A tile all lie in the
+    // same four columns, (tid % CPR)·4, so a float4 per thread collects them (tile by
+    // tile, chunk by chunk: a fixed order), combined across threads after the loop.
+    constexpr int A_CPR = A_COLS / 4;
+    static_assert(!TA || THREADS % A_CPR == 0, "a thread's A chunks must share their columns");
+    const bool sums = TA && (flags & 4);
+    float4 colacc = make_float4(0.f, 0.f, 0.f, 0.f);
     auto store = [&](const Staged& s, int buf) {
         s.a.store(sA[buf], tid);
         s.b.store(sB[buf], tid);
+        if (TA && sums) {
+#pragma unroll
+            for (int i = 0; i < decltype(s.a)::PER; ++i) {
+                colacc.x += s.a.v[i].x;
+                colacc.y += s.a.v[i].y;
+                colacc.z += s.a.v[i].z;
+                colacc.w += s.a.v[i].w;
+            }
+        }
     };
 
     float acc[MI][NI][4];
@@ -296,6 +314,33 @@ __device__ __forceinline__ void gemm_bf16_body(const float* __restrict__ A, cons
     }
 
     gemm_epilogue<MI, NI>(acc, C, bias, M, N, ldc, m0 + wm0, n0 + wn0, lane, flags);
+
+    if (TA && sums) {
+        // the THREADS / A_CPR threads of each column group added in thread order; the
+        // first N tile writes this split's sums to asum[split·M + m]
+        constexpr int GROUPS = TA ? THREADS / A_CPR : 1;
+        __shared__ float4 sSum[GROUPS][TA ? A_CPR : 1];
+        sSum[tid / A_CPR][tid % A_CPR] = colacc;
+        __syncthreads();
+        if (tid < A_CPR && blockIdx.y == 0) {
+            float4 t = sSum[0][tid];
+#pragma unroll
+            for (int q = 1; q < GROUPS; ++q) {
+                const float4 u = sSum[q][tid];
+                t.x += u.x;
+                t.y += u.y;
+                t.z += u.z;
+                t.w += u.w;
+            }
+            const float tv[4] = {t.x, t.y, t.z, t.w};
+            float* dst = asum + static_cast<long long>(split) * M;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = m0 + tid * 4 + e;
+                if (m < M) dst[m] = tv[e];
+            }
+        }
+    }
 }
 
 // ---- the pipelined path for large GEMMs ---------------------------------------------
@@ -592,15 +637,16 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
     const float *__restrict__ A, const float *__restrict__ B, float *__restrict__ C,                   \
         const float *__restrict__ bias, int M, int N, int K, long long lda, long long ldb, long long ldc, \
         long long batch_a, long long batch_b, long long batch_c, int batch, int k_split, long long split_c, \
-        int flags
-#define ERASE_GEMM_PASS A, B, C, bias, M, N, K, lda, ldb, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags
+        int flags, float *__restrict__ asum
+#define ERASE_GEMM_PASS A, B, C, bias, M, N, K, lda, ldb, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags, asum
 
 // Arguments of every gemm_bf16_* kernel, in order:
 //   A, B, C, bias (read when flags & 1; any valid pointer otherwise),
 //   M, N, K (i32), lda, ldb, ldc (i64, elements),
 //   batch_a, batch_b, batch_c (i64, elements between batch entries), batch (i32),
 //   k_split (i32, multiple of 32: k range of one split), split_c (i64, elements between
-//   the outputs of two splits), flags (i32: 1 bias, 2 relu).
+//   the outputs of two splits), flags (i32: 1 bias, 2 relu, 4 column sums of a
+//   transposed A, batch 1 only), asum (f32 [splits][M], written when flags & 4).
 // Grid: (ceil(M/BM), ceil(N/BN), splits·batch); block: 256 (128x128) or 128 (64x64).
 #define ERASE_GEMM_KERNELS(LAYOUT, TA, TB)                                                    \
     ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128(ERASE_GEMM_ARGS) { \

@@ -270,7 +270,7 @@ fn linear_grad_weight_matches_the_bf16_reference() {
     // reduction); AutoInt's output projection (hundreds of splits, reduced by 32 lanes a
     // column group). With the bias gradient: summed while the pipelined path rounds dyᵀ
     // (the cross layers' 4096 x 256 x 1728, ragged rows and N), past 256 partials of 64
-    // rows (20000 rows) and on the single-launch path by SumToShape's kernels appended
+    // rows (20000 rows), and while the single-launch kernels stage dy
     let cases = [
         (1, 5, 7, false),
         (30_000, 1, 351, false),
@@ -283,6 +283,12 @@ fn linear_grad_weight_matches_the_bf16_reference() {
         (4001, 300, 1000, true),
         (20_000, 300, 1000, true),
         (4096, 64, 13, true),
+        // the single-launch kernels summing dy's columns as they stage it: one split,
+        // an aux head's N = 1, AutoInt's QKV projection, the 128x128 tile with ragged N
+        (5, 7, 3, true),
+        (4096, 1, 256, true),
+        (110_592, 192, 64, true),
+        (200, 1501, 1500, true),
     ];
     for (seed, &(rows, n, k, bias)) in cases.iter().enumerate() {
         let seed = 300 + 10 * seed as u64;
@@ -881,10 +887,14 @@ fn attention_b1_h1_s2047_dh64_matches_the_bf16_reference() {
 
 #[test]
 fn attention_tile_edges_match_the_bf16_reference() {
-    // S = 1; exactly one tile (the fused S ≤ 64 backward, Dh 64); one past a tile (the
-    // tiled backward, both head dims)
+    // S = 1; S = 32, the longest of the two-heads-a-CTA kernels, with an odd head count
+    // (a CTA's second head past the last), and one past it; exactly one tile (the fused
+    // S ≤ 64 backward, Dh 64); one past a tile (the tiled backward, both head dims)
     for (i, &(b, h, s, dh)) in [
         (1, 1, 1, 32),
+        (2, 3, 32, 64),
+        (3, 1, 32, 32),
+        (1, 2, 33, 32),
         (2, 1, 64, 64),
         (1, 2, 65, 64),
         (2, 3, 129, 32),

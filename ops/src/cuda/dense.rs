@@ -52,7 +52,19 @@ pub(crate) const KERNELS: &[&str] = &[
     "attn_bwd_dq_packed_d64",
     "attn_bwd_small_packed_d32",
     "attn_bwd_small_packed_d64",
+    "attn_fwd_tiny_d32",
+    "attn_fwd_tiny_d64",
+    "attn_bwd_tiny_d32",
+    "attn_bwd_tiny_d64",
+    "attn_fwd_tiny_packed_d32",
+    "attn_fwd_tiny_packed_d64",
+    "attn_bwd_tiny_packed_d32",
+    "attn_bwd_tiny_packed_d64",
 ];
+
+/// Sequences up to this long use the attention kernels of 32-row tiles, two heads a CTA
+/// (`attn_*_tiny_*`): half the padding of the 64-row tile and twice the heads an SM.
+const ATTN_TINY_S: usize = 32;
 
 /// Streaming multiprocessors of the target (H200); only tiling heuristics depend on it.
 const SMS: usize = 132;
@@ -124,9 +136,9 @@ struct Gemm {
     bias: Option<KArg>,
     /// ReLU in the epilogue (after the bias; after the split-K sum).
     relu: bool,
-    /// Where the sums of op(A)'s rows over K go (a weight gradient's bias gradient): the
-    /// pipelined path with a transposed A sums them while rounding A; see
-    /// [`linear_grad_weight`].
+    /// Where the sums of op(A)'s rows over K go (a weight gradient's bias gradient),
+    /// for a transposed A of batch 1: the pipelined path sums them while rounding A, the
+    /// single-launch kernels while staging A's tiles; see [`linear_grad_weight`].
     a_row_sums: Option<KArg>,
     lda: usize,
     ldb: usize,
@@ -138,6 +150,11 @@ impl Gemm {
     /// The epilogue flags of the kernels: bit 0 adds the bias, bit 1 applies ReLU.
     fn flags(&self) -> i32 {
         i32::from(self.bias.is_some()) | (i32::from(self.relu) << 1)
+    }
+
+    /// The single-launch kernels' flag for op(A)'s row sums (bit 2).
+    fn sums_flag(&self) -> i32 {
+        i32::from(self.a_row_sums.is_some()) << 2
     }
 }
 
@@ -195,6 +212,16 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
     let grid = [blocks(m, bm), blocks(n, bn), (splits * batch) as u32];
     let block = [threads, 1, 1];
     let kernel = gemm_kernel(g.ta, g.tb, big);
+    if g.a_row_sums.is_some() && (!g.ta || batch != 1) {
+        return Err("row sums of op(A) need a transposed A of batch 1".into());
+    }
+    // op(A)'s row sums: straight to their output with one split, else one partial a
+    // split (scratch 1), summed in split order after the GEMM
+    let sums_at = match g.a_row_sums {
+        Some(out) if splits == 1 => out,
+        Some(_) => KArg::Scratch(1),
+        None => g.a,
+    };
     let args = |c: KArg, flags: i32| {
         vec![
             g.a,
@@ -213,7 +240,8 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
             KArg::I32(batch as i32),
             KArg::I32(k_split as i32),
             i64_of(count),
-            KArg::I32(flags),
+            KArg::I32(flags | g.sums_flag()),
+            sums_at,
         ]
     };
     if splits == 1 {
@@ -229,19 +257,27 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         });
     }
     let reduce = reduce_call(KArg::Scratch(0), g.bias, count, ni, splits, flags);
-    Ok(CudaPlan {
-        calls: vec![
-            KernelCall {
-                kernel,
-                grid,
-                block,
-                smem: 0,
-                args: args(KArg::Scratch(0), 0),
-            },
-            reduce,
-        ],
-        scratch: vec![splits * count * 4],
-    })
+    let mut calls = vec![
+        KernelCall {
+            kernel,
+            grid,
+            block,
+            smem: 0,
+            args: args(KArg::Scratch(0), 0),
+        },
+        reduce,
+    ];
+    let mut scratch = vec![splits * count * 4];
+    if let Some(out) = g.a_row_sums {
+        scratch.push(splits * m * 4);
+        calls.push(super::misc::colsum_final_call(
+            KArg::Scratch(1),
+            out,
+            splits,
+            m,
+        ));
+    }
+    Ok(CudaPlan { calls, scratch })
 }
 
 /// A tile of the pipelined kernels `gemm_bf16p_*` (operands rounded to bf16 into
@@ -600,8 +636,9 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
         batch_b: 0,
     };
     // db = dy's column sums: while the pipelined path rounds dyᵀ (at most 256 partials of
-    // 64 rows for the second pass), else by the column reduction of SumToShape
-    let fused = bias && pipe_tile(&g).is_some() && rows.div_ceil(64) <= 256;
+    // 64 rows for the second pass) or the single-launch kernel stages dy's tiles, else by
+    // the column reduction of SumToShape
+    let fused = bias && (pipe_tile(&g).is_none() || rows.div_ceil(64) <= 256);
     if fused {
         g.a_row_sums = Some(KArg::Out(1));
     }
@@ -710,8 +747,17 @@ impl Attn {
         self.b * self.s == 0
     }
 
+    fn tiny(&self) -> bool {
+        self.s <= ATTN_TINY_S
+    }
+
+    /// Query tiles, heads (two a CTA for the tiny kernels), batch.
     fn grid(&self) -> [u32; 3] {
-        [blocks(self.s, 64), self.heads as u32, self.b as u32]
+        if self.tiny() {
+            [1, blocks(self.heads, 2), self.b as u32]
+        } else {
+            [blocks(self.s, 64), self.heads as u32, self.b as u32]
+        }
     }
 
     /// The kernels' trailing arguments: S, H, causal, scale.
@@ -776,7 +822,11 @@ fn attention(o: &Operands, heads: usize, causal: bool, packed: bool) -> Result<C
     let mut args = a.three(KArg::In, KArg::InAt, 0).to_vec();
     args.extend([KArg::Out(0), KArg::Out(1)]);
     args.extend(a.tail(causal));
-    let kernel = a.kernel("attn_fwd")?;
+    let kernel = a.kernel(if a.tiny() {
+        "attn_fwd_tiny"
+    } else {
+        "attn_fwd"
+    })?;
     Ok(CudaPlan {
         calls: vec![KernelCall {
             kernel,
@@ -828,7 +878,11 @@ fn attention_grad(
         args.extend(qkv);
         args.extend([KArg::In(io), KArg::In(il), dq, dk, dv]);
         args.extend(a.tail(causal));
-        let kernel = a.kernel("attn_bwd_small")?;
+        let kernel = a.kernel(if a.tiny() {
+            "attn_bwd_tiny"
+        } else {
+            "attn_bwd_small"
+        })?;
         return Ok(CudaPlan {
             calls: vec![KernelCall {
                 kernel,
