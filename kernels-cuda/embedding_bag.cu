@@ -198,6 +198,99 @@ ERASE_KERNEL void embedding_bag_fwd_v4(const float* __restrict__ table, const in
         emb_fwd_v4<false>(table, ids, offsets, meta, y, n_ids, n_offsets, n_bags, nf, d, total_rows, lanes_log2);
 }
 
+// The lookup for D % 4 == 0 and at most 32 fields, whose (base, rows) pairs come as
+// launch arguments (no emb_meta_build launch before it). A group of L = 2^lanes_log2
+// lanes (16 for D = 64) takes EMB_FWD_BAGS consecutive bags at once: their offsets, then
+// their ids, then one table row of each are loaded together, so four rows are in flight
+// per lane where the one-bag kernel has a chain of dependent loads per bag. Each bag's
+// sum adds its rows in id order from 0 (an invalid id adding 0), as embedding_bag_fwd_v4
+// does: bit-identical to it.
+#define EMB_FWD_BAGS 4
+
+template <bool ALIGNED>
+__device__ __forceinline__ void emb_fwd_fields(const float* __restrict__ table, const int* __restrict__ ids,
+                                               const int* __restrict__ offsets, float* __restrict__ y,
+                                               const long long* meta /* shared */, long long n_ids,
+                                               long long n_offsets, long long n_bags, int nf, int d,
+                                               long long total_rows, int lanes_log2) {
+    // ids and table rows fit i32 (the host checks both), so positions and rows are ints
+    const int L = 1 << lanes_log2;
+    const int sub = threadIdx.x & (L - 1);
+    const long long groups = erase_gstride() >> lanes_log2;
+    const int nids = (int)n_ids, trows = (int)total_rows;
+    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (long long b0 = (erase_gtid() >> lanes_log2) * EMB_FWD_BAGS; b0 < n_bags; b0 += groups * EMB_FWD_BAGS) {
+        int st[EMB_FWD_BAGS], len[EMB_FWD_BAGS], base[EMB_FWD_BAGS], rows[EMB_FWD_BAGS];
+        int most = 0;
+#pragma unroll
+        for (int j = 0; j < EMB_FWD_BAGS; ++j) {
+            const long long bag = b0 + j;
+            int a = bag < n_offsets ? __ldg(offsets + bag) : 0;
+            int e = bag + 1 < n_offsets ? __ldg(offsets + bag + 1) : a;
+            a = min(max(a, 0), nids);
+            e = bag < n_bags ? min(max(e, a), nids) : a;
+            st[j] = a;
+            len[j] = e - a;
+            most = max(most, e - a);
+            const int f = (int)(bag % nf);
+            base[j] = (int)meta[2 * f];
+            rows[j] = (int)meta[2 * f + 1];
+        }
+        for (int c = 4 * sub; c < d; c += 4 * L) {
+            float4 acc[EMB_FWD_BAGS];
+#pragma unroll
+            for (int j = 0; j < EMB_FWD_BAGS; ++j) acc[j] = z;
+            for (int k = 0; k < most; ++k) {
+                int row[EMB_FWD_BAGS];
+#pragma unroll
+                for (int j = 0; j < EMB_FWD_BAGS; ++j) {
+                    const int id = k < len[j] ? __ldg(ids + st[j] + k) : -1;
+                    row[j] = (id >= 0 && id < rows[j] && base[j] + id < trows) ? base[j] + id : -1;
+                }
+                float4 v[EMB_FWD_BAGS];
+#pragma unroll
+                for (int j = 0; j < EMB_FWD_BAGS; ++j)
+                    v[j] = row[j] >= 0 ? emb_load4<ALIGNED>(table + static_cast<long long>(row[j]) * d + c) : z;
+#pragma unroll
+                for (int j = 0; j < EMB_FWD_BAGS; ++j)
+                    if (k < len[j]) emb_acc4(acc[j], v[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < EMB_FWD_BAGS; ++j) {
+                if (b0 + j >= n_bags) break;
+                float* o = y + (b0 + j) * d + c;
+                if (ALIGNED) {
+                    *reinterpret_cast<float4*>(o) = acc[j];
+                } else {
+                    o[0] = acc[j].x;
+                    o[1] = acc[j].y;
+                    o[2] = acc[j].z;
+                    o[3] = acc[j].w;
+                }
+            }
+        }
+    }
+}
+
+#define EMB_META_SMEM(k)                 \
+    if (threadIdx.x == k && k < nf) {    \
+        meta[2 * k] = b##k;              \
+        meta[2 * k + 1] = r##k;          \
+    }
+
+ERASE_KERNEL void embedding_bag_fwd_fields(const float* __restrict__ table, const int* __restrict__ ids,
+                                           const int* __restrict__ offsets, float* __restrict__ y, long long n_ids,
+                                           long long n_offsets, long long n_bags, int nf, int d, long long total_rows,
+                                           int lanes_log2, EMB_META_PARAMS(0), EMB_META_PARAMS(1), EMB_META_PARAMS(2), EMB_META_PARAMS(3), EMB_META_PARAMS(4), EMB_META_PARAMS(5), EMB_META_PARAMS(6), EMB_META_PARAMS(7), EMB_META_PARAMS(8), EMB_META_PARAMS(9), EMB_META_PARAMS(10), EMB_META_PARAMS(11), EMB_META_PARAMS(12), EMB_META_PARAMS(13), EMB_META_PARAMS(14), EMB_META_PARAMS(15), EMB_META_PARAMS(16), EMB_META_PARAMS(17), EMB_META_PARAMS(18), EMB_META_PARAMS(19), EMB_META_PARAMS(20), EMB_META_PARAMS(21), EMB_META_PARAMS(22), EMB_META_PARAMS(23), EMB_META_PARAMS(24), EMB_META_PARAMS(25), EMB_META_PARAMS(26), EMB_META_PARAMS(27), EMB_META_PARAMS(28), EMB_META_PARAMS(29), EMB_META_PARAMS(30), EMB_META_PARAMS(31)) {
+    __shared__ long long meta[64];
+    EMB_META_SMEM(0) EMB_META_SMEM(1) EMB_META_SMEM(2) EMB_META_SMEM(3) EMB_META_SMEM(4) EMB_META_SMEM(5) EMB_META_SMEM(6) EMB_META_SMEM(7) EMB_META_SMEM(8) EMB_META_SMEM(9) EMB_META_SMEM(10) EMB_META_SMEM(11) EMB_META_SMEM(12) EMB_META_SMEM(13) EMB_META_SMEM(14) EMB_META_SMEM(15) EMB_META_SMEM(16) EMB_META_SMEM(17) EMB_META_SMEM(18) EMB_META_SMEM(19) EMB_META_SMEM(20) EMB_META_SMEM(21) EMB_META_SMEM(22) EMB_META_SMEM(23) EMB_META_SMEM(24) EMB_META_SMEM(25) EMB_META_SMEM(26) EMB_META_SMEM(27) EMB_META_SMEM(28) EMB_META_SMEM(29) EMB_META_SMEM(30) EMB_META_SMEM(31)
+    __syncthreads();
+    if ((((unsigned long long)table | (unsigned long long)y) & 15) == 0)
+        emb_fwd_fields<true>(table, ids, offsets, y, meta, n_ids, n_offsets, n_bags, nf, d, total_rows, lanes_log2);
+    else
+        emb_fwd_fields<false>(table, ids, offsets, y, meta, n_ids, n_offsets, n_bags, nf, d, total_rows, lanes_log2);
+}
+
 // ---- backward: sort the occurrences by row ---------------------------------------------
 
 // keys[i] = global row of occurrence i (sentinel when invalid), vals[i] = its bag.

@@ -15,6 +15,14 @@
 // S == 1 the plan points pass 1 at the outputs and skips pass 2. Bound: memory (16 bytes
 // per element read).
 //
+// layer_norm_fwd_v4 / layer_norm_bwd_dx_v4 (d % 4 == 0, d <= 128: the CTR model's
+// widths): a group of L = pow2 >= d/4 lanes per row, one float4 of the row a lane, held in
+// registers (x read once); 32/L rows a warp and two rows a group in flight (rows r and
+// r + stride), so a warp has 2·32/L rows' loads outstanding where the warp-per-row kernel
+// has one row's. Row sums: each lane's four elements in order, then the xor tree over
+// the group. The loop runs per warp (its first row decides), so the shuffles never
+// diverge.
+//
 // Numerics follow ops/src/cpu/kernels.rs: mean = Σx / d, var = Σ(x-μ)² / d, rstd =
 // 1/sqrt(var + eps), y = (x-μ)·rstd·γ + β, written without FMA contraction where the
 // reference rounds each step; only the order of the row sums differs (tree, not serial).
@@ -114,5 +122,119 @@ ERASE_KERNEL void layer_norm_bwd_dgb_partial(const float* __restrict__ dy, const
         }
         part_g[s * d + j] = tg;
         part_b[s * d + j] = tb;
+    }
+}
+
+// ---- d % 4 == 0, d <= 128: lane groups ----------------------------------------------------
+
+__device__ __forceinline__ float ln_group_sum(float v, int L) {
+    for (int o = L >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float4 ln_load4(const float* p, bool ok) {
+    return ok ? __ldg(reinterpret_cast<const float4*>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// The row statistics and y of one row held as a float4 a lane (`ok`: the lane's columns
+// exist in this row).
+__device__ __forceinline__ void ln_fwd_row(float4 v, bool ok, bool row_ok, const float4 gm, const float4 bt,
+                                           float* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd,
+                                           long long r, int d, float fd, float eps, int L, int sub) {
+    float s = ok ? erase_add(erase_add(erase_add(v.x, v.y), v.z), v.w) : 0.f;
+    const float mu = erase_div(ln_group_sum(s, L), fd);
+    float q = 0.f;
+    if (ok) {
+        const float t0 = erase_sub(v.x, mu), t1 = erase_sub(v.y, mu), t2 = erase_sub(v.z, mu), t3 = erase_sub(v.w, mu);
+        q = fmaf(t0, t0, q);
+        q = fmaf(t1, t1, q);
+        q = fmaf(t2, t2, q);
+        q = fmaf(t3, t3, q);
+    }
+    const float var = erase_div(ln_group_sum(q, L), fd);
+    const float rs = erase_div(1.0f, erase_sqrt(erase_add(var, eps)));
+    if (ok && row_ok) {
+        float4 o;
+        o.x = erase_add(erase_mul(erase_mul(erase_sub(v.x, mu), rs), gm.x), bt.x);
+        o.y = erase_add(erase_mul(erase_mul(erase_sub(v.y, mu), rs), gm.y), bt.y);
+        o.z = erase_add(erase_mul(erase_mul(erase_sub(v.z, mu), rs), gm.z), bt.z);
+        o.w = erase_add(erase_mul(erase_mul(erase_sub(v.w, mu), rs), gm.w), bt.w);
+        *reinterpret_cast<float4*>(y + r * d + 4 * sub) = o;
+    }
+    if (row_ok && sub == 0) {
+        mean[r] = mu;
+        rstd[r] = rs;
+    }
+}
+
+// Block 256; rows of warp w: w·R + g and w·R + g + warps·R (R = 32/L rows a warp, g the
+// lane's group), then on by 2·warps·R. Rows are 16-byte aligned: d % 4 == 0 and the runtime's arena
+// aligns tensors to 256 bytes.
+ERASE_KERNEL void layer_norm_fwd_v4(const float* __restrict__ x, const float* __restrict__ gamma,
+                                    const float* __restrict__ beta, float* __restrict__ y, float* __restrict__ mean,
+                                    float* __restrict__ rstd, long long rows, int d, float eps, int lanes_log2) {
+    const int L = 1 << lanes_log2, R = 32 >> lanes_log2;
+    const int lane = threadIdx.x & 31, sub = lane & (L - 1), grp = lane >> lanes_log2;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long step = warps * R;
+    const bool ok = 4 * sub < d;
+    const float4 gm = ln_load4(gamma + 4 * sub, ok), bt = ln_load4(beta + 4 * sub, ok);
+    const float fd = (float)d;
+    for (long long w0 = (erase_gtid() >> 5) * R; w0 < rows; w0 += 2 * step) {
+        const long long ra = w0 + grp, rb = ra + step;
+        const bool oka = ra < rows, okb = rb < rows;
+        const float4 va = ln_load4(x + ra * d + 4 * sub, ok && oka);
+        const float4 vb = ln_load4(x + rb * d + 4 * sub, ok && okb);
+        ln_fwd_row(va, ok, oka, gm, bt, y, mean, rstd, ra, d, fd, eps, L, sub);
+        ln_fwd_row(vb, ok, okb, gm, bt, y, mean, rstd, rb, d, fd, eps, L, sub);
+    }
+}
+
+__device__ __forceinline__ void ln_bwd_row(float4 g4, float4 x4, bool ok, bool row_ok, const float4 gm, float mu,
+                                           float rs, float* __restrict__ dx, long long r, int d, float inv_d, int L,
+                                           int sub) {
+    float xh[4], g[4];
+    const float xs[4] = {x4.x, x4.y, x4.z, x4.w}, dys[4] = {g4.x, g4.y, g4.z, g4.w};
+    const float gms[4] = {gm.x, gm.y, gm.z, gm.w};
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        xh[e] = erase_mul(erase_sub(xs[e], mu), rs);
+        g[e] = erase_mul(dys[e], gms[e]);
+        if (ok) {
+            s1 += g[e];
+            s2 = fmaf(g[e], xh[e], s2);
+        }
+    }
+    const float m1 = erase_mul(ln_group_sum(s1, L), inv_d);
+    const float m2 = erase_mul(ln_group_sum(s2, L), inv_d);
+    if (ok && row_ok) {
+        float o[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[e] = erase_mul(rs, erase_sub(erase_sub(g[e], m1), erase_mul(xh[e], m2)));
+        *reinterpret_cast<float4*>(dx + r * d + 4 * sub) = make_float4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+// dx of layer_norm_bwd_dx with the lane groups of layer_norm_fwd_v4.
+ERASE_KERNEL void layer_norm_bwd_dx_v4(const float* __restrict__ dy, const float* __restrict__ x,
+                                       const float* __restrict__ gamma, const float* __restrict__ mean,
+                                       const float* __restrict__ rstd, float* __restrict__ dx, long long rows, int d,
+                                       float inv_d, int lanes_log2) {
+    const int L = 1 << lanes_log2, R = 32 >> lanes_log2;
+    const int lane = threadIdx.x & 31, sub = lane & (L - 1), grp = lane >> lanes_log2;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long step = warps * R;
+    const bool ok = 4 * sub < d;
+    const float4 gm = ln_load4(gamma + 4 * sub, ok);
+    for (long long w0 = (erase_gtid() >> 5) * R; w0 < rows; w0 += 2 * step) {
+        const long long ra = w0 + grp, rb = ra + step;
+        const bool oka = ra < rows, okb = rb < rows;
+        const float4 ga = ln_load4(dy + ra * d + 4 * sub, ok && oka), xa = ln_load4(x + ra * d + 4 * sub, ok && oka);
+        const float4 gb = ln_load4(dy + rb * d + 4 * sub, ok && okb), xb = ln_load4(x + rb * d + 4 * sub, ok && okb);
+        const float mua = oka ? __ldg(mean + ra) : 0.f, rsa = oka ? __ldg(rstd + ra) : 0.f;
+        const float mub = okb ? __ldg(mean + rb) : 0.f, rsb = okb ? __ldg(rstd + rb) : 0.f;
+        ln_bwd_row(ga, xa, ok, oka, gm, mua, rsa, dx, ra, d, inv_d, L, sub);
+        ln_bwd_row(gb, xb, ok, okb, gm, mub, rsb, dx, rb, d, inv_d, L, sub);
     }
 }

@@ -391,6 +391,11 @@ fn layer_norm_matches_cpu() {
         (4100, 64),
         (33, 1),
         (5, 1000),
+        // lane groups: a row of 32 lanes (enough rows that the grid loops), three
+        // lanes of a four-lane group, one lane a row
+        (140_001, 128),
+        (77, 12),
+        (9, 4),
     ] {
         let xs = [rows, d];
         let x = rand_arg(&xs, next());
@@ -753,6 +758,11 @@ fn embedding_bag_and_dense_grad_match_cpu() {
         (64, vec![3, 1000, 17], 33),
         (33, vec![2, 9], 130),
         (4096, vec![10, 100_000, 1, 500, 26], 64),
+        // more fields than one launch's arguments carry: the meta-table kernel
+        (5, (0..40).map(|i| 1 + (i * 7) % 23).collect(), 16),
+        // float4 columns wider than a warp's (two column passes), and 2-lane groups
+        (9, vec![7, 300], 256),
+        (13, vec![4, 4, 4], 8),
     ] {
         seed += 10;
         let (ids, offsets) = bags(seed, batch, &field_rows, None);

@@ -41,6 +41,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "layer_norm_fwd",
     "layer_norm_bwd_dx",
     "layer_norm_bwd_dgb_partial",
+    "layer_norm_fwd_v4",
+    "layer_norm_bwd_dx_v4",
     // reduce.cu
     "sum_to_shape_partial",
     "colsum_final",
@@ -64,6 +66,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "emb_meta_build",
     "embedding_bag_fwd",
     "embedding_bag_fwd_v4",
+    "embedding_bag_fwd_fields",
     "emb_sort_keys",
     "emb_radix_hist",
     "emb_radix_scan",
@@ -90,6 +93,8 @@ const OPT_REC_BYTES: usize = 48;
 /// (`EMB_CHUNK`) in embedding_bag.cu.
 const EMB_TILE: usize = 2048;
 const EMB_CHUNK: usize = 32;
+/// Bags a lane group looks up at once in `embedding_bag_fwd_fields` (`EMB_FWD_BAGS`).
+const EMB_FWD_BAGS: usize = 4;
 
 fn kc(
     kernel: &'static str,
@@ -709,9 +714,32 @@ fn layer_norm(op: &Op, o: &Operands, eps: f64) -> Result<CudaPlan, String> {
         F32(eps as f32),
     ];
     Ok(plan_of(
-        vec![warp_rows("layer_norm_fwd", rows, args)],
+        vec![ln_rows("layer_norm_fwd", rows, d, args)],
         vec![],
     ))
+}
+
+/// A layer-norm row kernel: for d % 4 == 0 and d <= 128 its `_v4` form (a lane group of
+/// pow2 >= d/4 lanes a row, two rows a group; its lanes_log2 appended to `args`), else a
+/// warp a row.
+fn ln_rows(kernel: &'static str, rows: usize, d: usize, mut args: Vec<KArg>) -> KernelCall {
+    if !d.is_multiple_of(4) || d > 128 {
+        return warp_rows(kernel, rows, args);
+    }
+    let v4 = match kernel {
+        "layer_norm_fwd" => "layer_norm_fwd_v4",
+        _ => "layer_norm_bwd_dx_v4",
+    };
+    let lanes = (d / 4).next_power_of_two();
+    args.push(I32(lanes.trailing_zeros() as i32));
+    // 8 warps a CTA, 32/lanes rows a warp, two rows a lane group
+    kc(
+        v4,
+        [blocks(rows, 8 * 2 * (32 / lanes)).min(MAX_BLOCKS), 1, 1],
+        [256, 1, 1],
+        0,
+        args,
+    )
 }
 
 fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
@@ -736,9 +764,10 @@ fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         ));
     }
     let di = i32_of(d, "layer_norm width")?;
-    let mut calls = vec![warp_rows(
+    let mut calls = vec![ln_rows(
         "layer_norm_bwd_dx",
         rows,
+        d,
         vec![
             KArg::In(0),
             KArg::In(1),
@@ -1191,6 +1220,41 @@ fn embedding_bag(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan
         return Ok(plan_of(vec![], vec![]));
     }
     let n_bags = out_n / d;
+    if d % 4 == 0 && field_rows.len() <= BUILD_SLOTS {
+        // one launch: the fields' (base, rows) as arguments, EMB_FWD_BAGS bags a group
+        let lanes = (d / 4).next_power_of_two().min(32);
+        let mut args = vec![
+            KArg::In(0),
+            KArg::In(1),
+            KArg::In(2),
+            Out(0),
+            n64(n_ids),
+            n64(n_off),
+            n64(n_bags),
+            I32(field_rows.len() as i32),
+            I32(i32_of(d, "embedding dim")?),
+            n64(total),
+            I32(lanes.trailing_zeros() as i32),
+        ];
+        let mut base = 0;
+        for k in 0..BUILD_SLOTS {
+            let rows = field_rows.get(k).copied().unwrap_or(0);
+            args.push(n64(base));
+            args.push(n64(rows));
+            base += rows;
+        }
+        let per_cta = EMB_FWD_BAGS * 256 / lanes;
+        return Ok(plan_of(
+            vec![kc(
+                "embedding_bag_fwd_fields",
+                [blocks(n_bags, per_cta).min(MAX_BLOCKS), 1, 1],
+                [256, 1, 1],
+                0,
+                args,
+            )],
+            vec![],
+        ));
+    }
     let mut args = vec![
         KArg::In(0),
         KArg::In(1),
