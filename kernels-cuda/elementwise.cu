@@ -257,6 +257,61 @@ __device__ __forceinline__ void pad_rows(const T* __restrict__ x, T* __restrict_
     }
 }
 
+// Concat and Split in one launch for up to EW_PARTS parts: the big tensor's rows hold the
+// parts' rows side by side in columns [big_off, big_off + Σ c_j) of each of its `outer`
+// rows (row length big_row); part j is [outer, c_j]. split = 0 copies the parts into the
+// big rows (concat), 1 the big rows into the parts (split). A thread per element of the
+// covered columns, found by a scan over the parts' widths (unrolled: the pointers stay
+// in registers); the big tensor's side is coalesced. Widths, offsets and rows count
+// elements of T (ew_parts_rows_u128 moves 16-byte units).
+#define EW_PARTS 8
+#define EW_PART_PARAMS(T, j) T* __restrict__ p##j, long long c##j
+
+template <typename T>
+__device__ __forceinline__ void parts_rows(T* big, long long outer, long long big_row, long long big_off, int split,
+                                           int count, T* const (&p)[EW_PARTS], const long long (&c)[EW_PARTS]) {
+    long long width = 0;
+#pragma unroll
+    for (int j = 0; j < EW_PARTS; ++j)
+        if (j < count) width += c[j];
+    if (width <= 0) return;
+    const long long n = outer * width;
+    EW_LOOP(i, n) {
+        const long long o = erase_udiv(i, width), col = i - o * width;
+        T* q = p[0];
+        long long ch = c[0], start = 0, acc = 0;
+#pragma unroll
+        for (int j = 0; j < EW_PARTS; ++j) {
+            if (j < count && col >= acc) {
+                q = p[j];
+                ch = c[j];
+                start = acc;
+            }
+            if (j < count) acc += c[j];
+        }
+        T* b = big + o * big_row + big_off + col;
+        T* s = q + o * ch + (col - start);
+        if (split)
+            *s = *b;
+        else
+            *b = *s;
+    }
+}
+
+#define EW_PARTS_KERNEL(NAME, T)                                                                                   \
+    ERASE_KERNEL void NAME(T* big, long long outer, long long big_row, long long big_off, int split, int count,     \
+                           EW_PART_PARAMS(T, 0), EW_PART_PARAMS(T, 1), EW_PART_PARAMS(T, 2), EW_PART_PARAMS(T, 3), \
+                           EW_PART_PARAMS(T, 4), EW_PART_PARAMS(T, 5), EW_PART_PARAMS(T, 6),                      \
+                           EW_PART_PARAMS(T, 7)) {                                                                 \
+        T* const p[EW_PARTS] = {p0, p1, p2, p3, p4, p5, p6, p7};                                                  \
+        const long long c[EW_PARTS] = {c0, c1, c2, c3, c4, c5, c6, c7};                                           \
+        parts_rows(big, outer, big_row, big_off, split, count, p, c);                                              \
+    }
+EW_PARTS_KERNEL(ew_parts_rows_u32, unsigned)
+EW_PARTS_KERNEL(ew_parts_rows_u16, unsigned short)
+// 16-byte units, when every width and offset is a multiple of 16 bytes (the plan decides)
+EW_PARTS_KERNEL(ew_parts_rows_u128, uint4)
+
 ERASE_KERNEL void ew_copy_u32(const unsigned* __restrict__ x, unsigned* __restrict__ y, long long n) {
     copy_flat(x, y, n);
 }

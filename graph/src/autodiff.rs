@@ -430,6 +430,23 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 )[0];
                 b.contribute(ins[0], dx);
             }
+            Op::Concat { axis } if (0..ins.len()).filter(|&i| needs(i)).count() > 1 => {
+                // every part's gradient from one pass over dy
+                let shapes: Vec<Shape> = (0..ins.len()).map(|i| shape_of(&b, i)).collect();
+                let sizes = shapes.iter().map(|s| s.dims()[*axis]).collect();
+                let parts = b.add(
+                    Op::Split { axis: *axis, sizes },
+                    vec![dy],
+                    shapes,
+                    format!("{nm}.dx"),
+                    id,
+                );
+                for (i, (&input, &part)) in ins.iter().zip(&parts).enumerate() {
+                    if needs(i) {
+                        b.contribute(input, part);
+                    }
+                }
+            }
             Op::Concat { axis } => {
                 let mut start = 0;
                 for (i, &input) in ins.iter().enumerate() {

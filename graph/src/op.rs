@@ -91,6 +91,12 @@ pub enum Op {
         start: usize,
         len: usize,
     },
+    /// `[x] -> [y_0, y_1, ..]`: `x` cut along `axis` into consecutive parts of `sizes`
+    /// entries (the gradient of `Concat`: every part in one pass).
+    Split {
+        axis: usize,
+        sizes: Vec<usize>,
+    },
     /// `[e] -> [y]`: DLRM interaction, `e [B, F, D]` to the `F(F-1)/2` dots `<e_i, e_j>`,
     /// `i < j`, row-major upper triangle.
     PairwiseDot,
@@ -228,6 +234,7 @@ impl Op {
             Op::Reshape => "reshape",
             Op::Concat { .. } => "concat",
             Op::Slice { .. } => "slice",
+            Op::Split { .. } => "split",
             Op::PairwiseDot => "pairwise_dot",
             Op::Attention { .. } => "attention",
             Op::EmbeddingBag { .. } => "embedding_bag",

@@ -342,7 +342,53 @@ fn shape_ops_match_cpu() {
                 &[(&out, F32)],
                 &[EXACT],
             );
+            // split back into the concat's parts
+            let shapes: Vec<[usize; 3]> = lens
+                .iter()
+                .map(|&l| {
+                    let mut s = dims;
+                    s[axis] = l;
+                    s
+                })
+                .collect();
+            let outs: Vec<(&[usize], DType)> = shapes.iter().map(|s| (&s[..], F32)).collect();
+            compare(
+                dev,
+                &format!("split {out:?} axis {axis}"),
+                &Op::Split {
+                    axis,
+                    sizes: lens.to_vec(),
+                },
+                &[rand_arg(&out, next())],
+                &outs,
+                &[EXACT],
+            );
         }
+        // more parts than one launch takes (8): two launches, into one row and out of it
+        let lens: Vec<usize> = (0..11).map(|i| 1 + i % 4).collect();
+        let shapes: Vec<[usize; 2]> = lens.iter().map(|&l| [dims[0] * dims[1], l]).collect();
+        let ins: Vec<Arg> = shapes.iter().map(|s| rand_arg(s, next())).collect();
+        let big = [dims[0] * dims[1], lens.iter().sum()];
+        compare(
+            dev,
+            "concat of 11",
+            &Op::Concat { axis: 1 },
+            &ins,
+            &[(&big, F32)],
+            &[EXACT],
+        );
+        let outs: Vec<(&[usize], DType)> = shapes.iter().map(|s| (&s[..], F32)).collect();
+        compare(
+            dev,
+            "split into 11",
+            &Op::Split {
+                axis: 1,
+                sizes: lens.clone(),
+            },
+            &[rand_arg(&big, next())],
+            &outs,
+            &[EXACT],
+        );
         let n: usize = dims.iter().product();
         let x = rand_arg(&dims, next());
         compare(

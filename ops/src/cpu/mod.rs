@@ -410,6 +410,22 @@ fn exec_inner<T: Elem>(
                 total,
             );
         }
+        Op::Split { axis, sizes } => {
+            let total = ish(0).dims()[*axis];
+            let v = AxisView::new(ish(0).dims(), *axis);
+            let x = get::<T>(ins[0], "x")?;
+            if outs.len() != sizes.len() || sizes.iter().sum::<usize>() != total {
+                return Err(format!(
+                    "split: {} parts of {sizes:?} from an axis of {total}",
+                    outs.len()
+                ));
+            }
+            let mut start = 0;
+            for (o, &len) in outs.iter_mut().zip(sizes) {
+                kernels::take(x, out(o)?, v, start, len, total);
+                start += len;
+            }
+        }
         Op::Pad { axis, start, full } => {
             let len = ish(0).dims()[*axis];
             let v = AxisView::new(osh(0).dims(), *axis);

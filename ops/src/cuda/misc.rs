@@ -34,6 +34,9 @@ pub(crate) const KERNELS: &[&str] = &[
     "ew_copy_u32",
     "ew_copy_u16",
     "ew_copy_rows_u32",
+    "ew_parts_rows_u32",
+    "ew_parts_rows_u16",
+    "ew_parts_rows_u128",
     "ew_copy_rows_u16",
     "ew_pad_rows_u32",
     "ew_pad_rows_u16",
@@ -218,6 +221,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         Op::Reshape | Op::Detach => copy(op, o),
         Op::Concat { axis } => concat(op, o, *axis),
         Op::Slice { axis, start, len } => slice(op, o, *axis, *start, *len),
+        Op::Split { axis, sizes } => split(op, o, *axis, sizes),
         Op::Pad { axis, start, full } => pad(op, o, *axis, *start, *full),
         Op::LayerNorm { eps } => layer_norm(op, o, *eps),
         Op::LayerNormGrad => layer_norm_grad(op, o),
@@ -465,42 +469,105 @@ fn copy_rows(
     )
 }
 
+/// Parts a launch of `ew_parts_rows_*` takes (`EW_PARTS` in elementwise.cu).
+const EW_PARTS: usize = 8;
+
+/// Concat (`split` false: the parts are the inputs, the big tensor the output) or Split
+/// (the big tensor the input, the parts the outputs) along `axis`, `EW_PARTS` parts a
+/// launch; `parts` are the parts' shapes.
+fn parts_rows(
+    op: &Op,
+    d: DType,
+    big: &Shape,
+    parts: &[&Shape],
+    axis: usize,
+    split: bool,
+) -> Result<CudaPlan, String> {
+    let size = d.size_bytes();
+    if size != 4 && size != 2 {
+        return Err(format!("{}: no CUDA copy of {d} elements", op.name()));
+    }
+    let (outer, total, inner) = around(op, big, axis)?;
+    let mut lens = Vec::with_capacity(parts.len());
+    for (i, s) in parts.iter().enumerate() {
+        let (_, len, _) = around(op, s, axis)?;
+        if s.numel() != outer * len * inner {
+            return Err(format!(
+                "{}: part {i} {s} does not fit {big} along axis {axis}",
+                op.name()
+            ));
+        }
+        lens.push(len);
+    }
+    if lens.iter().sum::<usize>() != total {
+        return Err(format!(
+            "{}: the parts hold {} entries of axis {axis}, {big} {total}",
+            op.name(),
+            lens.iter().sum::<usize>()
+        ));
+    }
+    // 16-byte units where every part's row, hence every offset, is a whole number of them
+    // (the arena aligns each tensor to 256 bytes)
+    let per16 = 16 / size;
+    let (kernel, unit) = if lens.iter().all(|l| (l * inner).is_multiple_of(per16)) {
+        ("ew_parts_rows_u128", per16)
+    } else if size == 4 {
+        ("ew_parts_rows_u32", 1)
+    } else {
+        ("ew_parts_rows_u16", 1)
+    };
+    let (big_arg, part_arg): (KArg, fn(usize) -> KArg) = if split {
+        (KArg::In(0), Out)
+    } else {
+        (Out(0), KArg::In)
+    };
+    let mut calls = Vec::new();
+    let mut start = 0;
+    for (g, group) in lens.chunks(EW_PARTS).enumerate() {
+        let width: usize = group.iter().sum();
+        if outer * width * inner > 0 {
+            let mut args = vec![
+                big_arg,
+                n64(outer),
+                n64(total * inner / unit),
+                n64(start * inner / unit),
+                I32(i32::from(split)),
+                I32(group.len() as i32),
+            ];
+            for j in 0..EW_PARTS {
+                match group.get(j) {
+                    Some(&len) => {
+                        args.extend([part_arg(g * EW_PARTS + j), n64(len * inner / unit)])
+                    }
+                    None => args.extend([big_arg, n64(0)]),
+                }
+            }
+            calls.push(ew(kernel, outer * width * inner / unit, args));
+        }
+        start += width;
+    }
+    Ok(plan_of(calls, vec![]))
+}
+
 fn concat(op: &Op, o: &Operands, axis: usize) -> Result<CudaPlan, String> {
     let d = *o.out_dtypes.first().ok_or("concat: no output")?;
     let want: Vec<DType> = vec![d; o.ins.len()];
     expect(op, o, &want, &[d])?;
-    let [_, rows, _] = copy_kernels(op, d)?;
-    let (outer, total, inner) = around(op, o.outs[0], axis)?;
-    let mut calls = Vec::new();
-    let mut start = 0;
-    for (i, s) in o.ins.iter().enumerate() {
-        let (_, len, _) = around(op, s, axis)?;
-        if s.numel() != outer * len * inner {
+    parts_rows(op, d, o.outs[0], o.ins, axis, false)
+}
+
+fn split(op: &Op, o: &Operands, axis: usize, sizes: &[usize]) -> Result<CudaPlan, String> {
+    let d = *o.in_dtypes.first().ok_or("split: no input")?;
+    let want: Vec<DType> = vec![d; sizes.len()];
+    expect(op, o, &[d], &want)?;
+    for (i, (s, &len)) in o.outs.iter().zip(sizes).enumerate() {
+        if around(op, s, axis)?.1 != len {
             return Err(format!(
-                "concat: input {i} {s} does not fit the output {}",
-                o.outs[0]
+                "split: part {i} {s} is not {len} entries of axis {axis}"
             ));
         }
-        if outer * len * inner > 0 {
-            calls.push(copy_rows(
-                rows,
-                KArg::In(i),
-                outer,
-                len * inner,
-                len * inner,
-                0,
-                total * inner,
-                start * inner,
-            ));
-        }
-        start += len;
     }
-    if start != total {
-        return Err(format!(
-            "concat: inputs hold {start} entries of axis {axis}, the output {total}"
-        ));
-    }
-    Ok(plan_of(calls, vec![]))
+    parts_rows(op, d, o.ins[0], o.outs, axis, true)
 }
 
 fn slice(op: &Op, o: &Operands, axis: usize, start: usize, len: usize) -> Result<CudaPlan, String> {
