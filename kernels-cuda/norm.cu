@@ -15,7 +15,7 @@
 // S == 1 the plan points pass 1 at the outputs and skips pass 2. Bound: memory (16 bytes
 // per element read).
 //
-// layer_norm_fwd_v4 / layer_norm_bwd_dx_v4 (d % 4 == 0, d <= 128: the CTR model's
+// layer_norm_fwd_v4 / layer_norm_bwd_v4 (d % 4 == 0, d <= 128: the CTR model's
 // widths): a group of L = pow2 >= d/4 lanes per row, one float4 of the row a lane, held in
 // registers (x read once); 32/L rows a warp and two rows a group in flight (rows r and
 // r + stride), so a warp has 2·32/L rows' loads outstanding where the warp-per-row kernel
@@ -192,7 +192,7 @@ ERASE_KERNEL void layer_norm_fwd_v4(const float* __restrict__ x, const float* __
 
 __device__ __forceinline__ void ln_bwd_row(float4 g4, float4 x4, bool ok, bool row_ok, const float4 gm, float mu,
                                            float rs, float* __restrict__ dx, long long r, int d, float inv_d, int L,
-                                           int sub) {
+                                           int sub, float4& ag, float4& ab) {
     float xh[4], g[4];
     const float xs[4] = {x4.x, x4.y, x4.z, x4.w}, dys[4] = {g4.x, g4.y, g4.z, g4.w};
     const float gms[4] = {gm.x, gm.y, gm.z, gm.w};
@@ -209,6 +209,15 @@ __device__ __forceinline__ void ln_bwd_row(float4 g4, float4 x4, bool ok, bool r
     const float m1 = erase_mul(ln_group_sum(s1, L), inv_d);
     const float m2 = erase_mul(ln_group_sum(s2, L), inv_d);
     if (ok && row_ok) {
+        // this lane's share of dgamma = Σ dy·xhat and dbeta = Σ dy, row after row
+        ag.x = fmaf(dys[0], xh[0], ag.x);
+        ag.y = fmaf(dys[1], xh[1], ag.y);
+        ag.z = fmaf(dys[2], xh[2], ag.z);
+        ag.w = fmaf(dys[3], xh[3], ag.w);
+        ab.x += dys[0];
+        ab.y += dys[1];
+        ab.z += dys[2];
+        ab.w += dys[3];
         float o[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[e] = erase_mul(rs, erase_sub(erase_sub(g[e], m1), erase_mul(xh[e], m2)));
@@ -216,17 +225,25 @@ __device__ __forceinline__ void ln_bwd_row(float4 g4, float4 x4, bool ok, bool r
     }
 }
 
-// dx of layer_norm_bwd_dx with the lane groups of layer_norm_fwd_v4.
-ERASE_KERNEL void layer_norm_bwd_dx_v4(const float* __restrict__ dy, const float* __restrict__ x,
-                                       const float* __restrict__ gamma, const float* __restrict__ mean,
-                                       const float* __restrict__ rstd, float* __restrict__ dx, long long rows, int d,
-                                       float inv_d, int lanes_log2) {
+// dx of layer_norm_bwd_dx with the lane groups of layer_norm_fwd_v4, and dgamma, dbeta
+// from the same loads: each lane sums its four columns over the rows it visits (in visit
+// order), the CTA's lanes of a column are added in thread order, and CTA b writes
+// part_g[b·d + j], part_b[b·d + j] (the outputs themselves when the grid is one CTA;
+// else colsum_final adds the gridDim.x partials in CTA order). The grid is a function of
+// the shape only: a fixed order.
+ERASE_KERNEL void __launch_bounds__(256)
+    layer_norm_bwd_v4(const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ gamma,
+                      const float* __restrict__ mean, const float* __restrict__ rstd, float* __restrict__ dx,
+                      float* __restrict__ part_g, float* __restrict__ part_b, long long rows, int d, float inv_d,
+                      int lanes_log2) {
+    __shared__ float4 sg[256], sb[256];
     const int L = 1 << lanes_log2, R = 32 >> lanes_log2;
     const int lane = threadIdx.x & 31, sub = lane & (L - 1), grp = lane >> lanes_log2;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     const long long step = warps * R;
     const bool ok = 4 * sub < d;
     const float4 gm = ln_load4(gamma + 4 * sub, ok);
+    float4 ag = make_float4(0.f, 0.f, 0.f, 0.f), ab = ag;
     for (long long w0 = (erase_gtid() >> 5) * R; w0 < rows; w0 += 2 * step) {
         const long long ra = w0 + grp, rb = ra + step;
         const bool oka = ra < rows, okb = rb < rows;
@@ -234,7 +251,28 @@ ERASE_KERNEL void layer_norm_bwd_dx_v4(const float* __restrict__ dy, const float
         const float4 gb = ln_load4(dy + rb * d + 4 * sub, ok && okb), xb = ln_load4(x + rb * d + 4 * sub, ok && okb);
         const float mua = oka ? __ldg(mean + ra) : 0.f, rsa = oka ? __ldg(rstd + ra) : 0.f;
         const float mub = okb ? __ldg(mean + rb) : 0.f, rsb = okb ? __ldg(rstd + rb) : 0.f;
-        ln_bwd_row(ga, xa, ok, oka, gm, mua, rsa, dx, ra, d, inv_d, L, sub);
-        ln_bwd_row(gb, xb, ok, okb, gm, mub, rsb, dx, rb, d, inv_d, L, sub);
+        ln_bwd_row(ga, xa, ok, oka, gm, mua, rsa, dx, ra, d, inv_d, L, sub, ag, ab);
+        ln_bwd_row(gb, xb, ok, okb, gm, mub, rsb, dx, rb, d, inv_d, L, sub, ag, ab);
+    }
+    sg[threadIdx.x] = ag;
+    sb[threadIdx.x] = ab;
+    __syncthreads();
+    // threads sub, sub + L, sub + 2L, ... hold column chunk sub
+    if (threadIdx.x < L && ok) {
+        float4 tg = sg[threadIdx.x], tb = sb[threadIdx.x];
+        for (int q = threadIdx.x + L; q < (int)blockDim.x; q += L) {
+            const float4 u = sg[q], v = sb[q];
+            tg.x += u.x;
+            tg.y += u.y;
+            tg.z += u.z;
+            tg.w += u.w;
+            tb.x += v.x;
+            tb.y += v.y;
+            tb.z += v.z;
+            tb.w += v.w;
+        }
+        const long long at = (long long)blockIdx.x * d + 4 * sub;
+        *reinterpret_cast<float4*>(part_g + at) = tg;
+        *reinterpret_cast<float4*>(part_b + at) = tb;
     }
 }

@@ -45,7 +45,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "layer_norm_bwd_dx",
     "layer_norm_bwd_dgb_partial",
     "layer_norm_fwd_v4",
-    "layer_norm_bwd_dx_v4",
+    "layer_norm_bwd_v4",
     // reduce.cu
     "sum_to_shape_partial",
     "colsum_final",
@@ -786,23 +786,37 @@ fn layer_norm(op: &Op, o: &Operands, eps: f64) -> Result<CudaPlan, String> {
     ))
 }
 
-/// A layer-norm row kernel: for d % 4 == 0 and d <= 128 its `_v4` form (a lane group of
-/// pow2 >= d/4 lanes a row, two rows a group; its lanes_log2 appended to `args`), else a
-/// warp a row.
+/// The most CTAs of `layer_norm_bwd_v4` (two an SM of the H200): each writes a partial
+/// of dgamma and dbeta, and colsum_final adds them.
+const LN_BWD_CTAS: u32 = 264;
+
+/// Whether a layer-norm width takes the `_v4` kernels: a lane group of pow2 >= d/4 lanes
+/// a row, two rows a group.
+fn ln_v4(d: usize) -> bool {
+    d.is_multiple_of(4) && d <= 128
+}
+
+/// log2 of the lanes a row of the `_v4` kernels, and the CTAs that cover `rows` once
+/// (8 warps a CTA, 32/lanes rows a warp, two rows a lane group).
+fn ln_v4_geometry(rows: usize, d: usize) -> (i32, u32) {
+    let lanes = (d / 4).next_power_of_two();
+    (
+        lanes.trailing_zeros() as i32,
+        blocks(rows, 8 * 2 * (32 / lanes)),
+    )
+}
+
+/// The layer-norm forward: the `_v4` kernel where the width allows (its lanes_log2
+/// appended to `args`), else a warp a row.
 fn ln_rows(kernel: &'static str, rows: usize, d: usize, mut args: Vec<KArg>) -> KernelCall {
-    if !d.is_multiple_of(4) || d > 128 {
+    if !ln_v4(d) {
         return warp_rows(kernel, rows, args);
     }
-    let v4 = match kernel {
-        "layer_norm_fwd" => "layer_norm_fwd_v4",
-        _ => "layer_norm_bwd_dx_v4",
-    };
-    let lanes = (d / 4).next_power_of_two();
-    args.push(I32(lanes.trailing_zeros() as i32));
-    // 8 warps a CTA, 32/lanes rows a warp, two rows a lane group
+    let (lanes_log2, ctas) = ln_v4_geometry(rows, d);
+    args.push(I32(lanes_log2));
     kc(
-        v4,
-        [blocks(rows, 8 * 2 * (32 / lanes)).min(MAX_BLOCKS), 1, 1],
+        "layer_norm_fwd_v4",
+        [ctas.min(MAX_BLOCKS), 1, 1],
         [256, 1, 1],
         0,
         args,
@@ -831,10 +845,48 @@ fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         ));
     }
     let di = i32_of(d, "layer_norm width")?;
-    let mut calls = vec![ln_rows(
+    if ln_v4(d) {
+        // dx, dgamma and dbeta from one pass over dy and x: a partial of dgamma and dbeta
+        // a CTA (at most two CTAs an SM, so that the second pass adds few), summed in CTA
+        // order by colsum_final
+        let (lanes_log2, ctas) = ln_v4_geometry(rows, d);
+        let ctas = ctas.clamp(1, LN_BWD_CTAS);
+        let (mut calls, mut scratch) = (Vec::new(), Vec::new());
+        let parts = if ctas == 1 {
+            [Out(1), Out(2)]
+        } else {
+            scratch.extend([ctas as usize * d * 4; 2]);
+            [Scratch(0), Scratch(1)]
+        };
+        calls.push(kc(
+            "layer_norm_bwd_v4",
+            [ctas, 1, 1],
+            [256, 1, 1],
+            0,
+            vec![
+                KArg::In(0),
+                KArg::In(1),
+                KArg::In(2),
+                KArg::In(3),
+                KArg::In(4),
+                Out(0),
+                parts[0],
+                parts[1],
+                n64(rows),
+                I32(di),
+                F32((1.0 / d as f64) as f32),
+                I32(lanes_log2),
+            ],
+        ));
+        if ctas > 1 {
+            calls.push(colsum_final_call(parts[0], Out(1), ctas as usize, d));
+            calls.push(colsum_final_call(parts[1], Out(2), ctas as usize, d));
+        }
+        return Ok(plan_of(calls, scratch));
+    }
+    let mut calls = vec![warp_rows(
         "layer_norm_bwd_dx",
         rows,
-        d,
         vec![
             KArg::In(0),
             KArg::In(1),
