@@ -88,7 +88,7 @@ impl Bench<'_> {
                 vec![(Shape::new(&[m, n]), DType::F32)],
             ),
             "dx" => (
-                Op::LinearGradInput,
+                Op::LinearGradInput { relu_mask: false },
                 vec![
                     (Shape::new(&[m, n]), rand(1, m * n, 1.0)),
                     (Shape::new(&[n, k]), rand(2, n * k, 0.1)),
@@ -356,7 +356,7 @@ fn main() {
                     let (x, w) = (s(0), s(1));
                     shapes.insert(("linear", x.rows(), w.dims()[0], w.dims()[1]));
                 }
-                Op::LinearGradInput => {
+                Op::LinearGradInput { .. } => {
                     let (dy, w) = (s(0), s(1));
                     shapes.insert(("dx", dy.rows(), w.dims()[0], w.dims()[1]));
                 }

@@ -28,7 +28,8 @@
 //
 // Split-K (a fixed range of k per split, the grid's z) writes f32 partials to scratch;
 // `gemm_splitk_reduce` sums them in split order (deterministic, no atomics) and applies
-// the bias and ReLU. Epilogue flags: bit 0 adds bias[n], bit 1 applies ReLU. The epilogue
+// the bias and ReLU. Epilogue flags: bit 0 adds bias[n], bit 1 applies ReLU, bit 3 the
+// ReLU gradient's mask (the `bias` pointer then being the ReLU's output). The epilogue
 // writes each thread's two adjacent columns as one float2 where C's alignment allows.
 //
 // Bound: 2·M·N·K FLOPs on tensor cores against 4·(M·K·ceil(N/BN) + N·K·ceil(M/BM) + M·N)
@@ -127,13 +128,18 @@ __device__ __forceinline__ bool gemm_vec_ok(const float* p, long long ld) {
 
 // Epilogue of a warp tile of MI x NI mma tiles at (row0, col0) of C: the thread holds
 // rows g, g+8 and columns 2t, 2t+1 of every mma tile; bias (flags & 1), ReLU (flags & 2),
-// two adjacent columns as one float2 where C's alignment allows.
-template <int MI, int NI>
-__device__ __forceinline__ void gemm_epilogue(const float (&acc)[MI][NI][4], float* __restrict__ C,
-                                              const float* __restrict__ bias, int M, int N, long long ldc,
-                                              int row0, int col0, int lane, int flags) {
+// the ReLU gradient's mask (flags & 8: zero where mask[m·ldc + n] = bias[m·ldc + n] is
+// not > 0, the `bias` pointer then being the ReLU's output, of C's layout, batch 1), two
+// adjacent columns as one float2 where C's alignment allows.
+template <int MI, int NI, bool MASK>
+__device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], float* __restrict__ C,
+                                                 const float* __restrict__ bias, int M, int N, long long ldc,
+                                                 int row0, int col0, int lane, int flags) {
     const int g = lane >> 2, t = lane & 3;
     const bool vec_c = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & 7) == 0;
+    // the mask is read NC mma tiles at a time, all loads issued before the stores (one
+    // at a time, each load waited for before its store, left the epilogue latency-bound)
+    constexpr int NC = NI < 4 ? NI : 4;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -142,24 +148,50 @@ __device__ __forceinline__ void gemm_epilogue(const float (&acc)[MI][NI][4], flo
             if (m >= M) continue;
             float* crow = C + static_cast<long long>(m) * ldc;
 #pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int n = col0 + ni * 8 + 2 * t;  // even
-                float v[2];
+            for (int n0 = 0; n0 < NI; n0 += NC) {
+                float keep[NC][2];
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    v[e] = acc[mi][ni][half * 2 + e];
-                    if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
-                    if (flags & 2) v[e] = fmaxf(v[e], 0.f);
-                }
-                if (vec_c && n + 1 < N) {
-                    *reinterpret_cast<float2*>(crow + n) = make_float2(v[0], v[1]);
-                } else {
-                    if (n < N) crow[n] = v[0];
-                    if (n + 1 < N) crow[n + 1] = v[1];
+                for (int c = 0; c < NC; ++c)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int n = col0 + (n0 + c) * 8 + 2 * t + e;
+                        keep[c][e] = 1.f;
+                        if (MASK && n < N) keep[c][e] = __ldg(bias + static_cast<long long>(m) * ldc + n);
+                    }
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    const int ni = n0 + c;
+                    const int n = col0 + ni * 8 + 2 * t;  // even
+                    float v[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        v[e] = acc[mi][ni][half * 2 + e];
+                        if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
+                        if (flags & 2) v[e] = fmaxf(v[e], 0.f);
+                        if (MASK && !(keep[c][e] > 0.f)) v[e] = 0.f;
+                    }
+                    if (vec_c && n + 1 < N) {
+                        *reinterpret_cast<float2*>(crow + n) = make_float2(v[0], v[1]);
+                    } else {
+                        if (n < N) crow[n] = v[0];
+                        if (n + 1 < N) crow[n + 1] = v[1];
+                    }
                 }
             }
         }
     }
+}
+
+// The epilogue with the mask compiled in only where flags ask for it (the plain form is
+// the store-bound path of most GEMMs).
+template <int MI, int NI>
+__device__ __forceinline__ void gemm_epilogue(const float (&acc)[MI][NI][4], float* __restrict__ C,
+                                              const float* __restrict__ bias, int M, int N, long long ldc,
+                                              int row0, int col0, int lane, int flags) {
+    if (flags & 8)
+        gemm_epilogue_as<MI, NI, true>(acc, C, bias, M, N, ldc, row0, col0, lane, flags);
+    else
+        gemm_epilogue_as<MI, NI, false>(acc, C, bias, M, N, ldc, row0, col0, lane, flags);
 }
 
 template <int BM, int BN, int WARPS_M, int WARPS_N, int AHEAD, bool TA, bool TB>
@@ -641,12 +673,13 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
 #define ERASE_GEMM_PASS A, B, C, bias, M, N, K, lda, ldb, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags, asum
 
 // Arguments of every gemm_bf16_* kernel, in order:
-//   A, B, C, bias (read when flags & 1; any valid pointer otherwise),
+//   A, B, C, bias (read when flags & 1 or 8; any valid pointer otherwise),
 //   M, N, K (i32), lda, ldb, ldc (i64, elements),
 //   batch_a, batch_b, batch_c (i64, elements between batch entries), batch (i32),
 //   k_split (i32, multiple of 32: k range of one split), split_c (i64, elements between
 //   the outputs of two splits), flags (i32: 1 bias, 2 relu, 4 column sums of a
-//   transposed A, batch 1 only), asum (f32 [splits][M], written when flags & 4).
+//   transposed A, batch 1 only, 8 the ReLU gradient's mask read through `bias`, batch 1
+//   only), asum (f32 [splits][M], written when flags & 4).
 // Grid: (ceil(M/BM), ceil(N/BN), splits·batch); block: 256 (128x128) or 128 (64x64).
 #define ERASE_GEMM_KERNELS(LAYOUT, TA, TB)                                                    \
     ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128(ERASE_GEMM_ARGS) { \
@@ -814,7 +847,8 @@ ERASE_KERNEL void __launch_bounds__(256)
     else gemm_to_bf16_body(src, dst, rows, cols, ld, bs, rp, cp, blk);
 }
 
-// C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU), for i < count; C is
+// C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU) (zero where flags & 8 and
+// bias[i], then the ReLU's output, is not > 0), for i < count; C is
 // contiguous. Block (32, Y), Y = 1, 2, 4, .. 32 (at most the split count): thread (x, y)
 // owns 4 consecutive elements (float4 loads when count and split_stride are multiples of
 // 4, as the plan arranges, else 4 scalar loads) and sums splits y, y+Y, y+2Y, .. of them
@@ -829,6 +863,13 @@ ERASE_KERNEL void __launch_bounds__(1024)
     const long long i0 = (static_cast<long long>(blockIdx.x) * 32 + tx) * 4;
     const bool vec = (count & 3) == 0 && (split_stride & 3) == 0;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    // the ReLU gradient's mask, loaded before the partials (its latency hidden by theirs)
+    float keep[4] = {1.f, 1.f, 1.f, 1.f};
+    if ((flags & 8) && ty == 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (i0 + e < count) keep[e] = __ldg(bias + i0 + e);
+    }
     if (i0 < count) {
         if (vec) {
 #pragma unroll 4
@@ -872,6 +913,7 @@ ERASE_KERNEL void __launch_bounds__(1024)
             float r = v[e];
             if (flags & 1) r += __ldg(bias + i % N);
             if (flags & 2) r = fmaxf(r, 0.f);
+            if (!(keep[e] > 0.f)) r = 0.f;
             C[i] = r;
         }
     }

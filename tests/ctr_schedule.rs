@@ -325,5 +325,24 @@ fn the_ctr_step_uses_the_fused_forms() {
         );
         assert!(count(&|o| matches!(o, Op::LinearGradWeight { bias: true })) >= 10);
         assert!(count(&|o| matches!(o, Op::MulGrad)) >= 4);
+        // a ReLU output that only the next linear reads gets its gradient's mask in that
+        // linear's dx: a relu_grad is left only where the ReLU's output has other readers
+        let masked = count(&|o| matches!(o, Op::LinearGradInput { relu_mask: true }));
+        assert!(masked >= 5, "{variant:?}: {masked} masked dx");
+        for n in g.nodes() {
+            if matches!(n.op, Op::ReluGrad) {
+                let y = n.inputs[1];
+                let readers: Vec<_> = g
+                    .nodes()
+                    .iter()
+                    .filter(|m| m.phase == erase::graph::Phase::Forward && m.inputs.contains(&y))
+                    .collect();
+                assert!(
+                    !(readers.len() == 1 && matches!(readers[0].op, Op::Linear { .. })),
+                    "{variant:?}: '{}' could be the next linear's epilogue",
+                    n.name
+                );
+            }
+        }
     }
 }

@@ -89,6 +89,10 @@ struct Builder<'g> {
     contribs: Vec<Vec<Contribution>>,
     /// Sparse table gradients: table -> (embedding_bag node, dpooled).
     sparse: BTreeMap<Tensor, Vec<(NodeId, Tensor)>>,
+    /// Outputs of `Linear { relu: true }` or `Relu` whose one gradient contribution
+    /// already has the ReLU's mask applied (a `LinearGradInput { relu_mask }` of their
+    /// one consumer).
+    masked: std::collections::BTreeSet<Tensor>,
 }
 
 impl Builder<'_> {
@@ -192,10 +196,22 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
     let forward_len = g.nodes().len();
     let losses = g.losses().to_vec();
     let n = g.num_tensors();
+    // how many times forward nodes read each tensor, and losses count as readers: a
+    // ReLU output read once, by a linear, can take its mask from that linear's dx
+    let mut uses = vec![0usize; n];
+    for node in g.nodes() {
+        for t in &node.inputs {
+            uses[t.index()] += 1;
+        }
+    }
+    for l in &losses {
+        uses[l.tensor.index()] += 1;
+    }
     let mut b = Builder {
         g,
         contribs: vec![Vec::new(); n],
         sparse: BTreeMap::new(),
+        masked: Default::default(),
     };
 
     // Seeds: d(Σ w·l)/dl = w, one constant per loss.
@@ -220,6 +236,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
         if node.op.is_leaf() || node.outputs.is_empty() || !req[node.outputs[0].index()] {
             continue;
         }
+        let contributions = b.contribs[node.outputs[0].index()].len();
         let Some(dy) = b.total(node.outputs[0], node.id) else {
             continue;
         };
@@ -234,18 +251,38 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
         let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
         match &node.op {
             Op::Linear { bias, relu } => {
-                // the fused ReLU's gradient first: dy ⊙ (y > 0), y the node's own output
-                let dy = if *relu {
-                    let y = node.outputs[0];
+                // the fused ReLU's gradient first: dy ⊙ (y > 0), y the node's own output,
+                // unless the one consumer's dx applied it already
+                let y = node.outputs[0];
+                let dy = if *relu && b.masked.contains(&y) {
+                    if contributions != 1 {
+                        return Err(GraphError::Structure(format!(
+                            "autodiff: '{nm}' has {contributions} gradient contributions, one of them masked"
+                        )));
+                    }
+                    dy
+                } else if *relu {
                     let s = b.g.shape(y).clone();
                     b.add1(Op::ReluGrad, vec![dy, y], s, format!("{nm}.relu_dx"), id)
                 } else {
                     dy
                 };
                 if needs(0) {
+                    // x the output of a ReLU (fused into a Linear or its own node) that
+                    // only this node reads: its gradient's mask goes into this dx's epilogue
+                    let x = ins[0];
+                    let producer = b.g.node(b.g.info(x).producer);
+                    let mask = uses[x.index()] == 1
+                        && matches!(producer.op, Op::Linear { relu: true, .. } | Op::Relu)
+                        && producer.outputs[0] == x;
+                    let mut inputs = vec![dy, ins[1]];
+                    if mask {
+                        inputs.push(x);
+                        b.masked.insert(x);
+                    }
                     let dx = b.add1(
-                        Op::LinearGradInput,
-                        vec![dy, ins[1]],
+                        Op::LinearGradInput { relu_mask: mask },
+                        inputs,
                         shape_of(&b, 0),
                         format!("{nm}.dx"),
                         id,
@@ -382,6 +419,15 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     id,
                 );
                 b.contribute(ins[0], dx);
+            }
+            Op::Relu if b.masked.contains(&node.outputs[0]) => {
+                // the one consumer's dx applied the mask: the gradient passes through
+                if contributions != 1 {
+                    return Err(GraphError::Structure(format!(
+                        "autodiff: '{nm}' has {contributions} gradient contributions, one of them masked"
+                    )));
+                }
+                b.contribute(ins[0], dy);
             }
             Op::Relu | Op::Sigmoid | Op::Gelu => {
                 let (op, saved) = match node.op {

@@ -133,7 +133,12 @@ pub enum Op {
 
     // ---- backward ops (appended by autodiff) --------------------------------------
     /// `[dy, w] -> [dx]`: `dx = dy·w` over the rows of `dy` (the data gradient of `Linear`).
-    LinearGradInput,
+    /// With `relu_mask`, `[dy, w, y] -> [dx]` with `dx = (dy·w) ⊙ (y > 0)`: the gradient
+    /// carried on through the ReLU that made `y` (a `Relu`'s or a `Linear { relu: true
+    /// }`'s output), `ReluGrad` folded into the product's epilogue.
+    LinearGradInput {
+        relu_mask: bool,
+    },
     /// `[dy, x] -> [dw]`: `dw = dyᵀ·x` summed over all rows (the weight gradient); with
     /// `bias`, `[dy, x] -> [dw, db]`, `db` the column sums of `dy` (as `SumToShape` gives
     /// them) from the same pass over `dy`.
@@ -244,7 +249,7 @@ impl Op {
             Op::Mean => "mean",
             Op::Detach => "detach",
             Op::Cast { .. } => "cast",
-            Op::LinearGradInput => "linear_grad_input",
+            Op::LinearGradInput { .. } => "linear_grad_input",
             Op::LinearGradWeight { .. } => "linear_grad_weight",
             Op::ReluGrad => "relu_grad",
             Op::GeluGrad => "gelu_grad",

@@ -71,7 +71,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             ins[1].dims()[0],
             ins[1].dims()[1],
         ),
-        Op::LinearGradInput => gemm(
+        Op::LinearGradInput { .. } => gemm(
             "gemm_linear_dx",
             ins[0].rows(),
             ins[1].dims()[1],

@@ -243,20 +243,36 @@ fn linear_grad_input_matches_the_bf16_reference() {
         (31, 351, 7),
         (17, 1729, 40),
         (2049, 64, 1300),
+        // the pipelined path, without and with split-K
+        (4096, 256, 1728),
+        (512, 4096, 512),
     ];
     for (seed, &(m, n, k)) in cases.iter().enumerate() {
         let seed = 200 + 10 * seed as u64;
         let (dy, dyv) = f32_arg(&[m, n], seed, -1.0, 1.0);
         let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
         let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
-        let got = run_gpu(dev, &Op::LinearGradInput, &[dy, w], &outs, &mut []);
         let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
-        assert_within(
-            &format!("linear_grad_input M {m} N {n} K {k}"),
-            &got[0].to_f64(),
-            &want,
-            &tol,
-        );
+        let op = Op::LinearGradInput { relu_mask: false };
+        let got = run_gpu(dev, &op, &[dy.clone(), w.clone()], &outs, &mut []);
+        let what = format!("linear_grad_input M {m} N {n} K {k}");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        // with the ReLU gradient's mask: y a ReLU's output (about half exact zeros)
+        let (_, yv) = f32_arg(&[m, k], seed + 2, -1.0, 1.0);
+        let yv: Vec<f32> = yv.iter().map(|&v| v.max(0.0)).collect();
+        let y = arg(&[m, k], Buffer::F32(yv.clone()));
+        let op = Op::LinearGradInput { relu_mask: true };
+        let got = run_gpu(dev, &op, &[dy, w, y], &outs, &mut []);
+        let masked: Vec<f64> = want
+            .iter()
+            .zip(&yv)
+            .map(|(&v, &y)| if y > 0.0 { v } else { 0.0 })
+            .collect();
+        let got = got[0].to_f64();
+        assert_within(&format!("{what} masked"), &got, &masked, &tol);
+        if let Some(i) = (0..got.len()).find(|&i| yv[i] <= 0.0 && got[i].to_bits() != 0) {
+            panic!("{what} masked: dx[{i}] = {} where y = {}", got[i], yv[i]);
+        }
     }
 }
 
@@ -965,7 +981,13 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
     let (dy, dyv) = f32_arg(&[m, n], 650, -1.0, 1.0);
     let (w, wv) = f32_arg(&[n, k], 651, -1.0, 1.0);
     let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
-    let got = run_gpu(dev, &Op::LinearGradInput, &[dy, w], &outs, &mut []);
+    let got = run_gpu(
+        dev,
+        &Op::LinearGradInput { relu_mask: false },
+        &[dy, w],
+        &outs,
+        &mut [],
+    );
     let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
     assert_within("pipelined linear_grad_input", &got[0].to_f64(), &want, &tol);
     // dw = dyᵀ·x over 4100 rows: both operands transposed, few tiles, so split-K; the
@@ -1057,7 +1079,13 @@ fn the_ctr_models_large_gemms_match_the_bf16_reference() {
         );
         // dx = dy·w
         let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
-        let got = run_gpu(dev, &Op::LinearGradInput, &[dy.clone(), w], &outs, &mut []);
+        let got = run_gpu(
+            dev,
+            &Op::LinearGradInput { relu_mask: false },
+            &[dy.clone(), w],
+            &outs,
+            &mut [],
+        );
         let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
         assert_within(
             &format!("linear dx {m}x{n} -> {k}"),

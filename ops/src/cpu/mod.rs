@@ -219,7 +219,7 @@ fn exec_typed<T: Elem>(
     // f32), q, k, v of attention, and do, q, k, v of its backward
     let rounded_inputs = match call.op {
         Op::Linear { .. }
-        | Op::LinearGradInput
+        | Op::LinearGradInput { .. }
         | Op::LinearGradWeight { .. }
         | Op::MatMul { .. } => 2,
         Op::Attention { packed: true, .. } => 1,
@@ -278,10 +278,21 @@ fn exec_inner<T: Elem>(
                 });
             }
         }
-        Op::LinearGradInput => {
+        Op::LinearGradInput { relu_mask } => {
             let (dy, w) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "weight")?);
             let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
-            kernels::linear_grad_input(dy, w, out(&mut outs[0])?, ish(0).rows(), k, n);
+            let dx = out(&mut outs[0])?;
+            kernels::linear_grad_input(dy, w, dx, ish(0).rows(), k, n);
+            if *relu_mask {
+                // as ReluGrad on the product: dx where y > 0, else 0
+                let y = get::<T>(ins[2], "y")?;
+                if y.len() != dx.len() {
+                    return Err(format!("y has {} elements, dx {}", y.len(), dx.len()));
+                }
+                for (d, &v) in dx.iter_mut().zip(y) {
+                    *d = if v > T::ZERO { *d } else { T::ZERO };
+                }
+            }
         }
         Op::LinearGradWeight { .. } => {
             // db (with `bias`) is summed in exec_typed from the unrounded dy

@@ -78,7 +78,7 @@ const GRID_YZ: usize = 65_535;
 pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
     let p = match op {
         Op::Linear { bias, relu } => linear(o, *bias, *relu),
-        Op::LinearGradInput => linear_grad_input(o),
+        Op::LinearGradInput { relu_mask } => linear_grad_input(o, *relu_mask),
         Op::LinearGradWeight { bias } => linear_grad_weight(o, *bias),
         Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
         Op::Attention {
@@ -136,6 +136,8 @@ struct Gemm {
     bias: Option<KArg>,
     /// ReLU in the epilogue (after the bias; after the split-K sum).
     relu: bool,
+    /// The ReLU gradient's mask in the epilogue: C ⊙ (y > 0), `y` of C's shape (batch 1).
+    mask: Option<KArg>,
     /// Where the sums of op(A)'s rows over K go (a weight gradient's bias gradient),
     /// for a transposed A of batch 1: the pipelined path sums them while rounding A, the
     /// single-launch kernels while staging A's tiles; see [`linear_grad_weight`].
@@ -149,7 +151,15 @@ struct Gemm {
 impl Gemm {
     /// The epilogue flags of the kernels: bit 0 adds the bias, bit 1 applies ReLU.
     fn flags(&self) -> i32 {
-        i32::from(self.bias.is_some()) | (i32::from(self.relu) << 1)
+        i32::from(self.bias.is_some())
+            | (i32::from(self.relu) << 1)
+            | (i32::from(self.mask.is_some()) << 3)
+    }
+
+    /// The kernels' `bias` argument: the bias, or the mask (a GEMM has at most one),
+    /// or any valid pointer.
+    fn bias_arg(&self) -> KArg {
+        self.bias.or(self.mask).unwrap_or(self.a)
     }
 
     /// The single-launch kernels' flag for op(A)'s row sums (bit 2).
@@ -227,7 +237,7 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
             g.a,
             g.b,
             c,
-            g.bias.unwrap_or(g.a),
+            g.bias_arg(),
             KArg::I32(mi),
             KArg::I32(ni),
             KArg::I32(ki),
@@ -256,7 +266,14 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
             scratch: vec![],
         });
     }
-    let reduce = reduce_call(KArg::Scratch(0), g.bias, count, ni, splits, flags);
+    let reduce = reduce_call(
+        KArg::Scratch(0),
+        Some(g.bias_arg()),
+        count,
+        ni,
+        splits,
+        flags,
+    );
     let mut calls = vec![
         KernelCall {
             kernel,
@@ -471,7 +488,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
             KArg::Scratch(0),
             KArg::Scratch(1),
             out,
-            g.bias.unwrap_or(g.a),
+            g.bias_arg(),
             KArg::I32(mi),
             KArg::I32(ni),
             KArg::I32(kpi),
@@ -489,7 +506,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     if splits > 1 {
         calls.push(reduce_call(
             KArg::Scratch(2),
-            g.bias,
+            Some(g.bias_arg()),
             count,
             ni,
             splits,
@@ -570,6 +587,7 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
         b: KArg::In(1),
         bias: bias.then_some(KArg::In(2)),
         relu,
+        mask: None,
         a_row_sums: None,
         lda: k,
         ldb: k,
@@ -578,12 +596,19 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
     })
 }
 
-/// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K].
-fn linear_grad_input(o: &Operands) -> Result<CudaPlan, String> {
-    check_f32(o, 2, 1)?;
+/// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K]; with `relu_mask`, `[dy, w, y] -> [dx]`,
+/// dx zeroed where y (of dx's shape) is not > 0.
+fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> {
+    check_f32(o, 2 + usize::from(relu_mask), 1)?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != n {
         return Err(format!("dy {} does not match weight [{n}, {k}]", o.ins[0]));
+    }
+    if relu_mask && o.ins[2] != o.outs[0] {
+        return Err(format!(
+            "the ReLU output {} does not match dx {}",
+            o.ins[2], o.outs[0]
+        ));
     }
     gemm(Gemm {
         ta: false,
@@ -596,6 +621,7 @@ fn linear_grad_input(o: &Operands) -> Result<CudaPlan, String> {
         b: KArg::In(1),
         bias: None,
         relu: false,
+        mask: relu_mask.then_some(KArg::In(2)),
         a_row_sums: None,
         lda: n,
         ldb: k,
@@ -629,6 +655,7 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
         b: KArg::In(1),
         bias: None,
         relu: false,
+        mask: None,
         a_row_sums: None,
         lda: n,
         ldb: k,
@@ -689,6 +716,7 @@ fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
         b: KArg::In(1),
         bias: None,
         relu: false,
+        mask: None,
         a_row_sums: None,
         lda: ca,
         ldb: cb,

@@ -191,7 +191,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
     let p = match op {
         Op::Leaf(_)
         | Op::Linear { .. }
-        | Op::LinearGradInput
+        | Op::LinearGradInput { .. }
         | Op::LinearGradWeight { .. }
         | Op::MatMul { .. }
         | Op::Attention { .. }
