@@ -34,6 +34,9 @@ pub struct ScheduleOptions {
     /// Each early block's dense parameters updated right after its backward, on its
     /// stream, instead of in the single update after the whole backward.
     pub early_updates: bool,
+    /// The last early backward program on a side stream of its own, one priority level
+    /// below main (see `ScheduleConfig::late_stream`).
+    pub late_stream: bool,
 }
 
 impl Default for ScheduleOptions {
@@ -43,6 +46,7 @@ impl Default for ScheduleOptions {
             occupancy: false,
             device: DeviceModel::h200(),
             early_updates: false,
+            late_stream: true,
         }
     }
 }
@@ -86,6 +90,7 @@ pub fn plan_step(
         occupancy: sched.occupancy,
         device: sched.device.clone(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
+        late_stream: sched.late_stream,
     };
     let program = schedule(&model.graph, &partition, &scfg);
     let mut keep = vec![model.logit, model.main_loss];

@@ -346,3 +346,56 @@ fn the_ctr_step_uses_the_fused_forms() {
         }
     }
 }
+
+#[test]
+fn the_last_early_program_has_the_late_stream_to_itself() {
+    let p = plan(&tiny(Variant::Erase), 4);
+    let prog = &p.program;
+    let late = erase::runtime::schedule::StreamId(4);
+    assert_eq!(prog.late_stream, Some(late));
+    // the programs readied during the forward, in order: the last one alone on side4
+    let early: Vec<_> = p.partition.programs.iter().filter(|q| q.early).collect();
+    assert!(early.len() >= 2, "{} early programs", early.len());
+    let stream_of = |name: &str| -> Vec<u16> {
+        let mut s: Vec<u16> = prog
+            .launches
+            .iter()
+            .filter(|l| l.label.block == name && l.label.phase == "bwd")
+            .map(|l| l.stream.0)
+            .collect();
+        s.dedup();
+        s
+    };
+    let ready_last = early
+        .iter()
+        .max_by_key(|q| {
+            prog.launches
+                .iter()
+                .position(|l| l.label.block == q.name && l.label.phase == "bwd")
+                .unwrap_or(0)
+        })
+        .unwrap();
+    assert_eq!(stream_of(&ready_last.name), vec![4], "{}", ready_last.name);
+    for q in early.iter().filter(|q| q.name != ready_last.name) {
+        let s = stream_of(&q.name);
+        assert!(
+            s.len() == 1 && (1..4).contains(&s[0]),
+            "{} on {s:?}",
+            q.name
+        );
+    }
+    // off: the pool is shared round-robin and no stream is promoted
+    let sched = ScheduleOptions {
+        side_streams: 4,
+        late_stream: false,
+        ..Default::default()
+    };
+    let off = plan_step(
+        &tiny(Variant::Erase),
+        DType::F32,
+        &OptimizerConfig::default(),
+        &sched,
+    )
+    .unwrap();
+    assert_eq!(off.program.late_stream, None);
+}

@@ -116,6 +116,7 @@ fn cfg(kind: ScheduleKind, side: usize) -> ScheduleConfig {
         occupancy: false,
         device: DeviceModel::h200(),
         kernels: None,
+        late_stream: false,
     }
 }
 
@@ -154,7 +155,9 @@ fn random_graphs_plan_safely_and_fuzz_bit_identically() {
         let tr = make_trainable(&mut m.g, &opt).unwrap();
         let part = partition(&m.g, &tr.grads);
         let sides = 1 + (seed as usize % 3);
-        let prog: StepProgram = schedule(&m.g, &part, &cfg(ScheduleKind::Early, sides));
+        let mut c = cfg(ScheduleKind::Early, sides);
+        c.late_stream = seed % 2 == 0;
+        let prog: StepProgram = schedule(&m.g, &part, &c);
         let plan = plan_memory(&m.g, &prog, &m.losses);
         let hazards = check(&m.g, &prog, &plan);
         assert!(

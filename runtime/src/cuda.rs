@@ -418,8 +418,15 @@ impl CudaDevice {
             .map_err(|e| driver_err("copy to host", e))
     }
 
-    /// A non-blocking stream; `highest` gives it the greatest priority the device has.
+    /// A non-blocking stream; `highest` gives it the greatest priority the device has,
+    /// else the least.
     pub fn stream(&self, highest: bool) -> Result<Stream, RuntimeError> {
+        self.stream_ranked(if highest { 0 } else { u32::MAX })
+    }
+
+    /// A non-blocking stream `rank` priority levels below the greatest (0: the greatest;
+    /// clamped to the least the device has).
+    pub fn stream_ranked(&self, rank: u32) -> Result<Stream, RuntimeError> {
         self.bind()?;
         let (mut least, mut greatest) = (0i32, 0i32);
         // SAFETY: out-pointers to two live i32s; the context is current.
@@ -427,7 +434,10 @@ impl CudaDevice {
             .result()
             .map_err(|e| driver_err("stream priorities", e))?;
         let mut raw: sys::CUstream = std::ptr::null_mut();
-        let prio = if highest { greatest } else { least };
+        // numerically, greater priority is smaller: greatest <= least
+        let prio = greatest
+            .saturating_add(i32::try_from(rank).unwrap_or(i32::MAX))
+            .min(least);
         // SAFETY: out-pointer to a live handle; flags and priority are valid values.
         unsafe {
             sys::cuStreamCreateWithPriority(

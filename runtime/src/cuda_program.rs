@@ -10,7 +10,7 @@ use crate::cuda::{buffer_from_bytes, CudaDevice, DeviceBuffer, Event, PreparedLa
 use crate::error::RuntimeError;
 use crate::memory::{alias_root, MemoryPlan};
 use crate::nvtx;
-use crate::schedule::{Label, StepProgram};
+use crate::schedule::{Label, StepProgram, StreamId};
 use cudarc::driver::{result, sys};
 use erase_graph::{DType, Graph, Op, Tensor};
 use erase_ops::cuda::{cuda_plan, KArg, Operands};
@@ -144,8 +144,13 @@ impl<'a> CudaProgram<'a> {
                 _scratch: scratch,
             });
         }
+        // main at the greatest priority, the late stream one level below, the rest least
         let streams = (0..prog.streams)
-            .map(|s| dev.stream(s == 0))
+            .map(|s| match s {
+                0 => dev.stream_ranked(0),
+                _ if prog.late_stream == Some(StreamId(s as u16)) => dev.stream_ranked(1),
+                _ => dev.stream_ranked(u32::MAX),
+            })
             .collect::<Result<Vec<_>, _>>()?;
         for (s, st) in streams.iter().enumerate() {
             nvtx::name_stream(st.raw(), &crate::trace::stream_name(s as u16));

@@ -59,6 +59,10 @@ pub struct ScheduleConfig {
     /// its CUDA plan really launches (grid, block, ptxas's registers and shared memory)
     /// instead of the declared estimate.
     pub kernels: Option<KernelLibrary>,
+    /// With two or more side streams, the last early backward program (the one readied
+    /// last, so with the least time to finish before the join) gets the last side stream
+    /// to itself, at the priority just below main's; the others share the rest.
+    pub late_stream: bool,
 }
 
 /// Replaces the declared footprint of `spec` with the real one of the heaviest call of
@@ -172,6 +176,9 @@ pub struct StepProgram {
     pub streams: usize,
     pub events: usize,
     pub kind: ScheduleKind,
+    /// The side stream that runs at the priority just below main's (the others at the
+    /// lowest), if any.
+    pub late_stream: Option<StreamId>,
 }
 
 fn scope_of(name: &str) -> &str {
@@ -407,6 +414,7 @@ impl Builder<'_> {
                 streams: 0,
                 events: 0,
                 kind: ScheduleKind::Serial,
+                late_stream: None,
             },
         );
         let base = vector_clocks(&p);
@@ -458,6 +466,7 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             streams,
             events: 0,
             kind: cfg.kind,
+            late_stream: None,
         },
         clock: vec![vec![0; streams]; streams],
         launch_clock: Vec::new(),
@@ -493,11 +502,28 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
                 }
             }
             let mut next_side = 0usize;
+            let sides = cfg.side_streams.max(1);
+            // the last early program, on the last side stream alone when there are two
+            let early = (0..part.forward.len())
+                .map(|pos| part.ready_at(pos).count())
+                .sum::<usize>();
+            let late = cfg.late_stream && sides >= 2 && early >= 2;
+            let shared = if late { sides - 1 } else { sides };
+            if late {
+                b.prog.late_stream = Some(StreamId(sides as u16));
+            }
+            let mut placed_early = 0usize;
             for (pos, &n) in part.forward.iter().enumerate() {
                 b.push(n, StreamId::MAIN, &fwd_block(n));
                 for (k, prog) in part.ready_at(pos) {
-                    let s = StreamId(1 + (next_side % cfg.side_streams.max(1)) as u16);
-                    next_side += 1;
+                    placed_early += 1;
+                    let s = if late && placed_early == early {
+                        StreamId(sides as u16)
+                    } else {
+                        let s = StreamId(1 + (next_side % shared) as u16);
+                        next_side += 1;
+                        s
+                    };
                     for &bn in &prog.nodes {
                         b.push(bn, s, &prog.name);
                     }

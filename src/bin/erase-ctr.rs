@@ -141,6 +141,12 @@ struct ModelArgs {
     /// stream (the remainder's at the end). Same bits either way.
     #[arg(long, value_enum, default_value = "end")]
     optimizer_update: UpdateArg,
+    /// The last early backward program (readied last, so with the least time before
+    /// the step's end) on a side stream of its own, one priority level below the main
+    /// stream; `off` shares the pool round-robin among all early programs. With
+    /// --side-streams 1 there is no stream to spare and this does nothing.
+    #[arg(long, value_enum, default_value = "on")]
+    late_stream: OnOff,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -176,6 +182,7 @@ impl ModelArgs {
             occupancy: self.occupancy == OnOff::On,
             device: DeviceModel::h200(),
             early_updates: self.optimizer_update == UpdateArg::Early,
+            late_stream: self.late_stream == OnOff::On,
         }
     }
 }

@@ -317,6 +317,7 @@ pub fn plan_graph(
         occupancy: sched.occupancy,
         device: DeviceModel::h200(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
+        late_stream: false,
     };
     let program = schedule(&graph, &partition, &scfg);
     let memory = plan_memory(&graph, &program, keep);

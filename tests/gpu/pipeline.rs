@@ -143,14 +143,25 @@ fn captured_step_graph_orders_launches_exactly_as_the_program_does() {
         let mut prog = CudaProgram::new(dev, &m.graph, &p.program, &p.memory, 1).unwrap();
         let kernels = prog.capture().unwrap();
         assert_eq!(kernels, prog.kernel_launches());
-        // the main stream's nodes outrank the pool's (the graph runs by node priority)
+        // the main stream's nodes outrank the late stream's, which outrank the rest of
+        // the pool's (the graph runs by node priority)
         let prio = prog.kernel_node_priorities().unwrap();
         let pool = p.program.launches.iter().any(|l| l.stream.0 != 0);
+        let late = p.program.late_stream.is_some();
         assert_eq!(
             prio.len(),
-            if pool { 2 } else { 1 },
+            1 + usize::from(pool) + usize::from(late),
             "{variant:?}: kernel node priorities {prio:?}"
         );
+        if late {
+            let on_late = p
+                .program
+                .launches
+                .iter()
+                .filter(|l| Some(l.stream) == p.program.late_stream && l.spec.is_some())
+                .count();
+            assert!(on_late > 0, "{variant:?}: nothing on the late stream");
+        }
         let mask = prog.kernel_mask();
         let got = prog.captured_order().unwrap();
         let want = program_reachability(&p.program, &mask);
