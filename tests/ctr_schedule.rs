@@ -59,20 +59,21 @@ fn erase_plan_starts_every_block_backward_early_on_side_streams() {
         sides.len()
     );
     let names: Vec<&str> = early.iter().map(|b| b.name.as_str()).collect();
+    // readied in the order the blocks run forward: bottom, then the long backwards first
     assert_eq!(
         names,
         [
             "bottom",
-            "interaction",
-            "cross",
             "autoint",
+            "cross",
             "deep",
-            "masknet"
+            "masknet",
+            "interaction"
         ]
     );
     // the embedding table is shared by five blocks: its update waits for the last of them
     let table_prog = p.partition.grad_complete[&p.model.table];
-    assert_eq!(p.partition.programs[table_prog].name, "masknet");
+    assert_eq!(p.partition.programs[table_prog].name, "interaction");
     // baseline: one remainder, nothing early
     let b = plan(&CtrConfig::small().with_variant(Variant::Baseline), 4);
     assert!(b.partition.programs.iter().all(|x| !x.early));

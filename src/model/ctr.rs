@@ -39,6 +39,12 @@ pub const BLOCKS: [&str; 6] = [
     "masknet",
 ];
 
+/// The order the blocks after `bottom` run forward: the early backward of a block starts
+/// when its forward ends, so the blocks whose backward is longest go first (AutoInt,
+/// cross) and the short interaction MLP last. The simulator ranked this order best of
+/// the 120; on an H200 it measured 0.3 % more erase examples/s than block order.
+const FORWARD_ORDER: [usize; 5] = [3, 2, 4, 5, 1];
+
 /// LayerNorm epsilon (PyTorch's default, as in the anchor).
 pub const LAYER_NORM_EPS: f64 = 1e-5;
 
@@ -688,7 +694,11 @@ pub fn build(cfg: &CtrConfig, float: DType) -> Result<CtrModel> {
         Ok(g.concat(&[pooled, b_field], 1)?)
     })?;
 
-    for (k, &block) in BLOCKS.iter().enumerate().skip(1) {
+    // blocks 1-5 are independent given E; they are built (hence run forward, and ready
+    // their early backward) in FORWARD_ORDER, and `outs` keeps block order for the top
+    let mut built: Vec<(usize, (String, Tensor))> = Vec::new();
+    for &k in &FORWARD_ORDER {
+        let block = BLOCKS[k];
         let o = g.scoped(block, |g| -> Result<Tensor> {
             match k {
                 1 => {
@@ -705,8 +715,10 @@ pub fn build(cfg: &CtrConfig, float: DType) -> Result<CtrModel> {
             }
         })?;
         head(&mut g, k, o)?;
-        outs.push((block.to_string(), o));
+        built.push((k, (block.to_string(), o)));
     }
+    built.sort_by_key(|x| x.0);
+    outs.extend(built.into_iter().map(|x| x.1));
 
     let (logit, main_loss) = g.scoped("top", |g| -> Result<(Tensor, Tensor)> {
         // concat(o_2 .. o_6, b), each detached in the detached variants
@@ -721,6 +733,8 @@ pub fn build(cfg: &CtrConfig, float: DType) -> Result<CtrModel> {
         Ok((logit, loss))
     })?;
 
+    // the aux losses in block order, whatever order the blocks were built in
+    aux_losses.sort_by_key(|(name, _)| BLOCKS.iter().position(|b| b == name));
     g.loss(main_loss, 1.0)?;
     for &(_, l) in &aux_losses {
         g.loss(l, cfg.aux_weight)?;
