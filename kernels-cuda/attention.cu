@@ -182,6 +182,11 @@ struct AttnGroups {
     static constexpr int WARPS = R / 16;                        // warps per (b, h)
     static constexpr int N = ATTN_THREADS / 32 / WARPS;         // (b, h) per CTA
     static constexpr int T = WARPS * 32;                        // threads per (b, h)
+    // a thread's group, its warp within the group and its index within the group
+    // (R = 64: one group, the whole CTA; written so that nothing is computed for it)
+    static __device__ __forceinline__ int group(int tid) { return N == 1 ? 0 : (tid >> 5) / WARPS; }
+    static __device__ __forceinline__ int warp(int tid) { return N == 1 ? tid >> 5 : (tid >> 5) % WARPS; }
+    static __device__ __forceinline__ int index(int tid) { return N == 1 ? tid : tid % T; }
 };
 
 template <int D, bool P, int R = ATTN_ROWS>
@@ -194,9 +199,7 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
     __shared__ __align__(16) __nv_bfloat16 sKs[G::N][R][LD];
     __shared__ __align__(16) __nv_bfloat16 sVs[G::N][R][LD];
     const int tid0 = threadIdx.x, lane = tid0 & 31, g = lane >> 2, t = lane & 3;
-    // (R = 64: one group, the whole CTA; written so that nothing is computed for it)
-    const int grp = G::N == 1 ? 0 : (tid0 >> 5) / G::WARPS;
-    const int warp = G::N == 1 ? tid0 >> 5 : (tid0 >> 5) % G::WARPS, tid = G::N == 1 ? tid0 : tid0 % G::T;
+    const int grp = G::group(tid0), warp = G::warp(tid0), tid = G::index(tid0);
     auto sQ = sQs[grp];
     auto sK = sKs[grp];
     auto sV = sVs[grp];
@@ -460,9 +463,7 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
     __shared__ __align__(16) __nv_bfloat16 sdSs[G::N][R][R + 8];  // [key][query]
     __shared__ float sLs[G::N][R], sDs[G::N][R];
     const int tid0 = threadIdx.x, lane = tid0 & 31, g = lane >> 2, t = lane & 3;
-    // (R = 64: one group, the whole CTA; written so that nothing is computed for it)
-    const int grp = G::N == 1 ? 0 : (tid0 >> 5) / G::WARPS;
-    const int warp = G::N == 1 ? tid0 >> 5 : (tid0 >> 5) % G::WARPS, tid = G::N == 1 ? tid0 : tid0 % G::T;
+    const int grp = G::group(tid0), warp = G::warp(tid0), tid = G::index(tid0);
     auto sK = sKs[grp];
     auto sV = sVs[grp];
     auto sQ = sQs[grp];

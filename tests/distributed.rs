@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use erase::distributed::{evaluate_replica, train_data_parallel_cpu, FailAt};
 use erase::model::ctr::CtrConfig;
-use erase::train::{plan_step, Session, TrainConfig};
+use erase::train::{plan_step, Session, StepPlan, TrainConfig};
 
 fn cfg(steps: usize) -> TrainConfig {
     let mut model = CtrConfig::small();
@@ -18,6 +18,17 @@ fn cfg(steps: usize) -> TrainConfig {
         eval_examples: 64,
         ..TrainConfig::new(model, steps)
     }
+}
+
+/// The step plan of `c` in one process (the reference a data-parallel run is held to).
+fn single_process(c: &TrainConfig) -> StepPlan {
+    plan_step(
+        &c.model,
+        erase::graph::DType::F32,
+        &c.optimizer,
+        &c.schedule,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -53,13 +64,7 @@ fn one_rank_is_plain_training() {
     let c = cfg(5);
     let ranks = train_data_parallel_cpu(&c, 1, Duration::from_secs(60), None).unwrap();
     let dp = ranks.into_iter().next().unwrap().unwrap();
-    let plan = plan_step(
-        &c.model,
-        erase::graph::DType::F32,
-        &c.optimizer,
-        &c.schedule,
-    )
-    .unwrap();
+    let plan = single_process(&c);
     let mut s = Session::new(&plan, None, c.seed, c.data_seed, 1).unwrap();
     let mut losses = Vec::new();
     for _ in 0..5 {
@@ -89,13 +94,7 @@ fn rank_0_reports_the_held_out_ne_of_the_run() {
     assert_eq!(e.step, 0, "a fresh session at the global batch evaluates");
     // the same run in one process: the shards' mean gradient is the global batch's up
     // to rounding, so the held-out NE agrees closely (and differs from an untrained one)
-    let plan = plan_step(
-        &c.model,
-        erase::graph::DType::F32,
-        &c.optimizer,
-        &c.schedule,
-    )
-    .unwrap();
+    let plan = single_process(&c);
     let mut s = Session::new(&plan, None, c.seed, c.data_seed, 1).unwrap();
     let untrained = s.evaluate(c.eval_examples).unwrap();
     for _ in 0..20 {

@@ -845,6 +845,16 @@ fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         ));
     }
     let di = i32_of(d, "layer_norm width")?;
+    // dy, x, gamma, mean, rstd, then dx
+    let ins_dx = [
+        KArg::In(0),
+        KArg::In(1),
+        KArg::In(2),
+        KArg::In(3),
+        KArg::In(4),
+        Out(0),
+    ];
+    let (rows_arg, inv_d) = (n64(rows), F32((1.0 / d as f64) as f32));
     if ln_v4(d) {
         // dx, dgamma and dbeta from one pass over dy and x: a partial of dgamma and dbeta
         // a CTA (at most two CTAs an SM, so that the second pass adds few), summed in CTA
@@ -863,20 +873,18 @@ fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
             [ctas, 1, 1],
             [256, 1, 1],
             0,
-            vec![
-                KArg::In(0),
-                KArg::In(1),
-                KArg::In(2),
-                KArg::In(3),
-                KArg::In(4),
-                Out(0),
-                parts[0],
-                parts[1],
-                n64(rows),
-                I32(di),
-                F32((1.0 / d as f64) as f32),
-                I32(lanes_log2),
-            ],
+            [
+                &ins_dx[..],
+                &[
+                    parts[0],
+                    parts[1],
+                    rows_arg,
+                    I32(di),
+                    inv_d,
+                    I32(lanes_log2),
+                ],
+            ]
+            .concat(),
         ));
         if ctas > 1 {
             calls.push(colsum_final_call(parts[0], Out(1), ctas as usize, d));
@@ -887,17 +895,7 @@ fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
     let mut calls = vec![warp_rows(
         "layer_norm_bwd_dx",
         rows,
-        vec![
-            KArg::In(0),
-            KArg::In(1),
-            KArg::In(2),
-            KArg::In(3),
-            KArg::In(4),
-            Out(0),
-            n64(rows),
-            I32(di),
-            F32((1.0 / d as f64) as f32),
-        ],
+        [&ins_dx[..], &[rows_arg, I32(di), inv_d]].concat(),
     )];
     let mut scratch = Vec::new();
     column_reduce(
@@ -1339,22 +1337,22 @@ fn embedding_bag(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan
         return Ok(plan_of(vec![], vec![]));
     }
     let n_bags = out_n / d;
+    // the sizes every lookup kernel takes after its pointers
+    let sizes = [
+        n64(n_ids),
+        n64(n_off),
+        n64(n_bags),
+        I32(field_rows.len() as i32),
+        I32(i32_of(d, "embedding dim")?),
+        n64(total),
+    ];
+    // D % 4 == 0: a group of `lanes` lanes (a power of two <= 32) per bag, float4 columns
+    let lanes = (d / 4).next_power_of_two().min(32);
     if d % 4 == 0 && field_rows.len() <= BUILD_SLOTS {
         // one launch: the fields' (base, rows) as arguments, EMB_FWD_BAGS bags a group
-        let lanes = (d / 4).next_power_of_two().min(32);
-        let mut args = vec![
-            KArg::In(0),
-            KArg::In(1),
-            KArg::In(2),
-            Out(0),
-            n64(n_ids),
-            n64(n_off),
-            n64(n_bags),
-            I32(field_rows.len() as i32),
-            I32(i32_of(d, "embedding dim")?),
-            n64(total),
-            I32(lanes.trailing_zeros() as i32),
-        ];
+        let mut args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0)];
+        args.extend(sizes);
+        args.push(I32(lanes.trailing_zeros() as i32));
         let mut base = 0;
         for k in 0..BUILD_SLOTS {
             let rows = field_rows.get(k).copied().unwrap_or(0);
@@ -1374,22 +1372,9 @@ fn embedding_bag(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan
             vec![],
         ));
     }
-    let mut args = vec![
-        KArg::In(0),
-        KArg::In(1),
-        KArg::In(2),
-        Scratch(0),
-        Out(0),
-        n64(n_ids),
-        n64(n_off),
-        n64(n_bags),
-        I32(field_rows.len() as i32),
-        I32(i32_of(d, "embedding dim")?),
-        n64(total),
-    ];
+    let mut args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Scratch(0), Out(0)];
+    args.extend(sizes);
     if d % 4 == 0 {
-        // a group of `lanes` lanes (a power of two <= 32) per bag, float4 columns
-        let lanes = (d / 4).next_power_of_two().min(32);
         args.push(I32(lanes.trailing_zeros() as i32));
         let per_cta = 256 / lanes;
         calls.push(kc(
