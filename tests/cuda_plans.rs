@@ -1,0 +1,238 @@
+//! The CUDA plans of the fused and single-launch forms, checked without a GPU: which
+//! kernels an op launches, with which flags and sizes, and which shapes it refuses. (The
+//! kernels themselves are checked against the CPU on a GPU, in tests/gpu.)
+
+use erase::graph::{DType, Op, Shape};
+use erase::ops::cuda::{cuda_plan, CudaPlan, KArg, Operands};
+
+fn plan(
+    op: &Op,
+    ins: &[(&[usize], DType)],
+    outs: &[(&[usize], DType)],
+) -> Result<CudaPlan, String> {
+    let in_shapes: Vec<Shape> = ins.iter().map(|(d, _)| Shape::new(d)).collect();
+    let out_shapes: Vec<Shape> = outs.iter().map(|(d, _)| Shape::new(d)).collect();
+    let ins_ref: Vec<&Shape> = in_shapes.iter().collect();
+    let outs_ref: Vec<&Shape> = out_shapes.iter().collect();
+    let in_dtypes: Vec<DType> = ins.iter().map(|x| x.1).collect();
+    let out_dtypes: Vec<DType> = outs.iter().map(|x| x.1).collect();
+    cuda_plan(
+        op,
+        &Operands {
+            ins: &ins_ref,
+            in_dtypes: &in_dtypes,
+            outs: &outs_ref,
+            out_dtypes: &out_dtypes,
+            upd: &[],
+        },
+    )
+}
+
+fn kernels(p: &CudaPlan) -> Vec<&'static str> {
+    p.calls.iter().map(|c| c.kernel).collect()
+}
+
+const F: DType = DType::F32;
+
+#[test]
+fn concat_and_split_take_one_launch_per_eight_parts_in_the_widest_unit() {
+    // 11 parts of widths 1..4: two launches of 4-byte units (8 parts, then 3)
+    let widths: Vec<usize> = (0..11).map(|i| 1 + i % 4).collect();
+    let total: usize = widths.iter().sum();
+    let parts: Vec<Vec<usize>> = widths.iter().map(|&w| vec![5, w]).collect();
+    let ins: Vec<(&[usize], DType)> = parts.iter().map(|p| (&p[..], F)).collect();
+    let p = plan(&Op::Concat { axis: 1 }, &ins, &[(&[5, total], F)]).unwrap();
+    assert_eq!(kernels(&p), ["ew_parts_rows_u32"; 2]);
+    // the second launch starts at the ninth part's offset and takes three parts
+    let off: usize = widths[..8].iter().sum();
+    assert_eq!(p.calls[1].args[3], KArg::I64(off as i64));
+    assert_eq!(p.calls[1].args[5], KArg::I32(3));
+    // the embedding concat (64 and 1664 floats a row): 16-byte units
+    let p = plan(
+        &Op::Split {
+            axis: 1,
+            sizes: vec![26, 1],
+        },
+        &[(&[4096, 27, 64], F)],
+        &[(&[4096, 26, 64], F), (&[4096, 1, 64], F)],
+    )
+    .unwrap();
+    assert_eq!(kernels(&p), ["ew_parts_rows_u128"]);
+    assert_eq!(
+        p.calls[0].args[2],
+        KArg::I64(27 * 64 / 4),
+        "big row in 16-byte units"
+    );
+    assert_eq!(p.calls[0].args[4], KArg::I32(1), "split, not concat");
+    // a split whose parts do not fill the axis is refused, naming the op
+    let e = plan(
+        &Op::Split {
+            axis: 1,
+            sizes: vec![2, 2],
+        },
+        &[(&[3, 5], F)],
+        &[(&[3, 2], F), (&[3, 2], F)],
+    )
+    .unwrap_err();
+    assert!(e.contains("split"), "{e}");
+}
+
+#[test]
+fn the_masked_input_gradient_flags_its_epilogue_and_checks_the_mask() {
+    let gemm_flags = |p: &CudaPlan| -> Vec<i32> {
+        p.calls
+            .iter()
+            .filter(|c| c.kernel.starts_with("gemm_bf16") || c.kernel == "gemm_splitk_reduce")
+            .map(
+                |c| match c.args.iter().rev().find(|a| matches!(a, KArg::I32(_))) {
+                    Some(KArg::I32(f)) => *f,
+                    _ => -1,
+                },
+            )
+            .collect()
+    };
+    // (rows, N, K) of dx[rows, K] = dy[rows, N]·w[N, K]: a single launch, split K, and
+    // the pipelined path; the mask's flag (8) lands on the launch that writes dx
+    for (m, n, k) in [(64, 32, 48), (17, 1729, 40), (4096, 256, 1728)] {
+        let masked = plan(
+            &Op::LinearGradInput { relu_mask: true },
+            &[(&[m, n], F), (&[n, k], F), (&[m, k], F)],
+            &[(&[m, k], F)],
+        )
+        .unwrap();
+        let plain = plan(
+            &Op::LinearGradInput { relu_mask: false },
+            &[(&[m, n], F), (&[n, k], F)],
+            &[(&[m, k], F)],
+        )
+        .unwrap();
+        assert_eq!(kernels(&masked), kernels(&plain), "{m}x{n}x{k}");
+        let flags = gemm_flags(&masked);
+        assert_eq!(
+            flags.last().map(|f| f & 8),
+            Some(8),
+            "{m}x{n}x{k}: {flags:?}"
+        );
+        assert!(gemm_flags(&plain).iter().all(|f| f & 8 == 0));
+    }
+    let e = plan(
+        &Op::LinearGradInput { relu_mask: true },
+        &[(&[8, 4], F), (&[4, 6], F), (&[8, 5], F)],
+        &[(&[8, 6], F)],
+    )
+    .unwrap_err();
+    assert!(e.contains("ReLU output"), "{e}");
+}
+
+#[test]
+fn the_single_launch_weight_gradient_sums_the_bias_gradient_itself() {
+    // AutoInt's QKV projection and a small dense layer: no SumToShape pass over dy
+    for (rows, n, k) in [(110_592, 192, 64), (4096, 64, 13), (5, 7, 3)] {
+        let p = plan(
+            &Op::LinearGradWeight { bias: true },
+            &[(&[rows, n], F), (&[rows, k], F)],
+            &[(&[n, k], F), (&[n], F)],
+        )
+        .unwrap();
+        let ks = kernels(&p);
+        assert!(ks[0].starts_with("gemm_bf16_tn"), "{ks:?}");
+        assert!(
+            !ks.contains(&"sum_to_shape_partial"),
+            "{rows}x{n}x{k}: {ks:?}"
+        );
+        // one split writes db directly; more add their partials in split order
+        let splits = p.calls[0].grid[2];
+        assert_eq!(ks.contains(&"colsum_final"), splits > 1, "{ks:?}");
+    }
+}
+
+#[test]
+fn short_sequences_take_the_two_heads_a_cta_attention_kernels() {
+    let (b, h, dh) = (4096, 2, 32);
+    for (s, fwd, grid) in [
+        (27, "attn_fwd_tiny_packed_d32", [1, 1, 4096]),
+        (32, "attn_fwd_tiny_packed_d32", [1, 1, 4096]),
+        (33, "attn_fwd_packed_d32", [1, 2, 4096]),
+    ] {
+        let p = plan(
+            &Op::Attention {
+                heads: h,
+                causal: false,
+                packed: true,
+            },
+            &[(&[b, s, 3 * h * dh], F)],
+            &[(&[b, s, h * dh], F), (&[b, h, s], F)],
+        )
+        .unwrap();
+        assert_eq!(kernels(&p), [fwd], "S = {s}");
+        assert_eq!(p.calls[0].grid, grid, "S = {s}");
+    }
+    // three heads: the second CTA holds one real head and one past the last
+    let p = plan(
+        &Op::Attention {
+            heads: 3,
+            causal: true,
+            packed: false,
+        },
+        &[(&[2, 20, 96], F), (&[2, 20, 96], F), (&[2, 20, 96], F)],
+        &[(&[2, 20, 96], F), (&[2, 3, 20], F)],
+    )
+    .unwrap();
+    assert_eq!(p.calls[0].grid, [1, 2, 2]);
+}
+
+#[test]
+fn layer_norm_and_the_lookup_take_their_single_pass_kernels_where_shapes_allow() {
+    let ln_grad = |rows: usize, d: usize| {
+        plan(
+            &Op::LayerNormGrad,
+            &[
+                (&[rows, d], F),
+                (&[rows, d], F),
+                (&[d], F),
+                (&[rows], F),
+                (&[rows], F),
+            ],
+            &[(&[rows, d], F), (&[d], F), (&[d], F)],
+        )
+        .unwrap()
+    };
+    let p = ln_grad(110_592, 64);
+    assert_eq!(
+        kernels(&p),
+        ["layer_norm_bwd_v4", "colsum_final", "colsum_final"]
+    );
+    assert!(p.calls[0].grid[0] <= 264, "{:?}", p.calls[0].grid);
+    // one CTA: dgamma and dbeta straight to their outputs
+    assert_eq!(kernels(&ln_grad(7, 12)), ["layer_norm_bwd_v4"]);
+    // d not a multiple of 4: a warp a row and the column reduction
+    assert_eq!(
+        kernels(&ln_grad(300, 37))[..2],
+        ["layer_norm_bwd_dx", "layer_norm_bwd_dgb_partial"]
+    );
+
+    let bag = |fields: usize, d: usize| {
+        let n = 64 * fields;
+        plan(
+            &Op::EmbeddingBag {
+                field_rows: vec![10; fields],
+            },
+            &[
+                (&[10 * fields, d], F),
+                (&[n], DType::I32),
+                (&[n + 1], DType::I32),
+            ],
+            &[(&[64, fields, d], F)],
+        )
+        .unwrap()
+    };
+    let p = bag(26, 64);
+    assert_eq!(kernels(&p), ["embedding_bag_fwd_fields"]);
+    assert!(p.scratch.is_empty());
+    // past 32 fields the geometry goes through the meta table
+    let p = bag(40, 64);
+    assert_eq!(
+        kernels(&p),
+        ["emb_meta_build", "emb_meta_build", "embedding_bag_fwd_v4"]
+    );
+}
