@@ -1,7 +1,9 @@
 //! The step program: one training step as an ordered list of launches, each on a named
 //! stream, with the events it waits for and the event it records. Forward work runs on
 //! the main stream (the highest priority); under the ERASE schedule each early backward
-//! program goes to a pool stream right after the forward op that makes it ready. Every
+//! program goes to a pool stream right after the forward op that makes it ready (round
+//! robin; with `late_stream`, the program readied last gets a pool stream of its own at
+//! the priority just below main's). Every
 //! cross-stream edge is derived from a data dependency (or the occupancy rule, or the
 //! final join) and carries a sentence saying why, so the plan can be audited.
 //!
