@@ -425,7 +425,9 @@ pub fn evaluate_replica(
             .state
             .get(at..end)
             .ok_or_else(|| anyhow!("rank {}'s state ends inside '{name}'", r.rank))?;
-        tensors.insert(name.as_str(), (*dtype, *n, bytes));
+        if tensors.insert(name.as_str(), (*dtype, *n, bytes)).is_some() {
+            bail!("two persistent tensors are both named '{name}': name them apart to evaluate");
+        }
         at = end;
     }
     let plan = plan_step(&cfg.model, DType::F32, &cfg.optimizer, &cfg.schedule)?;

@@ -144,6 +144,19 @@ fn the_single_launch_weight_gradient_sums_the_bias_gradient_itself() {
         let splits = p.calls[0].grid[2];
         assert_eq!(ks.contains(&"colsum_final"), splits > 1, "{ks:?}");
     }
+    // no input features: no GEMM launch to sum in, db still written by SumToShape
+    let p = plan(
+        &Op::LinearGradWeight { bias: true },
+        &[(&[4, 8], F), (&[4, 0], F)],
+        &[(&[8, 0], F), (&[8], F)],
+    )
+    .unwrap();
+    assert_eq!(kernels(&p), ["sum_to_shape_partial"]);
+    assert!(
+        p.calls[0].args.contains(&KArg::Out(1)),
+        "db written in the one pass: {:?}",
+        p.calls[0].args
+    );
 }
 
 #[test]

@@ -665,7 +665,8 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
     // db = dy's column sums: while the pipelined path rounds dyᵀ (at most 256 partials of
     // 64 rows for the second pass) or the single-launch kernel stages dy's tiles, else by
     // the column reduction of SumToShape
-    let fused = bias && (pipe_tile(&g).is_none() || rows.div_ceil(64) <= 256);
+    // (no input features: the GEMM has no launch to sum in, so SumToShape writes db)
+    let fused = bias && k > 0 && (pipe_tile(&g).is_none() || rows.div_ceil(64) <= 256);
     if fused {
         g.a_row_sums = Some(KArg::Out(1));
     }
