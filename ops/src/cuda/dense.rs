@@ -266,14 +266,7 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
             scratch: vec![],
         });
     }
-    let reduce = reduce_call(
-        KArg::Scratch(0),
-        Some(g.bias_arg()),
-        count,
-        ni,
-        splits,
-        flags,
-    );
+    let reduce = reduce_call(&g, KArg::Scratch(0), splits);
     let mut calls = vec![
         KernelCall {
             kernel,
@@ -504,14 +497,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     };
     let mut calls = vec![convert, main];
     if splits > 1 {
-        calls.push(reduce_call(
-            KArg::Scratch(2),
-            Some(g.bias_arg()),
-            count,
-            ni,
-            splits,
-            flags,
-        ));
+        calls.push(reduce_call(g, KArg::Scratch(2), splits));
     }
     if let Some((out, part, slices)) = row_sums {
         calls.push(super::misc::colsum_final_call(part, out, slices, m));
@@ -519,15 +505,10 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     Ok(CudaPlan { calls, scratch })
 }
 
-/// `gemm_splitk_reduce` of `splits` partials at `part` into output 0.
-fn reduce_call(
-    part: KArg,
-    bias: Option<KArg>,
-    count: usize,
-    n: i32,
-    splits: usize,
-    flags: i32,
-) -> KernelCall {
+/// `gemm_splitk_reduce` of `splits` partials of `g`'s output at `part` into output 0,
+/// with `g`'s epilogue (bias, ReLU, mask).
+fn reduce_call(g: &Gemm, part: KArg, splits: usize) -> KernelCall {
+    let count = g.batch * g.m * g.n;
     // the reduction reads `lanes` splits of a group of 4 elements at once: a power of two,
     // at most 32, about one split in 2 per lane (few, long chains only when splits are many)
     let lanes = [32, 16, 8, 4, 2, 1]
@@ -541,13 +522,13 @@ fn reduce_call(
         smem: 0,
         args: vec![
             part,
-            bias.unwrap_or(part),
+            g.bias_arg(),
             KArg::Out(0),
             i64_of(count),
-            KArg::I32(n),
+            KArg::I32(g.n as i32),
             KArg::I32(splits as i32),
             i64_of(count),
-            KArg::I32(flags),
+            KArg::I32(g.flags()),
         ],
     }
 }

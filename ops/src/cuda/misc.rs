@@ -780,10 +780,7 @@ fn layer_norm(op: &Op, o: &Operands, eps: f64) -> Result<CudaPlan, String> {
         I32(i32_of(d, "layer_norm width")?),
         F32(eps as f32),
     ];
-    Ok(plan_of(
-        vec![ln_rows("layer_norm_fwd", rows, d, args)],
-        vec![],
-    ))
+    Ok(plan_of(vec![ln_fwd_call(rows, d, args)], vec![]))
 }
 
 /// The most CTAs of `layer_norm_bwd_v4` (two an SM of the H200): each writes a partial
@@ -808,9 +805,9 @@ fn ln_v4_geometry(rows: usize, d: usize) -> (i32, u32) {
 
 /// The layer-norm forward: the `_v4` kernel where the width allows (its lanes_log2
 /// appended to `args`), else a warp a row.
-fn ln_rows(kernel: &'static str, rows: usize, d: usize, mut args: Vec<KArg>) -> KernelCall {
+fn ln_fwd_call(rows: usize, d: usize, mut args: Vec<KArg>) -> KernelCall {
     if !ln_v4(d) {
-        return warp_rows(kernel, rows, args);
+        return warp_rows("layer_norm_fwd", rows, args);
     }
     let (lanes_log2, ctas) = ln_v4_geometry(rows, d);
     args.push(I32(lanes_log2));
@@ -1280,12 +1277,7 @@ fn emb_meta(op: &Op, field_rows: &[usize]) -> Result<(Vec<KernelCall>, usize), S
     if field_rows.is_empty() {
         return Err(format!("{}: no fields", op.name()));
     }
-    let mut bases = Vec::with_capacity(field_rows.len());
-    let mut total = 0usize;
-    for &r in field_rows {
-        bases.push(total);
-        total += r;
-    }
+    let total: usize = field_rows.iter().sum();
     if total >= i32::MAX as usize {
         return Err(format!(
             "{}: {total} table rows do not fit the kernels' i32 row keys",
@@ -1296,14 +1288,23 @@ fn emb_meta(op: &Op, field_rows: &[usize]) -> Result<(Vec<KernelCall>, usize), S
     for first in (0..field_rows.len()).step_by(BUILD_SLOTS) {
         let count = BUILD_SLOTS.min(field_rows.len() - first);
         let mut args = vec![Scratch(0), I32(first as i32), I32(count as i32)];
-        for k in 0..BUILD_SLOTS {
-            let i = if k < count { first + k } else { first };
-            args.push(n64(bases[i]));
-            args.push(n64(field_rows[i]));
-        }
+        args.extend(emb_field_args(field_rows, first));
         calls.push(kc("emb_meta_build", [1, 1, 1], [32, 1, 1], 0, args));
     }
     Ok((calls, total))
+}
+
+/// The (base row, rows) pairs of fields `first ..` (at most BUILD_SLOTS; the slots past
+/// the last field repeat field `first`), as the kernels with field arguments take them.
+fn emb_field_args(field_rows: &[usize], first: usize) -> Vec<KArg> {
+    let base = |i: usize| field_rows[..i].iter().sum::<usize>();
+    let count = BUILD_SLOTS.min(field_rows.len() - first);
+    (0..BUILD_SLOTS)
+        .flat_map(|k| {
+            let i = if k < count { first + k } else { first };
+            [n64(base(i)), n64(field_rows[i])]
+        })
+        .collect()
 }
 
 /// Ids and offsets must be i32 vectors; returns (ids, offsets) counts.
@@ -1353,13 +1354,7 @@ fn embedding_bag(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan
         let mut args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0)];
         args.extend(sizes);
         args.push(I32(lanes.trailing_zeros() as i32));
-        let mut base = 0;
-        for k in 0..BUILD_SLOTS {
-            let rows = field_rows.get(k).copied().unwrap_or(0);
-            args.push(n64(base));
-            args.push(n64(rows));
-            base += rows;
-        }
+        args.extend(emb_field_args(field_rows, 0));
         let per_cta = EMB_FWD_BAGS * 256 / lanes;
         return Ok(plan_of(
             vec![kc(
