@@ -36,6 +36,7 @@
 // bytes; the model's small shapes (K = 13..351, N small) are memory-bound and run these
 // single-launch kernels.
 //
+// Tall GEMMs (many rows, N ≤ 256, small K) take `gemm_tall_n*` (see gemm_tall_body).
 // Large GEMMs (ops/src/cuda/dense.rs decides) take the pipelined path instead: the
 // operands are rounded to bf16 once, by `gemm_to_bf16` / `gemm_to_bf16_t`, into K-major
 // zero-padded scratch (the same round-to-nearest-even, so the same products), and
@@ -506,6 +507,139 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
     gemm_epilogue<MI, NI>(acc, C, bias, M, N, ldc, m0 + wm0, n0 + wn0, lane, flags);
 }
 
+// ---- tall GEMMs: many rows, the whole of N and K in one CTA -----------------------------
+//
+// `gemm_tall_n<NMAX>`: C[M, N] = A[M, K]·op(B) (+ bias)(ReLU)(mask), batch 1, A K-major
+// (A[m·lda + k]), N ≤ NMAX, K small (the plan checks the shared memory). AutoInt's
+// projections are of this shape (110592 rows, N and K of 64 and 192): memory-bound, with
+// a CTA of the general kernels loading, multiplying and storing one tile at a time.
+// Here a persistent CTA keeps op(B) in shared memory as bf16 (staged once) and walks
+// 64-row blocks of A (CTA i takes blocks i, i + grid, ..): block j+1's f32 rows go in
+// flight through cp.async before block j is multiplied and stored, so the loads of the
+// next block overlap the mma and the stores of this one. A is read from DRAM once and
+// each of its elements rounded once per warp column (two warp columns).
+//
+// 256 threads: 4 warps along M (16 rows each) x 2 along N (NMAX/2 columns each). Shared:
+// two A buffers of [64][Kp + 8] f32 (Kp = K rounded up to 32: fragment float2 reads
+// conflict-free, rounded to bf16 as they are read) and op(B) as bf16 [NMAX][Kp + 8]
+// (ldmatrix rows). Dynamic shared memory: 2·64·(Kp + 8)·4 + NMAX·(Kp + 8)·2 bytes.
+// Arguments: A, B, C, bias (read when flags & 1 or 8), M, N, K (i32), lda, ldb, ldc
+// (i64), tb (i32: B stored [N][K] when 1, [K][N] when 0), flags (1 bias, 2 ReLU, 8 the
+// ReLU gradient's mask read through `bias`, as gemm_bf16_*). Grid: x CTAs, any count.
+
+// Issues the cp.async copies of A's 64-row block at m0 (all Kp columns; zero past M and
+// K) into dst[64][ld].
+__device__ __forceinline__ void gemm_tall_stage(float* dst, int ld, const float* __restrict__ A, long long lda,
+                                                int m0, int M, int K, int Kp, bool vec, int tid) {
+    const int cpr = Kp / 4;
+    for (int id = tid; id < 64 * cpr; id += 256) {
+        const int r = id / cpr, c = (id % cpr) * 4;
+        const int gm = m0 + r;
+        const uint32_t s = gemm_smem_addr(dst + r * ld + c);
+        const bool row_ok = gm < M;
+        const float* p = A + static_cast<long long>(row_ok ? gm : 0) * lda;
+        if (vec) {
+            const int left = K - c;
+            const int bytes = row_ok ? (left >= 4 ? 16 : (left > 0 ? left * 4 : 0)) : 0;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s),
+                         "l"(bytes > 0 ? p + c : A), "r"(bytes)
+                         : "memory");
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool ok = row_ok && c + e < K;
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s + 4 * e),
+                             "l"(ok ? p + c + e : A), "r"(ok ? 4 : 0)
+                             : "memory");
+            }
+        }
+    }
+}
+
+template <int NMAX>
+__device__ __forceinline__ void gemm_tall_body(const float* __restrict__ A, const float* __restrict__ B,
+                                               float* __restrict__ C, const float* __restrict__ bias, int M,
+                                               int N, int K, long long lda, long long ldb, long long ldc, int tb,
+                                               int flags) {
+    constexpr int NI = NMAX / 16;  // n8 tiles of a warp (two warp columns)
+    static_assert(NMAX % 32 == 0, "a warp column must be whole 16-column ldmatrix pairs");
+    extern __shared__ __align__(16) unsigned char gemm_smem[];
+    const int Kp = (K + 31) / 32 * 32, lda_s = Kp + 8, ldb_s = Kp + 8;
+    float* sA = reinterpret_cast<float*>(gemm_smem);
+    __nv_bfloat16* sB = reinterpret_cast<__nv_bfloat16*>(sA + 2 * 64 * lda_s);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = (warp >> 1) * 16, wn = (warp & 1) * (NMAX / 2);
+    const bool vec = gemm_vec_ok(A, lda);
+    const int blocks_m = (M + 63) / 64;
+
+    int mb = blockIdx.x;
+    if (mb < blocks_m) gemm_tall_stage(sA, lda_s, A, lda, mb * 64, M, K, Kp, vec, tid);
+    gemm_cp_commit();
+    // op(B)ᵀ as bf16 [n][k], zero past N and K (ordinary loads, made visible by the
+    // first block's barrier), 16 loads in flight per thread: one at a time, this fixed
+    // cost of every CTA was a chain of L2 latencies as long as several blocks' work.
+    // Consecutive threads take consecutive elements of B's stored rows (coalesced).
+    const int inner = tb ? Kp : NMAX, total = NMAX * Kp;
+    for (int base = tid; base < total; base += 16 * 256) {
+        float v[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) {
+            const int id = base + u * 256, o = id / inner, i = id % inner;
+            const int n = tb ? o : i, k = tb ? i : o;
+            v[u] = 0.f;
+            if (id < total && n < N && k < K)
+                v[u] = __ldg(B + (tb ? static_cast<long long>(n) * ldb + k : static_cast<long long>(k) * ldb + n));
+        }
+#pragma unroll
+        for (int u = 0; u < 16; ++u) {
+            const int id = base + u * 256, o = id / inner, i = id % inner;
+            const int n = tb ? o : i, k = tb ? i : o;
+            if (id < total) sB[n * ldb_s + k] = __float2bfloat16_rn(v[u]);
+        }
+    }
+
+    for (int it = 0; mb < blocks_m; ++it, mb += gridDim.x) {
+        const int next = mb + gridDim.x;
+        float* a = sA + (it & 1) * 64 * lda_s;
+        if (next < blocks_m) gemm_tall_stage(sA + ((it + 1) & 1) * 64 * lda_s, lda_s, A, lda, next * 64, M, K, Kp, vec, tid);
+        gemm_cp_commit();
+        gemm_cp_wait<1>();
+        __syncthreads();
+
+        float acc[1][NI][4];
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.f;
+        for (int kk = 0; kk < Kp; kk += 16) {
+            uint32_t af[4];
+            const float* ar = a + (wm + g) * lda_s + kk + 2 * t;
+            const float2 v0 = *reinterpret_cast<const float2*>(ar);
+            const float2 v1 = *reinterpret_cast<const float2*>(ar + 8 * lda_s);
+            const float2 v2 = *reinterpret_cast<const float2*>(ar + 8);
+            const float2 v3 = *reinterpret_cast<const float2*>(ar + 8 * lda_s + 8);
+            af[0] = gemm_pack_bf16(v0.x, v0.y);
+            af[1] = gemm_pack_bf16(v1.x, v1.y);
+            af[2] = gemm_pack_bf16(v2.x, v2.y);
+            af[3] = gemm_pack_bf16(v3.x, v3.y);
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; ++nj) {
+                uint32_t r[4];
+                const int nr = wn + nj * 16 + (lane & 7) + (lane >> 4) * 8;
+                const int kc = kk + ((lane >> 3) & 1) * 8;
+                gemm_ldsm_x4(r, sB + nr * ldb_s + kc);
+                gemm_mma(acc[0][2 * nj], af, r[0], r[1]);
+                gemm_mma(acc[0][2 * nj + 1], af, r[2], r[3]);
+            }
+        }
+        gemm_epilogue<1, NI>(acc, C, bias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
+        // every warp is done with this buffer before the next step but one refills it
+        __syncthreads();
+    }
+    gemm_cp_wait<0>();
+}
+
 // ---- the wgmma form of the pipelined path (sm_90a) --------------------------------------
 //
 // BM = 128 rows as two warpgroups of 64, BK = 64: a shared row of a stage is 128 bytes,
@@ -693,6 +827,20 @@ ERASE_GEMM_KERNELS(nn, false, false)
 ERASE_GEMM_KERNELS(nt, false, true)
 ERASE_GEMM_KERNELS(tn, true, false)
 ERASE_GEMM_KERNELS(tt, true, true)
+
+// The tall kernels (see gemm_tall_body), one a bound on N; PER_SM CTAs an SM by registers
+// (ops/src/cuda/dense.rs, TALL_KERNELS, plans with the same count).
+#define ERASE_GEMM_TALL_KERNEL(NMAX, PER_SM)                                                            \
+    ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                    \
+        gemm_tall_n##NMAX(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, \
+                          const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb, \
+                          long long ldc, int tb, int flags) {                                           \
+        gemm_tall_body<NMAX>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags);                         \
+    }
+ERASE_GEMM_TALL_KERNEL(64, 3)
+ERASE_GEMM_TALL_KERNEL(128, 2)
+ERASE_GEMM_TALL_KERNEL(192, 2)
+ERASE_GEMM_TALL_KERNEL(256, 2)
 
 // The pipelined kernels, arguments in order:
 //   A, B (bf16, K-major and zero-padded: [batch][Mp][Kp], [batch][Np][Kp]), C, bias,

@@ -161,8 +161,14 @@ fn linear_matches_the_bf16_reference() {
     // (leading dims of x, N, K, bias): K in {1, 13, 31, 33, 351, 1729}, N = 1, odd M,
     // 64/128 tile edges, a rank-3 input, split-K (K = 1729 on 2 tiles, bias applied by
     // the reduction; 99 x 41 outputs, not a multiple of 4, take its scalar loads) and
-    // the 128x128 tile (2049 x 1100 outputs fill a wave)
+    // the 128x128 tile (2049 x 1100 outputs fill a wave); the tall kernels (at least
+    // 33792 rows): AutoInt's projections (K 64, N 192 and 64, a rank-3 input), N = 250 on
+    // the widest with K = 33 (rows not 16-byte aligned: 4-byte copies), K = 96 on N = 100
     let cases: &[(&[usize], usize, usize, bool)] = &[
+        (&[40_001], 192, 64, true),
+        (&[1300, 27], 64, 64, true),
+        (&[34_000], 250, 33, true),
+        (&[34_000], 100, 96, false),
         (&[1], 1, 1, true),
         (&[37], 1, 13, true),
         (&[129], 65, 31, false),
@@ -246,6 +252,12 @@ fn linear_grad_input_matches_the_bf16_reference() {
         // the pipelined path, without and with split-K
         (4096, 256, 1728),
         (512, 4096, 512),
+        // AutoInt's two projections' dx (the general kernels for K = 192, the tall ones
+        // for K = 64), and N = 33 (4-byte copies of dy's rows) on the widest tall kernel
+        // (K = 250)
+        (40_000, 192, 64),
+        (40_000, 64, 64),
+        (35_001, 33, 250),
     ];
     for (seed, &(m, n, k)) in cases.iter().enumerate() {
         let seed = 200 + 10 * seed as u64;

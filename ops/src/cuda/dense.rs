@@ -6,7 +6,10 @@
 //! dy's columns over each 64-row block, so the bias gradient costs no pass over dy of its
 //! own), then `gemm_bf16p_<tile>` multiplies them
 //! (wgmma on sm_90a, mma.sync on sm_80; a cp.async ring in dynamic shared memory), the
-//! tile and split count from a wave model of the H200. Smaller GEMMs run
+//! tile and split count from a wave model of the H200. Tall GEMMs (at least 33792 rows,
+//! N ≤ 256, small K, A not transposed: AutoInt's projections) run `gemm_tall_n<N>`,
+//! persistent CTAs that keep op(B) in shared memory and load the next block of rows
+//! while storing this one. Smaller GEMMs run
 //! `gemm_bf16_<layout>_<tile>` in one launch, rounding as they load: layout
 //! `nn`/`nt`/`tn`/`tt` says which operand is stored transposed (MatMul's `ta`, `tb` on
 //! row-major storage), the tile is 128x128 when the output fills a wave of them, else
@@ -31,6 +34,10 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_bf16_tt_64x64",
     "gemm_bf16p_128x128",
     "gemm_bf16p_128x256",
+    "gemm_tall_n64",
+    "gemm_tall_n128",
+    "gemm_tall_n192",
+    "gemm_tall_n256",
     "gemm_to_bf16",
     "gemm_to_bf16_t",
     "gemm_to_bf16_pair",
@@ -186,6 +193,9 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
     if batch * m * n == 0 {
         return Ok(CudaPlan::default());
     }
+    if let Some(plan) = gemm_tall(&g)? {
+        return Ok(plan);
+    }
     if let Some(t) = pipe_tile(&g) {
         return gemm_pipe(&g, t);
     }
@@ -288,6 +298,77 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         ));
     }
     Ok(CudaPlan { calls, scratch })
+}
+
+/// Fewest rows for the tall kernels: two 64-row blocks for each of two CTAs an SM.
+const TALL_MIN_M: usize = 4 * 64 * SMS;
+/// Shared memory an SM has for CTAs (bytes; 1 KB of each CTA's is the system's).
+const SM_SMEM: usize = 228 * 1024;
+/// The most dynamic shared memory one CTA may have (bytes).
+const CTA_SMEM: usize = 227 * 1024;
+/// The tall kernels: the most columns each covers, and the CTAs an SM holds by their
+/// registers (their launch bounds).
+const TALL_KERNELS: [(usize, usize, &str); 4] = [
+    (64, 3, "gemm_tall_n64"),
+    (128, 2, "gemm_tall_n128"),
+    (192, 2, "gemm_tall_n192"),
+    (256, 2, "gemm_tall_n256"),
+];
+
+/// `gemm_tall_n*` for a tall GEMM (batch 1, A not transposed, many rows, N ≤ 256 and
+/// K small enough for two CTAs an SM, each with two 64-row f32 blocks of A and all of
+/// op(B) in shared memory):
+/// persistent CTAs, op(B) staged once, the next block of A loading while this one is
+/// multiplied and stored (kernels-cuda/gemm.cu). `None` for every other GEMM.
+fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
+    // ERASE_GEMM_TALL=0 leaves tall GEMMs to the other kernels (a way to compare them)
+    if std::env::var("ERASE_GEMM_TALL").is_ok_and(|v| v == "0") {
+        return Ok(None);
+    }
+    if g.batch != 1 || g.ta || g.a_row_sums.is_some() || g.m < TALL_MIN_M || g.k == 0 {
+        return Ok(None);
+    }
+    let Some(&(nmax, regs_per_sm, kernel)) = TALL_KERNELS.iter().find(|(nmax, ..)| g.n <= *nmax)
+    else {
+        return Ok(None);
+    };
+    let kp = g.k.next_multiple_of(32);
+    let smem = 2 * 64 * (kp + 8) * 4 + nmax * (kp + 8) * 2;
+    if smem > CTA_SMEM {
+        return Ok(None);
+    }
+    // two CTAs an SM at least: with one (AutoInt's data gradient, K = 192: 125 KB), the
+    // next block's loads no longer cover a block's stores, and the H200 measured it
+    // slower than the general kernels (63.3 against 50.3 µs)
+    let per_sm = (SM_SMEM / (smem + 1024)).min(regs_per_sm);
+    if per_sm < 2 {
+        return Ok(None);
+    }
+    let ctas = blocks(g.m, 64).min((SMS * per_sm) as u32);
+    let (mi, ni, ki) = (i32_of(g.m, "M")?, i32_of(g.n, "N")?, i32_of(g.k, "K")?);
+    Ok(Some(CudaPlan {
+        calls: vec![KernelCall {
+            kernel,
+            grid: [ctas, 1, 1],
+            block: [256, 1, 1],
+            smem: smem as u32,
+            args: vec![
+                g.a,
+                g.b,
+                KArg::Out(0),
+                g.bias_arg(),
+                KArg::I32(mi),
+                KArg::I32(ni),
+                KArg::I32(ki),
+                i64_of(g.lda),
+                i64_of(g.ldb),
+                i64_of(g.n),
+                KArg::I32(i32::from(g.tb)),
+                KArg::I32(g.flags()),
+            ],
+        }],
+        scratch: vec![],
+    }))
 }
 
 /// A tile of the pipelined kernels `gemm_bf16p_*` (operands rounded to bf16 into
@@ -1063,6 +1144,61 @@ mod tests {
         .unwrap();
         assert_eq!(p.calls.len(), 1);
         assert_eq!(p.calls[0].kernel, "gemm_bf16_nt_128x128");
+    }
+
+    #[test]
+    fn tall_gemms_take_the_persistent_kernels() {
+        // AutoInt's QKV projection over 4096 x 27 rows: one launch of the N <= 192
+        // kernel, two CTAs an SM, shared memory for two f32 blocks of A and bf16 op(B)
+        let p = plan_of(
+            &Op::Linear {
+                bias: true,
+                relu: false,
+            },
+            &[&[4096, 27, 64], &[192, 64], &[192]],
+            &[&[4096, 27, 192]],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        let c = &p.calls[0];
+        assert_eq!(c.kernel, "gemm_tall_n192");
+        assert_eq!(c.grid, [2 * SMS as u32, 1, 1]);
+        assert_eq!(c.smem as usize, 2 * 64 * 72 * 4 + 192 * 72 * 2);
+        // its output projection's data gradient: three CTAs an SM; the QKV projection's
+        // (K = 192) would leave room for one, so it takes the general kernels
+        let p = plan_of(
+            &Op::LinearGradInput { relu_mask: false },
+            &[&[110_592, 64], &[64, 64]],
+            &[&[110_592, 64]],
+        )
+        .unwrap();
+        assert_eq!(p.calls[0].kernel, "gemm_tall_n64");
+        assert_eq!(p.calls[0].grid, [3 * SMS as u32, 1, 1]);
+        let p = plan_of(
+            &Op::LinearGradInput { relu_mask: false },
+            &[&[110_592, 192], &[192, 64]],
+            &[&[110_592, 64]],
+        )
+        .unwrap();
+        assert!(!p.calls[0].kernel.starts_with("gemm_tall"));
+        // 4096 rows are too few, and a weight gradient (transposed A) is not tall
+        let p = plan_of(
+            &Op::Linear {
+                bias: false,
+                relu: false,
+            },
+            &[&[4096, 64], &[192, 64]],
+            &[&[4096, 192]],
+        )
+        .unwrap();
+        assert!(!p.calls[0].kernel.starts_with("gemm_tall"));
+        let p = plan_of(
+            &Op::LinearGradWeight { bias: false },
+            &[&[110_592, 192], &[110_592, 64]],
+            &[&[192, 64]],
+        )
+        .unwrap();
+        assert!(p.calls.iter().all(|c| !c.kernel.starts_with("gemm_tall")));
     }
 
     #[test]
