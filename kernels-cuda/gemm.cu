@@ -28,7 +28,8 @@
 //
 // Split-K (a fixed range of k per split, the grid's z) writes f32 partials to scratch;
 // `gemm_splitk_reduce` sums them in split order (deterministic, no atomics) and applies
-// the bias and ReLU. Epilogue flags: bit 0 adds bias[n], bit 1 applies ReLU, bit 3 the
+// the bias and ReLU. The pipelined 128x128 kernel instead sums its splits inside a
+// thread-block cluster on sm_90 (gemm_bf16p_128x128_k<S>, gemm_cluster_epilogue). Epilogue flags: bit 0 adds bias[n], bit 1 applies ReLU, bit 3 the
 // ReLU gradient's mask (the `bias` pointer then being the ReLU's output). The epilogue
 // writes each thread's two adjacent columns as one float2 where C's alignment allows.
 //
@@ -717,7 +718,78 @@ __device__ __forceinline__ void gemm_wgmma_hold(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <int BN, int STAGES>
+// Split-K inside a cluster: the S splits of an output tile are the S CTAs of one cluster
+// (cluster dims (1, 1, S), batch 1). Each CTA writes its f32 partial tile to its own
+// shared memory (the ring is free by then), the cluster waits for all of them, and CTA
+// rank r sums rows [r·BM/S, (r+1)·BM/S) of the S partials in rank (= split) order
+// through distributed shared memory, applies the epilogue (bias, ReLU, mask, as
+// gemm_epilogue) and stores them a float4 at a time. The same sum order every run, no
+// partials in global memory and no reduction launch. A second cluster barrier keeps
+// every CTA's shared memory alive until the others have read it.
+__device__ __forceinline__ void gemm_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+template <int BN, int S>
+__device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
+                                                      const float* __restrict__ bias, int M, int N, long long ldc,
+                                                      int m0, int n0, int flags, uint32_t base,
+                                                      unsigned char* smem) {
+    constexpr int BM = 128, LDT = BN + 4, RP = BM / S, C4 = BN / 4;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    // [BM][BN + 4] f32: the fragments' float2 writes (row g, column 2t) hit banks 4g + 2t
+    float* T = reinterpret_cast<float*>(smem + (base - gemm_smem_addr(smem)));
+    __syncthreads();  // every warpgroup is past its last wgmma: the ring is free
+    const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+    for (int ni = 0; ni < BN / 8; ++ni) {
+        const int c = ni * 8 + 2 * t;
+        *reinterpret_cast<float2*>(T + r0 * LDT + c) = make_float2(acc[0][ni][0], acc[0][ni][1]);
+        *reinterpret_cast<float2*>(T + (r0 + 8) * LDT + c) = make_float2(acc[0][ni][2], acc[0][ni][3]);
+    }
+    gemm_cluster_sync();
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
+    for (int id = tid; id < RP * C4; id += 256) {
+        const int r = static_cast<int>(rank) * RP + id / C4, c = (id % C4) * 4;
+        const uint32_t local = base + static_cast<uint32_t>(r * LDT + c) * 4u;
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int q = 0; q < S; ++q) {
+            uint32_t remote;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(q));
+            float x, y, z, w;
+            asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
+                         : "r"(remote)
+                         : "memory");
+            v[0] += x;
+            v[1] += y;
+            v[2] += z;
+            v[3] += w;
+        }
+        const int m = m0 + r, n = n0 + c;
+        if (m >= M) continue;
+        float* crow = C + static_cast<long long>(m) * ldc;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
+            if (flags & 2) v[e] = fmaxf(v[e], 0.f);
+            if ((flags & 8) && n + e < N && !(__ldg(bias + static_cast<long long>(m) * ldc + n + e) > 0.f)) v[e] = 0.f;
+        }
+        if (vec && n + 3 < N) {
+            *reinterpret_cast<float4*>(crow + n) = make_float4(v[0], v[1], v[2], v[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (n + e < N) crow[n + e] = v[e];
+        }
+    }
+    gemm_cluster_sync();
+}
+
+template <int BN, int STAGES, int CLUSTER = 1>
 __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict__ A,
                                                 const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
                                                 const float* __restrict__ bias, int M, int N, int Kp,
@@ -790,6 +862,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
         gemm_wgmma_hold(d);
     }
     gemm_cp_wait<0>();
+    if constexpr (CLUSTER > 1) {
+        gemm_cluster_epilogue<BN, CLUSTER>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem);
+        return;
+    }
 
     // wgmma's accumulator layout is mma.sync's, per warp: rows 16·(warp % 4) + g (+8)
     gemm_epilogue<1, BN / 8>(acc, C, bias, M, N, ldc, m0 + wg * 64 + (warp & 3) * 16, n0, lane, flags);
@@ -867,6 +943,29 @@ ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p_128x128(ERASE_GEMM_PIPE_A
     gemm_pipe_body<128, 128, 64, 2, 4, 3>(ERASE_GEMM_PIPE_PASS);
 #endif
 }
+// gemm_bf16p_128x128_k<S>: the 128x128 kernel with its S splits (grid z = S, batch 1)
+// summed inside a cluster of S CTAs (gemm_cluster_epilogue): C is the output, `flags` the
+// whole epilogue. Clusters need sm_90; the sm_80 form computes the whole
+// K in the CTA of split 0 (the others return), the same result without the split. The
+// plan passes split_c = 0 (the kernel body offsets C by split·split_c).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ERASE_GEMM_CLUSTER_KERNEL(S)                                                                   \
+    ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 2)                              \
+        gemm_bf16p_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {                                                \
+        gemm_wgmma_body<128, 3, S>(ERASE_GEMM_PIPE_PASS);                                              \
+    }
+#else
+#define ERASE_GEMM_CLUSTER_KERNEL(S)                                                                   \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {        \
+        if (blockIdx.z != 0) return;                                                                   \
+        gemm_pipe_body<128, 128, 64, 2, 4, 3>(A, B, C, bias, M, N, Kp, ldc, batch_a, batch_b, batch_c, \
+                                              1, Kp, 0, flags);                                        \
+    }
+#endif
+ERASE_GEMM_CLUSTER_KERNEL(2)
+ERASE_GEMM_CLUSTER_KERNEL(4)
+ERASE_GEMM_CLUSTER_KERNEL(8)
+
 ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p_128x256(ERASE_GEMM_PIPE_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     gemm_wgmma_body<256, 4>(ERASE_GEMM_PIPE_PASS);

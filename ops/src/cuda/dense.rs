@@ -16,7 +16,9 @@
 //! 64x64. When the output has too few tiles to fill the GPU and K is long
 //! (LinearGradWeight reduces over all rows), either path splits K over the grid's z: each
 //! split writes an f32 partial to scratch and `gemm_splitk_reduce` sums them in split
-//! order, so the result is deterministic.
+//! order, so the result is deterministic; the pipelined 128x128 tile at batch 1 sums its
+//! 2, 4 or 8 splits inside a thread-block cluster instead (`gemm_bf16p_128x128_k<S>`:
+//! the same fixed order, no partials in memory, no reduction launch).
 //! Attention runs the FlashAttention-2 kernels of kernels-cuda/attention.cu.
 
 use super::{blocks, CudaPlan, KArg, KernelCall, Operands};
@@ -34,6 +36,9 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_bf16_tt_64x64",
     "gemm_bf16p_128x128",
     "gemm_bf16p_128x256",
+    "gemm_bf16p_128x128_k2",
+    "gemm_bf16p_128x128_k4",
+    "gemm_bf16p_128x128_k8",
     "gemm_tall_n64",
     "gemm_tall_n128",
     "gemm_tall_n192",
@@ -485,7 +490,14 @@ fn pipe_tile(g: &Gemm) -> Option<PipeTile> {
 /// the partials in scratch 2.
 fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     let Gemm { batch, m, n, k, .. } = *g;
-    let (k_split, splits) = pipe_splits(&t, g);
+    let (mut k_split, mut splits) = pipe_splits(&t, g);
+    // split-K summed inside a cluster of 2, 4 or 8 CTAs (the 128x128 tile, batch 1): the
+    // split count rounded up to one of those, no partials and no reduction launch
+    let cluster = cluster_kernel(&t, batch, splits);
+    if let Some((s, _)) = cluster {
+        k_split = k.next_multiple_of(t.bk).div_ceil(s).next_multiple_of(t.bk);
+        splits = s;
+    }
     let (mp, np, kp) = (
         m.next_multiple_of(t.bm),
         n.next_multiple_of(t.bn),
@@ -522,7 +534,8 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         (args, ctas)
     };
     let mut scratch = vec![batch * mp * kp * 2, batch * np * kp * 2];
-    if splits > 1 {
+    let partials = splits > 1 && cluster.is_none();
+    if partials {
         scratch.push(splits * count * 4);
     }
     // op(A)'s row sums: one partial per 64 of K, summed by colsum_final after the GEMM
@@ -548,13 +561,13 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         args: conv_args,
     };
     let flags = g.flags();
-    let out = if splits == 1 {
-        KArg::Out(0)
-    } else {
+    let out = if partials {
         KArg::Scratch(2)
+    } else {
+        KArg::Out(0)
     };
     let main = KernelCall {
-        kernel: t.kernel,
+        kernel: cluster.map_or(t.kernel, |(_, kernel)| kernel),
         grid: [blocks(mp, t.bm), blocks(np, t.bn), (splits * batch) as u32],
         block: [256, 1, 1],
         smem: t.smem,
@@ -572,18 +585,36 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
             i64_of(m * n),
             KArg::I32(batch as i32),
             KArg::I32(k_split as i32),
-            i64_of(count),
-            KArg::I32(if splits == 1 { flags } else { 0 }),
+            // the partials' stride; 0 in the cluster form, whose splits share C
+            i64_of(if partials { count } else { 0 }),
+            KArg::I32(if partials { 0 } else { flags }),
         ],
     };
     let mut calls = vec![convert, main];
-    if splits > 1 {
+    if partials {
         calls.push(reduce_call(g, KArg::Scratch(2), splits));
     }
     if let Some((out, part, slices)) = row_sums {
         calls.push(super::misc::colsum_final_call(part, out, slices, m));
     }
     Ok(CudaPlan { calls, scratch })
+}
+
+/// The cluster form of a split pipelined GEMM, `(CTAs a cluster, kernel)`: for the
+/// 128x128 tile at batch 1 with 2-8 splits (more are taken as 8), unless
+/// `ERASE_GEMM_CLUSTER=0` keeps the partials and the reduction launch (a way to compare).
+fn cluster_kernel(t: &PipeTile, batch: usize, splits: usize) -> Option<(usize, &'static str)> {
+    if std::env::var("ERASE_GEMM_CLUSTER").is_ok_and(|v| v == "0") {
+        return None;
+    }
+    if t.kernel != "gemm_bf16p_128x128" || batch != 1 || splits < 2 {
+        return None;
+    }
+    Some(match splits {
+        2 => (2, "gemm_bf16p_128x128_k2"),
+        3 | 4 => (4, "gemm_bf16p_128x128_k4"),
+        _ => (8, "gemm_bf16p_128x128_k8"),
+    })
 }
 
 /// `gemm_splitk_reduce` of `splits` partials of `g`'s output at `part` into output 0,
@@ -1204,7 +1235,7 @@ mod tests {
     #[test]
     fn large_gemms_round_operands_first_and_split_half_waves() {
         // the CTR model's deep-layer weight gradient: 1024 x 1728 outputs over 4096 rows,
-        // half a wave of 128x128 tiles: split in two, reduced in a fixed order
+        // half a wave of 128x128 tiles: split in two, summed inside clusters of two CTAs
         let p = plan_of(
             &Op::LinearGradWeight { bias: false },
             &[&[4096, 1024], &[4096, 1728]],
@@ -1212,21 +1243,49 @@ mod tests {
         )
         .unwrap();
         let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names[0], "gemm_to_bf16_pair");
+        assert_eq!(names, ["gemm_to_bf16_pair", "gemm_bf16p_128x128_k2"]);
         // both operands transposed: the pair's trans flags (args 7 and 17)
         assert_eq!(p.calls[0].args[7], KArg::I32(1));
         assert_eq!(p.calls[0].args[17], KArg::I32(1));
-        assert!(names[1].starts_with("gemm_bf16p_"), "{names:?}");
-        assert_eq!(names.get(2), Some(&"gemm_splitk_reduce"));
         assert!(p.calls[1].smem > 48 * 1024);
+        assert_eq!(p.calls[1].grid[2], 2);
+        // straight into the output, no partials' stride (4096 = 2 splits of 2048)
+        assert_eq!(p.calls[1].args[2], KArg::Out(0));
+        assert_eq!(p.calls[1].args[12], KArg::I32(2048));
+        assert_eq!(p.calls[1].args[13], KArg::I64(0));
+        assert_eq!(p.scratch.len(), 2);
+        // three splits are taken as a cluster of four (the cross block's U forward)
+        let p = plan_of(
+            &Op::Linear {
+                bias: true,
+                relu: false,
+            },
+            &[&[4096, 1728], &[256, 1728], &[256]],
+            &[&[4096, 256]],
+        )
+        .unwrap();
+        assert_eq!(p.calls[1].kernel, "gemm_bf16p_128x128_k4");
+        assert_eq!(p.calls[1].grid, [32, 2, 4]);
+        // a batched GEMM keeps the partials and the fixed-order reduction
+        let p = plan_of(
+            &Op::MatMul {
+                ta: false,
+                tb: false,
+            },
+            &[&[2, 512, 4096], &[2, 4096, 512]],
+            &[&[2, 512, 512]],
+        )
+        .unwrap();
+        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names.last(), Some(&"gemm_splitk_reduce"), "{names:?}");
         let KArg::I32(splits) = p.calls[2].args[5] else {
             panic!("splits")
         };
         assert!(splits > 1);
         assert_eq!(p.scratch.len(), 3);
-        assert_eq!(p.scratch[2], splits as usize * 1024 * 1728 * 4);
+        assert_eq!(p.scratch[2], splits as usize * 2 * 512 * 512 * 4);
         // with the bias gradient: dy's column sums from the conversion (64 partials of 64
-        // rows in scratch 3), added by colsum_final after the GEMM; no pass of its own
+        // rows in scratch 2), added by colsum_final after the GEMM; no pass of its own
         let p = plan_of(
             &Op::LinearGradWeight { bias: true },
             &[&[4096, 1024], &[4096, 1728]],
@@ -1237,8 +1296,8 @@ mod tests {
         assert_eq!(names.last(), Some(&"colsum_final"), "{names:?}");
         assert!(!names.contains(&"sum_to_shape_partial"), "{names:?}");
         let conv = &p.calls[0].args;
-        assert_eq!(conv[conv.len() - 2..], [KArg::Scratch(3), KArg::I32(1)]);
-        assert_eq!(p.scratch[3], 64 * 1024 * 4);
+        assert_eq!(conv[conv.len() - 2..], [KArg::Scratch(2), KArg::I32(1)]);
+        assert_eq!(p.scratch[2], 64 * 1024 * 4);
         // the forward: x·wᵀ reads both operands K-major
         let p = plan_of(
             &Op::Linear {
