@@ -140,8 +140,9 @@ __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], 
     const int g = lane >> 2, t = lane & 3;
     const bool vec_c = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & 7) == 0;
     // the mask is read NC mma tiles at a time, all loads issued before the stores (one
-    // at a time, each load waited for before its store, left the epilogue latency-bound)
-    constexpr int NC = NI < 4 ? NI : 4;
+    // at a time, each load waited for before its store, left the epilogue latency-bound);
+    // NC divides NI, so no group runs past the warp's tiles
+    constexpr int NC = NI % 4 == 0 ? 4 : (NI % 2 == 0 ? 2 : 1);
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
