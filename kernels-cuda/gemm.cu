@@ -558,7 +558,56 @@ __device__ __forceinline__ void gemm_tall_stage(float* dst, int ld, const float*
     }
 }
 
-template <int NMAX>
+// The coalesced store of a tall kernel's warp tile (rows row0 .. row0+15, columns col0 ..
+// col0 + 8·NI - 1 of C): 32 columns at a time through the warp's [16][40] f32 of shared
+// memory (the fragments' float2 writes hit banks 8g + 2t), then read back a float4 a
+// lane, 4 rows x 128 bytes an instruction, with the bias, ReLU and mask of
+// gemm_epilogue. The direct epilogue writes 8 rows x 32 bytes an instruction.
+template <int NI>
+__device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], float* stage, float* __restrict__ C,
+                                                const float* __restrict__ bias, int M, int N, long long ldc,
+                                                int row0, int col0, int lane, int flags) {
+    static_assert(NI % 4 == 0, "whole 32-column chunks");
+    const int g = lane >> 2, t = lane & 3;
+    const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
+#pragma unroll
+    for (int c = 0; c < NI / 4; ++c) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            *reinterpret_cast<float2*>(stage + g * 40 + j * 8 + 2 * t) =
+                make_float2(acc[0][c * 4 + j][0], acc[0][c * 4 + j][1]);
+            *reinterpret_cast<float2*>(stage + (g + 8) * 40 + j * 8 + 2 * t) =
+                make_float2(acc[0][c * 4 + j][2], acc[0][c * 4 + j][3]);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = i * 4 + (lane >> 3), q = (lane & 7) * 4;
+            const float4 x = *reinterpret_cast<const float4*>(stage + r * 40 + q);
+            const int m = row0 + r, n = col0 + c * 32 + q;
+            if (m >= M) continue;
+            float v[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
+                if (flags & 2) v[e] = fmaxf(v[e], 0.f);
+                if ((flags & 8) && n + e < N && !(__ldg(bias + static_cast<long long>(m) * ldc + n + e) > 0.f))
+                    v[e] = 0.f;
+            }
+            float* crow = C + static_cast<long long>(m) * ldc;
+            if (vec && n + 3 < N) {
+                *reinterpret_cast<float4*>(crow + n) = make_float4(v[0], v[1], v[2], v[3]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (n + e < N) crow[n + e] = v[e];
+            }
+        }
+        __syncwarp();
+    }
+}
+
+template <int NMAX, bool COALESCE>
 __device__ __forceinline__ void gemm_tall_body(const float* __restrict__ A, const float* __restrict__ B,
                                                float* __restrict__ C, const float* __restrict__ bias, int M,
                                                int N, int K, long long lda, long long ldb, long long ldc, int tb,
@@ -635,7 +684,12 @@ __device__ __forceinline__ void gemm_tall_body(const float* __restrict__ A, cons
                 gemm_mma(acc[0][2 * nj + 1], af, r[2], r[3]);
             }
         }
-        gemm_epilogue<1, NI>(acc, C, bias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
+        if constexpr (COALESCE) {
+            float* stage = reinterpret_cast<float*>(sB + NMAX * ldb_s) + warp * 16 * 40;
+            gemm_tall_store<NI>(acc, stage, C, bias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
+        } else {
+            gemm_epilogue<1, NI>(acc, C, bias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
+        }
         // every warp is done with this buffer before the next step but one refills it
         __syncthreads();
     }
@@ -907,12 +961,18 @@ ERASE_GEMM_KERNELS(tt, true, true)
 
 // The tall kernels (see gemm_tall_body), one a bound on N; PER_SM CTAs an SM by registers
 // (ops/src/cuda/dense.rs, TALL_KERNELS, plans with the same count).
-#define ERASE_GEMM_TALL_KERNEL(NMAX, PER_SM)                                                            \
-    ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                    \
-        gemm_tall_n##NMAX(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, \
-                          const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb, \
-                          long long ldc, int tb, int flags) {                                           \
-        gemm_tall_body<NMAX>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags);                         \
+#define ERASE_GEMM_TALL_KERNEL(NMAX, PER_SM)                                                              \
+    ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                      \
+        gemm_tall_n##NMAX(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,   \
+                          const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb,   \
+                          long long ldc, int tb, int flags) {                                             \
+        gemm_tall_body<NMAX, false>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags);                    \
+    }                                                                                                     \
+    ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                      \
+        gemm_tall_n##NMAX##_c(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, \
+                              const float* __restrict__ bias, int M, int N, int K, long long lda,             \
+                              long long ldb, long long ldc, int tb, int flags) {                          \
+        gemm_tall_body<NMAX, true>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags);                     \
     }
 ERASE_GEMM_TALL_KERNEL(64, 3)
 ERASE_GEMM_TALL_KERNEL(128, 2)

@@ -43,6 +43,10 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_tall_n128",
     "gemm_tall_n192",
     "gemm_tall_n256",
+    "gemm_tall_n64_c",
+    "gemm_tall_n128_c",
+    "gemm_tall_n192_c",
+    "gemm_tall_n256_c",
     "gemm_to_bf16",
     "gemm_to_bf16_t",
     "gemm_to_bf16_pair",
@@ -311,14 +315,17 @@ const TALL_MIN_M: usize = 4 * 64 * SMS;
 const SM_SMEM: usize = 228 * 1024;
 /// The most dynamic shared memory one CTA may have (bytes).
 const CTA_SMEM: usize = 227 * 1024;
-/// The tall kernels: the most columns each covers, and the CTAs an SM holds by their
-/// registers (their launch bounds).
-const TALL_KERNELS: [(usize, usize, &str); 4] = [
-    (64, 3, "gemm_tall_n64"),
-    (128, 2, "gemm_tall_n128"),
-    (192, 2, "gemm_tall_n192"),
-    (256, 2, "gemm_tall_n256"),
+/// The tall kernels: the most columns each covers, the CTAs an SM holds by their
+/// registers (their launch bounds), and the kernels storing through shared memory (a
+/// float4 a lane, whole 128-byte rows) and straight from the fragments.
+const TALL_KERNELS: [(usize, usize, [&str; 2]); 4] = [
+    (64, 3, ["gemm_tall_n64_c", "gemm_tall_n64"]),
+    (128, 2, ["gemm_tall_n128_c", "gemm_tall_n128"]),
+    (192, 2, ["gemm_tall_n192_c", "gemm_tall_n192"]),
+    (256, 2, ["gemm_tall_n256_c", "gemm_tall_n256"]),
 ];
+/// Shared memory of the coalesced store: [16][40] f32 for each of the 8 warps.
+const TALL_STAGE_SMEM: usize = 8 * 16 * 40 * 4;
 
 /// `gemm_tall_n*` for a tall GEMM (batch 1, A not transposed, many rows, N ≤ 256 and
 /// K small enough for two CTAs an SM, each with two 64-row f32 blocks of A and all of
@@ -333,12 +340,16 @@ fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     if g.batch != 1 || g.ta || g.a_row_sums.is_some() || g.m < TALL_MIN_M || g.k == 0 {
         return Ok(None);
     }
-    let Some(&(nmax, regs_per_sm, kernel)) = TALL_KERNELS.iter().find(|(nmax, ..)| g.n <= *nmax)
+    let Some(&(nmax, regs_per_sm, kernels)) = TALL_KERNELS.iter().find(|(nmax, ..)| g.n <= *nmax)
     else {
         return Ok(None);
     };
+    // ERASE_GEMM_TALL_STORE=direct stores from the fragments (a way to compare)
+    let direct = std::env::var("ERASE_GEMM_TALL_STORE").is_ok_and(|v| v == "direct");
+    let kernel = kernels[usize::from(direct)];
     let kp = g.k.next_multiple_of(32);
-    let smem = 2 * 64 * (kp + 8) * 4 + nmax * (kp + 8) * 2;
+    let smem =
+        2 * 64 * (kp + 8) * 4 + nmax * (kp + 8) * 2 + if direct { 0 } else { TALL_STAGE_SMEM };
     if smem > CTA_SMEM {
         return Ok(None);
     }
@@ -1192,9 +1203,12 @@ mod tests {
         .unwrap();
         assert_eq!(p.calls.len(), 1);
         let c = &p.calls[0];
-        assert_eq!(c.kernel, "gemm_tall_n192");
+        assert_eq!(c.kernel, "gemm_tall_n192_c");
         assert_eq!(c.grid, [2 * SMS as u32, 1, 1]);
-        assert_eq!(c.smem as usize, 2 * 64 * 72 * 4 + 192 * 72 * 2);
+        assert_eq!(
+            c.smem as usize,
+            2 * 64 * 72 * 4 + 192 * 72 * 2 + TALL_STAGE_SMEM
+        );
         // its output projection's data gradient: three CTAs an SM; the QKV projection's
         // (K = 192) would leave room for one, so it takes the general kernels
         let p = plan_of(
@@ -1203,7 +1217,7 @@ mod tests {
             &[&[110_592, 64]],
         )
         .unwrap();
-        assert_eq!(p.calls[0].kernel, "gemm_tall_n64");
+        assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c");
         assert_eq!(p.calls[0].grid, [3 * SMS as u32, 1, 1]);
         let p = plan_of(
             &Op::LinearGradInput { relu_mask: false },
