@@ -42,7 +42,7 @@ pub struct ScheduleOptions {
 impl Default for ScheduleOptions {
     fn default() -> Self {
         ScheduleOptions {
-            side_streams: 4,
+            side_streams: 5,
             occupancy: false,
             device: DeviceModel::h200(),
             early_updates: false,
