@@ -327,11 +327,11 @@ const TALL_KERNELS: [(usize, usize, [&str; 2]); 4] = [
 /// Shared memory of the coalesced store: [16][40] f32 for each of the 8 warps.
 const TALL_STAGE_SMEM: usize = 8 * 16 * 40 * 4;
 
-/// `gemm_tall_n*` for a tall GEMM (batch 1, A not transposed, many rows, N ≤ 256 and
-/// K small enough for two CTAs an SM, each with two 64-row f32 blocks of A and all of
-/// op(B) in shared memory):
-/// persistent CTAs, op(B) staged once, the next block of A loading while this one is
-/// multiplied and stored (kernels-cuda/gemm.cu). `None` for every other GEMM.
+/// `gemm_tall_n*` for a tall GEMM (batch 1, A not transposed, many rows, N ≤ 256 and K
+/// small enough for two CTAs an SM, each with two 64-row f32 blocks of A and all of op(B)
+/// in shared memory): persistent CTAs, op(B) staged once, the next block of A loading
+/// while this one is multiplied and stored (kernels-cuda/gemm.cu). `None` for every
+/// other GEMM.
 fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     // ERASE_GEMM_TALL=0 leaves tall GEMMs to the other kernels (a way to compare them)
     if std::env::var("ERASE_GEMM_TALL").is_ok_and(|v| v == "0") {
@@ -353,9 +353,9 @@ fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     if smem > CTA_SMEM {
         return Ok(None);
     }
-    // two CTAs an SM at least: with one (AutoInt's data gradient, K = 192: 125 KB), the
-    // next block's loads no longer cover a block's stores, and the H200 measured it
-    // slower than the general kernels (63.3 against 50.3 µs)
+    // two CTAs an SM at least: with one (AutoInt's QKV data gradient, K = 192), the next
+    // block's loads no longer cover a block's stores, and the H200 measured it slower
+    // than the general kernels (63.3 against 50.3 µs; a deeper ring did not help)
     let per_sm = (SM_SMEM / (smem + 1024)).min(regs_per_sm);
     if per_sm < 2 {
         return Ok(None);
