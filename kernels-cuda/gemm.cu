@@ -511,7 +511,7 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
 
 // ---- tall GEMMs: many rows, the whole of N and K in one CTA -----------------------------
 //
-// `gemm_tall_n<NMAX>`: C[M, N] = A[M, K]·op(B) (+ bias)(ReLU)(mask), batch 1, A K-major
+// `gemm_tall_n<NMAX>[_c]`: C[M, N] = A[M, K]·op(B) (+ bias)(ReLU)(mask), batch 1, A K-major
 // (A[m·lda + k]), N ≤ NMAX, K small (the plan checks the shared memory). AutoInt's
 // projections are of this shape (110592 rows, N and K of 64 and 192): memory-bound, with
 // a CTA of the general kernels loading, multiplying and storing one tile at a time.
@@ -519,12 +519,14 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
 // 64-row blocks of A (CTA i takes blocks i, i + grid, ..): block j+1's f32 rows go in
 // flight through cp.async before block j is multiplied and stored, so the loads of the
 // next block overlap the mma and the stores of this one. A is read from DRAM once and
-// each of its elements rounded once per warp column (two warp columns).
+// each of its elements rounded once per warp column (two warp columns). The `_c` form
+// stores through shared memory (gemm_tall_store), the plain one from the fragments.
 //
 // 256 threads: 4 warps along M (16 rows each) x 2 along N (NMAX/2 columns each). Shared:
 // two A buffers of [64][Kp + 8] f32 (Kp = K rounded up to 32: fragment float2 reads
 // conflict-free, rounded to bf16 as they are read) and op(B) as bf16 [NMAX][Kp + 8]
-// (ldmatrix rows). Dynamic shared memory: 2·64·(Kp + 8)·4 + NMAX·(Kp + 8)·2 bytes.
+// (ldmatrix rows). Dynamic shared memory: 2·64·(Kp + 8)·4 + NMAX·(Kp + 8)·2 bytes, and
+// 8·16·40·4 more for `_c` (each warp's [16][40] f32 for the store).
 // Arguments: A, B, C, bias (read when flags & 1 or 8), M, N, K (i32), lda, ldb, ldc
 // (i64), tb (i32: B stored [N][K] when 1, [K][N] when 0), flags (1 bias, 2 ReLU, 8 the
 // ReLU gradient's mask read through `bias`, as gemm_bf16_*). Grid: x CTAs, any count.
