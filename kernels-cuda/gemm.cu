@@ -560,11 +560,32 @@ __device__ __forceinline__ void gemm_tall_stage(float* dst, int ld, const float*
     }
 }
 
+// Columns n .. n+3 of row m of C (m < M): the epilogue of gemm_epilogue (bias, ReLU, the
+// ReLU gradient's mask read through `bias`) on v, then one float4 store where `vec` (C and
+// ldc allow it) and all four columns lie before N, else scalar stores up to N.
+__device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* __restrict__ bias, int N,
+                                            long long ldc, int m, int n, float (&v)[4], int flags, bool vec) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
+        if (flags & 2) v[e] = fmaxf(v[e], 0.f);
+        if ((flags & 8) && n + e < N && !(__ldg(bias + static_cast<long long>(m) * ldc + n + e) > 0.f)) v[e] = 0.f;
+    }
+    float* crow = C + static_cast<long long>(m) * ldc;
+    if (vec && n + 3 < N) {
+        *reinterpret_cast<float4*>(crow + n) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (n + e < N) crow[n + e] = v[e];
+    }
+}
+
 // The coalesced store of a tall kernel's warp tile (rows row0 .. row0+15, columns col0 ..
 // col0 + 8·NI - 1 of C): 32 columns at a time through the warp's [16][40] f32 of shared
 // memory (the fragments' float2 writes hit banks 8g + 2t), then read back a float4 a
-// lane, 4 rows x 128 bytes an instruction, with the bias, ReLU and mask of
-// gemm_epilogue. The direct epilogue writes 8 rows x 32 bytes an instruction.
+// lane, 4 rows x 128 bytes an instruction (gemm_store4). The direct epilogue writes 8
+// rows x 32 bytes an instruction.
 template <int NI>
 __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], float* stage, float* __restrict__ C,
                                                 const float* __restrict__ bias, int M, int N, long long ldc,
@@ -589,21 +610,7 @@ __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], fl
             const int m = row0 + r, n = col0 + c * 32 + q;
             if (m >= M) continue;
             float v[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
-                if (flags & 2) v[e] = fmaxf(v[e], 0.f);
-                if ((flags & 8) && n + e < N && !(__ldg(bias + static_cast<long long>(m) * ldc + n + e) > 0.f))
-                    v[e] = 0.f;
-            }
-            float* crow = C + static_cast<long long>(m) * ldc;
-            if (vec && n + 3 < N) {
-                *reinterpret_cast<float4*>(crow + n) = make_float4(v[0], v[1], v[2], v[3]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (n + e < N) crow[n + e] = v[e];
-            }
+            gemm_store4(C, bias, N, ldc, m, n, v, flags, vec);
         }
         __syncwarp();
     }
@@ -779,10 +786,10 @@ __device__ __forceinline__ void gemm_wgmma_hold(float (&d)[N]) {
 // (cluster dims (1, 1, S), batch 1). Each CTA writes its f32 partial tile to its own
 // shared memory (the ring is free by then), the cluster waits for all of them, and CTA
 // rank r sums rows [r·BM/S, (r+1)·BM/S) of the S partials in rank (= split) order
-// through distributed shared memory, applies the epilogue (bias, ReLU, mask, as
-// gemm_epilogue) and stores them a float4 at a time. The same sum order every run, no
-// partials in global memory and no reduction launch. A second cluster barrier keeps
-// every CTA's shared memory alive until the others have read it.
+// through distributed shared memory, applies the epilogue and stores them a float4 at a
+// time (gemm_store4). The same sum order every run, no partials in global memory and no
+// reduction launch. A second cluster barrier keeps every CTA's shared memory alive until
+// the others have read it.
 __device__ __forceinline__ void gemm_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -828,20 +835,7 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
         }
         const int m = m0 + r, n = n0 + c;
         if (m >= M) continue;
-        float* crow = C + static_cast<long long>(m) * ldc;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
-            if (flags & 2) v[e] = fmaxf(v[e], 0.f);
-            if ((flags & 8) && n + e < N && !(__ldg(bias + static_cast<long long>(m) * ldc + n + e) > 0.f)) v[e] = 0.f;
-        }
-        if (vec && n + 3 < N) {
-            *reinterpret_cast<float4*>(crow + n) = make_float4(v[0], v[1], v[2], v[3]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (n + e < N) crow[n + e] = v[e];
-        }
+        gemm_store4(C, bias, N, ldc, m, n, v, flags, vec);
     }
     gemm_cluster_sync();
 }
