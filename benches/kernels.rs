@@ -124,6 +124,24 @@ impl Bench<'_> {
             bytes: 4.0 * (m * k + n * k + m * n) as f64,
             torch: format!("{{\"op\":\"gemm\",\"kind\":\"{kind}\",\"m\":{m},\"n\":{n},\"k\":{k}}}"),
         });
+        // a plan of several launches: each one's time beside the whole (where it goes)
+        let i: Vec<(&Shape, &Buffer)> = ins.iter().map(|(s, b)| (s, b)).collect();
+        match self.dev.time_node_calls(&op, &i, &outs, 3, self.iters) {
+            Ok(calls) if calls.len() > 1 => {
+                for (kernel, ms) in calls {
+                    self.rows.push(Row {
+                        name: format!("  {kind} {m}x{n}x{k}: pass {kernel}"),
+                        kind: "gemm",
+                        ms,
+                        flops: 0.0,
+                        bytes: 0.0,
+                        torch: "{\"op\":\"none\"}".into(),
+                    });
+                }
+            }
+            Ok(_) => {}
+            Err(e) => eprintln!("gemm {kind} passes: {e}"),
+        }
     }
 
     /// The pipelined GEMM's passes at n³ timed one by one: the wgmma kernel alone is a
