@@ -1035,12 +1035,19 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
         bits(&again[0]),
         "pipelined linear_grad_weight: two runs differ"
     );
-    // batched, every transpose
-    let (batch, m, n, k) = (2, 700, 600, 1300);
-    for (i, (ta, tb)) in [(false, false), (false, true), (true, false), (true, true)]
+    // every transpose, batched (the two-launch path) and at batch 1 (the converting
+    // wgmma kernels on sm_90a: both operand layouts read straight from f32, ragged edges)
+    for (i, (batch, ta, tb)) in [false, true]
         .into_iter()
+        .flat_map(|ta| [false, true].map(|tb| (ta, tb)))
+        .flat_map(|(ta, tb)| [(2, ta, tb), (1, ta, tb)])
         .enumerate()
     {
+        let (m, n, k) = if batch == 1 {
+            (1001, 901, 1403)
+        } else {
+            (700, 600, 1300)
+        };
         let seed = 670 + 10 * i as u64;
         let ashape = if ta { [batch, k, m] } else { [batch, m, k] };
         let bshape = if tb { [batch, n, k] } else { [batch, k, n] };
