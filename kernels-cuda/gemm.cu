@@ -794,32 +794,28 @@ __device__ __forceinline__ void gemm_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// THREADS threads take part; warps from FIRST on hold the fragments (two warpgroups of
-// 64 rows), the others (a producer warpgroup) only help with the sums.
-template <int BN, int S, int THREADS = 256, int FIRST = 0>
+template <int BN, int S>
 __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
                                                       const float* __restrict__ bias, int M, int N, long long ldc,
                                                       int m0, int n0, int flags, uint32_t base,
                                                       unsigned char* smem) {
     constexpr int BM = 128, LDT = BN + 4, RP = BM / S, C4 = BN / 4;
-    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) - FIRST, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     // [BM][BN + 4] f32: the fragments' float2 writes (row g, column 2t) hit banks 4g + 2t
     float* T = reinterpret_cast<float*>(smem + (base - gemm_smem_addr(smem)));
     __syncthreads();  // every warpgroup is past its last wgmma: the ring is free
-    if (warp >= 0) {
-        const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + g;
+    const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + g;
 #pragma unroll
-        for (int ni = 0; ni < BN / 8; ++ni) {
-            const int c = ni * 8 + 2 * t;
-            *reinterpret_cast<float2*>(T + r0 * LDT + c) = make_float2(acc[0][ni][0], acc[0][ni][1]);
-            *reinterpret_cast<float2*>(T + (r0 + 8) * LDT + c) = make_float2(acc[0][ni][2], acc[0][ni][3]);
-        }
+    for (int ni = 0; ni < BN / 8; ++ni) {
+        const int c = ni * 8 + 2 * t;
+        *reinterpret_cast<float2*>(T + r0 * LDT + c) = make_float2(acc[0][ni][0], acc[0][ni][1]);
+        *reinterpret_cast<float2*>(T + (r0 + 8) * LDT + c) = make_float2(acc[0][ni][2], acc[0][ni][3]);
     }
     gemm_cluster_sync();
     uint32_t rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
     const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
-    for (int id = tid; id < RP * C4; id += THREADS) {
+    for (int id = tid; id < RP * C4; id += 256) {
         const int r = static_cast<int>(rank) * RP + id / C4, c = (id % C4) * 4;
         const uint32_t local = base + static_cast<uint32_t>(r * LDT + c) * 4u;
         float v[4] = {0.f, 0.f, 0.f, 0.f};
@@ -926,202 +922,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
     gemm_epilogue<1, BN / 8>(acc, C, bias, M, N, ldc, m0 + wg * 64 + (warp & 3) * 16, n0, lane, flags);
 }
 
-
-// ---- the converting wgmma GEMM (sm_90a): f32 operands, no rounding pass ----------------
-//
-// gemm_ws_<layout>[_k<S>]: C = op(A)·op(B) (+ bias)(ReLU)(mask), batch 1, A and B f32 in
-// any layout, 128x128 tiles. A CTA is three warpgroups: warpgroup 0 loads the f32 tiles
-// of A and B (128 x 64 each) into registers, rounds them to bf16 (round to nearest even,
-// the same products as the rounding pass of the pipelined path) and stores them K-major
-// with the 128-byte swizzle into a ring of STAGES shared stages; warpgroups 1 and 2 (64
-// rows each) multiply each stage with four m64n128k16 wgmma and keep one stage's wgmma
-// in flight while they wait for the next. Two mbarriers a stage: `full` (the producer's
-// 128 threads arrive after their stores and a proxy fence, so wgmma's async-proxy reads
-// see them) and `empty` (the consumers' 256 threads arrive once the stage's wgmma is
-// complete). While one tile's registers are stored the other operand's next tile is in
-// flight, so 32-64 KB of loads are outstanding an SM. An operand stored K-major is read
-// a float4 a lane (two rows of 256 bytes a warp) and stored 8 bytes a lane; one stored
-// [K][rows] is read one float a lane along its rows (128 bytes a warp) and stored 16
-// bytes a lane, each thread holding one row's 64 k. Split-K (S > 1) sums the splits
-// inside a cluster of S CTAs (gemm_cluster_epilogue); flags & 4 (A stored [K][M]) also
-// writes the sums of op(A)'s rows over the split's K to asum[split·M + m] (from the f32
-// values, k ascending), from the CTAs of the first column of tiles.
-
-__device__ __forceinline__ void gemm_mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void gemm_mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void gemm_mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-
-// One operand's 128 x 64 f32 tile in a producer thread's registers. KM: stored K-major
-// (element (r, k) at P[r·ld + k]), else [K][rows] (at P[k·ld + r]).
-template <bool KM>
-struct GemmWsTile {
-    float v[64];
-
-    // Whole tiles (every row before `rows`, every k before `k_end`, and for KM 16-byte
-    // aligned rows) load without guards; edge tiles load a float at a time, zero outside.
-    __device__ __forceinline__ void load(const float* __restrict__ P, long long ld, int r0, int rows, int k0,
-                                         int k_end, bool vec, int ptid) {
-        if (KM) {
-            // thread rows r0 + ptid/16 + 8i, columns k0 + 4·(ptid % 16) .. + 3
-            const int rr = r0 + (ptid >> 4), kk = k0 + (ptid & 15) * 4;
-            const float* p = P + static_cast<long long>(rr < rows ? rr : 0) * ld + (kk < k_end ? kk : 0);
-            const long long step = 8 * ld;
-            if (vec && r0 + 128 <= rows && k0 + 64 <= k_end) {
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    const float4 x = __ldg(reinterpret_cast<const float4*>(p + i * step));
-                    v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
-                }
-            } else {
-                p = P;
-#pragma unroll
-                for (int i = 0; i < 16; ++i)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int r = rr + 8 * i, k = kk + e;
-                        v[4 * i + e] = (r < rows && k < k_end) ? __ldg(p + static_cast<long long>(r) * ld + k) : 0.f;
-                    }
-            }
-        } else {
-            // thread row r0 + ptid, columns k0 .. k0 + 63
-            const int r = r0 + ptid;
-            const float* p = P + static_cast<long long>(k0) * ld + (r < rows ? r : 0);
-            const int kn = r < rows ? k_end - k0 : 0;  // the k this thread may read
-            if (kn >= 64) {
-#pragma unroll
-                for (int j = 0; j < 64; ++j, p += ld) v[j] = __ldg(p);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 64; ++j, p += ld) v[j] = j < kn ? __ldg(p) : 0.f;
-            }
-        }
-    }
-
-    // bf16 into the stage's [128][64] K-major rows at sbase (128-byte swizzle)
-    __device__ __forceinline__ void store(uint32_t sbase, int ptid) const {
-        if (KM) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int id = ptid + i * 128, r = id >> 4, q = id & 15;
-                const uint32_t a = sbase + r * 128 + (((q >> 1) ^ (r & 7)) << 4) + (q & 1) * 8;
-                asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(a),
-                             "r"(gemm_pack_bf16(v[4 * i], v[4 * i + 1])), "r"(gemm_pack_bf16(v[4 * i + 2], v[4 * i + 3]))
-                             : "memory");
-            }
-        } else {
-            const int r = ptid;
-#pragma unroll
-            for (int c = 0; c < 8; ++c) {
-                const uint32_t a = sbase + r * 128 + ((c ^ (r & 7)) << 4);
-                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a),
-                             "r"(gemm_pack_bf16(v[8 * c], v[8 * c + 1])), "r"(gemm_pack_bf16(v[8 * c + 2], v[8 * c + 3])),
-                             "r"(gemm_pack_bf16(v[8 * c + 4], v[8 * c + 5])), "r"(gemm_pack_bf16(v[8 * c + 6], v[8 * c + 7]))
-                             : "memory");
-            }
-        }
-    }
-};
-
-template <bool TA, bool TB, int S>
-__device__ __forceinline__ void gemm_ws_body(const float* __restrict__ A, const float* __restrict__ B,
-                                             float* __restrict__ C, const float* __restrict__ bias, int M, int N,
-                                             int K, long long lda, long long ldb, long long ldc, int k_split,
-                                             int flags, float* __restrict__ asum) {
-    constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4, A_BYTES = BM * BK * 2, STAGE = (BM + BN) * BK * 2;
-    extern __shared__ __align__(16) unsigned char gemm_smem[];
-    const uint32_t base = (gemm_smem_addr(gemm_smem) + 1023u) & ~1023u;
-    const uint32_t full = base + STAGES * STAGE, empty = full + STAGES * 8;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int split = S > 1 ? static_cast<int>(blockIdx.z) : 0;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-    const long long kb = static_cast<long long>(split) * k_split;
-    const int k_begin = static_cast<int>(kb < K ? kb : K);
-    const int k_end = k_begin + k_split < K ? k_begin + k_split : K;
-    const int nk = (k_end - k_begin + BK - 1) / BK;
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            gemm_mbar_init(full + 8 * s, 128);
-            gemm_mbar_init(empty + 8 * s, 256);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
-    if (warp < 4) {
-        // the producer warpgroup
-        const bool vec_a = gemm_vec_ok(A, lda), vec_b = gemm_vec_ok(B, ldb);
-        const bool sums = TA && (flags & 4);
-        GemmWsTile<!TA> ta;
-        GemmWsTile<TB> tb;
-        float rs = 0.f;
-        if (nk > 0) {
-            ta.load(A, lda, m0, M, k_begin, k_end, vec_a, tid);
-            tb.load(B, ldb, n0, N, k_begin, k_end, vec_b, tid);
-        }
-        for (int kt = 0; kt < nk; ++kt) {
-            const int s = kt % STAGES;
-            if (kt >= STAGES) gemm_mbar_wait(empty + 8 * s, ((kt / STAGES) - 1) & 1);
-            const uint32_t sa = base + s * STAGE;
-            ta.store(sa, tid);
-            if (sums) {
-#pragma unroll
-                for (int j = 0; j < 64; ++j) rs += ta.v[j];
-            }
-            const int kn = k_begin + (kt + 1) * BK;
-            if (kt + 1 < nk) ta.load(A, lda, m0, M, kn, k_end, vec_a, tid);
-            tb.store(sa + A_BYTES, tid);
-            if (kt + 1 < nk) tb.load(B, ldb, n0, N, kn, k_end, vec_b, tid);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            gemm_mbar_arrive(full + 8 * s);
-        }
-        if (sums && blockIdx.y == 0 && m0 + tid < M) asum[static_cast<long long>(split) * M + m0 + tid] = rs;
-        if constexpr (S > 1) {
-            // no fragments here (the epilogue skips them for warps before 4): help sum
-            float none[1][BN / 8][4];
-            gemm_cluster_epilogue<BN, S, 384, 4>(none, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem);
-        }
-    } else {
-        // the consumer warpgroups: rows 64·(wg - 1) .. of the tile
-        const int wg = (warp >> 2) - 1;
-        float acc[1][BN / 8][4];
-        float(&d)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(acc);
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-        for (int kt = 0; kt < nk; ++kt) {
-            const int s = kt % STAGES;
-            gemm_mbar_wait(full + 8 * s, (kt / STAGES) & 1);
-            const uint32_t sa = base + s * STAGE + wg * 64 * 128, sb = base + s * STAGE + A_BYTES;
-            gemm_wgmma_hold(d);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk)
-                gemm_wgmma_n128(d, gemm_wgmma_desc(sa + kk * 32), gemm_wgmma_desc(sb + kk * 32));
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            gemm_wgmma_hold(d);
-            // the previous stage's wgmma are complete: the producer may refill it
-            if (kt > 0) gemm_mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
-        }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        gemm_wgmma_hold(d);
-        if constexpr (S == 1)
-            gemm_epilogue<1, BN / 8>(acc, C, bias, M, N, ldc, m0 + wg * 64 + (warp & 3) * 16, n0, lane, flags);
-        else gemm_cluster_epilogue<BN, S, 384, 4>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem);
-    }
-}
-
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace
@@ -1222,36 +1022,6 @@ ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p_128x128(ERASE_GEMM_PIPE_A
 ERASE_GEMM_CLUSTER_KERNEL(2)
 ERASE_GEMM_CLUSTER_KERNEL(4)
 ERASE_GEMM_CLUSTER_KERNEL(8)
-
-// The converting wgmma GEMM (gemm_ws_body), arguments in order:
-//   A, B, C (f32), bias (read when flags & 1 or 8), M, N, K (i32), lda, ldb, ldc (i64),
-//   k_split (i32, a multiple of 64), flags (i32: 1 bias, 2 relu, 4 row sums of a
-//   transposed A into asum, 8 the ReLU gradient's mask read through `bias`), asum.
-// Grid (ceil(M/128), ceil(N/128), S), block 384, cluster (1, 1, S) for the _k<S> forms,
-// dynamic shared memory 4·32768 + 1024 + 64 bytes. sm_90a only: the plans choose these
-// kernels only where the sm_90a PTX is loaded; the sm_80 form traps.
-#define ERASE_GEMM_WS_ARGS                                                                          \
-    const float *__restrict__ A, const float *__restrict__ B, float *__restrict__ C,                \
-        const float *__restrict__ bias, int M, int N, int K, long long lda, long long ldb, long long ldc, \
-        int k_split, int flags, float *__restrict__ asum
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ERASE_GEMM_WS_KERNEL(NAME, TA, TB, S, CLUSTER)                                               \
-    ERASE_KERNEL void CLUSTER __launch_bounds__(384, 1) NAME(ERASE_GEMM_WS_ARGS) {                  \
-        gemm_ws_body<TA, TB, S>(A, B, C, bias, M, N, K, lda, ldb, ldc, k_split, flags, asum);        \
-    }
-#else
-#define ERASE_GEMM_WS_KERNEL(NAME, TA, TB, S, CLUSTER)                                               \
-    ERASE_KERNEL void __launch_bounds__(384, 1) NAME(ERASE_GEMM_WS_ARGS) { asm volatile("trap;"); }
-#endif
-#define ERASE_GEMM_WS_LAYOUT(LAYOUT, TA, TB)                                                          \
-    ERASE_GEMM_WS_KERNEL(gemm_ws_##LAYOUT, TA, TB, 1, )                                             \
-    ERASE_GEMM_WS_KERNEL(gemm_ws_##LAYOUT##_k2, TA, TB, 2, __cluster_dims__(1, 1, 2))                \
-    ERASE_GEMM_WS_KERNEL(gemm_ws_##LAYOUT##_k4, TA, TB, 4, __cluster_dims__(1, 1, 4))                \
-    ERASE_GEMM_WS_KERNEL(gemm_ws_##LAYOUT##_k8, TA, TB, 8, __cluster_dims__(1, 1, 8))
-ERASE_GEMM_WS_LAYOUT(nn, false, false)
-ERASE_GEMM_WS_LAYOUT(nt, false, true)
-ERASE_GEMM_WS_LAYOUT(tn, true, false)
-ERASE_GEMM_WS_LAYOUT(tt, true, true)
 
 ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p_128x256(ERASE_GEMM_PIPE_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -303,8 +303,6 @@ impl CudaDevice {
                 )))
             }
         };
-        // the plans made from here on use the sm_90a-only kernels only on that build
-        erase_ops::cuda::set_wgmma(target == PtxTarget::Sm90a);
         let mut dev = CudaDevice {
             ctx,
             modules: Vec::new(),

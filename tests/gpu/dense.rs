@@ -1035,8 +1035,8 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
         bits(&again[0]),
         "pipelined linear_grad_weight: two runs differ"
     );
-    // every transpose, batched (the two-launch path) and at batch 1 (the converting
-    // wgmma kernels on sm_90a: both operand layouts read straight from f32, ragged edges)
+    // every transpose, batched (split-K partials and the reduction launch) and at batch 1
+    // (64 tiles: two splits summed inside a cluster on sm_90a), ragged M, N and K
     for (i, (batch, ta, tb)) in [false, true]
         .into_iter()
         .flat_map(|ta| [false, true].map(|tb| (ta, tb)))

@@ -39,22 +39,6 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_bf16p_128x128_k2",
     "gemm_bf16p_128x128_k4",
     "gemm_bf16p_128x128_k8",
-    "gemm_ws_nn",
-    "gemm_ws_nn_k2",
-    "gemm_ws_nn_k4",
-    "gemm_ws_nn_k8",
-    "gemm_ws_nt",
-    "gemm_ws_nt_k2",
-    "gemm_ws_nt_k4",
-    "gemm_ws_nt_k8",
-    "gemm_ws_tn",
-    "gemm_ws_tn_k2",
-    "gemm_ws_tn_k4",
-    "gemm_ws_tn_k8",
-    "gemm_ws_tt",
-    "gemm_ws_tt_k2",
-    "gemm_ws_tt_k4",
-    "gemm_ws_tt_k8",
     "gemm_tall_n64",
     "gemm_tall_n128",
     "gemm_tall_n192",
@@ -219,9 +203,6 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         return Ok(CudaPlan::default());
     }
     if let Some(plan) = gemm_tall(&g)? {
-        return Ok(plan);
-    }
-    if let Some(plan) = gemm_ws(&g)? {
         return Ok(plan);
     }
     if let Some(t) = pipe_tile(&g) {
@@ -628,105 +609,6 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         calls.push(super::misc::colsum_final_call(part, out, slices, m));
     }
     Ok(CudaPlan { calls, scratch })
-}
-
-/// Dynamic shared memory of `gemm_ws_*`: four stages of 128x64 bf16 tiles of A and B,
-/// 1 KB to align the ring to 1024 bytes, and the stages' eight mbarriers.
-const WS_SMEM: usize = 4 * 2 * 128 * 64 * 2 + 1024 + 64;
-
-/// The converting wgmma GEMM (`gemm_ws_<layout>[_k<S>]`, kernels-cuda/gemm.cu) for a GEMM
-/// of the pipelined path's size at batch 1 on sm_90a: f32 operands in any layout, rounded
-/// to bf16 by a producer warpgroup inside the kernel (no rounding launch, no bf16
-/// scratch), one CTA an SM, split-K over a cluster of 2, 4 or 8 CTAs when the tiles
-/// leave SMs idle. `ERASE_GEMM_WS=0` keeps the two-launch pipelined path (a way to
-/// compare). `None` for every other GEMM.
-fn gemm_ws(g: &Gemm) -> Result<Option<CudaPlan>, String> {
-    if std::env::var("ERASE_GEMM_WS").is_ok_and(|v| v == "0") || !super::wgmma() || g.batch != 1 {
-        return Ok(None);
-    }
-    if pipe_tile(g).is_none() {
-        return Ok(None);
-    }
-    let Gemm { m, n, k, .. } = *g;
-    let (mi, ni, ki) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(k, "K")?);
-    let tiles = m.div_ceil(128) * n.div_ceil(128);
-    let kp = k.next_multiple_of(64);
-    // splits while they fit one wave of one CTA an SM, at least 512 k each, as a cluster
-    // size (rounded down: a second wave costs more than an idle SM)
-    let want = (SMS / tiles).min(kp / PIPE_MIN_K_PER_SPLIT);
-    // Only split GEMMs (at most half a wave of tiles, K long enough for two splits): a
-    // producer warpgroup keeps one k step of f32 loads in flight, so a CTA's k step takes
-    // about a memory round trip (1.5-2 µs), and GEMMs of many tiles or few splits ran 1.2-3x
-    // slower than the two-launch path on an H200; the split ones 10-25 % faster
-    // (BENCHMARKS.md). `ERASE_GEMM_WS=all` takes every GEMM of the pipelined path.
-    let all = std::env::var("ERASE_GEMM_WS").is_ok_and(|v| v == "all");
-    if want < 2 && !all {
-        return Ok(None);
-    }
-    let (s, suffix) = match want {
-        0 | 1 => (1, ""),
-        2 | 3 => (2, "_k2"),
-        4..=7 => (4, "_k4"),
-        _ => (8, "_k8"),
-    };
-    let k_split = kp.div_ceil(s).next_multiple_of(64);
-    let kernel = match (g.ta, g.tb, suffix) {
-        (false, false, "") => "gemm_ws_nn",
-        (false, false, "_k2") => "gemm_ws_nn_k2",
-        (false, false, "_k4") => "gemm_ws_nn_k4",
-        (false, false, _) => "gemm_ws_nn_k8",
-        (false, true, "") => "gemm_ws_nt",
-        (false, true, "_k2") => "gemm_ws_nt_k2",
-        (false, true, "_k4") => "gemm_ws_nt_k4",
-        (false, true, _) => "gemm_ws_nt_k8",
-        (true, false, "") => "gemm_ws_tn",
-        (true, false, "_k2") => "gemm_ws_tn_k2",
-        (true, false, "_k4") => "gemm_ws_tn_k4",
-        (true, false, _) => "gemm_ws_tn_k8",
-        (true, true, "") => "gemm_ws_tt",
-        (true, true, "_k2") => "gemm_ws_tt_k2",
-        (true, true, "_k4") => "gemm_ws_tt_k4",
-        (true, true, _) => "gemm_ws_tt_k8",
-    };
-    if g.a_row_sums.is_some() && !g.ta {
-        return Err("row sums of op(A) need a transposed A of batch 1".into());
-    }
-    // op(A)'s row sums: straight to their output with one split, else one partial a
-    // split (scratch 0), summed in split order after the GEMM
-    let mut scratch = vec![];
-    let sums_at = match g.a_row_sums {
-        Some(out) if s == 1 => out,
-        Some(_) => {
-            scratch.push(s * m * 4);
-            KArg::Scratch(0)
-        }
-        None => g.a,
-    };
-    let mut calls = vec![KernelCall {
-        kernel,
-        grid: [blocks(m, 128), blocks(n, 128), s as u32],
-        block: [384, 1, 1],
-        smem: WS_SMEM as u32,
-        args: vec![
-            g.a,
-            g.b,
-            KArg::Out(0),
-            g.bias_arg(),
-            KArg::I32(mi),
-            KArg::I32(ni),
-            KArg::I32(ki),
-            i64_of(g.lda),
-            i64_of(g.ldb),
-            i64_of(n),
-            KArg::I32(k_split as i32),
-            KArg::I32(g.flags() | g.sums_flag()),
-            sums_at,
-        ],
-    }];
-    if let (Some(out), true) = (g.a_row_sums, s > 1) {
-        calls.push(super::misc::colsum_final_call(KArg::Scratch(0), out, s, m));
-    }
-    Ok(Some(CudaPlan { calls, scratch }))
 }
 
 /// The cluster form of a split pipelined GEMM, `(CTAs a cluster, kernel)`: for the
@@ -1386,8 +1268,7 @@ mod tests {
         assert_eq!(p.calls[1].args[12], KArg::I32(2048));
         assert_eq!(p.calls[1].args[13], KArg::I64(0));
         assert_eq!(p.scratch.len(), 2);
-        // half a wave of tiles or less (the cross block's U forward: 64 tiles, two
-        // splits): the converting kernel, one launch, no scratch, a cluster of two
+        // three splits are taken as a cluster of four (the cross block's U forward)
         let p = plan_of(
             &Op::Linear {
                 bias: true,
@@ -1397,28 +1278,8 @@ mod tests {
             &[&[4096, 256]],
         )
         .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        let c = &p.calls[0];
-        assert_eq!(c.kernel, "gemm_ws_nt_k2");
-        assert_eq!(
-            (c.grid, c.block, c.smem),
-            ([32, 2, 2], [384, 1, 1], WS_SMEM as u32)
-        );
-        assert_eq!(c.args[10], KArg::I32(896)); // 1728 = 896 + 832
-        assert!(p.scratch.is_empty());
-        // its weight gradient with the bias gradient: four splits, dy's column sums one
-        // partial a split (scratch 0), added by colsum_final
-        let p = plan_of(
-            &Op::LinearGradWeight { bias: true },
-            &[&[4096, 256], &[4096, 1728]],
-            &[&[256, 1728], &[256]],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names, ["gemm_ws_tn_k4", "colsum_final"]);
-        assert_eq!(p.calls[0].args[11], KArg::I32(4));
-        assert_eq!(p.calls[0].args[12], KArg::Scratch(0));
-        assert_eq!(p.scratch, vec![4 * 256 * 4]);
+        assert_eq!(p.calls[1].kernel, "gemm_bf16p_128x128_k4");
+        assert_eq!(p.calls[1].grid, [32, 2, 4]);
         // a batched GEMM keeps the partials and the fixed-order reduction
         let p = plan_of(
             &Op::MatMul {

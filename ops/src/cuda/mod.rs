@@ -9,7 +9,6 @@ mod dense;
 mod misc;
 
 use erase_graph::{DType, Op, Shape};
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// One argument of a kernel launch.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -83,21 +82,6 @@ pub fn cuda_plan(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         return p;
     }
     Err(format!("{}: no CUDA kernel yet", op.name()))
-}
-
-/// Whether the loaded kernels are the sm_90a build (wgmma, clusters, mbarriers): set by
-/// the runtime when it loads a device's kernels; true until then (the simulator and the
-/// plan tests plan for the H200).
-static WGMMA: AtomicBool = AtomicBool::new(true);
-
-/// Tells the plans whether the device runs the sm_90a kernels (`false` for the sm_80
-/// build, whose plans avoid the kernels that exist only on sm_90a).
-pub fn set_wgmma(on: bool) {
-    WGMMA.store(on, Ordering::Relaxed);
-}
-
-pub(crate) fn wgmma() -> bool {
-    WGMMA.load(Ordering::Relaxed)
 }
 
 /// Every kernel name any plan uses; a test checks each against the embedded PTX.
