@@ -531,7 +531,10 @@ fn pairwise_dot_matches_cpu() {
     };
     let mut seed = 5000;
     // (B, F, D): the DLRM shape, odd ones, F = 1 (no pairs), and one too big for shared
-    // memory (100·131·4 bytes > 48 KB: the _gmem kernels)
+    // memory (100·131·4 bytes > 48 KB: the _gmem kernels). Batches larger than the grid,
+    // so that a CTA walks several examples: the spec's batch (the next example's e and
+    // pair gradients loaded while one is computed), D = 33 (no float4: staged a float at a
+    // time), F = 40 and 50 (G larger than the gradient's prefetch; 1225 pairs, two a thread)
     for (b, f, d) in [
         (1usize, 2usize, 1usize),
         (3, 27, 64),
@@ -539,6 +542,10 @@ fn pairwise_dot_matches_cpu() {
         (2, 1, 8),
         (2, 100, 130),
         (513, 27, 64),
+        (4096, 27, 64),
+        (5000, 7, 33),
+        (3000, 40, 8),
+        (700, 50, 16),
     ] {
         seed += 2;
         let e = rand_arg(&[b, f, d], seed);

@@ -966,7 +966,12 @@ fn pairwise_dot(op: &Op, o: &Operands, grad: bool) -> Result<CudaPlan, String> {
         return Ok(plan_of(vec![], vec![]));
     }
     let ld = d | 1;
-    let smem = (f * ld + if grad { f * f } else { 0 }) * 4;
+    // the gradient's G [F][F rounded up to 4] after e, at a 16-byte aligned offset
+    let smem = if grad {
+        ((f * ld).next_multiple_of(4) + f * f.next_multiple_of(4)) * 4
+    } else {
+        f * ld * 4
+    };
     let fits = smem <= SMEM_DEFAULT;
     let kernel = match (grad, fits) {
         (false, true) => "pairwise_dot_fwd",
@@ -985,8 +990,17 @@ fn pairwise_dot(op: &Op, o: &Operands, grad: bool) -> Result<CudaPlan, String> {
         I32(i32_of(f, "fields")?),
         I32(i32_of(d, "dim")?),
     ]);
-    let grid = b.min(1 << 20) as u32;
-    let threads = if grad { 256 } else { 128 };
+    // the shared-memory kernels: a thread a pair (fwd) or a column of 9 rows of de (bwd),
+    // and as many CTAs as an H200's 132 SMs hold at once (2048 threads an SM), each walking
+    // several examples with the next one's loads in flight; the gmem forms, a CTA an example
+    let (grid, threads) = if fits {
+        let work = if grad { f.div_ceil(9) * d } else { pairs };
+        let threads = work.next_multiple_of(32).clamp(64, 1024);
+        (b.min(132 * (2048 / threads)), threads)
+    } else {
+        (b.min(1 << 20), if grad { 256 } else { 128 })
+    };
+    let (grid, threads) = (grid as u32, threads as u32);
     Ok(plan_of(
         vec![kc(
             kernel,
