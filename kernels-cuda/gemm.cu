@@ -1158,12 +1158,35 @@ ERASE_KERNEL void __launch_bounds__(256)
 // 4, as the plan arranges, else 4 scalar loads) and sums splits y, y+Y, y+2Y, .. of them
 // in that order; then thread (x, 0) adds the Y lane sums in lane order: a fixed order for
 // a given split count and Y (deterministic), Y float4 loads in flight per element group.
-// Grid ceil(count / 128).
+// Grid ceil(count / 128) + ceil(rs_n / 32).
+//
+// The CTAs past ceil(count / 128) add a weight gradient's bias-gradient partials in the
+// same launch (rs_slices > 0; one launch fewer than colsum_final after the reduction):
+// rs_out[j] = Σ_{s < rs_slices} rs_part[s·rs_n + j], thread (x, y) of CTA b taking column
+// j = 32·b + x and slices y, y+Y, .. in order, then thread (x, 0) adding the Y sums in
+// lane order.
 ERASE_KERNEL void __launch_bounds__(1024)
     gemm_splitk_reduce(const float* __restrict__ part, const float* __restrict__ bias, float* __restrict__ C,
-                       long long count, int N, int splits, long long split_stride, int flags) {
+                       long long count, int N, int splits, long long split_stride, int flags,
+                       const float* __restrict__ rs_part, float* __restrict__ rs_out, int rs_slices,
+                       long long rs_n) {
     __shared__ float4 lanes[1024];
     const int ny = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+    const long long c_blocks = (count + 127) / 128;
+    if (blockIdx.x >= c_blocks) {
+        const long long j = (blockIdx.x - c_blocks) * 32 + tx;
+        float t = 0.f;
+        if (j < rs_n)
+            for (int sl = ty; sl < rs_slices; sl += ny) t += __ldg(rs_part + sl * rs_n + j);
+        lanes[ty * 32 + tx].x = t;
+        __syncthreads();
+        if (ty == 0 && j < rs_n) {
+            float r = lanes[tx].x;
+            for (int y = 1; y < ny; ++y) r += lanes[y * 32 + tx].x;
+            rs_out[j] = r;
+        }
+        return;
+    }
     const long long i0 = (static_cast<long long>(blockIdx.x) * 32 + tx) * 4;
     const bool vec = (count & 3) == 0 && (split_stride & 3) == 0;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -83,12 +83,18 @@ fn the_masked_input_gradient_flags_its_epilogue_and_checks_the_mask() {
         p.calls
             .iter()
             .filter(|c| c.kernel.starts_with("gemm_bf16") || c.kernel == "gemm_splitk_reduce")
-            .map(
-                |c| match c.args.iter().rev().find(|a| matches!(a, KArg::I32(_))) {
+            .map(|c| {
+                // the reduction's flags are its 8th argument (its row-sum arguments follow)
+                let flags = if c.kernel == "gemm_splitk_reduce" {
+                    c.args.get(7)
+                } else {
+                    c.args.iter().rev().find(|a| matches!(a, KArg::I32(_)))
+                };
+                match flags {
                     Some(KArg::I32(f)) => *f,
                     _ => -1,
-                },
-            )
+                }
+            })
             .collect()
     };
     // (rows, N, K) of dx[rows, K] = dy[rows, N]·w[N, K]: a single launch, split K, and
@@ -140,9 +146,19 @@ fn the_single_launch_weight_gradient_sums_the_bias_gradient_itself() {
             !ks.contains(&"sum_to_shape_partial"),
             "{rows}x{n}x{k}: {ks:?}"
         );
-        // one split writes db directly; more add their partials in split order
+        // one split writes db directly; more add their partials in split order, in the
+        // launch that reduces dw's partials (no launch of their own)
         let splits = p.calls[0].grid[2];
-        assert_eq!(ks.contains(&"colsum_final"), splits > 1, "{ks:?}");
+        assert!(!ks.contains(&"colsum_final"), "{ks:?}");
+        if splits > 1 {
+            assert_eq!(ks, ["gemm_bf16_tn_64x64", "gemm_splitk_reduce"]);
+            let r = &p.calls[1];
+            assert_eq!(r.args[9], KArg::Out(1), "db from the reduction");
+            assert_eq!(r.args[10], KArg::I32(splits as i32));
+            assert_eq!(r.args[11], KArg::I64(n as i64));
+            let c_blocks = (n * k).div_ceil(128) as u32;
+            assert_eq!(r.grid[0], c_blocks + n.div_ceil(32) as u32);
+        }
     }
     // no input features: no GEMM launch to sum in, db still written by SumToShape
     let p = plan(

@@ -285,8 +285,14 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
             scratch: vec![],
         });
     }
-    let reduce = reduce_call(&g, KArg::Scratch(0), splits);
-    let mut calls = vec![
+    // the reduction launch also sums op(A)'s row-sum partials (one per split, scratch 1)
+    let reduce = reduce_call_with_sums(
+        &g,
+        KArg::Scratch(0),
+        splits,
+        g.a_row_sums.map(|out| (KArg::Scratch(1), out, splits)),
+    );
+    let calls = vec![
         KernelCall {
             kernel,
             grid,
@@ -297,14 +303,8 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         reduce,
     ];
     let mut scratch = vec![splits * count * 4];
-    if let Some(out) = g.a_row_sums {
+    if g.a_row_sums.is_some() {
         scratch.push(splits * m * 4);
-        calls.push(super::misc::colsum_final_call(
-            KArg::Scratch(1),
-            out,
-            splits,
-            m,
-        ));
     }
     Ok(CudaPlan { calls, scratch })
 }
@@ -631,6 +631,17 @@ fn cluster_kernel(t: &PipeTile, batch: usize, splits: usize) -> Option<(usize, &
 /// `gemm_splitk_reduce` of `splits` partials of `g`'s output at `part` into output 0,
 /// with `g`'s epilogue (bias, ReLU, mask).
 fn reduce_call(g: &Gemm, part: KArg, splits: usize) -> KernelCall {
+    reduce_call_with_sums(g, part, splits, None)
+}
+
+/// [`reduce_call`], also summing op(A)'s row-sum partials `(partials, out, slices)` (of
+/// `g.m` each) into `out` in the same launch, in CTAs after the reduction's.
+fn reduce_call_with_sums(
+    g: &Gemm,
+    part: KArg,
+    splits: usize,
+    sums: Option<(KArg, KArg, usize)>,
+) -> KernelCall {
     let count = g.batch * g.m * g.n;
     // the reduction reads `lanes` splits of a group of 4 elements at once: a power of two,
     // at most 32, about one split in 2 per lane (few, long chains only when splits are many)
@@ -638,9 +649,11 @@ fn reduce_call(g: &Gemm, part: KArg, splits: usize) -> KernelCall {
         .into_iter()
         .find(|&l| l <= splits.div_ceil(2).max(1))
         .unwrap_or(1);
+    let (rs_part, rs_out, rs_slices) = sums.unwrap_or((part, part, 0));
+    let rs_blocks = if rs_slices > 0 { blocks(g.m, 32) } else { 0 };
     KernelCall {
         kernel: "gemm_splitk_reduce",
-        grid: [blocks(count, 128), 1, 1],
+        grid: [blocks(count, 128) + rs_blocks, 1, 1],
         block: [32, lanes as u32, 1],
         smem: 0,
         args: vec![
@@ -652,6 +665,10 @@ fn reduce_call(g: &Gemm, part: KArg, splits: usize) -> KernelCall {
             KArg::I32(splits as i32),
             i64_of(count),
             KArg::I32(g.flags()),
+            rs_part,
+            rs_out,
+            KArg::I32(rs_slices as i32),
+            i64_of(g.m),
         ],
     }
 }
