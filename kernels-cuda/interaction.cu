@@ -1,57 +1,53 @@
 // The DLRM interaction: y[b, p] = <e[b,i], e[b,j]> over pairs i < j in row-major upper
 // triangle order (p = 0 is (0,1)), e [B, F, D] -> y [B, F(F-1)/2], and its gradient.
 //
-// Tiling: one example at a time per CTA (grid-strided over the batch; the shared-memory
-// forms below run a few CTAs an SM, each with the next example's loads in flight, see
-// pd_fwd_multi / pd_bwd_multi). The example's F×D block is
-// staged in shared memory with an odd row stride (ld = D | 1) so that a warp reading
-// column c of 32 different rows hits 32 different banks.
-//  pairwise_dot_fwd: thread t computes pairs t, t+blockDim, ...: consecutive
-//    threads take consecutive pairs, i.e. one row i (broadcast reads) and consecutive j
+// Tiling: one example at a time per CTA, grid-strided over the batch; the shared-memory
+// forms run a few CTAs an SM, each with the next example's loads in flight
+// (pd_fwd_multi, pd_bwd_multi). The example's F×D block is staged in shared memory with
+// an odd row stride (ld = D | 1) so that a warp reading column c of 32 different rows
+// hits 32 different banks.
+//  pairwise_dot_fwd: thread t computes pairs t, t+blockDim, ...: consecutive threads
+//    take consecutive pairs, i.e. one row i (broadcast reads) and consecutive j
 //    (conflict-free reads). Each pair is a D-long dot product summed in c order.
-//  pairwise_dot_bwd: the pair gradients are expanded into a symmetric F×F
-//    matrix G in shared memory; a thread computes de[b, k, c] for 4 consecutive k and one
-//    c as Σ_{m ≠ k, m ascending} G[k][m] · e[b, m, c] (one e load serves 4 outputs, G
-//    reads are broadcasts); m ascending is exactly the order in which the CPU reference's
-//    pair loop adds into de[b, k, c], so the sums match it.
+//  pairwise_dot_bwd: the pair gradients are expanded into a symmetric F×F matrix G in
+//    shared memory (zero diagonal); a thread computes de[b, k, c] for 9 consecutive k
+//    and one c as Σ_{m ascending} G[k][m] · e[b, m, c]; m ascending is exactly the order
+//    in which the CPU reference's pair loop adds into de[b, k, c], so the sums match it.
 // Products and sums are written without FMA contraction (erase_mul/erase_add): the result
-// is bit-identical to the reference. Bound: shared-memory bandwidth and FP32 issue
-// (F=27, D=64: 22k multiply-adds per example over 6.9 KB of input); in DRAM terms
-// ~7 KB read + 1.4 KB written per example (fwd), so a [4096, 27, 64] batch is ~35 MB.
-// The `_gmem` variants read straight from global memory (L1-cached) for examples whose
-// F×D block does not fit the default 48 KB of shared memory.
+// is bit-identical to the reference (for finite e). Bound: shared-memory bandwidth and
+// FP32 issue (F=27, D=64: 22k multiply-adds per example over 6.9 KB of input); in DRAM
+// terms ~7 KB read + 1.4 KB written per example (fwd), so a [4096, 27, 64] batch is
+// ~35 MB. The `_gmem` variants read straight from global memory (L1-cached), a CTA an
+// example, for examples whose F×D block does not fit the default 48 KB of shared memory.
 #include "common.cuh"
 
 // First pair index of row i: pairs (i, i+1), (i, i+2), ... start at i·(2F-1-i)/2.
 __device__ __forceinline__ int pd_row_start(int i, int f) { return i * (2 * f - 1 - i) / 2; }
 
-template <bool SMEM>
-__device__ __forceinline__ void pd_fwd(const float* __restrict__ e, float* __restrict__ y, long long batch, int f,
-                                       int d, float* sm) {
+// Row i and column j of pair p (i < j, row-major upper triangle): closed form, then fixed
+// up against rounding.
+__device__ __forceinline__ void pd_pair(int p, int f, int& i, int& j) {
+    const float q = (float)(2 * f - 1);
+    i = (int)((q - sqrtf(fmaxf(q * q - 8.0f * (float)p, 0.0f))) * 0.5f);
+    i = max(0, min(i, f - 2));
+    while (i > 0 && pd_row_start(i, f) > p) --i;
+    while (i < f - 2 && pd_row_start(i + 1, f) <= p) ++i;
+    j = i + 1 + (p - pd_row_start(i, f));
+}
+
+// ---- the global-memory forms (an example's block too big for shared memory) -----------
+
+// y[b] from e straight from global memory (L1-cached): a CTA an example.
+__device__ __forceinline__ void pd_fwd_gmem(const float* __restrict__ e, float* __restrict__ y, long long batch,
+                                            int f, int d) {
     const int pairs = f * (f - 1) / 2;
-    const int ld = SMEM ? (d | 1) : d;
     for (long long b = blockIdx.x; b < batch; b += gridDim.x) {
-        const float* eb = e + b * f * d;
-        const float* src = eb;
-        if (SMEM) {
-            __syncthreads();  // the previous example's reads are done
-            for (int k = threadIdx.x; k < f * d; k += blockDim.x) {
-                const int i = k / d;
-                sm[i * ld + (k - i * d)] = eb[k];
-            }
-            __syncthreads();
-            src = sm;
-        }
+        const float* src = e + b * f * d;
         for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-            // row i of pair p: closed form, then fixed up against rounding
-            const float q = (float)(2 * f - 1);
-            int i = (int)((q - sqrtf(fmaxf(q * q - 8.0f * (float)p, 0.0f))) * 0.5f);
-            i = max(0, min(i, f - 2));
-            while (i > 0 && pd_row_start(i, f) > p) --i;
-            while (i < f - 2 && pd_row_start(i + 1, f) <= p) ++i;
-            const int j = i + 1 + (p - pd_row_start(i, f));
-            const float* a = src + i * ld;
-            const float* c2 = src + j * ld;
+            int i, j;
+            pd_pair(p, f, i, j);
+            const float* a = src + i * d;
+            const float* c2 = src + j * d;
             float s = 0.0f;
             for (int c = 0; c < d; ++c) s = erase_add(s, erase_mul(a[c], c2[c]));
             y[b * pairs + p] = s;
@@ -59,44 +55,18 @@ __device__ __forceinline__ void pd_fwd(const float* __restrict__ e, float* __res
     }
 }
 
-// de[b] = G·E with G the symmetric F×F matrix of the pair gradients (no diagonal): thread
-// item (kb, c) computes de[k][c] for the PD_KB rows k = kb·PD_KB .. +PD_KB-1 at once, so
-// one load of e[m][c] serves PD_KB outputs and the G entries are warp broadcasts.
+// de[b] = G·E with G the symmetric F×F matrix of the pair gradients (no diagonal), read
+// from dy: thread item (kb, c) computes de[k][c] for the PD_KB rows k = kb·PD_KB ..
+// +PD_KB-1 at once, so one load of e[m][c] serves PD_KB outputs.
 #define PD_KB 4
 
-template <bool SMEM>
-__device__ __forceinline__ void pd_bwd(const float* __restrict__ dy, const float* __restrict__ e,
-                                       float* __restrict__ de, long long batch, int f, int d, float* sm) {
+__device__ __forceinline__ void pd_bwd_gmem(const float* __restrict__ dy, const float* __restrict__ e,
+                                            float* __restrict__ de, long long batch, int f, int d) {
     const int pairs = f * (f - 1) / 2;
-    const int ld = SMEM ? (d | 1) : d;
     const int kblocks = (f + PD_KB - 1) / PD_KB;
     for (long long b = blockIdx.x; b < batch; b += gridDim.x) {
-        const float* eb = e + b * f * d;
+        const float* src = e + b * f * d;
         const float* gb = dy + b * pairs;
-        const float* src = eb;
-        if (SMEM) {
-            __syncthreads();
-            for (int k = threadIdx.x; k < f * d; k += blockDim.x) {
-                const int i = k / d;
-                sm[i * ld + (k - i * d)] = eb[k];
-            }
-            // G[k][m] = dy[b, pair(min, max)]
-            float* g = sm + f * ld;
-            for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-                const float q = (float)(2 * f - 1);
-                int i = (int)((q - sqrtf(fmaxf(q * q - 8.0f * (float)p, 0.0f))) * 0.5f);
-                i = max(0, min(i, f - 2));
-                while (i > 0 && pd_row_start(i, f) > p) --i;
-                while (i < f - 2 && pd_row_start(i + 1, f) <= p) ++i;
-                const int j = i + 1 + (p - pd_row_start(i, f));
-                const float v = gb[p];
-                g[i * f + j] = v;
-                g[j * f + i] = v;
-            }
-            __syncthreads();
-            src = sm;
-        }
-        const float* g = SMEM ? sm + f * ld : nullptr;
         for (int t = threadIdx.x; t < kblocks * d; t += blockDim.x) {
             const int kb = t / d, c = t - kb * d;
             const int k0 = kb * PD_KB;
@@ -104,15 +74,13 @@ __device__ __forceinline__ void pd_bwd(const float* __restrict__ dy, const float
 #pragma unroll
             for (int q = 0; q < PD_KB; ++q) s[q] = 0.0f;
             for (int m = 0; m < f; ++m) {
-                const float x = src[m * ld + c];
+                const float x = src[m * d + c];
 #pragma unroll
                 for (int q = 0; q < PD_KB; ++q) {
                     const int k = k0 + q;
                     if (k < f && m != k) {
-                        // the pair's gradient: from G in shared memory, else from dy
-                        const float gv = SMEM ? g[k * f + m]
-                                              : gb[m < k ? pd_row_start(m, f) + (k - m - 1)
-                                                         : pd_row_start(k, f) + (m - k - 1)];
+                        const float gv = gb[m < k ? pd_row_start(m, f) + (k - m - 1)
+                                                  : pd_row_start(k, f) + (m - k - 1)];
                         s[q] = erase_add(s[q], erase_mul(gv, x));
                     }
                 }
@@ -133,18 +101,8 @@ __device__ __forceinline__ void pd_bwd(const float* __restrict__ dy, const float
 // float4 per thread), stored to shared memory after the example's barrier, so the loads'
 // latency hides behind the arithmetic instead of stalling each example. A thread's pair
 // (fwd) or G entries (bwd) are the same in every example, so their indices are computed
-// once. The arithmetic and its order are those of pd_fwd / pd_bwd (bit-identical to the
+// once. The arithmetic and its order are those of the gmem forms (bit-identical to the
 // reference).
-
-// Row i and column j of pair p (i < j, row-major upper triangle).
-__device__ __forceinline__ void pd_pair(int p, int f, int& i, int& j) {
-    const float q = (float)(2 * f - 1);
-    i = (int)((q - sqrtf(fmaxf(q * q - 8.0f * (float)p, 0.0f))) * 0.5f);
-    i = max(0, min(i, f - 2));
-    while (i > 0 && pd_row_start(i, f) > p) --i;
-    while (i < f - 2 && pd_row_start(i + 1, f) <= p) ++i;
-    j = i + 1 + (p - pd_row_start(i, f));
-}
 
 #define PD_PF 4  // float4 of e a thread holds for the next example
 
@@ -218,8 +176,8 @@ __device__ __forceinline__ void pd_fwd_multi(const float* __restrict__ e, float*
 __device__ __forceinline__ int pd_g_offset(int f, int d) { return (f * (d | 1) + 3) & ~3; }
 
 // de[k][c] for 9 rows k a thread: per 4 consecutive m, 4 loads of e[m][c] and one float4
-// of G a row serve 36 multiply-adds (pd_bwd loads e and G once per multiply-add: its
-// shared-memory loads bound it); each output still adds m ascending. The diagonal of G
+// of G a row serve 36 multiply-adds (the earlier shared-memory form, one load of e and
+// one of G a multiply-add, was bound by those loads); each output still adds m ascending. The diagonal of G
 // and its padding are zero, so the terms m = k and m ≥ F add 0·e = ±0, which leaves a
 // sum unchanged: bit-identical to the reference, which skips them, for finite e.
 __device__ __forceinline__ void pd_bwd_multi(const float* __restrict__ dy, const float* __restrict__ e,
@@ -310,7 +268,7 @@ ERASE_KERNEL void pairwise_dot_fwd(const float* __restrict__ e, float* __restric
 
 ERASE_KERNEL void pairwise_dot_fwd_gmem(const float* __restrict__ e, float* __restrict__ y, long long batch, int f,
                                         int d) {
-    pd_fwd<false>(e, y, batch, f, d, nullptr);
+    pd_fwd_gmem(e, y, batch, f, d);
 }
 
 // dynamic shared memory: pd_g_offset(F, D) + F·FG floats; any block size, any grid
@@ -322,5 +280,5 @@ ERASE_KERNEL void pairwise_dot_bwd(const float* __restrict__ dy, const float* __
 
 ERASE_KERNEL void pairwise_dot_bwd_gmem(const float* __restrict__ dy, const float* __restrict__ e,
                                         float* __restrict__ de, long long batch, int f, int d) {
-    pd_bwd<false>(dy, e, de, batch, f, d, nullptr);
+    pd_bwd_gmem(dy, e, de, batch, f, d);
 }
