@@ -245,7 +245,7 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         return Err("row sums of op(A) need a transposed A of batch 1".into());
     }
     // op(A)'s row sums: straight to their output with one split, else one partial a
-    // split (scratch 1), summed in split order after the GEMM
+    // split (scratch 1), summed in split order by the reduction launch
     let sums_at = match g.a_row_sums {
         Some(out) if splits == 1 => out,
         Some(_) => KArg::Scratch(1),
