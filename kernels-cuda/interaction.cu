@@ -24,6 +24,11 @@
 // First pair index of row i: pairs (i, i+1), (i, i+2), ... start at i·(2F-1-i)/2.
 __device__ __forceinline__ int pd_row_start(int i, int f) { return i * (2 * f - 1 - i) / 2; }
 
+// Index of the pair {k, m} (k != m, either order).
+__device__ __forceinline__ int pd_pair_index(int k, int m, int f) {
+    return k < m ? pd_row_start(k, f) + (m - k - 1) : pd_row_start(m, f) + (k - m - 1);
+}
+
 // Row i and column j of pair p (i < j, row-major upper triangle): closed form, then fixed
 // up against rounding.
 __device__ __forceinline__ void pd_pair(int p, int f, int& i, int& j) {
@@ -79,8 +84,7 @@ __device__ __forceinline__ void pd_bwd_gmem(const float* __restrict__ dy, const 
                 for (int q = 0; q < PD_KB; ++q) {
                     const int k = k0 + q;
                     if (k < f && m != k) {
-                        const float gv = gb[m < k ? pd_row_start(m, f) + (k - m - 1)
-                                                  : pd_row_start(k, f) + (m - k - 1)];
+                        const float gv = gb[pd_pair_index(k, m, f)];
                         s[q] = erase_add(s[q], erase_mul(gv, x));
                     }
                 }
@@ -169,7 +173,7 @@ __device__ __forceinline__ void pd_fwd_multi(const float* __restrict__ e, float*
 }
 
 #define PD_PG 4  // G entries a thread fills (and prefetches)
-#define PD_KB9 9 // rows of de a thread of pd_bwd_multi computes (27 = 3·9)
+#define PD_KB9 9  // rows of de a thread of pd_bwd_multi computes (27 = 3·9; PD_ROWS in misc.rs)
 
 // The gradient's shared memory: e as [F][D|1], then G as [F][FG] (FG = F rounded up to
 // 4, rows 16-byte aligned for float4 reads of 4 consecutive m) from float pd_g_offset.
@@ -177,9 +181,10 @@ __device__ __forceinline__ int pd_g_offset(int f, int d) { return (f * (d | 1) +
 
 // de[k][c] for 9 rows k a thread: per 4 consecutive m, 4 loads of e[m][c] and one float4
 // of G a row serve 36 multiply-adds (the earlier shared-memory form, one load of e and
-// one of G a multiply-add, was bound by those loads); each output still adds m ascending. The diagonal of G
-// and its padding are zero, so the terms m = k and m ≥ F add 0·e = ±0, which leaves a
-// sum unchanged: bit-identical to the reference, which skips them, for finite e.
+// one of G a multiply-add, was bound by those loads); each output still adds m
+// ascending. The diagonal of G and its padding are zero, so the terms m = k and m ≥ F
+// add 0·e = ±0, which leaves a sum unchanged: bit-identical to the reference, which
+// skips them, for finite e.
 __device__ __forceinline__ void pd_bwd_multi(const float* __restrict__ dy, const float* __restrict__ e,
                                              float* __restrict__ de, long long batch, int f, int d, float* sm) {
     const int pairs = f * (f - 1) / 2, ld = d | 1, n4 = f * d / 4, kblocks = (f + PD_KB9 - 1) / PD_KB9;
@@ -197,7 +202,7 @@ __device__ __forceinline__ void pd_bwd_multi(const float* __restrict__ dy, const
         if (q < f * f) {
             const int k = q / f, m = q - k * f;
             gpos[r] = k * fg + m;
-            if (k != m) gp[r] = k < m ? pd_row_start(k, f) + (m - k - 1) : pd_row_start(m, f) + (k - m - 1);
+            if (k != m) gp[r] = pd_pair_index(k, m, f);
         }
     }
     // G's padding columns m = F .. FG-1 stay zero (no example writes them)
@@ -223,9 +228,7 @@ __device__ __forceinline__ void pd_bwd_multi(const float* __restrict__ dy, const
             pd_stage_scalar(e + b * f * d, sm, f, d, ld);
             for (int q = threadIdx.x; q < f * f; q += blockDim.x) {
                 const int k = q / f, m = q - k * f;
-                g[k * fg + m] = k == m ? 0.0f
-                                       : dy[b * pairs + (k < m ? pd_row_start(k, f) + (m - k - 1)
-                                                               : pd_row_start(m, f) + (k - m - 1))];
+                g[k * fg + m] = k == m ? 0.0f : dy[b * pairs + pd_pair_index(k, m, f)];
             }
         }
         __syncthreads();
