@@ -21,7 +21,7 @@
 //! the same fixed order, no partials in memory, no reduction launch).
 //! Attention runs the FlashAttention-2 kernels of kernels-cuda/attention.cu.
 
-use super::{blocks, CudaPlan, KArg, KernelCall, Operands};
+use super::{blocks, CudaPlan, KArg, KernelCall, Operands, SMS};
 use erase_graph::{DType, Op, Shape};
 
 /// Kernels these plans launch.
@@ -82,8 +82,6 @@ pub(crate) const KERNELS: &[&str] = &[
 /// (`attn_*_tiny_*`): half the padding of the 64-row tile and twice the heads an SM.
 const ATTN_TINY_S: usize = 32;
 
-/// Streaming multiprocessors of the target (H200); only tiling heuristics depend on it.
-const SMS: usize = 132;
 /// The GEMM kernels' k step; a split's K range is a multiple of it.
 const BK: usize = 32;
 /// Fewest k a split-K part gets.

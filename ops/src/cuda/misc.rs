@@ -8,7 +8,7 @@
 //! except where the reference computes in f64 (Adam's learning rate and betas), which
 //! travel bit for bit as `I64(f64::to_bits)`.
 
-use super::{blocks, CudaPlan, KArg, KernelCall, Operands};
+use super::{blocks, CudaPlan, KArg, KernelCall, Operands, SMS};
 use erase_graph::{DType, Op, Shape};
 use KArg::{Out, Scratch, Upd, F32, I32, I64};
 
@@ -84,6 +84,8 @@ const EW_THREADS: u32 = 256;
 /// Grid-stride kernels launch at most this many CTAs (8 waves of a 132-SM H200 at 8
 /// CTAs an SM); larger tensors loop.
 const MAX_BLOCKS: u32 = 8192;
+/// Rows of de a thread of `pairwise_dot_bwd` computes (`PD_KB9` in interaction.cu).
+const PD_ROWS: usize = 9;
 /// Default dynamic shared memory limit (no opt-in attribute needed below it).
 const SMEM_DEFAULT: usize = 48 * 1024;
 /// Tensors per optimizer-table or embedding-meta builder launch (the kernels' signature).
@@ -990,13 +992,13 @@ fn pairwise_dot(op: &Op, o: &Operands, grad: bool) -> Result<CudaPlan, String> {
         I32(i32_of(f, "fields")?),
         I32(i32_of(d, "dim")?),
     ]);
-    // the shared-memory kernels: a thread a pair (fwd) or a column of 9 rows of de (bwd),
-    // and as many CTAs as an H200's 132 SMs hold at once (2048 threads an SM), each walking
+    // the shared-memory kernels: a thread a pair (fwd) or a column of PD_ROWS rows of de
+    // (bwd), and as many CTAs as the SMs hold at once (2048 threads an SM), each walking
     // several examples with the next one's loads in flight; the gmem forms, a CTA an example
     let (grid, threads) = if fits {
-        let work = if grad { f.div_ceil(9) * d } else { pairs };
+        let work = if grad { f.div_ceil(PD_ROWS) * d } else { pairs };
         let threads = work.next_multiple_of(32).clamp(64, 1024);
-        (b.min(132 * (2048 / threads)), threads)
+        (b.min(SMS * (2048 / threads)), threads)
     } else {
         (b.min(1 << 20), if grad { 256 } else { 128 })
     };

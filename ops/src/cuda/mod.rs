@@ -84,6 +84,10 @@ pub fn cuda_plan(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
     Err(format!("{}: no CUDA kernel yet", op.name()))
 }
 
+/// Streaming multiprocessors of the target (H200); only tiling and grid heuristics depend
+/// on it.
+pub(crate) const SMS: usize = 132;
+
 /// Every kernel name any plan uses; a test checks each against the embedded PTX.
 pub fn kernel_names() -> Vec<&'static str> {
     let mut v: Vec<&'static str> = dense::KERNELS
