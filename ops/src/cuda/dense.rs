@@ -284,7 +284,7 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         });
     }
     // the reduction launch also sums op(A)'s row-sum partials (one per split, scratch 1)
-    let reduce = reduce_call_with_sums(
+    let reduce = reduce_call(
         &g,
         KArg::Scratch(0),
         splits,
@@ -600,10 +600,11 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         ],
     };
     let mut calls = vec![convert, main];
+    // the row sums' partials: added by the reduction's launch where there is one
+    let sums = row_sums.map(|(out, part, slices)| (part, out, slices));
     if partials {
-        calls.push(reduce_call(g, KArg::Scratch(2), splits));
-    }
-    if let Some((out, part, slices)) = row_sums {
+        calls.push(reduce_call(g, KArg::Scratch(2), splits, sums));
+    } else if let Some((part, out, slices)) = sums {
         calls.push(super::misc::colsum_final_call(part, out, slices, m));
     }
     Ok(CudaPlan { calls, scratch })
@@ -627,14 +628,9 @@ fn cluster_kernel(t: &PipeTile, batch: usize, splits: usize) -> Option<(usize, &
 }
 
 /// `gemm_splitk_reduce` of `splits` partials of `g`'s output at `part` into output 0,
-/// with `g`'s epilogue (bias, ReLU, mask).
-fn reduce_call(g: &Gemm, part: KArg, splits: usize) -> KernelCall {
-    reduce_call_with_sums(g, part, splits, None)
-}
-
-/// [`reduce_call`], also summing op(A)'s row-sum partials `(partials, out, slices)` (of
-/// `g.m` each) into `out` in the same launch, in CTAs after the reduction's.
-fn reduce_call_with_sums(
+/// with `g`'s epilogue (bias, ReLU, mask); with `sums = (partials, out, slices)` it also
+/// adds op(A)'s row-sum partials (`g.m` each) into `out`, in CTAs after the reduction's.
+fn reduce_call(
     g: &Gemm,
     part: KArg,
     splits: usize,
