@@ -547,11 +547,12 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     if partials {
         scratch.push(splits * count * 4);
     }
-    // op(A)'s row sums: one partial per 64 of K, summed by colsum_final after the GEMM
+    // op(A)'s row sums: one partial per 64 of K, `(partials, out, slices)`, added after
+    // the GEMM by the reduction's launch where there is one, else by colsum_final
     let row_sums = g.a_row_sums.map(|out| {
         let slices = kp.div_ceil(64);
         scratch.push(slices * m * 4);
-        (out, KArg::Scratch(scratch.len() - 1), slices)
+        (KArg::Scratch(scratch.len() - 1), out, slices)
     });
     let (mut conv_args, ctas_a) = part(g.a, 0, m, k, mp, g.ta, g.lda, g.batch_a);
     conv_args.push(KArg::I32(ctas_a as i32));
@@ -559,7 +560,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     conv_args.extend(args_b);
     conv_args.push(KArg::I32(kpi));
     match row_sums {
-        Some((_, part, _)) => conv_args.extend([part, KArg::I32(1)]),
+        Some((part, _, _)) => conv_args.extend([part, KArg::I32(1)]),
         None => conv_args.extend([g.a, KArg::I32(0)]),
     }
     let convert = KernelCall {
@@ -600,11 +601,9 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         ],
     };
     let mut calls = vec![convert, main];
-    // the row sums' partials: added by the reduction's launch where there is one
-    let sums = row_sums.map(|(out, part, slices)| (part, out, slices));
     if partials {
-        calls.push(reduce_call(g, KArg::Scratch(2), splits, sums));
-    } else if let Some((part, out, slices)) = sums {
+        calls.push(reduce_call(g, KArg::Scratch(2), splits, row_sums));
+    } else if let Some((part, out, slices)) = row_sums {
         calls.push(super::misc::colsum_final_call(part, out, slices, m));
     }
     Ok(CudaPlan { calls, scratch })
