@@ -202,6 +202,66 @@ ERASE_KERNEL void ew_grad_sum(float* y, long long n, int k, const float* p0, con
     }
 }
 
+// The window of a sum of gradient contributions (SliceSum): for i < n (n a multiple of w),
+// row r = i / w, column c = i % w: y[i] = p0[r·ld0 + off0 + c] + p1[r·ld + off + c] + ..
+// + p_{k-1}[..], in input order. A chained call (more than 8 contributions) passes the
+// running sum y as p0 with ld0 = w, off0 = 0: each element is read and written by one
+// thread. With V = 4 every index is in float4 units (n, w, the strides and offsets
+// multiples of 4, as the plan checks; the arena aligns tensors to 256 bytes).
+template <int V>
+struct SliceSumLane {
+    using T = float;
+};
+template <>
+struct SliceSumLane<4> {
+    using T = float4;
+};
+template <int V>
+__device__ __forceinline__ void slice_sum_body(float* y, long long n, long long w, long long ld0, long long off0,
+                                               long long ld, long long off, int k, const float* p0,
+                                               const float* p1, const float* p2, const float* p3,
+                                               const float* p4, const float* p5, const float* p6,
+                                               const float* p7) {
+    using T = typename SliceSumLane<V>::T;
+    const T* q[8] = {reinterpret_cast<const T*>(p0), reinterpret_cast<const T*>(p1), reinterpret_cast<const T*>(p2),
+                     reinterpret_cast<const T*>(p3), reinterpret_cast<const T*>(p4), reinterpret_cast<const T*>(p5),
+                     reinterpret_cast<const T*>(p6), reinterpret_cast<const T*>(p7)};
+    EW_LOOP(i, n / V) {
+        const long long r = i / (w / V), c = i - r * (w / V);
+        const long long j = r * (ld / V) + off / V + c;
+        T v[8];
+        v[0] = q[0][r * (ld0 / V) + off0 / V + c];
+#pragma unroll
+        for (int e = 1; e < 8; ++e)
+            if (e < k) v[e] = q[e][j];
+        T s = v[0];
+#pragma unroll
+        for (int e = 1; e < 8; ++e) {
+            if (e >= k) break;
+            if constexpr (V == 4) {
+                s.x = erase_add(s.x, v[e].x);
+                s.y = erase_add(s.y, v[e].y);
+                s.z = erase_add(s.z, v[e].z);
+                s.w = erase_add(s.w, v[e].w);
+            } else {
+                s = erase_add(s, v[e]);
+            }
+        }
+        reinterpret_cast<T*>(y)[i] = s;
+    }
+}
+
+#define EW_SLICE_SUM_ARGS                                                                                  \
+    float *y, long long n, long long w, long long ld0, long long off0, long long ld, long long off, int k, \
+        const float *p0, const float *p1, const float *p2, const float *p3, const float *p4, const float *p5, \
+        const float *p6, const float *p7
+ERASE_KERNEL void ew_slice_sum(EW_SLICE_SUM_ARGS) {
+    slice_sum_body<1>(y, n, w, ld0, off0, ld, off, k, p0, p1, p2, p3, p4, p5, p6, p7);
+}
+ERASE_KERNEL void ew_slice_sum4(EW_SLICE_SUM_ARGS) {
+    slice_sum_body<4>(y, n, w, ld0, off0, ld, off, k, p0, p1, p2, p3, p4, p5, p6, p7);
+}
+
 // ---- fills and the step counter --------------------------------------------------------
 
 // y[i] = s[0] · scale (the gradient of sum/mean)

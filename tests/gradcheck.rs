@@ -5,7 +5,7 @@
 //! analytic gradient from autodiff, and compares it with central differences.
 
 use erase::graph::autodiff::{backward_with, BackwardOptions};
-use erase::graph::{DType, Grad, Graph, Init, Phase, Tensor};
+use erase::graph::{DType, Grad, Graph, Init, Op, Phase, Tensor};
 use erase::ops::Buffer;
 use erase::runtime::init::{splitmix64, to_unit};
 use erase::runtime::{CpuConfig, CpuSession};
@@ -349,6 +349,60 @@ fn losses_and_reductions() {
             g.mean(y).unwrap()
         });
     }
+}
+
+#[test]
+fn concat_with_several_consumers_differentiates_through_slice_sums() {
+    for axis in 0..3 {
+        let name = format!("concat of a shared output, axis {axis}");
+        check(&name, 95 + axis as u64, |g, r| {
+            let dims = [r.range(2, 4), r.range(2, 4), r.range(2, 4)];
+            let mut parts = Vec::new();
+            for i in 0..3 {
+                let mut d = dims;
+                d[axis] = r.range(1, 3);
+                let n = d.iter().product();
+                // the middle part is a constant: it needs no gradient, and gets no node
+                parts.push(if i == 1 {
+                    g.constant("c", &d, r.values(n, 1.0)).unwrap()
+                } else {
+                    param(g, r, &format!("x{i}"), &d, 1.0)
+                });
+            }
+            let e = g.concat(&parts, axis).unwrap();
+            // three consumers of the concat's output
+            let a = g.relu(e).unwrap();
+            let b = g.sigmoid(e).unwrap();
+            let ab = g.add(a, b).unwrap();
+            g.mul(ab, e).unwrap()
+        });
+    }
+    // the nodes autodiff makes for such a concat
+    let mut g = Graph::new(DType::F64);
+    let x0 = g.param("x0", &[2, 3], Init::Values(vec![0.5; 6])).unwrap();
+    let c = g.constant("c", &[2, 1], vec![0.25; 2]).unwrap();
+    let x2 = g.param("x2", &[2, 2], Init::Values(vec![-0.5; 4])).unwrap();
+    let e = g.concat(&[x0, c, x2], 1).unwrap();
+    let a = g.relu(e).unwrap();
+    let y = g.mul(a, e).unwrap();
+    let l = g.sum(y).unwrap();
+    g.loss(l, 1.0).unwrap();
+    backward_with(&mut g, BackwardOptions::default()).unwrap();
+    let windows: Vec<(usize, usize)> = g
+        .nodes()
+        .iter()
+        .filter_map(|n| match n.op {
+            Op::SliceSum { start, len, .. } => Some((start, len)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(windows, [(0, 3), (4, 2)]);
+    assert!(
+        !g.nodes()
+            .iter()
+            .any(|n| matches!(n.op, Op::GradSum | Op::Slice { .. })),
+        "the sum over the whole output and its slices are gone"
+    );
 }
 
 #[test]

@@ -147,6 +147,31 @@ impl Builder<'_> {
         }
     }
 
+    /// The gradients of a concat's inputs when its output has several contributions:
+    /// `SliceSum` of each needed input's window of them, in the order [`Self::total`]
+    /// sums them, so the bits are those of the sum sliced.
+    fn concat_slice_sums(&mut self, node: &crate::graph::Node, axis: usize, req: &[bool]) {
+        let mut cs = std::mem::take(&mut self.contribs[node.outputs[0].index()]);
+        cs.sort_by_key(|c| (c.by, c.grad));
+        let grads: Vec<Tensor> = cs.iter().map(|c| c.grad).collect();
+        let mut start = 0;
+        for (i, &input) in node.inputs.iter().enumerate() {
+            let s = self.g.shape(input).clone();
+            let len = s.dims()[axis];
+            if req[input.index()] {
+                let dx = self.add1(
+                    Op::SliceSum { axis, start, len },
+                    grads.clone(),
+                    s,
+                    format!("{}.dx{i}", node.name),
+                    node.id,
+                );
+                self.contribute(input, dx);
+            }
+            start += len;
+        }
+    }
+
     /// Reduces `dy` to `target`'s shape when `target` was broadcast.
     fn unbroadcast(&mut self, dy: Tensor, target: Tensor, name: String, origin: NodeId) -> Tensor {
         let ts = self.g.shape(target).clone();
@@ -237,6 +262,12 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             continue;
         }
         let contributions = b.contribs[node.outputs[0].index()].len();
+        if let (Op::Concat { axis }, true) = (&node.op, contributions > 1) {
+            // each input's gradient as one pass over its window of the contributions,
+            // instead of their sum over the whole output and then a copy out of it
+            b.concat_slice_sums(&node, *axis, &req);
+            continue;
+        }
         let Some(dy) = b.total(node.outputs[0], node.id) else {
             continue;
         };

@@ -191,6 +191,15 @@ pub enum Op {
     /// `[g1, g2, ..] -> [g]`: the sum of several gradient contributions, in input order
     /// (autodiff orders them by the id of the node that made them).
     GradSum,
+    /// `[g1, g2, ..] -> [y]`: `len` entries of `axis` from `start` of the sum of several
+    /// gradient contributions, summed in input order: `Slice(GradSum(g..))` in one pass
+    /// that reads only the window (a concat input's gradient when its output has several
+    /// consumers).
+    SliceSum {
+        axis: usize,
+        start: usize,
+        len: usize,
+    },
 
     // ---- optimizer updates (update persistent tensors in place) -------------------
     /// `updates [step]`: `step += 1` (an i32 scalar). Kept separate from the update itself
@@ -265,6 +274,7 @@ impl Op {
             Op::SoftmaxCrossEntropyGrad => "softmax_cross_entropy_grad",
             Op::Broadcast { .. } => "broadcast",
             Op::GradSum => "grad_sum",
+            Op::SliceSum { .. } => "slice_sum",
             Op::StepIncrement => "step_increment",
             Op::Sgd { .. } => "sgd",
             Op::Adam { .. } => "adam",

@@ -244,6 +244,10 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             bytes: moved,
             tensor_core: false,
         },
+        // reads only the window of each contribution
+        Op::SliceSum { .. } => {
+            elementwise("ew_slice_sum", out0, (ins.len() + 1) as f64 * out_bytes)
+        }
         _ => elementwise("elementwise", out0, moved),
     })
 }

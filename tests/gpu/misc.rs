@@ -333,6 +333,16 @@ fn shape_ops_match_cpu() {
                 &[(&sl, F32)],
                 &[EXACT],
             );
+            // the same window of a sum of 3 contributions
+            let parts: Vec<Arg> = (0..3).map(|_| rand_arg(&out, next())).collect();
+            compare(
+                dev,
+                &format!("slice_sum 3 x {out:?} axis {axis}"),
+                &Op::SliceSum { axis, start, len },
+                &parts,
+                &[(&sl, F32)],
+                &[EXACT],
+            );
             let dy = rand_arg(&sl, next());
             compare(
                 dev,
@@ -361,6 +371,30 @@ fn shape_ops_match_cpu() {
                 },
                 &[rand_arg(&out, next())],
                 &outs,
+                &[EXACT],
+            );
+        }
+        // the CTR model's embedding gradient (float4 lanes): 26 of 27 fields from 5
+        // contributions, and from 11 (two chained launches); the last field alone, and a
+        // window that starts one field in (the scalar lanes: the odd shapes above)
+        for (k, start, len) in [
+            (5usize, 0usize, 26usize),
+            (11, 0, 26),
+            (5, 26, 1),
+            (11, 1, 25),
+        ] {
+            let full = [dims[0] + 2, 27, 64];
+            let parts: Vec<Arg> = (0..k).map(|_| rand_arg(&full, next())).collect();
+            compare(
+                dev,
+                &format!("slice_sum {k} x {full:?} fields {start}+{len}"),
+                &Op::SliceSum {
+                    axis: 1,
+                    start,
+                    len,
+                },
+                &parts,
+                &[(&[full[0], len, 64], F32)],
                 &[EXACT],
             );
         }

@@ -622,6 +622,43 @@ fn exec_inner<T: Elem>(
                 s
             });
         }
+        Op::SliceSum { axis, start, len } => {
+            let parts: Vec<&[T]> = ins
+                .iter()
+                .map(|b| get::<T>(b, "gradient"))
+                .collect::<Result<_, _>>()?;
+            let dims = ish(0).dims();
+            if *axis >= dims.len() || start + len > dims[*axis] {
+                return Err(format!(
+                    "slice_sum: {start}+{len} of axis {axis} of {}",
+                    ish(0)
+                ));
+            }
+            if let Some(i) = (1..ins.len()).find(|&i| ish(i) != ish(0)) {
+                return Err(format!(
+                    "slice_sum: contribution {i} is {}, contribution 0 {}",
+                    ish(i),
+                    ish(0)
+                ));
+            }
+            let v = AxisView::new(dims, *axis);
+            let (w, ld, off) = (len * v.inner, dims[*axis] * v.inner, start * v.inner);
+            if osh(0).numel() != v.outer * w {
+                return Err(format!(
+                    "slice_sum: {start}+{len} of axis {axis} of {} into {}",
+                    ish(0),
+                    osh(0)
+                ));
+            }
+            kernels::map_index(out(&mut outs[0])?, |i| {
+                let j = (i / w) * ld + off + i % w;
+                let mut s = parts[0][j];
+                for p in &parts[1..] {
+                    s += p[j];
+                }
+                s
+            });
+        }
         Op::Sgd { lr } => {
             let lr = T::from_f64(*lr);
             for (gb, pb) in ins.iter().zip(upd.iter_mut()) {

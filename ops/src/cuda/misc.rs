@@ -28,6 +28,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "ew_sigmoid_grad",
     "ew_cast",
     "ew_grad_sum",
+    "ew_slice_sum",
+    "ew_slice_sum4",
     "ew_fill_scaled",
     "ew_fill_u32",
     "step_increment",
@@ -265,6 +267,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
             )
         }),
         Op::GradSum => grad_sum(op, o),
+        Op::SliceSum { axis, start, len } => slice_sum(op, o, *axis, *start, *len),
         Op::StepIncrement => step_increment(op, o),
         Op::Sgd { lr } => sgd(op, o, *lr),
         Op::Adam {
@@ -662,6 +665,81 @@ fn grad_sum(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         let mut args = vec![Out(0), n64(n), I32(used)];
         args.extend(ptrs);
         calls.push(ew("ew_grad_sum", n, args));
+    }
+    Ok(plan_of(calls, vec![]))
+}
+
+/// The window `start..start+len` of `axis` of the sum of the inputs, one pass over the
+/// window (`ew_slice_sum`, float4 lanes where every row, stride and offset allows), summed
+/// in input order; more than 8 inputs chain launches as grad_sum does.
+fn slice_sum(
+    op: &Op,
+    o: &Operands,
+    axis: usize,
+    start: usize,
+    len: usize,
+) -> Result<CudaPlan, String> {
+    let k = o.ins.len();
+    if k == 0 {
+        return Err("slice_sum: no inputs".into());
+    }
+    expect(op, o, &vec![F; k], &[F])?;
+    if let Some(s) = o.ins.iter().find(|s| s.dims() != o.ins[0].dims()) {
+        return Err(format!(
+            "slice_sum: contribution {s} differs from contribution 0 {}",
+            o.ins[0]
+        ));
+    }
+    let (outer, total, inner) = around(op, o.ins[0], axis)?;
+    let (w, ld, off) = (len * inner, total * inner, start * inner);
+    if start + len > total || o.outs[0].numel() != outer * w {
+        return Err(format!(
+            "slice_sum: {start}+{len} of axis {axis} of {} into {}",
+            o.ins[0], o.outs[0]
+        ));
+    }
+    let n = outer * w;
+    if n == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    let vec4 = w % 4 == 0 && ld % 4 == 0 && off % 4 == 0;
+    let (kernel, lanes) = if vec4 {
+        ("ew_slice_sum4", n / 4)
+    } else {
+        ("ew_slice_sum", n)
+    };
+    // first call: inputs 0..8; each next call: the running sum (row w, offset 0), then
+    // 7 more inputs
+    let mut calls = Vec::new();
+    let mut next = 0;
+    while next < k {
+        let mut ptrs: Vec<KArg> = Vec::with_capacity(8);
+        let (ld0, off0) = if next > 0 {
+            ptrs.push(Out(0));
+            (w, 0)
+        } else {
+            (ld, off)
+        };
+        while ptrs.len() < 8 && next < k {
+            ptrs.push(KArg::In(next));
+            next += 1;
+        }
+        let used = ptrs.len() as i32;
+        while ptrs.len() < 8 {
+            ptrs.push(ptrs[0]);
+        }
+        let mut args = vec![
+            Out(0),
+            n64(n),
+            n64(w),
+            n64(ld0),
+            n64(off0),
+            n64(ld),
+            n64(off),
+            I32(used),
+        ];
+        args.extend(ptrs);
+        calls.push(ew(kernel, lanes, args));
     }
     Ok(plan_of(calls, vec![]))
 }
