@@ -134,6 +134,7 @@ fn main() -> Result<()> {
             eps: 1e-8,
         },
         rowwise_adagrad: (a.emb_lr, 1e-8),
+        presort_ids: true,
     };
     let kind = match a.schedule {
         Sched::Erase => ScheduleKind::Early,

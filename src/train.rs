@@ -68,6 +68,15 @@ pub fn schedule_kind(v: Variant) -> ScheduleKind {
     }
 }
 
+/// `opt` for data-parallel training: each table's update sorts the ids it gathers from
+/// every rank, so no `EmbeddingSort` of the local ids runs before it.
+pub fn gathered_sort(opt: &OptimizerConfig) -> OptimizerConfig {
+    OptimizerConfig {
+        presort_ids: false,
+        ..*opt
+    }
+}
+
 /// Builds, differentiates, partitions, schedules and plans the model; proves the plan.
 pub fn plan_step(
     cfg: &CtrConfig,

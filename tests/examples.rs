@@ -358,6 +358,7 @@ fn chat_opt() -> OptimizerConfig {
             eps: 1e-8,
         },
         rowwise_adagrad: (0.05, 1e-8),
+        presort_ids: true,
     }
 }
 
@@ -367,10 +368,12 @@ fn nanochat_plan_starts_two_segments_early_on_side_streams() {
     assert_eq!(p.plan.program.streams, 3);
     let early = p.plan.early_programs();
     let names: Vec<&str> = early.iter().map(|x| x.0.as_str()).collect();
-    assert_eq!(names, ["seg0", "seg1"]);
+    // the token ids' sort for the embedding's row-wise update (on the first side stream,
+    // out of the round robin), then the two segments
+    assert_eq!(names, ["seg0/inputs", "seg0", "seg1"]);
     assert_eq!(
         early.iter().map(|x| x.1).collect::<Vec<_>>(),
-        [StreamId(1), StreamId(2)]
+        [StreamId(1), StreamId(1), StreamId(2)]
     );
     // each starts before the main loss's forward is done
     let g = &p.plan.graph;

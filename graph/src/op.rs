@@ -180,6 +180,13 @@ pub enum Op {
     EmbeddingBagGradDense {
         field_rows: Vec<usize>,
     },
+    /// `[ids, offsets] -> [rows, bags]` (i32, one entry per id): every occurrence's global
+    /// table row and its bag, sorted by row, stably (id order within a row). It needs only
+    /// the batch's ids, so the row-wise update's sort can run at the start of the step
+    /// instead of at its end.
+    EmbeddingSort {
+        field_rows: Vec<usize>,
+    },
     /// `[dloss, logit, label] -> [dlogit]`
     BceWithLogitsGrad,
     /// `[dloss, logits, labels] -> [dlogits]`
@@ -219,7 +226,9 @@ pub enum Op {
     },
     /// `inputs [ids, offsets, dpooled]`, `updates [table, acc]`: row-wise Adagrad on the rows
     /// the batch touches: for each row, `g` is the sum of its gradient over all occurrences
-    /// (in a fixed order), `acc += mean(g²)`, `w -= lr · g / (sqrt(acc) + eps)`.
+    /// (in a fixed order), `acc += mean(g²)`, `w -= lr · g / (sqrt(acc) + eps)`. With
+    /// `inputs [ids, offsets, dpooled, rows, bags]` the occurrences come sorted by an
+    /// `EmbeddingSort` of the same ids (same bits, no sort of its own).
     RowwiseAdagrad {
         lr: f64,
         eps: f64,
@@ -270,6 +279,7 @@ impl Op {
             Op::PairwiseDotGrad => "pairwise_dot_grad",
             Op::AttentionGrad { .. } => "attention_grad",
             Op::EmbeddingBagGradDense { .. } => "embedding_bag_grad_dense",
+            Op::EmbeddingSort { .. } => "embedding_sort",
             Op::BceWithLogitsGrad => "bce_with_logits_grad",
             Op::SoftmaxCrossEntropyGrad => "softmax_cross_entropy_grad",
             Op::Broadcast { .. } => "broadcast",

@@ -95,18 +95,20 @@ pub fn partition(g: &Graph, grads: &crate::autodiff::Gradients) -> Partition {
     }
     let last = forward.len().saturating_sub(1);
 
-    // group backward compute nodes by readiness, in node-id order
-    let mut groups: BTreeMap<ForwardPos, Vec<NodeId>> = BTreeMap::new();
+    // group backward compute nodes by readiness, in node-id order; nodes that read only
+    // the step's inputs (the embedding ids' sort) form a program of their own, first
+    let mut groups: BTreeMap<Option<ForwardPos>, Vec<NodeId>> = BTreeMap::new();
     for node in g.nodes() {
         if node.phase == Phase::Backward && !node.op.is_leaf() {
             groups
-                .entry(ready[node.id.index()].unwrap_or(0))
+                .entry(ready[node.id.index()])
                 .or_default()
                 .push(node.id);
         }
     }
     let mut programs = Vec::new();
-    for (pos, nodes) in groups {
+    for (at, nodes) in groups {
+        let pos = at.unwrap_or(0);
         // name: the scope most of the differentiated forward nodes share
         let mut votes: BTreeMap<&str, usize> = BTreeMap::new();
         for &n in &nodes {
@@ -116,10 +118,15 @@ pub fn partition(g: &Graph, grads: &crate::autodiff::Gradients) -> Partition {
         }
         let early = pos < last;
         let name = if early {
-            votes
+            let scope = votes
                 .iter()
                 .max_by_key(|(s, c)| (**c, std::cmp::Reverse(**s)))
-                .map_or_else(|| format!("block@{pos}"), |(s, _)| (*s).to_string())
+                .map_or_else(|| format!("block@{pos}"), |(s, _)| (*s).to_string());
+            if at.is_none() {
+                format!("{scope}/inputs")
+            } else {
+                scope
+            }
         } else {
             "remainder".to_string()
         };

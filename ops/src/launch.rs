@@ -160,6 +160,20 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             bytes: (ins[1].numel() * outs[0].last()) as f64 * e + out_bytes,
             tensor_core: false,
         },
+        Op::EmbeddingSort { .. } => {
+            // the keys, then three 8-bit LSD passes, each reading and writing keys and bags
+            let n = ins[0].numel();
+            LaunchSpec {
+                kernel: "emb_radix_scatter",
+                grid: ceil(n, 2048).max(1),
+                block: 256,
+                regs_per_thread: 32,
+                smem_bytes: 4 * 1024,
+                flops: (8 * n) as f64,
+                bytes: (12 * n + 3 * 16 * n) as f64,
+                tensor_core: false,
+            }
+        }
         Op::RowwiseAdagrad { .. } => {
             let d = ins[2].last();
             let n = ins[0].numel();

@@ -130,6 +130,10 @@ pub enum EdgeKind {
     /// The occupancy rule keeps a device-filling launch from sharing the device. It orders
     /// work for speed only: removing it loses no correctness.
     Occupancy,
+    /// An early program that reads nothing the step computes (only its inputs, as the
+    /// embedding ids' sort) starts after the forward launch it is placed behind, so that
+    /// it never overwrites what the previous step's end still reads.
+    Start,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -239,6 +243,8 @@ struct Builder<'a> {
     last_on: Vec<Option<usize>>,
     /// The next launch on main joins every pool stream first.
     join_next: bool,
+    /// The launch the next pushed one waits for (EdgeKind::Start), once.
+    start_after: Option<usize>,
 }
 
 impl Builder<'_> {
@@ -362,6 +368,12 @@ impl Builder<'_> {
                 }
             }
         }
+        if let Some(x) = self.start_after.take() {
+            let by = self.prog.launches[x].label.to_string();
+            self.depend(s, &mut waits, &mut c, x, EdgeKind::Start, || {
+                format!("start: {me} reads nothing the step computes; it starts after {by}")
+            });
+        }
         // the occupancy rule, both directions
         if let Some(x) = self.pending_exclusive[s].take() {
             let by = self.prog.launches[x].label.to_string();
@@ -477,6 +489,7 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
         pending_exclusive: vec![None; streams],
         last_on: vec![None; streams],
         join_next: false,
+        start_after: None,
     };
     let fwd_block = |n: NodeId| scope_of(&g.node(n).name).to_string();
     match cfg.kind {
@@ -519,13 +532,25 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
                 b.push(n, StreamId::MAIN, &fwd_block(n));
                 for (k, prog) in part.ready_at(pos) {
                     placed_early += 1;
-                    let s = if late && placed_early == early {
+                    // a program of the step's inputs alone (the ids' sort) ends long
+                    // before any block's backward begins: it takes the first side
+                    // stream without a turn of the round robin, which stays the blocks'
+                    let inputs_only = prog
+                        .nodes
+                        .first()
+                        .is_some_and(|f| !part.ready.contains_key(f));
+                    let s = if inputs_only && placed_early < early {
+                        StreamId(1)
+                    } else if late && placed_early == early {
                         StreamId(sides as u16)
                     } else {
                         let s = StreamId(1 + (next_side % shared) as u16);
                         next_side += 1;
                         s
                     };
+                    if inputs_only {
+                        b.start_after = b.last_on[0];
+                    }
                     for &bn in &prog.nodes {
                         b.push(bn, s, &prog.name);
                     }
@@ -660,6 +685,7 @@ impl StepProgram {
                     EdgeKind::Data => "data",
                     EdgeKind::Join => "join",
                     EdgeKind::Occupancy => "occupancy",
+                    EdgeKind::Start => "start",
                 };
                 let _ = writeln!(s, "{:12}wait e{} [{kind}] {}", "", w.event.0, w.why);
             }

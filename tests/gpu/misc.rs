@@ -960,6 +960,33 @@ fn rowwise_adagrad_matches_cpu_with_a_hot_row() {
             "rowwise_adagrad B={batch} tables {field_rows:?} D={d} ({} ids)",
             ids.len()
         );
+        // the sort as a node of its own: the CPU's (row, bag) pairs exactly, and the
+        // update from them the same bits as the update that sorts for itself
+        let n = [ids.len()];
+        let sorted = compare(
+            dev,
+            &format!("{what} embedding_sort"),
+            &Op::EmbeddingSort {
+                field_rows: field_rows.clone(),
+            },
+            &[dup(&ins[0]), dup(&ins[1])],
+            &[(&n, DType::I32), (&n, DType::I32)],
+            &[EXACT, EXACT],
+        );
+        let mut ins5: Vec<Arg> = ins.iter().map(dup).collect();
+        ins5.extend(sorted.into_iter().map(|b| arg(&n, b)));
+        let mut up = [dup(&table0), dup(&acc0)];
+        run_gpu(dev, &op, &ins5, &[], &mut up);
+        assert_eq!(
+            bits(&up[0].value),
+            bits(&ug[0].value),
+            "{what}: presorted update differs (table)"
+        );
+        assert_eq!(
+            bits(&up[1].value),
+            bits(&ug[1].value),
+            "{what}: presorted update differs (acc)"
+        );
         assert_eq!(
             bits(&ug[0].value),
             bits(&ug2[0].value),

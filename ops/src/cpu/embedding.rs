@@ -117,16 +117,8 @@ pub fn embedding_bag_grad_dense<T: Real>(dy: &[T], bags: &Bags, dtable: &mut [T]
 /// Row-wise Adagrad on the rows the batch touches. Each touched row's gradient is the sum
 /// over its occurrences in id order (a stable sort by row keeps that order), so the
 /// result is deterministic.
-pub fn rowwise_adagrad<T: Real>(
-    table: &mut [T],
-    acc: &mut [T],
-    bags: &Bags,
-    dpooled: &[T],
-    d: usize,
-    lr: f64,
-    eps: f64,
-) {
-    // (global row, bag) for every occurrence, in id order, then stably sorted by row.
+/// (global row, bag) for every occurrence, in id order, then stably sorted by row.
+pub fn sorted_occurrences(bags: &Bags) -> Vec<(usize, usize)> {
     let mut occ: Vec<(usize, usize)> = Vec::with_capacity(bags.ids.len());
     for bag in 0..bags.num_bags() {
         for &id in bags.bag_ids(bag) {
@@ -134,6 +126,41 @@ pub fn rowwise_adagrad<T: Real>(
         }
     }
     occ.sort_by_key(|o| o.0);
+    occ
+}
+
+/// The occurrences as an `EmbeddingSort` of the same ids gave them, checked against the
+/// ids: the same (row, bag) pairs in row order, so a sort of other ids fails here
+/// instead of updating the wrong rows.
+pub fn presorted_occurrences(
+    bags: &Bags,
+    rows: &[i32],
+    bag: &[i32],
+) -> Result<Vec<(usize, usize)>, String> {
+    let occ = sorted_occurrences(bags);
+    let given = rows
+        .iter()
+        .zip(bag)
+        .map(|(&r, &b)| (r as usize, b as usize));
+    if rows.len() != occ.len() || bag.len() != occ.len() || !given.eq(occ.iter().copied()) {
+        return Err(
+            "the sorted occurrences (rows, bags) are not those of this batch's ids and offsets"
+                .into(),
+        );
+    }
+    Ok(occ)
+}
+
+/// Row-wise Adagrad over the occurrences of [`sorted_occurrences`] (row order).
+pub fn rowwise_adagrad<T: Real>(
+    table: &mut [T],
+    acc: &mut [T],
+    occ: &[(usize, usize)],
+    dpooled: &[T],
+    d: usize,
+    lr: f64,
+    eps: f64,
+) {
     let (lr, eps) = (T::from_f64(lr), T::from_f64(eps));
     let inv_d = T::from_f64(1.0 / d as f64);
     let mut g = vec![T::ZERO; d];

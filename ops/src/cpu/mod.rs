@@ -114,6 +114,9 @@ pub fn execute(
             outs[0] = cast(ins[0], *to);
             return Ok(());
         }
+        Op::EmbeddingSort { field_rows } => {
+            return embedding_sort(ins, outs, field_rows).map_err(err);
+        }
         Op::StepIncrement => {
             return match upd.first_mut() {
                 Some(Buffer::I32(v)) if v.len() == 1 => {
@@ -139,6 +142,37 @@ pub fn execute(
         ))),
         None => Err(err("no floating-point operand".into())),
     }
+}
+
+/// `EmbeddingSort`: the occurrences' (row, bag) pairs, sorted by row (stably), into the
+/// two i32 outputs.
+fn embedding_sort(
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    field_rows: &[usize],
+) -> Result<(), String> {
+    let bags = embedding::Bags::new(
+        get_i32(ins[0], "ids")?,
+        get_i32(ins[1], "offsets")?,
+        field_rows,
+    )?;
+    let occ = embedding::sorted_occurrences(&bags);
+    let [Buffer::I32(rows), Buffer::I32(bag)] = outs else {
+        return Err("expected two i32 outputs: rows and bags".into());
+    };
+    if rows.len() != occ.len() || bag.len() != occ.len() {
+        return Err(format!(
+            "{} occurrences into outputs of {} and {}",
+            occ.len(),
+            rows.len(),
+            bag.len()
+        ));
+    }
+    for (k, &(r, b)) in occ.iter().enumerate() {
+        rows[k] = i32::try_from(r).map_err(|_| format!("row {r} does not fit an i32"))?;
+        bag[k] = i32::try_from(b).map_err(|_| format!("bag {b} does not fit an i32"))?;
+    }
+    Ok(())
 }
 
 fn cast(b: &Buffer, to: DType) -> Buffer {
@@ -713,7 +747,16 @@ fn exec_inner<T: Elem>(
             let [table, acc] = upd else {
                 return Err("expected table and accumulator".into());
             };
-            embedding::rowwise_adagrad(out(table)?, out(acc)?, &bags, dp, d, *lr, *eps);
+            let occ = match ins {
+                [_, _, _] => embedding::sorted_occurrences(&bags),
+                [_, _, _, rows, bag] => embedding::presorted_occurrences(
+                    &bags,
+                    get_i32(rows, "rows")?,
+                    get_i32(bag, "bags")?,
+                )?,
+                _ => return Err(format!("expected 3 or 5 inputs, got {}", ins.len())),
+            };
+            embedding::rowwise_adagrad(out(table)?, out(acc)?, &occ, dp, d, *lr, *eps);
         }
         other => return Err(format!("no CPU implementation of {}", other.name())),
     }

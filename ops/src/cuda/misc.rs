@@ -234,6 +234,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         Op::PairwiseDotGrad => pairwise_dot(op, o, true),
         Op::EmbeddingBag { field_rows } => embedding_bag(op, o, field_rows),
         Op::EmbeddingBagGradDense { field_rows } => embedding_bag_grad_dense(op, o, field_rows),
+        Op::EmbeddingSort { field_rows } => embedding_sort(op, o, field_rows),
         Op::RowwiseAdagrad {
             lr,
             eps,
@@ -1487,39 +1488,35 @@ enum SegDst {
     ByPosition(usize),
 }
 
-/// The backward's shared part: meta (scratch 0), occurrence keys, the radix sort (scratch
-/// 1-5), the chunked segment sums (scratch 6-7), appended to `calls` and `scratch`.
-/// `ids`/`offsets`/`dy` are the operands; returns the scratch index of the sorted rows
-/// (the sort ping-pongs between buffers 1/2 and 3/4).
+/// The occurrences sorted by row: their keys (`emb_sort_keys`: global row, or `total` for
+/// an id outside its table, and the bag), then LSD radix passes of 8 bits over the bits
+/// the keys use (the sentinel is the largest key), stable, ping-ponging between scratch
+/// pairs. The meta must be in scratch 0 (emb_meta's launches, first in `calls`). The
+/// last pass writes into `dst` (rows, bags) when given, else into scratch. Returns where
+/// the sorted rows and bags are.
 #[allow(clippy::too_many_arguments)]
-fn emb_backward(
+fn emb_sort(
     calls: &mut Vec<KernelCall>,
     scratch: &mut Vec<usize>,
     field_rows: &[usize],
     total: usize,
-    (ids, offsets, dy): (KArg, KArg, KArg),
-    n_ids: usize,
+    (ids, offsets): (KArg, KArg),
+    n: usize,
     n_bags: usize,
-    d: usize,
-    dst: SegDst,
-) -> Result<usize, String> {
-    let n = n_ids;
+    dst: Option<(KArg, KArg)>,
+) -> Result<(KArg, KArg), String> {
     let sentinel = total as i32;
     let tiles = n.div_ceil(EMB_TILE).max(1);
-    let chunks = n.div_ceil(EMB_CHUNK).max(1);
-    let col_tiles = d.div_ceil(32);
-    let di = i32_of(d, "embedding dim")?;
     let nb = i32_of(n_bags, "bags")?;
+    let first = scratch.len();
     scratch.extend([
-        16 * field_rows.len(), // 0 meta
-        4 * n,                 // 1 keys a
-        4 * n,                 // 2 values a
-        4 * n,                 // 3 keys b
-        4 * n,                 // 4 values b
-        4 * 256 * tiles,       // 5 histogram
-        4 * chunks * d,        // 6 part_first
-        4 * chunks * d,        // 7 part_last
+        4 * n,           // keys a
+        4 * n,           // values a
+        4 * n,           // keys b
+        4 * n,           // values b
+        4 * 256 * tiles, // histogram
     ]);
+    let hist = Scratch(first + 4);
     calls.push(ew(
         "emb_sort_keys",
         n,
@@ -1527,52 +1524,75 @@ fn emb_backward(
             ids,
             offsets,
             Scratch(0),
-            Scratch(1),
-            Scratch(2),
+            Scratch(first),
+            Scratch(first + 1),
             I32(n as i32),
             I32(nb),
             I32(field_rows.len() as i32),
             I32(sentinel),
         ],
     ));
-    // LSD passes of 8 bits over the bits the keys use (the sentinel is the largest key)
     let bits = 32 - (sentinel as u32).leading_zeros();
     let passes = bits.div_ceil(8);
-    let (mut k_in, mut v_in, mut k_out, mut v_out) = (1, 2, 3, 4);
+    let (mut k_in, mut v_in) = (Scratch(first), Scratch(first + 1));
+    let (mut k_out, mut v_out) = (Scratch(first + 2), Scratch(first + 3));
     for p in 0..passes {
+        if p + 1 == passes {
+            if let Some((rows, bags)) = dst {
+                (k_out, v_out) = (rows, bags);
+            }
+        }
         let shift = I32(8 * p as i32);
         calls.push(kc(
             "emb_radix_hist",
             [tiles as u32, 1, 1],
             [256, 1, 1],
             0,
-            vec![Scratch(k_in), I32(n as i32), shift, Scratch(5)],
+            vec![k_in, I32(n as i32), shift, hist],
         ));
         calls.push(kc(
             "emb_radix_scan",
             [1, 1, 1],
             [1024, 1, 1],
             0,
-            vec![Scratch(5), n64(256 * tiles)],
+            vec![hist, n64(256 * tiles)],
         ));
         calls.push(kc(
             "emb_radix_scatter",
             [tiles as u32, 1, 1],
             [256, 1, 1],
             0,
-            vec![
-                Scratch(k_in),
-                Scratch(v_in),
-                Scratch(k_out),
-                Scratch(v_out),
-                I32(n as i32),
-                shift,
-                Scratch(5),
-            ],
+            vec![k_in, v_in, k_out, v_out, I32(n as i32), shift, hist],
         ));
         std::mem::swap(&mut k_in, &mut k_out);
         std::mem::swap(&mut v_in, &mut v_out);
     }
+    Ok((k_in, v_in))
+}
+
+/// The chunked segment sums of `dy` over the sorted occurrences (`rows`, `bags`), into
+/// `dst`; their partials in two scratch buffers appended to `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn emb_segments(
+    calls: &mut Vec<KernelCall>,
+    scratch: &mut Vec<usize>,
+    total: usize,
+    (rows, bags, dy): (KArg, KArg, KArg),
+    n: usize,
+    n_bags: usize,
+    d: usize,
+    dst: SegDst,
+) -> Result<(), String> {
+    let sentinel = total as i32;
+    let chunks = n.div_ceil(EMB_CHUNK).max(1);
+    let col_tiles = d.div_ceil(32);
+    let di = i32_of(d, "embedding dim")?;
+    let nb = i32_of(n_bags, "bags")?;
+    let first = scratch.len();
+    scratch.extend([
+        4 * chunks * d, // part_first
+        4 * chunks * d, // part_last
+    ]);
     let (dst_arg, by_row) = match dst {
         SegDst::Dense => (Out(0), 1),
         SegDst::ByPosition(s) => (Scratch(s), 0),
@@ -1582,15 +1602,15 @@ fn emb_backward(
         "emb_seg_chunks",
         warps,
         vec![
-            Scratch(k_in),
-            Scratch(v_in),
+            rows,
+            bags,
             dy,
             I32(n as i32),
             I32(di),
             I32(nb),
             I32(sentinel),
-            Scratch(6),
-            Scratch(7),
+            Scratch(first),
+            Scratch(first + 1),
             dst_arg,
             I32(by_row),
         ],
@@ -1599,17 +1619,45 @@ fn emb_backward(
         "emb_seg_tails",
         warps,
         vec![
-            Scratch(k_in),
+            rows,
             I32(n as i32),
             I32(di),
             I32(sentinel),
-            Scratch(6),
-            Scratch(7),
+            Scratch(first),
+            Scratch(first + 1),
             dst_arg,
             I32(by_row),
         ],
     ));
-    Ok(k_in)
+    Ok(())
+}
+
+/// `EmbeddingSort`: meta, keys and the radix passes, the last into the two outputs.
+fn embedding_sort(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan, String> {
+    expect(op, o, &[I, I], &[I, I])?;
+    let (mut calls, total) = emb_meta(op, field_rows)?;
+    let (n_ids, n_off) = emb_ids(op, o.ins[0], o.ins[1])?;
+    if o.outs.iter().any(|s| s.numel() != n_ids) {
+        return Err(format!(
+            "embedding_sort: outputs {} and {} for {n_ids} ids",
+            o.outs[0], o.outs[1]
+        ));
+    }
+    if n_ids == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    let mut scratch = vec![16 * field_rows.len()];
+    emb_sort(
+        &mut calls,
+        &mut scratch,
+        field_rows,
+        total,
+        (KArg::In(0), KArg::In(1)),
+        n_ids,
+        n_off.saturating_sub(1),
+        Some((Out(0), Out(1))),
+    )?;
+    Ok(plan_of(calls, scratch))
 }
 
 fn embedding_bag_grad_dense(
@@ -1630,14 +1678,23 @@ fn embedding_bag_grad_dense(
         return Ok(plan_of(vec![zero], vec![]));
     }
     let n_bags = (o.ins[0].numel() / d).min(n_off.saturating_sub(1));
-    let mut scratch = Vec::new();
+    let mut scratch = vec![16 * field_rows.len()];
     calls.push(zero);
-    emb_backward(
+    let (rows, bags) = emb_sort(
         &mut calls,
         &mut scratch,
         field_rows,
         total,
-        (KArg::In(1), KArg::In(2), KArg::In(0)),
+        (KArg::In(1), KArg::In(2)),
+        n_ids,
+        n_bags,
+        None,
+    )?;
+    emb_segments(
+        &mut calls,
+        &mut scratch,
+        total,
+        (rows, bags, KArg::In(0)),
         n_ids,
         n_bags,
         d,
@@ -1646,6 +1703,9 @@ fn embedding_bag_grad_dense(
     Ok(plan_of(calls, scratch))
 }
 
+/// Row-wise Adagrad: the occurrences sorted by row (here, or by an `EmbeddingSort` whose
+/// outputs are inputs 3 and 4), each row's gradient summed over them in that order into
+/// G at the run's first position, then `emb_adagrad_apply` a warp per run.
 fn rowwise_adagrad(
     op: &Op,
     o: &Operands,
@@ -1653,8 +1713,13 @@ fn rowwise_adagrad(
     eps: f64,
     field_rows: &[usize],
 ) -> Result<CudaPlan, String> {
-    expect(op, o, &[I, I, F], &[])?;
-    let (mut calls, total) = emb_meta(op, field_rows)?;
+    let presorted = o.ins.len() == 5;
+    if presorted {
+        expect(op, o, &[I, I, F, I, I], &[])?;
+    } else {
+        expect(op, o, &[I, I, F], &[])?;
+    }
+    let (meta_calls, total) = emb_meta(op, field_rows)?;
     let d = o.ins[2].last();
     if o.upd.len() != 2 || o.upd[0].dims() != [total, d] || o.upd[1].numel() != total {
         return Err(format!(
@@ -1663,30 +1728,51 @@ fn rowwise_adagrad(
         ));
     }
     let (n_ids, n_off) = emb_ids(op, o.ins[0], o.ins[1])?;
+    if presorted && (o.ins[3].numel() != n_ids || o.ins[4].numel() != n_ids) {
+        return Err(format!(
+            "rowwise_adagrad: sorted rows {} and bags {} for {n_ids} ids",
+            o.ins[3], o.ins[4]
+        ));
+    }
     if n_ids == 0 || d == 0 {
         return Ok(plan_of(vec![], vec![]));
     }
     let n_bags = (o.ins[2].numel() / d).min(n_off.saturating_sub(1));
+    let mut calls = Vec::new();
     let mut scratch = Vec::new();
-    let g = 8; // scratch index of G
-    let sorted = emb_backward(
+    let (rows, bags) = if presorted {
+        (KArg::In(3), KArg::In(4))
+    } else {
+        calls = meta_calls;
+        scratch.push(16 * field_rows.len());
+        emb_sort(
+            &mut calls,
+            &mut scratch,
+            field_rows,
+            total,
+            (KArg::In(0), KArg::In(1)),
+            n_ids,
+            n_bags,
+            None,
+        )?
+    };
+    let g = scratch.len();
+    scratch.push(4 * n_ids * d);
+    emb_segments(
         &mut calls,
         &mut scratch,
-        field_rows,
         total,
-        (KArg::In(0), KArg::In(1), KArg::In(2)),
+        (rows, bags, KArg::In(2)),
         n_ids,
         n_bags,
         d,
         SegDst::ByPosition(g),
     )?;
-    scratch.push(4 * n_ids * d);
-    debug_assert_eq!(scratch.len(), g + 1);
     calls.push(warp_rows(
         "emb_adagrad_apply",
         n_ids,
         vec![
-            Scratch(sorted),
+            rows,
             Scratch(g),
             I32(n_ids as i32),
             I32(i32_of(d, "embedding dim")?),
