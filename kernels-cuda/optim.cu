@@ -8,8 +8,8 @@
 // index of a tensor's first chunk in the concatenation of all tensors' chunks.
 //
 // adam_multi_tensor / sgd_multi_tensor: one 256-thread CTA per chunk (grid = total
-// chunks); thread 0 finds the chunk's tensor by binary search over chunk_start, then each
-// thread updates elements t, t+256, t+512, t+768 of the chunk (coalesced). Adam's bias
+// chunks); warp 0 finds the chunk's tensor in the table (opt_find_warp), then thread t
+// updates elements 4t .. 4t+3 of the chunk, all its loads issued before its stores. Adam's bias
 // corrections come from the step counter in device memory (never a launch argument, so a
 // captured graph replays correctly): bc1 = 1 - β1^step, bc2 = 1 - β2^step in f64 with the
 // same square-and-multiply powi as Rust, step size lr/bc1 and sqrt(bc2) rounded to f32,
@@ -47,18 +47,70 @@ ERASE_KERNEL void optim_table_build(OptRec* table, int first, int count, OPT_REC
     OPT_REC_SET(0) OPT_REC_SET(1) OPT_REC_SET(2) OPT_REC_SET(3) OPT_REC_SET(4) OPT_REC_SET(5) OPT_REC_SET(6) OPT_REC_SET(7) OPT_REC_SET(8) OPT_REC_SET(9) OPT_REC_SET(10) OPT_REC_SET(11) OPT_REC_SET(12) OPT_REC_SET(13) OPT_REC_SET(14) OPT_REC_SET(15) OPT_REC_SET(16) OPT_REC_SET(17) OPT_REC_SET(18) OPT_REC_SET(19) OPT_REC_SET(20) OPT_REC_SET(21) OPT_REC_SET(22) OPT_REC_SET(23) OPT_REC_SET(24) OPT_REC_SET(25) OPT_REC_SET(26) OPT_REC_SET(27) OPT_REC_SET(28) OPT_REC_SET(29) OPT_REC_SET(30) OPT_REC_SET(31)
 }
 
-// The tensor that owns chunk `b`: the last record with chunk_start <= b.
-__device__ __forceinline__ int opt_find(const OptRec* __restrict__ t, int nt, long long b) {
-    int lo = 0, hi = nt;  // first record with chunk_start > b is in [lo, hi]
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (t[mid].chunk_start <= b)
-            lo = mid + 1;
-        else
-            hi = mid;
+// The tensor that owns chunk `b`: the last record with chunk_start <= b, found by warp 0
+// in rounds of 32 records (one load a lane, then a ballot) instead of a chain of
+// dependent loads by one thread; records are in chunk_start order.
+__device__ __forceinline__ int opt_find_warp(const OptRec* __restrict__ t, int nt, long long b) {
+    const int lane = threadIdx.x & 31;
+    int count = 0;
+    for (int base = 0; base < nt; base += 32) {
+        const bool le = base + lane < nt && t[base + lane].chunk_start <= b;
+        const unsigned m = __ballot_sync(0xffffffffu, le);
+        count += __popc(m);
+        if (m != 0xffffffffu) break;  // a record past b, or the end of the table
     }
-    return lo - 1;
+    return count - 1;
 }
+
+// Thread t of chunk b's CTA owns elements e0 + 4t .. e0 + 4t + 3 (float4 loads when the
+// tensor's four arrays are 16-byte aligned), loading all of them before any store: a
+// thread's 16 loads are in flight at once.
+template <typename F>
+__device__ __forceinline__ void opt_chunk4(const OptRec& r, long long b, F&& update) {
+    const long long e = (b - r.chunk_start) * OPT_CHUNK + 4 * threadIdx.x;
+    if (e >= r.numel) return;
+    const bool vec = e + 4 <= r.numel &&
+                     ((reinterpret_cast<uintptr_t>(r.p) | reinterpret_cast<uintptr_t>(r.g) |
+                       reinterpret_cast<uintptr_t>(r.m) | reinterpret_cast<uintptr_t>(r.v)) & 15) == 0;
+    float g[4], m[4], v[4], p[4];
+    if (vec) {
+        const float4 g4 = *reinterpret_cast<const float4*>(r.g + e);
+        const float4 m4 = *reinterpret_cast<const float4*>(r.m + e);
+        const float4 v4 = *reinterpret_cast<const float4*>(r.v + e);
+        const float4 p4 = *reinterpret_cast<const float4*>(r.p + e);
+        g[0] = g4.x, g[1] = g4.y, g[2] = g4.z, g[3] = g4.w;
+        m[0] = m4.x, m[1] = m4.y, m[2] = m4.z, m[3] = m4.w;
+        v[0] = v4.x, v[1] = v4.y, v[2] = v4.z, v[3] = v4.w;
+        p[0] = p4.x, p[1] = p4.y, p[2] = p4.z, p[3] = p4.w;
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const bool in = e + k < r.numel;
+            g[k] = in ? r.g[e + k] : 0.f;
+            m[k] = in ? r.m[e + k] : 0.f;
+            v[k] = in ? r.v[e + k] : 0.f;
+            p[k] = in ? r.p[e + k] : 0.f;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) update(g[k], m[k], v[k], p[k]);
+    if (vec) {
+        *reinterpret_cast<float4*>(r.m + e) = make_float4(m[0], m[1], m[2], m[3]);
+        *reinterpret_cast<float4*>(r.v + e) = make_float4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<float4*>(r.p + e) = make_float4(p[0], p[1], p[2], p[3]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (e + k < r.numel) {
+                r.m[e + k] = m[k];
+                r.v[e + k] = v[k];
+                r.p[e + k] = p[k];
+            }
+        }
+    }
+}
+
+static_assert(OPT_CHUNK == 4 * OPT_THREADS, "a thread owns four elements of a chunk");
 
 ERASE_KERNEL void adam_multi_tensor(const OptRec* __restrict__ table, int nt, long long total_chunks,
                                     const int* __restrict__ step, long long lr_bits, long long beta1_bits,
@@ -67,8 +119,10 @@ ERASE_KERNEL void adam_multi_tensor(const OptRec* __restrict__ table, int nt, lo
     __shared__ float s_coef[4];  // step_size, bc2_sqrt, beta1, beta2 (f32)
     const long long b = blockIdx.x;
     if (b >= total_chunks) return;
-    if (threadIdx.x == 0) {
-        s_tensor = opt_find(table, nt, b);
+    if (threadIdx.x < 32) {
+        const int ti = opt_find_warp(table, nt, b);
+        if (threadIdx.x == 0) s_tensor = ti;
+    } else if (threadIdx.x == 32) {
         const double lr = erase_f64_from_bits(lr_bits);
         const double b1 = erase_f64_from_bits(beta1_bits), b2 = erase_f64_from_bits(beta2_bits);
         const int st = *step;
@@ -85,27 +139,22 @@ ERASE_KERNEL void adam_multi_tensor(const OptRec* __restrict__ table, int nt, lo
     const OptRec r = table[ti];
     const float step_size = s_coef[0], bc2_sqrt = s_coef[1], b1 = s_coef[2], b2 = s_coef[3];
     const float omb1 = erase_sub(1.0f, b1), omb2 = erase_sub(1.0f, b2);
-    const long long e0 = (b - r.chunk_start) * OPT_CHUNK;
-#pragma unroll
-    for (int k = 0; k < OPT_CHUNK / OPT_THREADS; ++k) {
-        const long long e = e0 + k * OPT_THREADS + threadIdx.x;
-        if (e < r.numel) {
-            const float g = r.g[e];
-            const float m = erase_add(erase_mul(b1, r.m[e]), erase_mul(omb1, g));
-            const float v = erase_add(erase_mul(b2, r.v[e]), erase_mul(erase_mul(omb2, g), g));
-            const float denom = erase_add(erase_div(erase_sqrt(v), bc2_sqrt), eps);
-            r.m[e] = m;
-            r.v[e] = v;
-            r.p[e] = erase_sub(r.p[e], erase_div(erase_mul(step_size, m), denom));
-        }
-    }
+    opt_chunk4(r, b, [&](float g, float& m, float& v, float& p) {
+        m = erase_add(erase_mul(b1, m), erase_mul(omb1, g));
+        v = erase_add(erase_mul(b2, v), erase_mul(erase_mul(omb2, g), g));
+        const float denom = erase_add(erase_div(erase_sqrt(v), bc2_sqrt), eps);
+        p = erase_sub(p, erase_div(erase_mul(step_size, m), denom));
+    });
 }
 
 ERASE_KERNEL void sgd_multi_tensor(const OptRec* __restrict__ table, int nt, long long total_chunks, float lr) {
     __shared__ int s_tensor;
     const long long b = blockIdx.x;
     if (b >= total_chunks) return;
-    if (threadIdx.x == 0) s_tensor = opt_find(table, nt, b);
+    if (threadIdx.x < 32) {
+        const int ti = opt_find_warp(table, nt, b);
+        if (threadIdx.x == 0) s_tensor = ti;
+    }
     __syncthreads();
     const int ti = s_tensor;
     if (ti < 0) return;
