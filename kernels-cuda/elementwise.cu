@@ -185,26 +185,10 @@ ERASE_KERNEL void ew_cast(const void* __restrict__ x, void* __restrict__ y, long
 
 // ---- n-ary gradient sum ----------------------------------------------------------------
 
-// y = p0 + p1 + ... + p(k-1), left to right (k <= 8). More inputs chain calls: the next
-// call passes `y` itself as its p0, so the order stays the inputs' order.
-ERASE_KERNEL void ew_grad_sum(float* y, long long n, int k, const float* p0, const float* p1, const float* p2,
-                              const float* p3, const float* p4, const float* p5, const float* p6, const float* p7) {
-    EW_LOOP(i, n) {
-        float s = p0[i];
-        if (k > 1) s = erase_add(s, p1[i]);
-        if (k > 2) s = erase_add(s, p2[i]);
-        if (k > 3) s = erase_add(s, p3[i]);
-        if (k > 4) s = erase_add(s, p4[i]);
-        if (k > 5) s = erase_add(s, p5[i]);
-        if (k > 6) s = erase_add(s, p6[i]);
-        if (k > 7) s = erase_add(s, p7[i]);
-        y[i] = s;
-    }
-}
-
-// The window of a sum of gradient contributions (SliceSum): for i < n (n a multiple of w),
-// row r = i / w, column c = i % w: y[i] = p0[r·ld0 + off0 + c] + p1[r·ld + off + c] + ..
-// + p_{k-1}[..], in input order. A chained call (more than 8 contributions) passes the
+// The sum of gradient contributions (GradSum: one row, w = ld = n) or the window of one
+// (SliceSum): for i < n (n a multiple of w), row r = i / w, column c = i % w:
+// y[i] = p0[r·ld0 + off0 + c] + p1[r·ld + off + c] + .. + p_{k-1}[..], left to right
+// (k <= 8). A chained call (more than 8 contributions) passes the
 // running sum y as p0 with ld0 = w, off0 = 0: each element is read and written by one
 // thread. With V = 4 every index is in float4 units (n, w, the strides and offsets
 // multiples of 4, as the plan checks; the arena aligns tensors to 256 bytes).
@@ -226,11 +210,13 @@ __device__ __forceinline__ void slice_sum_body(float* y, long long n, long long 
     const T* q[8] = {reinterpret_cast<const T*>(p0), reinterpret_cast<const T*>(p1), reinterpret_cast<const T*>(p2),
                      reinterpret_cast<const T*>(p3), reinterpret_cast<const T*>(p4), reinterpret_cast<const T*>(p5),
                      reinterpret_cast<const T*>(p6), reinterpret_cast<const T*>(p7)};
+    // the whole tensor (grad_sum: one row, no offsets): every index is i, no division
+    const bool flat = w == ld && ld0 == ld && off == 0 && off0 == 0;
     EW_LOOP(i, n / V) {
-        const long long r = i / (w / V), c = i - r * (w / V);
-        const long long j = r * (ld / V) + off / V + c;
+        const long long r = flat ? 0 : i / (w / V), c = i - r * (w / V);
+        const long long j = flat ? i : r * (ld / V) + off / V + c;
         T v[8];
-        v[0] = q[0][r * (ld0 / V) + off0 / V + c];
+        v[0] = q[0][flat ? i : r * (ld0 / V) + off0 / V + c];
 #pragma unroll
         for (int e = 1; e < 8; ++e)
             if (e < k) v[e] = q[e][j];

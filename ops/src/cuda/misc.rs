@@ -27,7 +27,6 @@ pub(crate) const KERNELS: &[&str] = &[
     "ew_gelu_grad",
     "ew_sigmoid_grad",
     "ew_cast",
-    "ew_grad_sum",
     "ew_slice_sum",
     "ew_slice_sum4",
     "ew_fill_scaled",
@@ -634,6 +633,7 @@ fn pad(op: &Op, o: &Operands, axis: usize, start: usize, full: usize) -> Result<
     ))
 }
 
+/// The sum of the inputs in input order: the slice_sum kernels over one row.
 fn grad_sum(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
     let k = o.ins.len();
     if k == 0 {
@@ -647,70 +647,22 @@ fn grad_sum(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
             o.outs[0]
         ));
     }
-    // first call: inputs 0..8; each next call: the running sum, then 7 more inputs
-    let mut calls = Vec::new();
-    let mut next = 0;
-    while next < k {
-        let mut ptrs: Vec<KArg> = Vec::with_capacity(8);
-        if next > 0 {
-            ptrs.push(Out(0));
-        }
-        while ptrs.len() < 8 && next < k {
-            ptrs.push(KArg::In(next));
-            next += 1;
-        }
-        let used = ptrs.len() as i32;
-        while ptrs.len() < 8 {
-            ptrs.push(ptrs[0]);
-        }
-        let mut args = vec![Out(0), n64(n), I32(used)];
-        args.extend(ptrs);
-        calls.push(ew("ew_grad_sum", n, args));
-    }
-    Ok(plan_of(calls, vec![]))
+    Ok(plan_of(sum_calls(k, n, n, n, 0), vec![]))
 }
 
-/// The window `start..start+len` of `axis` of the sum of the inputs, one pass over the
-/// window (`ew_slice_sum`, float4 lanes where every row, stride and offset allows), summed
-/// in input order; more than 8 inputs chain launches as grad_sum does.
-fn slice_sum(
-    op: &Op,
-    o: &Operands,
-    axis: usize,
-    start: usize,
-    len: usize,
-) -> Result<CudaPlan, String> {
-    let k = o.ins.len();
-    if k == 0 {
-        return Err("slice_sum: no inputs".into());
-    }
-    expect(op, o, &vec![F; k], &[F])?;
-    if let Some(s) = o.ins.iter().find(|s| s.dims() != o.ins[0].dims()) {
-        return Err(format!(
-            "slice_sum: contribution {s} differs from contribution 0 {}",
-            o.ins[0]
-        ));
-    }
-    let (outer, total, inner) = around(op, o.ins[0], axis)?;
-    let (w, ld, off) = (len * inner, total * inner, start * inner);
-    if start + len > total || o.outs[0].numel() != outer * w {
-        return Err(format!(
-            "slice_sum: {start}+{len} of axis {axis} of {} into {}",
-            o.ins[0], o.outs[0]
-        ));
-    }
-    let n = outer * w;
+/// The launches of `y[r·w + c] = Σ_j in_j[r·ld + off + c]` over `n` outputs, in input
+/// order: float4 lanes where every row, stride and offset allows; the first call takes
+/// inputs 0..8, each next call the running sum (row w, offset 0) and 7 more inputs.
+fn sum_calls(k: usize, n: usize, w: usize, ld: usize, off: usize) -> Vec<KernelCall> {
     if n == 0 {
-        return Ok(plan_of(vec![], vec![]));
+        return Vec::new();
     }
-    let vec4 = w % 4 == 0 && ld % 4 == 0 && off % 4 == 0;
+    let vec4 = w.is_multiple_of(4) && ld.is_multiple_of(4) && off.is_multiple_of(4);
     let (kernel, lanes) = if vec4 {
         ("ew_slice_sum4", n / 4)
     } else {
         ("ew_slice_sum", n)
     };
-    // first call: inputs 0..8; each next call: the running sum (row w, offset 0), then
-    // 7 more inputs
     let mut calls = Vec::new();
     let mut next = 0;
     while next < k {
@@ -742,7 +694,38 @@ fn slice_sum(
         args.extend(ptrs);
         calls.push(ew(kernel, lanes, args));
     }
-    Ok(plan_of(calls, vec![]))
+    calls
+}
+
+/// The window `start..start+len` of `axis` of the sum of the inputs, one pass over the
+/// window, summed in input order (see sum_calls).
+fn slice_sum(
+    op: &Op,
+    o: &Operands,
+    axis: usize,
+    start: usize,
+    len: usize,
+) -> Result<CudaPlan, String> {
+    let k = o.ins.len();
+    if k == 0 {
+        return Err("slice_sum: no inputs".into());
+    }
+    expect(op, o, &vec![F; k], &[F])?;
+    if let Some(s) = o.ins.iter().find(|s| s.dims() != o.ins[0].dims()) {
+        return Err(format!(
+            "slice_sum: contribution {s} differs from contribution 0 {}",
+            o.ins[0]
+        ));
+    }
+    let (outer, total, inner) = around(op, o.ins[0], axis)?;
+    let (w, ld, off) = (len * inner, total * inner, start * inner);
+    if start + len > total || o.outs[0].numel() != outer * w {
+        return Err(format!(
+            "slice_sum: {start}+{len} of axis {axis} of {} into {}",
+            o.ins[0], o.outs[0]
+        ));
+    }
+    Ok(plan_of(sum_calls(k, outer * w, w, ld, off), vec![]))
 }
 
 fn step_increment(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
