@@ -37,6 +37,9 @@ pub struct ScheduleOptions {
     /// The last early backward program on a side stream of its own, one priority level
     /// below main (see `ScheduleConfig::late_stream`).
     pub late_stream: bool,
+    /// The early programs' weight gradients on companion streams of their side streams
+    /// (see `ScheduleConfig::weight_grad_streams`).
+    pub weight_grad_streams: bool,
 }
 
 impl Default for ScheduleOptions {
@@ -47,6 +50,7 @@ impl Default for ScheduleOptions {
             device: DeviceModel::h200(),
             early_updates: false,
             late_stream: true,
+            weight_grad_streams: true,
         }
     }
 }
@@ -100,6 +104,7 @@ pub fn plan_step(
         device: sched.device.clone(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
         late_stream: sched.late_stream,
+        weight_grad_streams: sched.weight_grad_streams,
     };
     let program = schedule(&model.graph, &partition, &scfg);
     let mut keep = vec![model.logit, model.main_loss];

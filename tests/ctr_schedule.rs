@@ -2,7 +2,7 @@
 //! checked set of cross-stream edges, and the same bits as the detached schedule.
 
 use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
-use erase::graph::{DType, OptimizerConfig, Phase};
+use erase::graph::{DType, Op, OptimizerConfig, Phase};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::runtime::hb::check;
 use erase::runtime::memory::{alias_root, Placement};
@@ -262,7 +262,14 @@ fn early_per_block_updates_run_after_their_block_and_train_the_same_bits() {
                 .iter()
                 .rposition(|l| bwd.nodes.contains(&l.node))
                 .unwrap();
-            assert_eq!(prog.launches[i].stream, prog.launches[last_bwd].stream);
+            // on the block's side stream (its weight gradients ran on the companion)
+            let side = prog
+                .launches
+                .iter()
+                .find(|l| l.node == bwd.nodes[0])
+                .unwrap()
+                .stream;
+            assert_eq!(prog.launches[i].stream, side);
             assert_ne!(prog.launches[i].stream, StreamId::MAIN, "{}", name(i));
             assert!(i > last_bwd, "{} before its block's backward", name(i));
             early_updates += 1;
@@ -361,6 +368,7 @@ fn the_ctr_step_uses_the_fused_forms() {
 fn the_last_early_program_has_the_late_stream_to_itself() {
     let p = plan(&tiny(Variant::Erase), 4);
     let prog = &p.program;
+    let g = &p.model.graph;
     let late = erase::runtime::schedule::StreamId(4);
     assert_eq!(prog.late_stream, Some(late));
     // the programs readied during the forward, in order: the last one alone on side4
@@ -371,11 +379,25 @@ fn the_last_early_program_has_the_late_stream_to_itself() {
             .launches
             .iter()
             .filter(|l| l.label.block == name && l.label.phase == "bwd")
+            .filter(|l| !matches!(g.node(l.node).op, Op::LinearGradWeight { .. }))
             .map(|l| l.stream.0)
             .collect();
         s.dedup();
         s
     };
+    // the weight gradients on the companion of their program's stream
+    for (i, l) in prog.launches.iter().enumerate() {
+        if l.label.phase == "bwd" && matches!(g.node(l.node).op, Op::LinearGradWeight { .. }) {
+            let first = prog
+                .launches
+                .iter()
+                .position(|m| m.label.block == l.label.block && m.label.phase == "bwd")
+                .unwrap();
+            if prog.launches[first].stream != StreamId::MAIN {
+                assert_eq!(l.stream.0, prog.launches[first].stream.0 + 4, "launch {i}");
+            }
+        }
+    }
     let ready_last = early
         .iter()
         .max_by_key(|q| {
@@ -408,4 +430,81 @@ fn the_last_early_program_has_the_late_stream_to_itself() {
     )
     .unwrap();
     assert_eq!(off.program.late_stream, None);
+}
+
+#[test]
+fn weight_gradients_leave_the_data_gradient_chain_for_companion_streams() {
+    let sched = ScheduleOptions {
+        side_streams: 4,
+        weight_grad_streams: true,
+        ..Default::default()
+    };
+    let p = plan_step(
+        &CtrConfig::small(),
+        DType::F32,
+        &OptimizerConfig::default(),
+        &sched,
+    )
+    .unwrap();
+    let (g, prog, mem) = (&p.model.graph, &p.program, &p.memory);
+    assert_eq!(prog.streams, 1 + 2 * 4);
+    assert!(check(g, prog, mem).is_empty());
+    let mut companions = std::collections::BTreeSet::new();
+    for bp in p.partition.programs.iter().filter(|x| x.early) {
+        let side = prog
+            .launches
+            .iter()
+            .find(|l| l.node == bp.nodes[0])
+            .unwrap()
+            .stream;
+        for &n in &bp.nodes {
+            let l = prog.launches.iter().find(|l| l.node == n).unwrap();
+            if matches!(g.node(n).op, erase::graph::Op::LinearGradWeight { .. }) {
+                // the companion of the program's side stream
+                assert_eq!(l.stream.0, side.0 + 4, "{} of {}", g.node(n).name, bp.name);
+                companions.insert(l.stream);
+            } else {
+                assert_eq!(l.stream, side, "{} of {}", g.node(n).name, bp.name);
+            }
+        }
+    }
+    assert!(companions.len() >= 3, "{companions:?}");
+    // the remainder keeps its weight gradients on the main stream
+    let remainder = p.partition.programs.iter().find(|x| !x.early).unwrap();
+    for &n in &remainder.nodes {
+        let l = prog.launches.iter().find(|l| l.node == n).unwrap();
+        assert_eq!(l.stream, StreamId::MAIN);
+    }
+    // every edge the split adds is one the plan needs
+    for (i, l) in prog.launches.iter().enumerate() {
+        for w in 0..l.waits.len() {
+            if l.waits[w].kind == EdgeKind::Occupancy {
+                continue;
+            }
+            let mut broken = prog.clone();
+            broken.launches[i].waits.remove(w);
+            assert!(
+                !check(g, &broken, mem).is_empty(),
+                "removing '{}' went unnoticed",
+                l.waits[w].why
+            );
+        }
+    }
+    // the same parameters as the unsplit plan after training, in issue order and in
+    // random interleavings that respect the edges
+    let tiny_split = plan_step(
+        &tiny(Variant::Erase),
+        DType::F32,
+        &OptimizerConfig::default(),
+        &sched,
+    )
+    .unwrap();
+    let want = run(&plan(&tiny(Variant::Erase), 4), 3, None);
+    assert!(run(&tiny_split, 3, None) == want, "split differs");
+    for seed in 0..4 {
+        assert!(
+            run(&tiny_split, 3, Some(seed)) == want,
+            "split (interleaving {seed}) differs"
+        );
+    }
 }

@@ -117,6 +117,7 @@ fn cfg(kind: ScheduleKind, side: usize) -> ScheduleConfig {
         device: DeviceModel::h200(),
         kernels: None,
         late_stream: false,
+        weight_grad_streams: false,
     }
 }
 
@@ -157,6 +158,7 @@ fn random_graphs_plan_safely_and_fuzz_bit_identically() {
         let sides = 1 + (seed as usize % 3);
         let mut c = cfg(ScheduleKind::Early, sides);
         c.late_stream = seed % 2 == 0;
+        c.weight_grad_streams = seed % 3 == 1;
         let prog: StepProgram = schedule(&m.g, &part, &c);
         let plan = plan_memory(&m.g, &prog, &m.losses);
         let hazards = check(&m.g, &prog, &plan);

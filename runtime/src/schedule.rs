@@ -65,6 +65,11 @@ pub struct ScheduleConfig {
     /// last, so with the least time to finish before the join) gets the last side stream
     /// to itself, at the priority just below main's; the others share the rest.
     pub late_stream: bool,
+    /// Each side stream gets a companion (side `k + side_streams`) for the weight
+    /// gradients (LinearGradWeight) of the early programs it runs: nothing in a block's
+    /// backward waits for them, so its chain of data gradients (the critical path of the
+    /// block that ends last) runs without them, and they fill the device beside it.
+    pub weight_grad_streams: bool,
 }
 
 /// Replaces the declared footprint of `spec` with the real one of the heaviest call of
@@ -468,9 +473,19 @@ impl Builder<'_> {
 
 /// Builds the step program of a trainable graph.
 pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgram {
+    let split_dw = cfg.kind == ScheduleKind::Early && cfg.weight_grad_streams;
     let streams = match cfg.kind {
         ScheduleKind::Serial => 1,
+        ScheduleKind::Early if split_dw => 1 + 2 * cfg.side_streams.max(1),
         ScheduleKind::Early => 1 + cfg.side_streams.max(1),
+    };
+    // the stream of an early program's node on side stream `s`
+    let on = |n: NodeId, s: StreamId| -> StreamId {
+        if split_dw && matches!(g.node(n).op, erase_graph::Op::LinearGradWeight { .. }) {
+            StreamId(s.0 + cfg.side_streams.max(1) as u16)
+        } else {
+            s
+        }
     };
     let mut b = Builder {
         g,
@@ -552,7 +567,7 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
                         b.start_after = b.last_on[0];
                     }
                     for &bn in &prog.nodes {
-                        b.push(bn, s, &prog.name);
+                        b.push(bn, on(bn, s), &prog.name);
                     }
                     for &un in part.early_updates.get(&k).into_iter().flatten() {
                         b.push(un, s, &prog.name);
@@ -566,7 +581,6 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             }
         }
     }
-    b.join_next = true;
     let placed: std::collections::BTreeSet<NodeId> = match cfg.kind {
         ScheduleKind::Early if !part.early_updates.is_empty() => part
             .early_updates
@@ -582,7 +596,27 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             .collect(),
         _ => Default::default(),
     };
-    for &n in part.optimizer.iter().filter(|n| !placed.contains(n)) {
+    let rest: Vec<NodeId> = part
+        .optimizer
+        .iter()
+        .copied()
+        .filter(|n| !placed.contains(n))
+        .collect();
+    // the row-wise updates read their table's gradient alone: with a dense update after
+    // them to carry the join, they go first and wait only for that gradient (the last
+    // weight gradients may still run beside them)
+    let sparse = |n: &NodeId| matches!(g.node(*n).op, erase_graph::Op::RowwiseAdagrad { .. });
+    let (first, last): (Vec<NodeId>, Vec<NodeId>) = if rest.iter().any(|n| !sparse(n)) {
+        rest.iter().partition(|n| sparse(n))
+    } else {
+        (Vec::new(), rest)
+    };
+    b.join_next = first.is_empty();
+    for &n in &first {
+        b.push(n, StreamId::MAIN, "optim");
+    }
+    b.join_next = true;
+    for &n in &last {
         b.push(n, StreamId::MAIN, "optim");
     }
     b.finish()

@@ -318,6 +318,7 @@ pub fn plan_graph(
         device: DeviceModel::h200(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
         late_stream: false,
+        weight_grad_streams: false,
     };
     let program = schedule(&graph, &partition, &scfg);
     let memory = plan_memory(&graph, &program, keep);
