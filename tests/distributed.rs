@@ -144,3 +144,35 @@ fn a_dying_rank_stops_the_others_within_the_timeout() {
         "{e0}"
     );
 }
+
+#[test]
+fn data_parallel_plans_sort_the_gathered_ids_in_the_update() {
+    use erase::graph::Op;
+    let c = cfg(1);
+    let count = |p: &StepPlan| -> (usize, Vec<usize>) {
+        let g = &p.model.graph;
+        let sorts = g
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, Op::EmbeddingSort { .. }))
+            .count();
+        let inputs = g
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, Op::RowwiseAdagrad { .. }))
+            .map(|n| n.inputs.len())
+            .collect();
+        (sorts, inputs)
+    };
+    // one process: the ids' sort is a node of its own, read by the update
+    assert_eq!(count(&single_process(&c)), (1, vec![5]));
+    // data parallel: each rank gathers every rank's ids at the update and sorts there
+    let dp = plan_step(
+        &c.model,
+        erase::graph::DType::F32,
+        &erase::train::gathered_sort(&c.optimizer),
+        &c.schedule,
+    )
+    .unwrap();
+    assert_eq!(count(&dp), (0, vec![3]));
+}
