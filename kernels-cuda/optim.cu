@@ -8,8 +8,9 @@
 // index of a tensor's first chunk in the concatenation of all tensors' chunks.
 //
 // adam_multi_tensor / sgd_multi_tensor: one 256-thread CTA per chunk (grid = total
-// chunks); warp 0 finds the chunk's tensor in the table (opt_find_warp), then thread t
-// updates elements 4t .. 4t+3 of the chunk, all its loads issued before its stores. Adam's bias
+// chunks); warp 0 finds the chunk's tensor in the table (opt_find_warp). Adam: thread t
+// updates elements 4t .. 4t+3 of the chunk, all its loads issued before its stores; SGD:
+// elements t, t+256, t+512, t+768. Adam's bias
 // corrections come from the step counter in device memory (never a launch argument, so a
 // captured graph replays correctly): bc1 = 1 - β1^step, bc2 = 1 - β2^step in f64 with the
 // same square-and-multiply powi as Rust, step size lr/bc1 and sqrt(bc2) rounded to f32,

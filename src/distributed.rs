@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
-use crate::train::{gathered_sort, plan_step, StepPlan, TrainConfig};
+use crate::train::{data_parallel_schedule, gathered_sort, plan_step, StepPlan, TrainConfig};
 use erase_graph::{DType, Grad, Op, Phase, Tensor};
 use erase_ops::{Buffer, NodeCall};
 use erase_runtime::collective::{cpu_group, Collective, CollectiveRecord};
@@ -254,7 +254,7 @@ pub fn run_rank<C: Collective>(
         local,
         DType::F32,
         &gathered_sort(&cfg.optimizer),
-        &cfg.schedule,
+        &data_parallel_schedule(&cfg.schedule),
     )?;
     let m = &plan.model;
     let g = &m.graph;
@@ -439,7 +439,7 @@ pub fn evaluate_replica(
         &cfg.model,
         DType::F32,
         &gathered_sort(&cfg.optimizer),
-        &cfg.schedule,
+        &data_parallel_schedule(&cfg.schedule),
     )?;
     let g = &plan.model.graph;
     let mut session =

@@ -10,7 +10,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use crate::distributed::{AllReduce, FailAt, RankResult, Shard};
 use crate::launch::{report, WorkerOptions};
-use crate::train::{gathered_sort, plan_step, Dispatch, TrainConfig};
+use crate::train::{data_parallel_schedule, gathered_sort, plan_step, Dispatch, TrainConfig};
 use erase_graph::DType;
 use erase_runtime::collective::CollectiveRecord;
 use erase_runtime::cuda_collective::DataParallel;
@@ -82,7 +82,7 @@ fn train(
         &local,
         DType::F32,
         &gathered_sort(&cfg.optimizer),
-        &cfg.schedule,
+        &data_parallel_schedule(&cfg.schedule),
     )?;
     let m = &plan.model;
     let g = &m.graph;

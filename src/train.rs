@@ -81,6 +81,16 @@ pub fn gathered_sort(opt: &OptimizerConfig) -> OptimizerConfig {
     }
 }
 
+/// `sched` for data-parallel training: an early program's gradients are all-reduced
+/// after its last launch, on that launch's stream, so a program stays on one stream (no
+/// weight-gradient companions).
+pub fn data_parallel_schedule(sched: &ScheduleOptions) -> ScheduleOptions {
+    ScheduleOptions {
+        weight_grad_streams: false,
+        ..sched.clone()
+    }
+}
+
 /// Builds, differentiates, partitions, schedules and plans the model; proves the plan.
 pub fn plan_step(
     cfg: &CtrConfig,

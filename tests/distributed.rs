@@ -175,4 +175,16 @@ fn data_parallel_plans_sort_the_gathered_ids_in_the_update() {
     )
     .unwrap();
     assert_eq!(count(&dp), (0, vec![3]));
+    // and each early program on one stream: its gradients are all-reduced after its last
+    // launch, on that launch's stream (no weight-gradient companions)
+    let sides = c.schedule.side_streams;
+    assert_eq!(single_process(&c).program.streams, 1 + 2 * sides);
+    let dp = plan_step(
+        &c.model,
+        erase::graph::DType::F32,
+        &erase::train::gathered_sort(&c.optimizer),
+        &erase::train::data_parallel_schedule(&c.schedule),
+    )
+    .unwrap();
+    assert_eq!(dp.program.streams, 1 + sides);
 }

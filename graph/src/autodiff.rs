@@ -5,7 +5,8 @@
 //! - a tensor that several consumers use gets its gradient from one n-ary `GradSum` node
 //!   whose inputs are ordered by the id of the node that made them: the sum is
 //!   deterministic, and nothing accumulates in place (which would race once the
-//!   consumers' backwards run on different streams).
+//!   consumers' backwards run on different streams). A concat's output sums them per
+//!   input instead, one `SliceSum` over that input's window, in the same order.
 
 use std::collections::BTreeMap;
 

@@ -127,6 +127,9 @@ pub fn partition(g: &Graph, grads: &crate::autodiff::Gradients) -> Partition {
             } else {
                 scope
             }
+        } else if at.is_none() {
+            // a one-node forward: the inputs' program is not early either
+            "remainder/inputs".to_string()
         } else {
             "remainder".to_string()
         };

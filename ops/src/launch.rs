@@ -160,9 +160,14 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             bytes: (ins[1].numel() * outs[0].last()) as f64 * e + out_bytes,
             tensor_core: false,
         },
-        Op::EmbeddingSort { .. } => {
-            // the keys, then three 8-bit LSD passes, each reading and writing keys and bags
+        Op::EmbeddingSort { field_rows } => {
+            // the keys, then one 8-bit LSD pass per byte the row keys use, each reading
+            // and writing keys and bags
             let n = ins[0].numel();
+            let total: usize = field_rows.iter().sum();
+            let passes = ((usize::BITS - total.leading_zeros()) as usize)
+                .div_ceil(8)
+                .max(1);
             LaunchSpec {
                 kernel: "emb_radix_scatter",
                 grid: ceil(n, 2048).max(1),
@@ -170,7 +175,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 regs_per_thread: 32,
                 smem_bytes: 4 * 1024,
                 flops: (8 * n) as f64,
-                bytes: (12 * n + 3 * 16 * n) as f64,
+                bytes: (12 * n + passes * 16 * n) as f64,
                 tensor_core: false,
             }
         }

@@ -3,9 +3,12 @@
 //! the main stream (the highest priority); under the ERASE schedule each early backward
 //! program goes to a pool stream right after the forward op that makes it ready (round
 //! robin; with `late_stream`, the program readied last gets a pool stream of its own at
-//! the priority just below main's). Every
-//! cross-stream edge is derived from a data dependency (or the occupancy rule, or the
-//! final join) and carries a sentence saying why, so the plan can be audited.
+//! the priority just below main's; with `weight_grad_streams`, a program's weight
+//! gradients go to a companion of its pool stream; a program that reads only the step's
+//! inputs, the embedding ids' sort, takes the first pool stream outside the round robin).
+//! Every cross-stream edge is derived from a data dependency (or the occupancy rule, the
+//! join before the optimizer, or the start of an inputs-only program) and carries a
+//! sentence saying why, so the plan can be audited.
 //!
 //! The schedule is a deterministic function of the graph and the config: no hash maps
 //! are iterated and nothing depends on the process, so every rank issues the same
@@ -130,14 +133,15 @@ fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrar
 pub enum EdgeKind {
     /// The waiting launch reads what the recording launch wrote, or overwrites what it read.
     Data,
-    /// The end of the step joins every pool stream back into the main stream.
+    /// Every pool stream joins the main stream before the optimizer (the step's end).
     Join,
     /// The occupancy rule keeps a device-filling launch from sharing the device. It orders
     /// work for speed only: removing it loses no correctness.
     Occupancy,
     /// An early program that reads nothing the step computes (only its inputs, as the
-    /// embedding ids' sort) starts after the forward launch it is placed behind, so that
-    /// it never overwrites what the previous step's end still reads.
+    /// embedding ids' sort) starts after the forward launch it is placed behind: after
+    /// the step's inputs are in place, and never over what the previous step's end still
+    /// reads.
     Start,
 }
 
@@ -534,8 +538,14 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             let mut next_side = 0usize;
             let sides = cfg.side_streams.max(1);
             // the last early program, on the last side stream alone when there are two
+            // a program of the step's inputs alone (the ids' sort) ends long before any
+            // block's backward begins: it takes the first side stream without a turn of
+            // the round robin or of the late stream, which stay the blocks'
+            let inputs_only = |p: &erase_graph::BackwardProgram| {
+                p.nodes.first().is_some_and(|f| !part.ready.contains_key(f))
+            };
             let early = (0..part.forward.len())
-                .map(|pos| part.ready_at(pos).count())
+                .map(|pos| part.ready_at(pos).filter(|(_, p)| !inputs_only(p)).count())
                 .sum::<usize>();
             let late = cfg.late_stream && sides >= 2 && early >= 2;
             let shared = if late { sides - 1 } else { sides };
@@ -546,15 +556,11 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             for (pos, &n) in part.forward.iter().enumerate() {
                 b.push(n, StreamId::MAIN, &fwd_block(n));
                 for (k, prog) in part.ready_at(pos) {
-                    placed_early += 1;
-                    // a program of the step's inputs alone (the ids' sort) ends long
-                    // before any block's backward begins: it takes the first side
-                    // stream without a turn of the round robin, which stays the blocks'
-                    let inputs_only = prog
-                        .nodes
-                        .first()
-                        .is_some_and(|f| !part.ready.contains_key(f));
-                    let s = if inputs_only && placed_early < early {
+                    let inputs_only = inputs_only(prog);
+                    if !inputs_only {
+                        placed_early += 1;
+                    }
+                    let s = if inputs_only {
                         StreamId(1)
                     } else if late && placed_early == early {
                         StreamId(sides as u16)
@@ -596,27 +602,11 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             .collect(),
         _ => Default::default(),
     };
-    let rest: Vec<NodeId> = part
-        .optimizer
-        .iter()
-        .copied()
-        .filter(|n| !placed.contains(n))
-        .collect();
-    // the row-wise updates read their table's gradient alone: with a dense update after
-    // them to carry the join, they go first and wait only for that gradient (the last
-    // weight gradients may still run beside them)
-    let sparse = |n: &NodeId| matches!(g.node(*n).op, erase_graph::Op::RowwiseAdagrad { .. });
-    let (first, last): (Vec<NodeId>, Vec<NodeId>) = if rest.iter().any(|n| !sparse(n)) {
-        rest.iter().partition(|n| sparse(n))
-    } else {
-        (Vec::new(), rest)
-    };
-    b.join_next = first.is_empty();
-    for &n in &first {
-        b.push(n, StreamId::MAIN, "optim");
-    }
+    // the join comes with the first optimizer launch: a data-parallel step all-reduces
+    // the dense gradients there (runtime/src/cuda_collective.rs), so every stream must be
+    // done by then (the row-wise update ahead of the join measured no faster on an H200)
     b.join_next = true;
-    for &n in &last {
+    for &n in part.optimizer.iter().filter(|n| !placed.contains(n)) {
         b.push(n, StreamId::MAIN, "optim");
     }
     b.finish()

@@ -114,9 +114,6 @@ pub fn embedding_bag_grad_dense<T: Real>(dy: &[T], bags: &Bags, dtable: &mut [T]
     }
 }
 
-/// Row-wise Adagrad on the rows the batch touches. Each touched row's gradient is the sum
-/// over its occurrences in id order (a stable sort by row keeps that order), so the
-/// result is deterministic.
 /// (global row, bag) for every occurrence, in id order, then stably sorted by row.
 pub fn sorted_occurrences(bags: &Bags) -> Vec<(usize, usize)> {
     let mut occ: Vec<(usize, usize)> = Vec::with_capacity(bags.ids.len());
@@ -151,7 +148,9 @@ pub fn presorted_occurrences(
     Ok(occ)
 }
 
-/// Row-wise Adagrad over the occurrences of [`sorted_occurrences`] (row order).
+/// Row-wise Adagrad on the rows the batch touches, over the occurrences of
+/// [`sorted_occurrences`]. Each touched row's gradient is the sum over its occurrences in
+/// id order (the stable sort by row keeps that order), so the result is deterministic.
 pub fn rowwise_adagrad<T: Real>(
     table: &mut [T],
     acc: &mut [T],

@@ -115,6 +115,12 @@ pub fn execute(
             return Ok(());
         }
         Op::EmbeddingSort { field_rows } => {
+            if ins.len() != 2 {
+                return Err(err(format!(
+                    "expected ids and offsets, got {} inputs",
+                    ins.len()
+                )));
+            }
             return embedding_sort(ins, outs, field_rows).map_err(err);
         }
         Op::StepIncrement => {
@@ -657,6 +663,9 @@ fn exec_inner<T: Elem>(
             });
         }
         Op::SliceSum { axis, start, len } => {
+            if ins.is_empty() {
+                return Err("slice_sum: no inputs".into());
+            }
             let parts: Vec<&[T]> = ins
                 .iter()
                 .map(|b| get::<T>(b, "gradient"))

@@ -1515,8 +1515,10 @@ fn emb_sort(
             I32(sentinel),
         ],
     ));
+    // LSD passes of 8 bits over the bits the keys use (the sentinel is the largest key);
+    // at least one, so that `dst` is always written
     let bits = 32 - (sentinel as u32).leading_zeros();
-    let passes = bits.div_ceil(8);
+    let passes = bits.div_ceil(8).max(1);
     let (mut k_in, mut v_in) = (Scratch(first), Scratch(first + 1));
     let (mut k_out, mut v_out) = (Scratch(first + 2), Scratch(first + 3));
     for p in 0..passes {
