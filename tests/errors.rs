@@ -141,3 +141,78 @@ fn ids_out_of_range_are_an_error_naming_the_node_and_bag() {
         .to_string();
     assert!(err.contains("'ids'") && err.contains("[4] i32"), "{err}");
 }
+
+#[test]
+fn a_presorted_update_refuses_occurrences_that_are_not_the_batchs() {
+    use erase::graph::{Op, Shape};
+    use erase::ops::{execute, NodeCall};
+    // two fields of 3 and 4 rows, two examples of one id each: rows 1, 3+2, 0, 3+0
+    let field_rows = vec![3usize, 4];
+    let ids = Buffer::I32(vec![1, 2, 0, 0]);
+    let offsets = Buffer::I32(vec![0, 1, 2, 3, 4]);
+    let dpooled = Buffer::F32(vec![0.5; 4 * 2]);
+    let shapes = [
+        Shape::new(&[4]),
+        Shape::new(&[5]),
+        Shape::new(&[2, 2, 2]),
+        Shape::new(&[4]),
+        Shape::new(&[4]),
+    ];
+    let op = Op::RowwiseAdagrad {
+        lr: 0.1,
+        eps: 1e-8,
+        field_rows: field_rows.clone(),
+    };
+    let run = |rows: Vec<i32>, bags: Vec<i32>| {
+        let call = NodeCall {
+            op: &op,
+            name: "emb.rowwise_adagrad",
+            in_shapes: shapes.iter().collect(),
+            out_shapes: vec![],
+            bf16_gemm: false,
+        };
+        let (rows, bags) = (Buffer::I32(rows), Buffer::I32(bags));
+        let mut upd = [Buffer::F32(vec![1.0; 7 * 2]), Buffer::F32(vec![0.0; 7])];
+        execute(
+            &call,
+            &[&ids, &offsets, &dpooled, &rows, &bags],
+            &mut [],
+            &mut upd,
+        )
+        .map(|()| upd)
+        .map_err(|e| e.to_string())
+    };
+    // the sort's own output: (row, bag) in order
+    let ok = run(vec![0, 1, 3, 5], vec![2, 0, 3, 1]).unwrap();
+    assert_ne!(
+        ok[0],
+        Buffer::F32(vec![1.0; 7 * 2]),
+        "the update moved no row"
+    );
+    // out of row order, a bag past the batch, a row outside its bag's field
+    for (rows, bags, what) in [
+        (
+            vec![1, 0, 3, 5],
+            vec![0, 2, 3, 1],
+            "occurrence 1 (row 0, bag 2)",
+        ),
+        (
+            vec![0, 1, 3, 5],
+            vec![2, 0, 3, 9],
+            "occurrence 3 (row 5, bag 9)",
+        ),
+        (
+            vec![0, 1, 3, 5],
+            vec![2, 0, 3, 0],
+            "occurrence 3 (row 5, bag 0)",
+        ),
+    ] {
+        let err = run(rows, bags).unwrap_err();
+        assert!(
+            err.contains("emb.rowwise_adagrad") && err.contains(what),
+            "{err}"
+        );
+    }
+    let err = run(vec![0, 1], vec![2, 0]).unwrap_err();
+    assert!(err.contains("2 sorted rows and 2 bags for 4 ids"), "{err}");
+}

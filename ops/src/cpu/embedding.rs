@@ -126,24 +126,37 @@ pub fn sorted_occurrences(bags: &Bags) -> Vec<(usize, usize)> {
     occ
 }
 
-/// The occurrences as an `EmbeddingSort` of the same ids gave them, checked against the
-/// ids: the same (row, bag) pairs in row order, so a sort of other ids fails here
-/// instead of updating the wrong rows.
+/// The occurrences as an `EmbeddingSort` of the same ids gave them, without sorting
+/// again: one per id, in (row, bag) order, each bag a bag of the batch and each row
+/// inside that bag's field table; anything else is an error, not an update of the wrong
+/// rows.
 pub fn presorted_occurrences(
     bags: &Bags,
     rows: &[i32],
     bag: &[i32],
 ) -> Result<Vec<(usize, usize)>, String> {
-    let occ = sorted_occurrences(bags);
-    let given = rows
-        .iter()
-        .zip(bag)
-        .map(|(&r, &b)| (r as usize, b as usize));
-    if rows.len() != occ.len() || bag.len() != occ.len() || !given.eq(occ.iter().copied()) {
-        return Err(
-            "the sorted occurrences (rows, bags) are not those of this batch's ids and offsets"
-                .into(),
-        );
+    let n = bags.ids.len();
+    if rows.len() != n || bag.len() != n {
+        return Err(format!(
+            "{} sorted rows and {} bags for {n} ids",
+            rows.len(),
+            bag.len()
+        ));
+    }
+    let f = bags.field_rows.len();
+    let mut occ: Vec<(usize, usize)> = Vec::with_capacity(n);
+    for (k, (&r, &b)) in rows.iter().zip(bag).enumerate() {
+        let (r, b) = (r as usize, b as usize);
+        let inside = b < bags.num_bags() && {
+            let base = bags.bases[b % f];
+            r >= base && r < base + bags.field_rows[b % f]
+        };
+        if !inside || occ.last().is_some_and(|&last| last > (r, b)) {
+            return Err(format!(
+                "sorted occurrence {k} (row {r}, bag {b}) is not one of this batch's, in row order"
+            ));
+        }
+        occ.push((r, b));
     }
     Ok(occ)
 }
