@@ -181,6 +181,34 @@ fn embedding_sort(
     Ok(())
 }
 
+/// `y[r·w + c] = Σ_j in_j[r·ld + off + c]`, summed in input order, left to right (as the
+/// CUDA kernels do): GradSum (one row) and SliceSum (a window of each row).
+fn sum_rows<T: Elem>(
+    ins: &[&Buffer],
+    y: &mut [T],
+    w: usize,
+    ld: usize,
+    off: usize,
+) -> Result<(), String> {
+    let parts: Vec<&[T]> = ins
+        .iter()
+        .map(|b| get::<T>(b, "gradient"))
+        .collect::<Result<_, _>>()?;
+    if parts.is_empty() {
+        return Err("no gradient contributions to sum".into());
+    }
+    // (w == 0 only with an empty y: nothing is divided by it)
+    kernels::map_index(y, |i| {
+        let j = (i / w) * ld + off + i % w;
+        let mut s = parts[0][j];
+        for p in &parts[1..] {
+            s += p[j];
+        }
+        s
+    });
+    Ok(())
+}
+
 fn cast(b: &Buffer, to: DType) -> Buffer {
     match (b, to) {
         (Buffer::F32(v), DType::Bf16) => {
@@ -650,26 +678,13 @@ fn exec_inner<T: Elem>(
             out::<T>(&mut outs[0])?.iter_mut().for_each(|o| *o = v);
         }
         Op::GradSum => {
-            let parts: Vec<&[T]> = ins
-                .iter()
-                .map(|b| get::<T>(b, "gradient"))
-                .collect::<Result<_, _>>()?;
-            kernels::map_index(out(&mut outs[0])?, |i| {
-                let mut s = parts[0][i];
-                for p in &parts[1..] {
-                    s += p[i];
-                }
-                s
-            });
+            let n = osh(0).numel();
+            sum_rows(ins, out::<T>(&mut outs[0])?, n, n, 0)?;
         }
         Op::SliceSum { axis, start, len } => {
             if ins.is_empty() {
                 return Err("slice_sum: no inputs".into());
             }
-            let parts: Vec<&[T]> = ins
-                .iter()
-                .map(|b| get::<T>(b, "gradient"))
-                .collect::<Result<_, _>>()?;
             let dims = ish(0).dims();
             if *axis >= dims.len() || start + len > dims[*axis] {
                 return Err(format!(
@@ -693,14 +708,7 @@ fn exec_inner<T: Elem>(
                     osh(0)
                 ));
             }
-            kernels::map_index(out(&mut outs[0])?, |i| {
-                let j = (i / w) * ld + off + i % w;
-                let mut s = parts[0][j];
-                for p in &parts[1..] {
-                    s += p[j];
-                }
-                s
-            });
+            sum_rows(ins, out::<T>(&mut outs[0])?, w, ld, off)?;
         }
         Op::Sgd { lr } => {
             let lr = T::from_f64(*lr);
