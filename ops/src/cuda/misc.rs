@@ -1474,9 +1474,10 @@ enum SegDst {
 /// The occurrences sorted by row: their keys (`emb_sort_keys`: global row, or `total` for
 /// an id outside its table, and the bag), then LSD radix passes of 8 bits over the bits
 /// the keys use (the sentinel is the largest key), stable, ping-ponging between scratch
-/// pairs. The meta must be in scratch 0 (emb_meta's launches, first in `calls`). The
-/// last pass writes into `dst` (rows, bags) when given, else into scratch. Returns where
-/// the sorted rows and bags are.
+/// pairs. `calls` must hold emb_meta's launches, which write the meta into scratch 0:
+/// this adds that buffer as the first of the plan's scratch. The last pass writes into
+/// `dst` (rows, bags) when given, else into scratch. Returns where the sorted rows and
+/// bags are.
 #[allow(clippy::too_many_arguments)]
 fn emb_sort(
     calls: &mut Vec<KernelCall>,
@@ -1491,6 +1492,8 @@ fn emb_sort(
     let sentinel = total as i32;
     let tiles = n.div_ceil(EMB_TILE).max(1);
     let nb = i32_of(n_bags, "bags")?;
+    debug_assert!(scratch.is_empty(), "the meta is scratch 0");
+    scratch.push(16 * field_rows.len());
     let first = scratch.len();
     scratch.extend([
         4 * n,           // keys a
@@ -1631,7 +1634,7 @@ fn embedding_sort(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPla
     if n_ids == 0 {
         return Ok(plan_of(vec![], vec![]));
     }
-    let mut scratch = vec![16 * field_rows.len()];
+    let mut scratch = Vec::new();
     emb_sort(
         &mut calls,
         &mut scratch,
@@ -1663,7 +1666,7 @@ fn embedding_bag_grad_dense(
         return Ok(plan_of(vec![zero], vec![]));
     }
     let n_bags = (o.ins[0].numel() / d).min(n_off.saturating_sub(1));
-    let mut scratch = vec![16 * field_rows.len()];
+    let mut scratch = Vec::new();
     calls.push(zero);
     let (rows, bags) = emb_sort(
         &mut calls,
@@ -1729,7 +1732,6 @@ fn rowwise_adagrad(
         (KArg::In(3), KArg::In(4))
     } else {
         calls = meta_calls;
-        scratch.push(16 * field_rows.len());
         emb_sort(
             &mut calls,
             &mut scratch,
