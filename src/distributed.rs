@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
-use crate::train::{data_parallel_schedule, gathered_sort, plan_step, StepPlan, TrainConfig};
+use crate::train::{plan_step_data_parallel, StepPlan, TrainConfig};
 use erase_graph::{DType, Grad, Op, Phase, Tensor};
 use erase_ops::{Buffer, NodeCall};
 use erase_runtime::collective::{cpu_group, Collective, CollectiveRecord};
@@ -250,12 +250,7 @@ pub fn run_rank<C: Collective>(
     mode: AllReduce,
 ) -> Result<RankResult> {
     let rank = comm.rank();
-    let plan = plan_step(
-        local,
-        DType::F32,
-        &gathered_sort(&cfg.optimizer),
-        &data_parallel_schedule(&cfg.schedule),
-    )?;
+    let plan = plan_step_data_parallel(local, DType::F32, &cfg.optimizer, &cfg.schedule)?;
     let m = &plan.model;
     let g = &m.graph;
     let mut runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
@@ -435,12 +430,7 @@ pub fn evaluate_replica(
         }
         at = end;
     }
-    let plan = plan_step(
-        &cfg.model,
-        DType::F32,
-        &gathered_sort(&cfg.optimizer),
-        &data_parallel_schedule(&cfg.schedule),
-    )?;
+    let plan = plan_step_data_parallel(&cfg.model, DType::F32, &cfg.optimizer, &cfg.schedule)?;
     let g = &plan.model.graph;
     let mut session =
         crate::train::Session::new(&plan, dev, cfg.seed, cfg.data_seed, cfg.threads.max(1))?;

@@ -10,7 +10,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use crate::distributed::{AllReduce, FailAt, RankResult, Shard};
 use crate::launch::{report, WorkerOptions};
-use crate::train::{data_parallel_schedule, gathered_sort, plan_step, Dispatch, TrainConfig};
+use crate::train::{plan_step_data_parallel, Dispatch, TrainConfig};
 use erase_graph::DType;
 use erase_runtime::collective::CollectiveRecord;
 use erase_runtime::cuda_collective::DataParallel;
@@ -78,12 +78,7 @@ fn train(
     let (rank, world) = (env.rank, env.world);
     let mut local = cfg.model.clone();
     local.batch = cfg.model.batch / world;
-    let plan = plan_step(
-        &local,
-        DType::F32,
-        &gathered_sort(&cfg.optimizer),
-        &data_parallel_schedule(&cfg.schedule),
-    )?;
+    let plan = plan_step_data_parallel(&local, DType::F32, &cfg.optimizer, &cfg.schedule)?;
     let m = &plan.model;
     let g = &m.graph;
     let mut prog = CudaProgram::new(dev, g, &plan.program, &plan.memory, cfg.seed)?;

@@ -72,23 +72,25 @@ pub fn schedule_kind(v: Variant) -> ScheduleKind {
     }
 }
 
-/// `opt` for data-parallel training: each table's update sorts the ids it gathers from
-/// every rank, so no `EmbeddingSort` of the local ids runs before it.
-pub fn gathered_sort(opt: &OptimizerConfig) -> OptimizerConfig {
-    OptimizerConfig {
+/// [`plan_step`] for one rank of data-parallel training. Each table's update sorts the
+/// ids it gathers from every rank, so no `EmbeddingSort` of the local ids runs before it;
+/// and an early program's gradients are all-reduced after its last launch, on that
+/// launch's stream, so a program stays on one stream (no weight-gradient companions).
+pub fn plan_step_data_parallel(
+    cfg: &CtrConfig,
+    float: DType,
+    opt: &OptimizerConfig,
+    sched: &ScheduleOptions,
+) -> Result<StepPlan> {
+    let opt = OptimizerConfig {
         presort_ids: false,
         ..*opt
-    }
-}
-
-/// `sched` for data-parallel training: an early program's gradients are all-reduced
-/// after its last launch, on that launch's stream, so a program stays on one stream (no
-/// weight-gradient companions).
-pub fn data_parallel_schedule(sched: &ScheduleOptions) -> ScheduleOptions {
-    ScheduleOptions {
+    };
+    let sched = ScheduleOptions {
         weight_grad_streams: false,
         ..sched.clone()
-    }
+    };
+    plan_step(cfg, float, &opt, &sched)
 }
 
 /// Builds, differentiates, partitions, schedules and plans the model; proves the plan.

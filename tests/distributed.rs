@@ -167,10 +167,10 @@ fn data_parallel_plans_sort_the_gathered_ids_in_the_update() {
     // one process: the ids' sort is a node of its own, read by the update
     assert_eq!(count(&single_process(&c)), (1, vec![5]));
     // data parallel: each rank gathers every rank's ids at the update and sorts there
-    let dp = plan_step(
+    let dp = erase::train::plan_step_data_parallel(
         &c.model,
         erase::graph::DType::F32,
-        &erase::train::gathered_sort(&c.optimizer),
+        &c.optimizer,
         &c.schedule,
     )
     .unwrap();
@@ -179,12 +179,5 @@ fn data_parallel_plans_sort_the_gathered_ids_in_the_update() {
     // launch, on that launch's stream (no weight-gradient companions)
     let sides = c.schedule.side_streams;
     assert_eq!(single_process(&c).program.streams, 1 + 2 * sides);
-    let dp = plan_step(
-        &c.model,
-        erase::graph::DType::F32,
-        &erase::train::gathered_sort(&c.optimizer),
-        &erase::train::data_parallel_schedule(&c.schedule),
-    )
-    .unwrap();
     assert_eq!(dp.program.streams, 1 + sides);
 }
