@@ -537,13 +537,13 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             }
             let mut next_side = 0usize;
             let sides = cfg.side_streams.max(1);
-            // the last early program, on the last side stream alone when there are two
             // a program of the step's inputs alone (the ids' sort) ends long before any
             // block's backward begins: it takes the first side stream without a turn of
             // the round robin or of the late stream, which stay the blocks'
             let inputs_only = |p: &erase_graph::BackwardProgram| {
                 p.nodes.first().is_some_and(|f| !part.ready.contains_key(f))
             };
+            // the last early program, on the last side stream alone when there are two
             let early = (0..part.forward.len())
                 .map(|pos| part.ready_at(pos).filter(|(_, p)| !inputs_only(p)).count())
                 .sum::<usize>();
@@ -556,22 +556,19 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             for (pos, &n) in part.forward.iter().enumerate() {
                 b.push(n, StreamId::MAIN, &fwd_block(n));
                 for (k, prog) in part.ready_at(pos) {
-                    let inputs_only = inputs_only(prog);
-                    if !inputs_only {
-                        placed_early += 1;
-                    }
-                    let s = if inputs_only {
-                        StreamId(1)
-                    } else if late && placed_early == early {
-                        StreamId(sides as u16)
-                    } else {
-                        let s = StreamId(1 + (next_side % shared) as u16);
-                        next_side += 1;
-                        s
-                    };
-                    if inputs_only {
+                    let s = if inputs_only(prog) {
+                        // it waits for the forward launch it is placed behind
                         b.start_after = b.last_on[0];
-                    }
+                        StreamId(1)
+                    } else {
+                        placed_early += 1;
+                        if late && placed_early == early {
+                            StreamId(sides as u16)
+                        } else {
+                            next_side += 1;
+                            StreamId(1 + ((next_side - 1) % shared) as u16)
+                        }
+                    };
                     for &bn in &prog.nodes {
                         b.push(bn, on(bn, s), &prog.name);
                     }
