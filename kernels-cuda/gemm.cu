@@ -401,25 +401,49 @@ __device__ __forceinline__ void gemm_cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES>
+// One operand's tile of a pipelined k step into shared memory, 16-byte cp.async chunks:
+// K-major (TR false): ROWS rows of BK k at src[row·ld + k], row r of the tile at
+// dst + r·LDS (rows past `lim` read row lim-1: finite values in C's rows or columns that
+// are never stored); MN-major (TR true): BK rows of k, each ROWS m/n wide, at
+// src[k·ld + m], row k of the tile at dst + k·LDS (chunks past `lim` read the last whole
+// chunk, lim a multiple of 8).
+template <int ROWS, int BK, int LDS, int THREADS, bool TR>
+__device__ __forceinline__ void gemm_pipe_tile(__nv_bfloat16* dst, const __nv_bfloat16* __restrict__ src,
+                                               long long ld, int r0, int lim, int k0, int tid) {
+    constexpr int CPR = TR ? ROWS / 8 : BK / 8;  // 16-byte chunks per stored row
+    constexpr int CH = ROWS * BK / 8 / THREADS;
+    static_assert(ROWS * BK / 8 % THREADS == 0, "tiles must split over the threads");
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+        const int id = tid + i * THREADS, r = id / CPR, c = (id % CPR) * 8;
+        if (TR) {
+            const int m = r0 + c < lim ? r0 + c : lim - 8;
+            gemm_cp_async16(gemm_smem_addr(dst + r * LDS + c), src + static_cast<long long>(k0 + r) * ld + m);
+        } else {
+            const int row = r0 + r < lim ? r0 + r : lim - 1;
+            gemm_cp_async16(gemm_smem_addr(dst + r * LDS + c), src + static_cast<long long>(row) * ld + k0 + c);
+        }
+    }
+}
+
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool TA = false, bool TB = false>
 __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__ A,
                                                const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
                                                const float* __restrict__ bias, int M, int N, int Kp,
-                                               long long ldc, long long batch_a, long long batch_b,
-                                               long long batch_c, int batch, int k_split, long long split_c,
-                                               int flags) {
+                                               long long lda, long long ldb, long long ldc, long long batch_a,
+                                               long long batch_b, long long batch_c, int batch, int k_split,
+                                               long long split_c, int flags) {
     constexpr int THREADS = WARPS_M * WARPS_N * 32;
-    constexpr int LDS = BK + GEMM_PAD;  // bf16 per shared row
+    // shared rows: K-major operands BK (+ pad) wide, MN-major ones BM or BN (+ pad)
+    constexpr int LDA = (TA ? BM : BK) + GEMM_PAD, LDB = (TB ? BN : BK) + GEMM_PAD;
+    constexpr int A_TILE = (TA ? BK : BM) * LDA, B_TILE = (TB ? BK : BN) * LDB;
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
     constexpr int MI = WTM / 16, NI = WTN / 8;
-    constexpr int CPR = BK / 8;  // 16-byte chunks per row
-    constexpr int A_CH = BM * CPR / THREADS, B_CH = BN * CPR / THREADS;
     static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile must be a multiple of 16x16");
-    static_assert(BM * CPR % THREADS == 0 && BN * CPR % THREADS == 0, "tiles must split over the threads");
     static_assert(STAGES >= 2, "a pipeline needs two stages");
     extern __shared__ __align__(16) unsigned char gemm_smem[];
-    __nv_bfloat16* sA = reinterpret_cast<__nv_bfloat16*>(gemm_smem);  // [STAGES][BM][LDS]
-    __nv_bfloat16* sB = sA + STAGES * BM * LDS;                        // [STAGES][BN][LDS]
+    __nv_bfloat16* sA = reinterpret_cast<__nv_bfloat16*>(gemm_smem);  // [STAGES][A_TILE]
+    __nv_bfloat16* sB = sA + STAGES * A_TILE;                          // [STAGES][B_TILE]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm0 = (warp / WARPS_N) * WTM, wn0 = (warp % WARPS_N) * WTN;
@@ -428,24 +452,14 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
     const long long kb = static_cast<long long>(split) * k_split;
     const int k_begin = static_cast<int>(kb < Kp ? kb : Kp);
     const int k_end = k_begin + k_split < Kp ? k_begin + k_split : Kp;
-    A += bi * batch_a + static_cast<long long>(m0) * Kp + k_begin;
-    B += bi * batch_b + static_cast<long long>(n0) * Kp + k_begin;
+    A += bi * batch_a;
+    B += bi * batch_b;
     C += split * split_c + bi * batch_c;
 
     auto load_stage = [&](int slot, int kt) {
-        const int k0 = kt * BK;
-        __nv_bfloat16* a = sA + slot * BM * LDS;
-        __nv_bfloat16* b = sB + slot * BN * LDS;
-#pragma unroll
-        for (int i = 0; i < A_CH; ++i) {
-            const int id = tid + i * THREADS, r = id / CPR, c = (id % CPR) * 8;
-            gemm_cp_async16(gemm_smem_addr(a + r * LDS + c), A + static_cast<long long>(r) * Kp + k0 + c);
-        }
-#pragma unroll
-        for (int i = 0; i < B_CH; ++i) {
-            const int id = tid + i * THREADS, r = id / CPR, c = (id % CPR) * 8;
-            gemm_cp_async16(gemm_smem_addr(b + r * LDS + c), B + static_cast<long long>(r) * Kp + k0 + c);
-        }
+        const int k0 = k_begin + kt * BK;
+        gemm_pipe_tile<BM, BK, LDA, THREADS, TA>(sA + slot * A_TILE, A, lda, m0, M, k0, tid);
+        gemm_pipe_tile<BN, BK, LDB, THREADS, TB>(sB + slot * B_TILE, B, ldb, n0, N, k0, tid);
     };
 
     float acc[MI][NI][4];
@@ -457,23 +471,35 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
     auto compute = [&](int slot) {
-        const __nv_bfloat16* a = sA + slot * BM * LDS;
-        const __nv_bfloat16* b = sB + slot * BN * LDS;
+        const __nv_bfloat16* a = sA + slot * A_TILE;
+        const __nv_bfloat16* b = sB + slot * B_TILE;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             uint32_t af[MI][4], bfr[NI][2];
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
-                const int mr = wm0 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                const int kc = kk + (lane >> 4) * 8;
-                gemm_ldsm_x4(af[mi], a + mr * LDS + kc);
+                if (TA) {
+                    const int kr = kk + (lane & 7) + (lane >> 4) * 8;
+                    const int mc = wm0 + mi * 16 + ((lane >> 3) & 1) * 8;
+                    gemm_ldsm_x4_trans(af[mi], a + kr * LDA + mc);
+                } else {
+                    const int mr = wm0 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    const int kc = kk + (lane >> 4) * 8;
+                    gemm_ldsm_x4(af[mi], a + mr * LDA + kc);
+                }
             }
 #pragma unroll
             for (int nj = 0; nj < NI / 2; ++nj) {
                 uint32_t r[4];
-                const int nr = wn0 + nj * 16 + (lane & 7) + (lane >> 4) * 8;
-                const int kc = kk + ((lane >> 3) & 1) * 8;
-                gemm_ldsm_x4(r, b + nr * LDS + kc);
+                if (TB) {
+                    const int kr = kk + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    const int nc = wn0 + nj * 16 + (lane >> 4) * 8;
+                    gemm_ldsm_x4_trans(r, b + kr * LDB + nc);
+                } else {
+                    const int nr = wn0 + nj * 16 + (lane & 7) + (lane >> 4) * 8;
+                    const int kc = kk + ((lane >> 3) & 1) * 8;
+                    gemm_ldsm_x4(r, b + nr * LDB + kc);
+                }
                 bfr[2 * nj][0] = r[0];
                 bfr[2 * nj][1] = r[1];
                 bfr[2 * nj + 1][0] = r[2];
@@ -714,14 +740,20 @@ __device__ __forceinline__ void gemm_tall_body(const float* __restrict__ A, cons
 // 32 bytes further into the swizzled rows).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Shared-memory matrix descriptor: start address, leading byte offset 16 (unused with a
-// swizzle), stride byte offset 1024 (between groups of 8 rows), 128-byte swizzle.
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading byte offset
+// (K-major: unused with a swizzle, 16; MN-major: 8192, between the 64-wide m or n blocks
+// of a stage, each [64 k][64] as 64 rows of 128 bytes), stride byte offset 1024 (between
+// groups of 8 rows: of m or n when K-major, of k when MN-major).
+template <bool MN = false>
 __device__ __forceinline__ uint64_t gemm_wgmma_desc(uint32_t saddr) {
-    return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
+    constexpr uint64_t lbo = MN ? 8192 : 16;
+    return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) |
            (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// D(64x128) += A(64x16)·B(128x16)ᵀ, both in shared memory, K-major, 128-byte swizzle.
+// D(64x128) += A(64x16)·B(128x16)ᵀ, both in shared memory, 128-byte swizzle; TA, TB: the
+// operand is MN-major (the instruction's transpose flags), else K-major.
+template <bool TA, bool TB>
 __device__ __forceinline__ void gemm_wgmma_n128(float (&d)[64], uint64_t da, uint64_t db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -730,7 +762,7 @@ __device__ __forceinline__ void gemm_wgmma_n128(float (&d)[64], uint64_t da, uin
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -739,10 +771,11 @@ __device__ __forceinline__ void gemm_wgmma_n128(float (&d)[64], uint64_t da, uin
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(1));
+        : "l"(da), "l"(db), "r"(1), "n"(int(TA)), "n"(int(TB)));
 }
 
-// D(64x256) += A(64x16)·B(256x16)ᵀ, both in shared memory, K-major, 128-byte swizzle.
+// D(64x256) += A(64x16)·B(256x16)ᵀ, as gemm_wgmma_n128.
+template <bool TA, bool TB>
 __device__ __forceinline__ void gemm_wgmma_n256(float (&d)[128], uint64_t da, uint64_t db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -755,7 +788,7 @@ __device__ __forceinline__ void gemm_wgmma_n256(float (&d)[128], uint64_t da, ui
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -772,7 +805,7 @@ __device__ __forceinline__ void gemm_wgmma_n256(float (&d)[128], uint64_t da, ui
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(da), "l"(db), "r"(1));
+        : "l"(da), "l"(db), "r"(1), "n"(int(TA)), "n"(int(TB)));
 }
 
 // Keeps the compiler from moving accumulator accesses across wgmma issue and wait.
@@ -840,14 +873,36 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
     gemm_cluster_sync();
 }
 
-template <int BN, int STAGES, int CLUSTER = 1>
+// One operand's tile of a wgmma k step (BK = 64) into a stage, 16-byte cp.async chunks
+// in the 128-byte swizzle: K-major (TR false), ROWS rows of 128 bytes (row r at r·128,
+// from src[row·ld + k], rows past `lim` reading row lim-1); MN-major (TR true), ROWS/64
+// blocks of [64 k][64 m or n] (block h at h·8192, row k at k·128, from src[k·ld + m],
+// chunks past `lim` reading the last whole chunk, lim a multiple of 8).
+template <int ROWS, bool TR>
+__device__ __forceinline__ void gemm_wgmma_tile(uint32_t dst, const __nv_bfloat16* __restrict__ src, long long ld,
+                                                int r0, int lim, int k0, int tid) {
+#pragma unroll
+    for (int i = 0; i < ROWS * 8 / 256; ++i) {
+        const int id = tid + i * 256, c = id & 7;
+        if (TR) {
+            const int h = id >> 9, k = (id >> 3) & 63, m = r0 + h * 64 + c * 8;
+            gemm_cp_async16(dst + h * 8192 + k * 128 + ((c ^ (k & 7)) << 4),
+                            src + static_cast<long long>(k0 + k) * ld + (m < lim ? m : lim - 8));
+        } else {
+            const int r = id >> 3, row = r0 + r < lim ? r0 + r : lim - 1;
+            gemm_cp_async16(dst + r * 128 + ((c ^ (r & 7)) << 4), src + static_cast<long long>(row) * ld + k0 + c * 8);
+        }
+    }
+}
+
+template <int BN, int STAGES, int CLUSTER = 1, bool TA = false, bool TB = false>
 __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict__ A,
                                                 const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
                                                 const float* __restrict__ bias, int M, int N, int Kp,
-                                                long long ldc, long long batch_a, long long batch_b,
-                                                long long batch_c, int batch, int k_split, long long split_c,
-                                                int flags) {
-    constexpr int BM = 128, BK = 64, THREADS = 256;
+                                                long long lda, long long ldb, long long ldc, long long batch_a,
+                                                long long batch_b, long long batch_c, int batch, int k_split,
+                                                long long split_c, int flags) {
+    constexpr int BM = 128, BK = 64;
     constexpr int A_BYTES = BM * BK * 2, STAGE = (BM + BN) * BK * 2, NACC = BN / 2;
     static_assert(BN == 128 || BN == 256, "wgmma tiles are 128 or 256 wide");
     extern __shared__ __align__(16) unsigned char gemm_smem[];
@@ -859,23 +914,15 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
     const long long kb = static_cast<long long>(split) * k_split;
     const int k_begin = static_cast<int>(kb < Kp ? kb : Kp);
     const int k_end = k_begin + k_split < Kp ? k_begin + k_split : Kp;
-    A += bi * batch_a + static_cast<long long>(m0) * Kp + k_begin;
-    B += bi * batch_b + static_cast<long long>(n0) * Kp + k_begin;
+    A += bi * batch_a;
+    B += bi * batch_b;
     C += split * split_c + bi * batch_c;
 
     auto load_stage = [&](int slot, int kt) {
-        const int k0 = kt * BK;
-        const uint32_t sa = base + slot * STAGE, sb = sa + A_BYTES;
-#pragma unroll
-        for (int i = 0; i < BM * 8 / THREADS; ++i) {
-            const int id = tid + i * THREADS, r = id >> 3, c = id & 7;
-            gemm_cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), A + static_cast<long long>(r) * Kp + k0 + c * 8);
-        }
-#pragma unroll
-        for (int i = 0; i < BN * 8 / THREADS; ++i) {
-            const int id = tid + i * THREADS, r = id >> 3, c = id & 7;
-            gemm_cp_async16(sb + r * 128 + ((c ^ (r & 7)) << 4), B + static_cast<long long>(r) * Kp + k0 + c * 8);
-        }
+        const int k0 = k_begin + kt * BK;
+        const uint32_t sa = base + slot * STAGE;
+        gemm_wgmma_tile<BM, TA>(sa, A, lda, m0, M, k0, tid);
+        gemm_wgmma_tile<BN, TB>(sa + A_BYTES, B, ldb, n0, N, k0, tid);
     };
 
     float acc[1][BN / 8][4];
@@ -900,13 +947,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
         const int next = kt + STAGES - 1;
         if (next < nk) load_stage(next % STAGES, next);
         gemm_cp_commit();
-        const uint32_t sa = base + (kt % STAGES) * STAGE + wg * 64 * 128, sb = base + (kt % STAGES) * STAGE + A_BYTES;
+        // a warpgroup's 64 rows of A: rows wg·64.. (K-major) or m block wg (MN-major), both
+        // 8192 bytes in; a k16 step is 32 bytes into K-major rows, 16 rows of 128 bytes
+        // down MN-major ones
+        const uint32_t sa = base + (kt % STAGES) * STAGE + wg * 8192, sb = base + (kt % STAGES) * STAGE + A_BYTES;
+        constexpr uint32_t KA = TA ? 2048 : 32, KB = TB ? 2048 : 32;
         gemm_wgmma_hold(d);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            if constexpr (BN == 128) gemm_wgmma_n128(d, gemm_wgmma_desc(sa + kk * 32), gemm_wgmma_desc(sb + kk * 32));
-            else gemm_wgmma_n256(d, gemm_wgmma_desc(sa + kk * 32), gemm_wgmma_desc(sb + kk * 32));
+            const uint64_t da = gemm_wgmma_desc<TA>(sa + kk * KA), db = gemm_wgmma_desc<TB>(sb + kk * KB);
+            if constexpr (BN == 128) gemm_wgmma_n128<TA, TB>(d, da, db);
+            else gemm_wgmma_n256<TA, TB>(d, da, db);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -976,60 +1028,73 @@ ERASE_GEMM_TALL_KERNEL(192, 2)
 ERASE_GEMM_TALL_KERNEL(256, 2)
 
 // The pipelined kernels, arguments in order:
-//   A, B (bf16, K-major and zero-padded: [batch][Mp][Kp], [batch][Np][Kp]), C, bias,
-//   M, N, Kp (i32; Kp a multiple of 64, Mp and Np of the tile),
-//   ldc (i64), batch_a, batch_b, batch_c (i64, elements), batch (i32),
+//   A, B (bf16: K-major rows A[m·lda + k], B[n·ldb + k], or, in the `_mm` kernels,
+//   MN-major A[k·lda + m], B[k·ldb + n]; batch entries batch_a, batch_b elements apart),
+//   C, bias, M, N, Kp (i32; Kp a multiple of 64: the k range read, rows of A and B past M
+//   and N read as row M-1 or N-1, and in `_mm` M, N are multiples of 8),
+//   lda, ldb, ldc (i64), batch_a, batch_b, batch_c (i64, elements), batch (i32),
 //   k_split (i32, multiple of 64), split_c (i64), flags (i32: 1 bias, 2 relu).
-// Grid: (Mp/BM, Np/BN, splits·batch); block 256. On sm_90a they run gemm_wgmma_body, on
-// other targets gemm_pipe_body (ldmatrix + mma.sync); dynamic shared memory is the larger
-// of the two forms' needs:
+// The operands are either the plan's rounded scratch (K-major, [Mp][Kp] and [Np][Kp],
+// lda = ldb = Kp) or bf16 tensors read in place: an activation rounded once by its
+// RoundBf16 node for every GEMM that reads it (K-major as Linear's x or
+// LinearGradInput's dy, MN-major as LinearGradWeight's dy and x).
+// Grid: (ceil(M/BM), ceil(N/BN), splits·batch); block 256. On sm_90a they run
+// gemm_wgmma_body, on other targets gemm_pipe_body (ldmatrix + mma.sync); dynamic shared
+// memory is the larger of the two forms' needs (the MN-major forms need no more):
 //   gemm_bf16p_128x128  wgmma BK 64, 3 stages, 99328 | mma.sync BK 64, 3 stages, 110592
 //                       (2 CTAs per SM): 110592
 //   gemm_bf16p_128x256  wgmma BK 64, 4 stages, 197632 | mma.sync BK 32, 4 stages, 122880
 //                       (warp tile 64x64): 197632
-#define ERASE_GEMM_PIPE_ARGS                                                                           \
-    const __nv_bfloat16 *__restrict__ A, const __nv_bfloat16 *__restrict__ B, float *__restrict__ C,   \
-        const float *__restrict__ bias, int M, int N, int Kp, long long ldc, long long batch_a,          \
-        long long batch_b, long long batch_c, int batch, int k_split, long long split_c, int flags
-#define ERASE_GEMM_PIPE_PASS A, B, C, bias, M, N, Kp, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags
+#define ERASE_GEMM_PIPE_ARGS                                                                            \
+    const __nv_bfloat16 *__restrict__ A, const __nv_bfloat16 *__restrict__ B, float *__restrict__ C,    \
+        const float *__restrict__ bias, int M, int N, int Kp, long long lda, long long ldb, long long ldc, \
+        long long batch_a, long long batch_b, long long batch_c, int batch, int k_split, long long split_c, \
+        int flags
+#define ERASE_GEMM_PIPE_PASS \
+    A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags
 
-ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p_128x128(ERASE_GEMM_PIPE_ARGS) {
+// gemm_bf16p<LAYOUT>_128x128 and _128x256, LAYOUT empty (K-major operands) or _mm.
+// gemm_bf16p<LAYOUT>_128x128_k<S>: the 128x128 kernel with its S splits (grid z = S,
+// batch 1) summed inside a cluster of S CTAs (gemm_cluster_epilogue): C is the output,
+// `flags` the whole epilogue. Clusters need sm_90; the sm_80 form computes the whole K in
+// the CTA of split 0 (the others return), the same result without the split. The plan
+// passes split_c = 0 (the kernel body offsets C by split·split_c).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gemm_wgmma_body<128, 3>(ERASE_GEMM_PIPE_PASS);
-#else
-    gemm_pipe_body<128, 128, 64, 2, 4, 3>(ERASE_GEMM_PIPE_PASS);
-#endif
-}
-// gemm_bf16p_128x128_k<S>: the 128x128 kernel with its S splits (grid z = S, batch 1)
-// summed inside a cluster of S CTAs (gemm_cluster_epilogue): C is the output, `flags` the
-// whole epilogue. Clusters need sm_90; the sm_80 form computes the whole
-// K in the CTA of split 0 (the others return), the same result without the split. The
-// plan passes split_c = 0 (the kernel body offsets C by split·split_c).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ERASE_GEMM_CLUSTER_KERNEL(S)                                                                   \
-    ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 2)                              \
-        gemm_bf16p_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {                                                \
-        gemm_wgmma_body<128, 3, S>(ERASE_GEMM_PIPE_PASS);                                              \
+#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, T)                                                                   \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) {         \
+        gemm_wgmma_body<128, 3, 1, T, T>(ERASE_GEMM_PIPE_PASS);                                              \
+    }                                                                                                        \
+    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) {         \
+        gemm_wgmma_body<256, 4, 1, T, T>(ERASE_GEMM_PIPE_PASS);                                              \
+    }
+#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, T, S)                                                              \
+    ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 2)                                    \
+        gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {                                            \
+        gemm_wgmma_body<128, 3, S, T, T>(ERASE_GEMM_PIPE_PASS);                                              \
     }
 #else
-#define ERASE_GEMM_CLUSTER_KERNEL(S)                                                                   \
-    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {        \
-        if (blockIdx.z != 0) return;                                                                   \
-        gemm_pipe_body<128, 128, 64, 2, 4, 3>(A, B, C, bias, M, N, Kp, ldc, batch_a, batch_b, batch_c, \
-                                              1, Kp, 0, flags);                                        \
+#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, T)                                                                   \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) {         \
+        gemm_pipe_body<128, 128, 64, 2, 4, 3, T, T>(ERASE_GEMM_PIPE_PASS);                                   \
+    }                                                                                                        \
+    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) {         \
+        gemm_pipe_body<128, 256, 32, 2, 4, 4, T, T>(ERASE_GEMM_PIPE_PASS);                                   \
+    }
+#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, T, S)                                                              \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {    \
+        if (blockIdx.z != 0) return;                                                                         \
+        gemm_pipe_body<128, 128, 64, 2, 4, 3, T, T>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
+                                                    batch_c, 1, Kp, 0, flags);                               \
     }
 #endif
-ERASE_GEMM_CLUSTER_KERNEL(2)
-ERASE_GEMM_CLUSTER_KERNEL(4)
-ERASE_GEMM_CLUSTER_KERNEL(8)
-
-ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p_128x256(ERASE_GEMM_PIPE_ARGS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gemm_wgmma_body<256, 4>(ERASE_GEMM_PIPE_PASS);
-#else
-    gemm_pipe_body<128, 256, 32, 2, 4, 4>(ERASE_GEMM_PIPE_PASS);
-#endif
-}
+ERASE_GEMM_PIPE_KERNELS(, false)
+ERASE_GEMM_PIPE_KERNELS(_mm, true)
+ERASE_GEMM_CLUSTER_KERNEL(, false, 2)
+ERASE_GEMM_CLUSTER_KERNEL(, false, 4)
+ERASE_GEMM_CLUSTER_KERNEL(, false, 8)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, 2)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, 4)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, 8)
 
 namespace {
 
@@ -1149,6 +1214,52 @@ ERASE_KERNEL void __launch_bounds__(256)
     float* sums = a && sum_a ? sums_a : nullptr;
     if (a ? trans_a : trans_b) gemm_to_bf16_t_body(src, dst, rows, cols, ld, bs, rp, cp, blk % gx, blk / gx, sums);
     else gemm_to_bf16_body(src, dst, rows, cols, ld, bs, rp, cp, blk);
+}
+
+// RoundBf16 with column sums (a layer's dy, rounded once for its data and weight
+// gradients, and its bias gradient from the same pass): dst[r][c] = bf16(src[r][c]) for
+// an f32 [rows][cols] matrix (cols a multiple of 8, src and dst 16-byte aligned), and
+// part[by][c] = the f32 sum of src[r][c] over the CTA's 256 rows r = 256·by + .., in a
+// fixed order (each of 32 row lanes over its rows in order, then the 32 lane sums in
+// lane order); colsum_final adds the ceil(rows/256) partials. Grid (ceil(cols/64),
+// ceil(rows/256)), block 256: thread t takes the 8 columns 64·bx + 8·(t % 8) of rows
+// 256·by + t/8 + 32·i, so a warp reads four whole 256-byte row segments at a time.
+ERASE_KERNEL void __launch_bounds__(256)
+    gemm_round_colsum(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, float* __restrict__ part,
+                      int rows, int cols) {
+    __shared__ float lanes[32][65];
+    const int tid = threadIdx.x, ch = tid & 7, y = tid >> 3;
+    const int c = blockIdx.x * 64 + ch * 8, r0 = blockIdx.y * 256;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    if (c < cols) {
+#pragma unroll 4
+        for (int i = 0; i < 8; ++i) {
+            const int r = r0 + y + 32 * i;
+            if (r >= rows) break;
+            const float* p = src + static_cast<long long>(r) * cols + c;
+            const float4 x = __ldg(reinterpret_cast<const float4*>(p));
+            const float4 z = __ldg(reinterpret_cast<const float4*>(p + 4));
+            const float v[8] = {x.x, x.y, x.z, x.w, z.x, z.y, z.z, z.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += v[e];
+            uint4 o;
+            o.x = gemm_pack_bf16(v[0], v[1]);
+            o.y = gemm_pack_bf16(v[2], v[3]);
+            o.z = gemm_pack_bf16(v[4], v[5]);
+            o.w = gemm_pack_bf16(v[6], v[7]);
+            *reinterpret_cast<uint4*>(dst + static_cast<long long>(r) * cols + c) = o;
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) lanes[y][ch * 8 + e] = acc[e];
+    __syncthreads();
+    if (tid < 64 && blockIdx.x * 64 + tid < cols) {
+        float t = 0.f;
+        for (int q = 0; q < 32; ++q) t += lanes[q][tid];
+        part[static_cast<long long>(blockIdx.y) * cols + blockIdx.x * 64 + tid] = t;
+    }
 }
 
 // C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU) (zero where flags & 8 and

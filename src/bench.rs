@@ -56,6 +56,11 @@ pub fn bench(
     if let Some(d) = dev {
         return bench_cuda(cfg, d, progress);
     }
+    // the CPU's GEMMs are f32: no bf16 copies of their operands there
+    let sched = ScheduleOptions {
+        bf16_copies: false,
+        ..cfg.schedule.clone()
+    };
     let plans = cfg
         .variants
         .iter()
@@ -64,7 +69,7 @@ pub fn bench(
                 &cfg.model.clone().with_variant(v),
                 DType::F32,
                 &cfg.optimizer,
-                &cfg.schedule,
+                &sched,
             )
         })
         .collect::<Result<Vec<_>>>()?;

@@ -250,7 +250,12 @@ pub fn run_rank<C: Collective>(
     mode: AllReduce,
 ) -> Result<RankResult> {
     let rank = comm.rank();
-    let plan = plan_step_data_parallel(local, DType::F32, &cfg.optimizer, &cfg.schedule)?;
+    // CPU ranks: f32 GEMMs, no bf16 copies of their operands
+    let sched = crate::train::ScheduleOptions {
+        bf16_copies: false,
+        ..cfg.schedule.clone()
+    };
+    let plan = plan_step_data_parallel(local, DType::F32, &cfg.optimizer, &sched)?;
     let m = &plan.model;
     let g = &m.graph;
     let mut runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
@@ -430,7 +435,11 @@ pub fn evaluate_replica(
         }
         at = end;
     }
-    let plan = plan_step_data_parallel(&cfg.model, DType::F32, &cfg.optimizer, &cfg.schedule)?;
+    let sched = crate::train::ScheduleOptions {
+        bf16_copies: cfg.schedule.bf16_copies && dev.is_some(),
+        ..cfg.schedule.clone()
+    };
+    let plan = plan_step_data_parallel(&cfg.model, DType::F32, &cfg.optimizer, &sched)?;
     let g = &plan.model.graph;
     let mut session =
         crate::train::Session::new(&plan, dev, cfg.seed, cfg.data_seed, cfg.threads.max(1))?;

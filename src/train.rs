@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use crate::loader::{Loader, SlotMem};
 use crate::metrics::{auc, qps_summary, NeState, QpsSummary};
-use crate::model::ctr::{build, CtrConfig, CtrModel, Variant};
+use crate::model::ctr::{build_with, CtrConfig, CtrModel, Variant};
 use erase_graph::Tensor;
 use erase_graph::{make_trainable, partition, DType, OptimizerConfig, Partition, Phase, Training};
 use erase_ops::Buffer;
@@ -40,7 +40,18 @@ pub struct ScheduleOptions {
     /// The early programs' weight gradients on companion streams of their side streams
     /// (see `ScheduleConfig::weight_grad_streams`).
     pub weight_grad_streams: bool,
+    /// Each large layer's GEMM operands rounded to bf16 once, by RoundBf16 nodes, and read
+    /// in place by its GEMMs (see `Graph::set_bf16_copies`), instead of rounded by every
+    /// GEMM that reads them. The values of the CUDA kernels, in fewer passes; the CPU
+    /// backend, whose GEMMs are f32 unless asked, plans without them.
+    pub bf16_copies: bool,
+    /// Least FLOPs of a layer given copies (default [`BF16_COPY_MIN_FLOPS`]).
+    pub bf16_copy_min_flops: usize,
 }
+
+/// Least FLOPs of a layer given bf16 operand copies: the size from which the CUDA plans
+/// round GEMM operands in passes of their own (the pipelined kernels).
+pub const BF16_COPY_MIN_FLOPS: usize = 1 << 31;
 
 impl Default for ScheduleOptions {
     fn default() -> Self {
@@ -51,6 +62,8 @@ impl Default for ScheduleOptions {
             early_updates: false,
             late_stream: true,
             weight_grad_streams: true,
+            bf16_copies: true,
+            bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
         }
     }
 }
@@ -101,7 +114,8 @@ pub fn plan_step(
     sched: &ScheduleOptions,
 ) -> Result<StepPlan> {
     cfg.validate()?;
-    let mut model = build(cfg, float).context("building the CTR model")?;
+    let copies = sched.bf16_copies.then_some(sched.bf16_copy_min_flops);
+    let mut model = build_with(cfg, float, copies).context("building the CTR model")?;
     let training = if sched.early_updates {
         erase_graph::make_trainable_early_updates(&mut model.graph, opt)
     } else {
@@ -502,7 +516,12 @@ pub fn train_on(
     dev: Option<&CudaDevice>,
     progress: &mut dyn Progress,
 ) -> Result<TrainReport> {
-    let plan = plan_step(&cfg.model, DType::F32, &cfg.optimizer, &cfg.schedule)?;
+    // the CPU's GEMMs are f32: no bf16 copies of their operands there
+    let sched = ScheduleOptions {
+        bf16_copies: cfg.schedule.bf16_copies && dev.is_some(),
+        ..cfg.schedule.clone()
+    };
+    let plan = plan_step(&cfg.model, DType::F32, &cfg.optimizer, &sched)?;
     run_training(cfg, &plan, dev, progress)
 }
 

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::dtype::Shape;
+use crate::dtype::{DType, Shape};
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, NodeId, Phase, Tensor};
 use crate::op::{Leaf, Op};
@@ -299,15 +299,51 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 } else {
                     dy
                 };
+                // the forward read a bf16 copy of x (Graph::set_bf16_copies): dy is
+                // rounded once too, for both GEMMs, its column sums (the bias gradient)
+                // taken in the same pass
+                // (x is the copy, or a reshaped view of one)
+                let copied = b.g.dtype(ins[0]) == DType::Bf16;
+                let copy = b.g.producer(ins[0]);
+                let x_f32 = if matches!(copy.op, Op::RoundBf16 { .. }) {
+                    copy.inputs[0]
+                } else {
+                    ins[0]
+                };
+                let mut db_done = false;
+                let dy_gemm = if copied && (needs(0) || needs(1)) {
+                    let col_sums = *bias && needs(2);
+                    let mut outs = vec![(b.g.shape(dy).clone(), DType::Bf16)];
+                    if col_sums {
+                        outs.push((shape_of(&b, 2), b.g.float_dtype()));
+                    }
+                    let r = b.g.add_derived(
+                        Op::RoundBf16 { col_sums },
+                        vec![dy],
+                        outs,
+                        format!("{nm}.dy_bf16"),
+                        Phase::Backward,
+                        Some(id),
+                    );
+                    if col_sums {
+                        b.contribute(ins[2], r[1]);
+                        db_done = true;
+                    }
+                    r[0]
+                } else {
+                    dy
+                };
                 if needs(0) {
                     // x the output of a ReLU (fused into a Linear or its own node) that
-                    // only this node reads: its gradient's mask goes into this dx's epilogue
-                    let x = ins[0];
+                    // only this node reads (through its bf16 copy, if it has one): its
+                    // gradient's mask goes into this dx's epilogue
+                    let x = x_f32;
                     let producer = b.g.node(b.g.info(x).producer);
                     let mask = uses[x.index()] == 1
+                        && (!copied || uses[ins[0].index()] == 1)
                         && matches!(producer.op, Op::Linear { relu: true, .. } | Op::Relu)
                         && producer.outputs[0] == x;
-                    let mut inputs = vec![dy, ins[1]];
+                    let mut inputs = vec![dy_gemm, ins[1]];
                     if mask {
                         inputs.push(x);
                         b.masked.insert(x);
@@ -323,7 +359,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 }
                 // the bias gradient from the weight gradient's own pass over dy when both
                 // are wanted, else a reduction of its own
-                let fused_db = *bias && needs(1) && needs(2);
+                let fused_db = *bias && needs(1) && needs(2) && !db_done;
                 if needs(1) {
                     let mut outs = vec![shape_of(&b, 1)];
                     if fused_db {
@@ -331,7 +367,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     }
                     let g = b.add(
                         Op::LinearGradWeight { bias: fused_db },
-                        vec![dy, ins[0]],
+                        vec![dy_gemm, ins[0]],
                         outs,
                         format!("{nm}.dw"),
                         id,
@@ -341,7 +377,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                         b.contribute(ins[2], g[1]);
                     }
                 }
-                if *bias && needs(2) && !fused_db {
+                if *bias && needs(2) && !fused_db && !db_done {
                     let db = b.add1(
                         Op::SumToShape,
                         vec![dy],
@@ -495,6 +531,8 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 b.contribute(ins[0], dx);
             }
             Op::Detach => {}
+            // the rounding is not differentiated: the gradient passes through
+            Op::RoundBf16 { .. } => b.contribute(ins[0], dy),
             Op::Cast { .. } => {
                 let to = b.g.dtype(ins[0]);
                 let s = shape_of(&b, 0);

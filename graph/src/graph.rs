@@ -74,6 +74,11 @@ pub struct Graph {
     float: DType,
     /// Per scope and op kind: how many nodes were named automatically.
     counters: std::collections::BTreeMap<String, usize>,
+    /// Least FLOPs of a layer whose GEMM operands are rounded once by RoundBf16 nodes
+    /// (`None`: off; see [`Graph::set_bf16_copies`]).
+    bf16_copies: Option<usize>,
+    /// The RoundBf16 copy made of each activation so far.
+    bf16_of: std::collections::BTreeMap<Tensor, Tensor>,
 }
 
 impl Default for Graph {
@@ -99,7 +104,77 @@ impl Graph {
             scope: Vec::new(),
             float,
             counters: Default::default(),
+            bf16_copies: None,
+            bf16_of: Default::default(),
         }
+    }
+
+    /// Rounds the GEMM operands of large linear layers to bf16 once, in RoundBf16 nodes,
+    /// instead of in each GEMM that reads them. For a layer added after this call by
+    /// `linear_with` / `linear_relu_with` over `rows` rows, `in` inputs and `out` outputs,
+    /// with rows, in and out multiples of 64, each at least 128, and 2·rows·in·out at least
+    /// `min_flops` (an f32 graph only), the forward reads a bf16 copy of x (one copy per
+    /// activation, shared by every such layer that reads it; the weight gradient reads it
+    /// too), and autodiff rounds the layer's dy once for its data and weight gradients
+    /// (summing the bias gradient in the same pass). The values are those of a backend
+    /// that rounds GEMM operands to bf16 (the CUDA kernels, the CPU with `bf16_gemm`), in
+    /// fewer passes; `None` turns it off for the layers added after.
+    pub fn set_bf16_copies(&mut self, min_flops: Option<usize>) {
+        self.bf16_copies = min_flops;
+    }
+
+    /// Whether a linear layer of these sizes takes bf16 copies of its operands (see
+    /// [`Graph::set_bf16_copies`]).
+    pub fn bf16_layer(&self, rows: usize, inputs: usize, outputs: usize) -> bool {
+        let Some(min_flops) = self.bf16_copies else {
+            return false;
+        };
+        let ok = |d: usize| d >= 128 && d.is_multiple_of(64);
+        self.float == DType::F32
+            && ok(rows)
+            && ok(inputs)
+            && ok(outputs)
+            && (2 * rows).saturating_mul(inputs).saturating_mul(outputs) >= min_flops
+    }
+
+    /// The bf16 copy of the f32 activation `x` (a RoundBf16 node the first time). A
+    /// reshaped view (each block's flatten of the field embeddings) gets the same reshape
+    /// of its source's one copy.
+    fn bf16_copy(&mut self, x: Tensor) -> Tensor {
+        if let Some(&c) = self.bf16_of.get(&x) {
+            return c;
+        }
+        let producer = self.producer(x);
+        if matches!(producer.op, Op::Reshape) && self.shape(producer.inputs[0]).rank() >= 2 {
+            let src = producer.inputs[0];
+            let src_copy = self.bf16_copy(src);
+            let shape = self.shape(x).clone();
+            let name = format!("{}.bf16", self.name(x));
+            let c = self.add_forward(
+                Op::Reshape,
+                vec![src_copy],
+                vec![OutSpec {
+                    shape,
+                    dtype: DType::Bf16,
+                }],
+                name,
+            )[0];
+            self.bf16_of.insert(x, c);
+            return c;
+        }
+        let shape = self.shape(x).clone();
+        let name = format!("{}.bf16", self.name(x));
+        let c = self.add_forward(
+            Op::RoundBf16 { col_sums: false },
+            vec![x],
+            vec![OutSpec {
+                shape,
+                dtype: DType::Bf16,
+            }],
+            name,
+        )[0];
+        self.bf16_of.insert(x, c);
+        c
     }
 
     pub fn float_dtype(&self) -> DType {
@@ -574,6 +649,9 @@ impl Graph {
             bias: b.is_some(),
             relu,
         };
+        if self.bf16_layer(xs.rows(), k, n) {
+            all[0] = self.bf16_copy(x);
+        }
         Ok(self.add1(op, all, Shape(out), dt))
     }
 

@@ -130,6 +130,15 @@ pub enum Op {
     Cast {
         to: DType,
     },
+    /// `[x] -> [xb]`: x (f32, at least 2-D) rounded to bf16 (nearest even), the same shape:
+    /// the one rounding of a GEMM operand that several GEMMs read (a layer's input for its
+    /// forward and weight gradient, a layer's dy for its data and weight gradients; see
+    /// `Graph::set_bf16_copies`). With `col_sums`, `[x] -> [xb, s]`, `s` the f32 sums of x
+    /// over its rows (as `SumToShape` to the last dim: the bias gradient when x is a dy).
+    /// The gradient passes through unchanged.
+    RoundBf16 {
+        col_sums: bool,
+    },
 
     // ---- backward ops (appended by autodiff) --------------------------------------
     /// `[dy, w] -> [dx]`: `dx = dy·w` over the rows of `dy` (the data gradient of `Linear`).
@@ -267,6 +276,7 @@ impl Op {
             Op::Mean => "mean",
             Op::Detach => "detach",
             Op::Cast { .. } => "cast",
+            Op::RoundBf16 { .. } => "round_bf16",
             Op::LinearGradInput { .. } => "linear_grad_input",
             Op::LinearGradWeight { .. } => "linear_grad_weight",
             Op::ReluGrad => "relu_grad",

@@ -252,6 +252,10 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 tensor_core: false,
             }
         }
+        // f32 in, bf16 out (and the column sums' partials)
+        Op::RoundBf16 { .. } => {
+            elementwise("round_bf16", ins[0].numel(), 6.0 * ins[0].numel() as f64)
+        }
         Op::StepIncrement => elementwise("step_increment", 1, 8.0),
         Op::BceWithLogits | Op::SoftmaxCrossEntropy | Op::Sum | Op::Mean => LaunchSpec {
             kernel: "reduce_loss",

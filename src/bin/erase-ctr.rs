@@ -155,6 +155,11 @@ struct ModelArgs {
     /// an H200, see BENCHMARKS.md). Only under ERASE.
     #[arg(long, value_enum, default_value = "on")]
     weight_grad_streams: OnOff,
+    /// Round each large layer's GEMM operands (its input, its output's gradient) to bf16
+    /// once, in a pass of their own that every GEMM reading them shares, instead of in
+    /// each GEMM: the same values in fewer passes. CUDA only (the CPU's GEMMs are f32).
+    #[arg(long, value_enum, default_value = "on")]
+    bf16_copies: OnOff,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -192,6 +197,8 @@ impl ModelArgs {
             early_updates: self.optimizer_update == UpdateArg::Early,
             late_stream: self.late_stream == OnOff::On,
             weight_grad_streams: self.weight_grad_streams == OnOff::On,
+            bf16_copies: self.bf16_copies == OnOff::On,
+            ..ScheduleOptions::default()
         }
     }
 }

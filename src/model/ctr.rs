@@ -641,12 +641,19 @@ fn aux_head(g: &mut Graph, o: Tensor, head: Lin, label: Tensor, batch: usize) ->
 /// Builds the forward graph and registers its losses (see [`CtrModel`]). `float` is the
 /// type of parameters and activations: F32, or F64 for reference computations.
 pub fn build(cfg: &CtrConfig, float: DType) -> Result<CtrModel> {
+    build_with(cfg, float, None)
+}
+
+/// [`build`], with bf16 copies of the GEMM operands of layers of at least `bf16_copies`
+/// FLOPs (see `Graph::set_bf16_copies`).
+pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> Result<CtrModel> {
     cfg.validate()?;
     ensure!(
         matches!(float, DType::F32 | DType::F64),
         "ctr model: float type must be f32 or f64, got {float}"
     );
     let mut g = Graph::new(float);
+    g.set_bf16_copies(bf16_copies);
     let (b, d, ns) = (cfg.batch, cfg.dim, cfg.num_sparse);
     let detached = cfg.variant.is_detached();
 

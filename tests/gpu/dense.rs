@@ -1130,3 +1130,124 @@ fn the_ctr_models_large_gemms_match_the_bf16_reference() {
         );
     }
 }
+
+/// `x` rounded to bf16 by RoundBf16 on the CPU: the copy a GEMM reads in place.
+fn bf16_copy(shape: &[usize], x: &[f32]) -> Arg {
+    let out = run_cpu(
+        &Op::RoundBf16 { col_sums: false },
+        &[arg(shape, Buffer::F32(x.to_vec()))],
+        &[(shape, DType::Bf16)],
+        &mut [],
+    );
+    arg(shape, out[0].clone())
+}
+
+/// RoundBf16 (the plain and the column-summing kernel) bit for bit against the CPU's
+/// rounding, the sums against f64; then the GEMMs reading bf16 copies in place: Linear's x
+/// and LinearGradInput's dy K-major with ragged rows (read as the last row past M), and
+/// LinearGradWeight's dy and x MN-major with ragged M and N (whole 8-element chunks), on
+/// the split and cluster paths, against the bf16 reference.
+#[test]
+fn bf16_copies_read_in_place_match_the_bf16_reference() {
+    let Some(dev) = device("bf16_copies_read_in_place_match_the_bf16_reference") else {
+        return;
+    };
+    for (i, &(rows, cols, sums)) in [
+        (200usize, 1736usize, false),
+        (1001, 264, true),
+        (4096, 1728, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (x, xv) = f32_arg(&[rows, cols], 1200 + i as u64, -2.0, 2.0);
+        let (copy_shape, sums_shape) = ([rows, cols], [cols]);
+        let mut outs: Vec<(&[usize], DType)> = vec![(&copy_shape, DType::Bf16)];
+        if sums {
+            outs.push((&sums_shape, DType::F32));
+        }
+        let op = Op::RoundBf16 { col_sums: sums };
+        let got = run_gpu(dev, &op, std::slice::from_ref(&x), &outs, &mut []);
+        let want = run_cpu(
+            &Op::RoundBf16 { col_sums: false },
+            &[x],
+            &outs[..1],
+            &mut [],
+        );
+        assert!(
+            got[0].bytes() == want[0].bytes(),
+            "round_bf16 [{rows}, {cols}]: the copy differs from the CPU's rounding"
+        );
+        if sums {
+            let (mut s, mut sa) = (vec![0f64; cols], vec![0f64; cols]);
+            for (j, &v) in xv.iter().enumerate() {
+                s[j % cols] += v as f64;
+                sa[j % cols] += (v as f64).abs();
+            }
+            // f32 sums of `rows` terms: at most rows·2^-24 of the magnitudes (worst case)
+            let tol: Vec<f64> = sa
+                .iter()
+                .map(|a| rows as f64 * 2f64.powi(-24) * a)
+                .collect();
+            assert_within(
+                &format!("round_bf16 column sums [{rows}, {cols}]"),
+                &got[1].to_f64(),
+                &s,
+                &tol,
+            );
+        }
+    }
+    // y = x·wᵀ + b, x a bf16 copy [1001, 1728] (K-major, ragged rows)
+    let (m, n, k) = (1001, 300, 1728);
+    let xv = rand_f32(1300, m * k, -1.0, 1.0);
+    let (w, wv) = f32_arg(&[n, k], 1301, -1.0, 1.0);
+    let (b, bv) = f32_arg(&[n], 1302, -1.0, 1.0);
+    let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+    let op = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let got = run_gpu(dev, &op, &[bf16_copy(&[m, k], &xv), w, b], &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+    assert_within("linear, bf16 x", &got[0].to_f64(), &want, &tol);
+    // dx = dy·w, dy a bf16 copy [1001, 256]; w [256, 777] rounded by the transposing kernel
+    let (m, n, k) = (1001, 256, 777);
+    let dyv = rand_f32(1310, m * n, -1.0, 1.0);
+    let (w, wv) = f32_arg(&[n, k], 1311, -1.0, 1.0);
+    let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+    let op = Op::LinearGradInput { relu_mask: false };
+    let got = run_gpu(dev, &op, &[bf16_copy(&[m, n], &dyv), w], &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+    assert_within("linear_grad_input, bf16 dy", &got[0].to_f64(), &want, &tol);
+    // dw = dyᵀ·x over 4096 rows, both bf16 copies read MN-major: ragged [1000, 1736]
+    // (split-K in a cluster), the model's [256, 1728] and [1024, 1728]
+    for (i, &(rows, n, k)) in [
+        (4096usize, 1000usize, 1736usize),
+        (4096, 256, 1728),
+        (4096, 1024, 1728),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 1320 + 10 * i as u64;
+        let dyv = rand_f32(seed, rows * n, -1.0, 1.0);
+        let xv = rand_f32(seed + 1, rows * k, -1.0, 1.0);
+        let ins = [bf16_copy(&[rows, n], &dyv), bf16_copy(&[rows, k], &xv)];
+        let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+        let op = Op::LinearGradWeight { bias: false };
+        let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
+        assert_within(
+            &format!("linear_grad_weight, bf16 dy and x, [{n}, {k}] over {rows}"),
+            &got[0].to_f64(),
+            &want,
+            &tol,
+        );
+        let again = run_gpu(dev, &op, &ins, &outs, &mut []);
+        assert_eq!(
+            bits(&got[0]),
+            bits(&again[0]),
+            "linear_grad_weight on bf16 copies: two runs differ"
+        );
+    }
+}

@@ -123,6 +123,17 @@ pub fn execute(
             }
             return embedding_sort(ins, outs, field_rows).map_err(err);
         }
+        Op::RoundBf16 { col_sums } => {
+            let x = get::<f32>(ins[0], "x").map_err(err)?;
+            outs[0] = cast(ins[0], DType::Bf16);
+            if *col_sums {
+                let [_, s] = outs else {
+                    return Err(err("expected two outputs: the copy and the sums".into()));
+                };
+                kernels::sum_to_shape(x, out(s).map_err(err)?);
+            }
+            return Ok(());
+        }
         Op::StepIncrement => {
             return match upd.first_mut() {
                 Some(Buffer::I32(v)) if v.len() == 1 => {
@@ -133,6 +144,23 @@ pub fn execute(
             };
         }
         _ => {}
+    }
+    if matches!(
+        call.op,
+        Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. }
+    ) && ins.iter().any(|b| b.dtype() == DType::Bf16)
+    {
+        // bf16 copies of GEMM operands (RoundBf16's outputs): the same values in f32
+        let wide: Vec<Option<Buffer>> = ins
+            .iter()
+            .map(|b| (b.dtype() == DType::Bf16).then(|| cast(b, DType::F32)))
+            .collect();
+        let refs: Vec<&Buffer> = ins
+            .iter()
+            .zip(&wide)
+            .map(|(b, w)| w.as_ref().unwrap_or(b))
+            .collect();
+        return execute(call, &refs, outs, upd);
     }
     let float = ins
         .iter()

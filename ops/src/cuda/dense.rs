@@ -39,6 +39,12 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_bf16p_128x128_k2",
     "gemm_bf16p_128x128_k4",
     "gemm_bf16p_128x128_k8",
+    "gemm_bf16p_mm_128x128",
+    "gemm_bf16p_mm_128x256",
+    "gemm_bf16p_mm_128x128_k2",
+    "gemm_bf16p_mm_128x128_k4",
+    "gemm_bf16p_mm_128x128_k8",
+    "gemm_round_colsum",
     "gemm_tall_n64",
     "gemm_tall_n128",
     "gemm_tall_n192",
@@ -95,6 +101,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         Op::LinearGradInput { relu_mask } => linear_grad_input(o, *relu_mask),
         Op::LinearGradWeight { bias } => linear_grad_weight(o, *bias),
         Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
+        Op::RoundBf16 { col_sums } => round_bf16(o, *col_sums),
         Op::Attention {
             heads,
             causal,
@@ -108,6 +115,39 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         _ => return None,
     };
     Some(p.map_err(|e| format!("{}: {e}", op.name())))
+}
+
+/// [`check_f32`], except that the inputs in `bf16_ok` may also be bf16 (RoundBf16 copies
+/// of GEMM operands). Returns which inputs are.
+fn check_gemm_operands(
+    o: &Operands,
+    ins: usize,
+    outs: usize,
+    bf16_ok: &[usize],
+) -> Result<Vec<bool>, String> {
+    if o.ins.len() != ins || o.outs.len() != outs {
+        return Err(format!(
+            "expected {ins} inputs and {outs} outputs, got {} and {}",
+            o.ins.len(),
+            o.outs.len()
+        ));
+    }
+    let mut bf16 = vec![false; ins];
+    for (i, d) in o.in_dtypes.iter().enumerate() {
+        match d {
+            DType::F32 => {}
+            DType::Bf16 if bf16_ok.contains(&i) => bf16[i] = true,
+            d => {
+                return Err(format!(
+                    "input {i}: the CUDA kernel reads f32 here, not {d}"
+                ))
+            }
+        }
+    }
+    if let Some(d) = o.out_dtypes.iter().find(|d| **d != DType::F32) {
+        return Err(format!("the CUDA kernel writes f32 tensors, not {d}"));
+    }
+    Ok(bf16)
 }
 
 fn check_f32(o: &Operands, ins: usize, outs: usize) -> Result<(), String> {
@@ -160,6 +200,11 @@ struct Gemm {
     ldb: usize,
     batch_a: usize,
     batch_b: usize,
+    /// The operand is a bf16 tensor (a RoundBf16 copy) read in place by the pipelined
+    /// kernels: K-major (A[m·lda + k], B[n·ldb + k]) where `ta` / `tb` say so (A not
+    /// transposed, B transposed), else MN-major.
+    a_bf16: bool,
+    b_bf16: bool,
 }
 
 impl Gemm {
@@ -199,6 +244,9 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
     let Gemm { batch, m, n, k, .. } = g;
     if batch * m * n == 0 {
         return Ok(CudaPlan::default());
+    }
+    if g.a_bf16 || g.b_bf16 {
+        return gemm_pipe_bf16(&g);
     }
     if let Some(plan) = gemm_tall(&g)? {
         return Ok(plan);
@@ -494,9 +542,63 @@ fn pipe_tile(g: &Gemm) -> Option<PipeTile> {
         .copied()
 }
 
-/// The pipelined plan: A and B rounded to bf16 into scratch 0 and 1 (K-major, padded
-/// with zeros to whole tiles), the GEMM, and for split-K the fixed-order reduction of
-/// the partials in scratch 2.
+/// The pipelined plan for a GEMM whose operands include a bf16 tensor (a RoundBf16 copy,
+/// read in place): the tile of least estimated cost, whatever the size (the graph gives
+/// copies only to large layers), and the other operand rounded as in [`gemm_pipe`].
+/// Copies are read without padding, so K must be a multiple of 64, rows 16-byte aligned,
+/// and an MN-major operand's m or n a multiple of 8; A and B must share a layout.
+fn gemm_pipe_bf16(g: &Gemm) -> Result<CudaPlan, String> {
+    let (a_mn, b_mn) = (g.a_bf16 && g.ta, g.b_bf16 && !g.tb);
+    if a_mn != b_mn {
+        return Err(
+            "a bf16 operand read MN-major needs the other operand MN-major too \
+                    (a weight gradient takes bf16 copies of both dy and x)"
+                .into(),
+        );
+    }
+    if !g.k.is_multiple_of(64) {
+        return Err(format!(
+            "K = {} is not a multiple of 64 (bf16 operand copies are read unpadded)",
+            g.k
+        ));
+    }
+    for (bf16, mn, dim, ld, what) in [
+        (g.a_bf16, a_mn, g.m, g.lda, "A"),
+        (g.b_bf16, b_mn, g.n, g.ldb, "B"),
+    ] {
+        if bf16 && (!ld.is_multiple_of(8) || (mn && !dim.is_multiple_of(8))) {
+            return Err(format!(
+                "bf16 operand {what}: rows of {ld} elements and {dim} wide are not whole \
+                 16-byte chunks"
+            ));
+        }
+    }
+    let t = PIPE_TILES
+        .iter()
+        .min_by(|x, y| pipe_cost(x, g).total_cmp(&pipe_cost(y, g)))
+        .copied()
+        .ok_or("no pipelined tile")?;
+    gemm_pipe(g, t)
+}
+
+/// A pipelined kernel's name for its operands' layout: both K-major (the rounded scratch,
+/// or bf16 copies read K-major) or both MN-major (`_mm`).
+fn pipe_kernel(kernel: &'static str, mn_major: bool) -> &'static str {
+    if !mn_major {
+        return kernel;
+    }
+    match kernel {
+        "gemm_bf16p_128x128" => "gemm_bf16p_mm_128x128",
+        "gemm_bf16p_128x256" => "gemm_bf16p_mm_128x256",
+        "gemm_bf16p_128x128_k2" => "gemm_bf16p_mm_128x128_k2",
+        "gemm_bf16p_128x128_k4" => "gemm_bf16p_mm_128x128_k4",
+        _ => "gemm_bf16p_mm_128x128_k8",
+    }
+}
+
+/// The pipelined plan: each f32 operand rounded to bf16 into scratch (K-major, padded
+/// with zeros to whole tiles; both in one launch when both are f32), each bf16 operand
+/// read in place, the GEMM, and for split-K the fixed-order reduction of the partials.
 fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     let Gemm { batch, m, n, k, .. } = *g;
     let (mut k_split, mut splits) = pipe_splits(&t, g);
@@ -514,8 +616,12 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     );
     let (mi, ni, kpi) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(kp, "K")?);
     let count = batch * m * n;
-    // op(A) as [M][K] and op(B)ᵀ as [N][K], both in one launch: a plain copy when K is
-    // the stored rows' inner dim, else the transposing form
+    let mn_major = g.a_bf16 && g.ta;
+    if g.a_row_sums.is_some() && (g.a_bf16 || g.b_bf16) {
+        return Err("row sums of op(A) are taken while rounding both f32 operands".into());
+    }
+    // op(A) as [M][K] and op(B)ᵀ as [N][K]: a plain copy when K is the stored rows' inner
+    // dim, else the transposing form; `(args, ctas)` of one operand's part of the launch
     let part = |src: KArg,
                 dst: usize,
                 rows: usize,
@@ -542,11 +648,25 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         ];
         (args, ctas)
     };
-    let mut scratch = vec![batch * mp * kp * 2, batch * np * kp * 2];
+    let mut scratch = Vec::new();
+    let mut calls = Vec::new();
+    // each operand: (pointer, ld, batch stride), rounded into the next scratch if f32
+    let mut operand = |bf16: bool, arg: KArg, ld: usize, bs: usize, rows_p: usize| {
+        if bf16 {
+            (arg, ld, bs, None)
+        } else {
+            scratch.push(batch * rows_p * kp * 2);
+            let i = scratch.len() - 1;
+            (KArg::Scratch(i), kp, rows_p * kp, Some(i))
+        }
+    };
+    let (a_arg, lda, bsa, a_dst) = operand(g.a_bf16, g.a, g.lda, g.batch_a, mp);
+    let (b_arg, ldb, bsb, b_dst) = operand(g.b_bf16, g.b, g.ldb, g.batch_b, np);
     let partials = splits > 1 && cluster.is_none();
-    if partials {
+    let part_at = partials.then(|| {
         scratch.push(splits * count * 4);
-    }
+        scratch.len() - 1
+    });
     // op(A)'s row sums: one partial per 64 of K, `(partials, out, slices)`, added after
     // the GEMM by the reduction's launch where there is one, else by colsum_final
     let row_sums = g.a_row_sums.map(|out| {
@@ -554,44 +674,76 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         scratch.push(slices * m * 4);
         (KArg::Scratch(scratch.len() - 1), out, slices)
     });
-    let (mut conv_args, ctas_a) = part(g.a, 0, m, k, mp, g.ta, g.lda, g.batch_a);
-    conv_args.push(KArg::I32(ctas_a as i32));
-    let (args_b, ctas_b) = part(g.b, 1, n, k, np, !g.tb, g.ldb, g.batch_b);
-    conv_args.extend(args_b);
-    conv_args.push(KArg::I32(kpi));
-    match row_sums {
-        Some((part, _, _)) => conv_args.extend([part, KArg::I32(1)]),
-        None => conv_args.extend([g.a, KArg::I32(0)]),
+    match (a_dst, b_dst) {
+        (Some(da), Some(db)) => {
+            let (mut conv_args, ctas_a) = part(g.a, da, m, k, mp, g.ta, g.lda, g.batch_a);
+            conv_args.push(KArg::I32(ctas_a as i32));
+            let (args_b, ctas_b) = part(g.b, db, n, k, np, !g.tb, g.ldb, g.batch_b);
+            conv_args.extend(args_b);
+            conv_args.push(KArg::I32(kpi));
+            match row_sums {
+                Some((p, _, _)) => conv_args.extend([p, KArg::I32(1)]),
+                None => conv_args.extend([g.a, KArg::I32(0)]),
+            }
+            calls.push(KernelCall {
+                kernel: "gemm_to_bf16_pair",
+                grid: [ctas_a + ctas_b, 1, batch as u32],
+                block: [256, 1, 1],
+                smem: 0,
+                args: conv_args,
+            });
+        }
+        (Some(d), None) | (None, Some(d)) => {
+            // one f32 operand: its own rounding launch (the other is a bf16 copy)
+            let a = a_dst.is_some();
+            let (src, rows, rp, trans, ld, bs) = if a {
+                (g.a, m, mp, g.ta, g.lda, g.batch_a)
+            } else {
+                (g.b, n, np, !g.tb, g.ldb, g.batch_b)
+            };
+            let (mut args, _) = part(src, d, rows, k, rp, trans, ld, bs);
+            args.truncate(7);
+            args.push(KArg::I32(kpi));
+            let grid = if trans {
+                [blocks(rp, 64), blocks(kp, 64), batch as u32]
+            } else {
+                [blocks(rp * kp / 8, 256), 1, batch as u32]
+            };
+            calls.push(KernelCall {
+                kernel: if trans {
+                    "gemm_to_bf16_t"
+                } else {
+                    "gemm_to_bf16"
+                },
+                grid,
+                block: [256, 1, 1],
+                smem: 0,
+                args,
+            });
+        }
+        (None, None) => {}
     }
-    let convert = KernelCall {
-        kernel: "gemm_to_bf16_pair",
-        grid: [ctas_a + ctas_b, 1, batch as u32],
-        block: [256, 1, 1],
-        smem: 0,
-        args: conv_args,
-    };
     let flags = g.flags();
-    let out = if partials {
-        KArg::Scratch(2)
-    } else {
-        KArg::Out(0)
-    };
-    let main = KernelCall {
-        kernel: cluster.map_or(t.kernel, |(_, kernel)| kernel),
+    let out = part_at.map_or(KArg::Out(0), KArg::Scratch);
+    let kernel = cluster.map_or(t.kernel, |(_, kernel)| kernel);
+    calls.push(KernelCall {
+        kernel: pipe_kernel(kernel, mn_major),
         grid: [blocks(mp, t.bm), blocks(np, t.bn), (splits * batch) as u32],
         block: [256, 1, 1],
         smem: t.smem,
         args: vec![
-            KArg::Scratch(0),
-            KArg::Scratch(1),
+            a_arg,
+            b_arg,
             out,
             g.bias_arg(),
             KArg::I32(mi),
             KArg::I32(ni),
             KArg::I32(kpi),
+            i64_of(lda),
+            i64_of(ldb),
             i64_of(n),
-            i64_of(mp * kp),
-            i64_of(np * kp),
+            i64_of(bsa),
+            i64_of(bsb),
             i64_of(m * n),
             KArg::I32(batch as i32),
             KArg::I32(k_split as i32),
@@ -599,14 +751,91 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
             i64_of(if partials { count } else { 0 }),
             KArg::I32(if partials { 0 } else { flags }),
         ],
-    };
-    let mut calls = vec![convert, main];
-    if partials {
-        calls.push(reduce_call(g, KArg::Scratch(2), splits, row_sums));
+    });
+    if let Some(p) = part_at {
+        calls.push(reduce_call(g, KArg::Scratch(p), splits, row_sums));
     } else if let Some((part, out, slices)) = row_sums {
         calls.push(super::misc::colsum_final_call(part, out, slices, m));
     }
     Ok(CudaPlan { calls, scratch })
+}
+
+/// `[x] -> [xb]` or `[x] -> [xb, s]` (RoundBf16): x rounded to bf16 in one pass (the
+/// operand rounding of the pipelined GEMMs, `gemm_to_bf16`), and with `col_sums` x's
+/// sums over its rows from the same pass (`gemm_round_colsum`: partials of 256 rows,
+/// then colsum_final in order).
+fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, String> {
+    let outs = 1 + usize::from(col_sums);
+    if o.ins.len() != 1 || o.outs.len() != outs {
+        return Err(format!(
+            "expected 1 input and {outs} outputs, got {} and {}",
+            o.ins.len(),
+            o.outs.len()
+        ));
+    }
+    let want_out = if col_sums {
+        &[DType::Bf16, DType::F32][..]
+    } else {
+        &[DType::Bf16][..]
+    };
+    if o.in_dtypes != [DType::F32] || o.out_dtypes != want_out {
+        return Err(format!(
+            "rounds f32 to bf16 (with f32 sums), not {:?} to {:?}",
+            o.in_dtypes, o.out_dtypes
+        ));
+    }
+    let x = o.ins[0];
+    let (rows, cols) = (x.rows(), x.last());
+    if x.rank() < 2 || !cols.is_multiple_of(8) {
+        return Err(format!(
+            "x {x} must be at least 2-D with a last dim that is a multiple of 8"
+        ));
+    }
+    if col_sums && o.outs[1].numel() != cols {
+        return Err(format!("the sums {} do not match x {x}", o.outs[1]));
+    }
+    let (ri, ci) = (i32_of(rows, "rows")?, i32_of(cols, "columns")?);
+    if !col_sums {
+        return Ok(CudaPlan {
+            calls: vec![KernelCall {
+                kernel: "gemm_to_bf16",
+                grid: [blocks(rows * cols / 8, 256), 1, 1],
+                block: [256, 1, 1],
+                smem: 0,
+                args: vec![
+                    KArg::In(0),
+                    KArg::Out(0),
+                    KArg::I32(ri),
+                    KArg::I32(ci),
+                    i64_of(cols),
+                    i64_of(0),
+                    KArg::I32(ri),
+                    KArg::I32(ci),
+                ],
+            }],
+            scratch: vec![],
+        });
+    }
+    let slices = rows.div_ceil(256);
+    Ok(CudaPlan {
+        calls: vec![
+            KernelCall {
+                kernel: "gemm_round_colsum",
+                grid: [blocks(cols, 64), slices as u32, 1],
+                block: [256, 1, 1],
+                smem: 0,
+                args: vec![
+                    KArg::In(0),
+                    KArg::Out(0),
+                    KArg::Scratch(0),
+                    KArg::I32(ri),
+                    KArg::I32(ci),
+                ],
+            },
+            super::misc::colsum_final_call(KArg::Scratch(0), KArg::Out(1), slices, cols),
+        ],
+        scratch: vec![slices * cols * 4],
+    })
 }
 
 /// The cluster form of a split pipelined GEMM, `(CTAs a cluster, kernel)`: for the
@@ -675,7 +904,7 @@ fn matrix(s: &Shape, what: &str) -> Result<(usize, usize), String> {
 
 /// `[x, w, b?] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b).
 fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
-    check_f32(o, 2 + usize::from(bias), 1)?;
+    let bf16 = check_gemm_operands(o, 2 + usize::from(bias), 1, &[0])?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != k {
         return Err(format!(
@@ -707,13 +936,15 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
         ldb: k,
         batch_a: 0,
         batch_b: 0,
+        a_bf16: bf16[0],
+        b_bf16: false,
     })
 }
 
 /// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K]; with `relu_mask`, `[dy, w, y] -> [dx]`,
 /// dx zeroed where y (of dx's shape) is not > 0.
 fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> {
-    check_f32(o, 2 + usize::from(relu_mask), 1)?;
+    let bf16 = check_gemm_operands(o, 2 + usize::from(relu_mask), 1, &[0])?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != n {
         return Err(format!("dy {} does not match weight [{n}, {k}]", o.ins[0]));
@@ -741,12 +972,21 @@ fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> 
         ldb: k,
         batch_a: 0,
         batch_b: 0,
+        a_bf16: bf16[0],
+        b_bf16: false,
     })
 }
 
 /// `[dy, x] -> [dw]`: dw[N,K] = dy[M,N]ᵀ·x[M,K], K-dimension of the GEMM = the M rows.
 fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
-    check_f32(o, 2, 1 + usize::from(bias))?;
+    let bf16 = check_gemm_operands(o, 2, 1 + usize::from(bias), &[0, 1])?;
+    if bias && bf16[0] {
+        return Err(
+            "the bias gradient is summed from an f32 dy, not from its bf16 copy \
+                    (RoundBf16 with col_sums sums it)"
+                .into(),
+        );
+    }
     let (n, k) = matrix(o.outs[0], "the weight gradient")?;
     let rows = o.ins[0].rows();
     if o.ins[0].last() != n || o.ins[1].last() != k || o.ins[1].rows() != rows {
@@ -775,6 +1015,8 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
         ldb: k,
         batch_a: 0,
         batch_b: 0,
+        a_bf16: bf16[0],
+        b_bf16: bf16[1],
     };
     // db = dy's column sums: while the pipelined path rounds dyᵀ (at most 256 partials of
     // 64 rows for the second pass) or the single-launch kernel stages dy's tiles, else by
@@ -837,6 +1079,8 @@ fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
         ldb: cb,
         batch_a: ra * ca,
         batch_b: rb * cb,
+        a_bf16: false,
+        b_bf16: false,
     })
 }
 
@@ -1275,8 +1519,8 @@ mod tests {
         assert_eq!(p.calls[1].grid[2], 2);
         // straight into the output, no partials' stride (4096 = 2 splits of 2048)
         assert_eq!(p.calls[1].args[2], KArg::Out(0));
-        assert_eq!(p.calls[1].args[12], KArg::I32(2048));
-        assert_eq!(p.calls[1].args[13], KArg::I64(0));
+        assert_eq!(p.calls[1].args[14], KArg::I32(2048));
+        assert_eq!(p.calls[1].args[15], KArg::I64(0));
         assert_eq!(p.scratch.len(), 2);
         // three splits are taken as a cluster of four (the cross block's U forward)
         let p = plan_of(
@@ -1350,5 +1594,122 @@ mod tests {
             &[&[1, 8, 96], &[1, 2, 8]],
         );
         assert!(e.unwrap_err().contains("head dim 48"));
+    }
+
+    /// `plan_of` with input element types.
+    fn plan_typed(
+        op: &Op,
+        ins: &[(&[usize], DType)],
+        outs: &[(&[usize], DType)],
+    ) -> Result<CudaPlan, String> {
+        let in_shapes: Vec<Shape> = ins.iter().map(|(s, _)| Shape::new(s)).collect();
+        let out_shapes: Vec<Shape> = outs.iter().map(|(s, _)| Shape::new(s)).collect();
+        let in_refs: Vec<&Shape> = in_shapes.iter().collect();
+        let out_refs: Vec<&Shape> = out_shapes.iter().collect();
+        let in_dt: Vec<DType> = ins.iter().map(|(_, d)| *d).collect();
+        let out_dt: Vec<DType> = outs.iter().map(|(_, d)| *d).collect();
+        super::super::cuda_plan(
+            op,
+            &Operands {
+                ins: &in_refs,
+                in_dtypes: &in_dt,
+                outs: &out_refs,
+                out_dtypes: &out_dt,
+                upd: &[],
+            },
+        )
+    }
+
+    #[test]
+    fn bf16_copies_are_read_in_place() {
+        const F: DType = DType::F32;
+        const B: DType = DType::Bf16;
+        // the forward reads its input's copy K-major: only the weight is rounded
+        let p = plan_typed(
+            &Op::Linear {
+                bias: true,
+                relu: true,
+            },
+            &[(&[4096, 1728], B), (&[1024, 1728], F), (&[1024], F)],
+            &[(&[4096, 1024], F)],
+        )
+        .unwrap();
+        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names, ["gemm_to_bf16", "gemm_bf16p_128x128"], "{names:?}");
+        assert_eq!(p.calls[1].args[0], KArg::In(0));
+        assert_eq!(p.calls[1].args[7], KArg::I64(1728));
+        assert_eq!(p.scratch.len(), 1);
+        // the data gradient: dy's copy K-major, the weight through the transposing kernel
+        let p = plan_typed(
+            &Op::LinearGradInput { relu_mask: false },
+            &[(&[4096, 256], B), (&[256, 1728], F)],
+            &[(&[4096, 1728], F)],
+        )
+        .unwrap();
+        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names[0], "gemm_to_bf16_t");
+        assert!(names[1].starts_with("gemm_bf16p_128x"), "{names:?}");
+        // the weight gradient: both copies MN-major, no rounding launch
+        let p = plan_typed(
+            &Op::LinearGradWeight { bias: false },
+            &[(&[4096, 1024], B), (&[4096, 1728], B)],
+            &[(&[1024, 1728], F)],
+        )
+        .unwrap();
+        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names, ["gemm_bf16p_mm_128x128_k2"]);
+        assert!(p.scratch.is_empty());
+        // mixed layouts, K not a multiple of 64, and a bias summed from a bf16 dy are
+        // refused, naming the problem
+        let e = plan_typed(
+            &Op::LinearGradWeight { bias: false },
+            &[(&[4096, 1024], B), (&[4096, 1728], F)],
+            &[(&[1024, 1728], F)],
+        )
+        .unwrap_err();
+        assert!(e.contains("MN-major"), "{e}");
+        let e = plan_typed(
+            &Op::Linear {
+                bias: false,
+                relu: false,
+            },
+            &[(&[4096, 1000], B), (&[256, 1000], F)],
+            &[(&[4096, 256], F)],
+        )
+        .unwrap_err();
+        assert!(e.contains("multiple of 64"), "{e}");
+        let e = plan_typed(
+            &Op::LinearGradWeight { bias: true },
+            &[(&[4096, 1024], B), (&[4096, 1728], B)],
+            &[(&[1024, 1728], F), (&[1024], F)],
+        )
+        .unwrap_err();
+        assert!(e.contains("bias gradient"), "{e}");
+        // RoundBf16: one launch, or the column-summing kernel and colsum_final
+        let p = plan_typed(
+            &Op::RoundBf16 { col_sums: false },
+            &[(&[4096, 1728], F)],
+            &[(&[4096, 1728], B)],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].kernel, "gemm_to_bf16");
+        let p = plan_typed(
+            &Op::RoundBf16 { col_sums: true },
+            &[(&[4096, 1728], F)],
+            &[(&[4096, 1728], B), (&[1728], F)],
+        )
+        .unwrap();
+        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names, ["gemm_round_colsum", "colsum_final"]);
+        assert_eq!(p.calls[0].grid, [27, 16, 1]);
+        assert_eq!(p.scratch, [16 * 1728 * 4]);
+        let e = plan_typed(
+            &Op::RoundBf16 { col_sums: false },
+            &[(&[4096, 13], F)],
+            &[(&[4096, 13], B)],
+        )
+        .unwrap_err();
+        assert!(e.contains("multiple of 8"), "{e}");
     }
 }

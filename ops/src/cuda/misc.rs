@@ -197,6 +197,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         | Op::LinearGradInput { .. }
         | Op::LinearGradWeight { .. }
         | Op::MatMul { .. }
+        | Op::RoundBf16 { .. }
         | Op::Attention { .. }
         | Op::AttentionGrad { .. } => return None,
         Op::Add => binary(op, o, "ew_add"),

@@ -1,0 +1,180 @@
+//! bf16 copies of GEMM operands (`Graph::set_bf16_copies`, `--bf16-copies`): where the
+//! CTR model gets them, and that they change no value beyond summation order: a step on
+//! the CPU that rounds GEMM operands as the kernels do gives the same loss and gradients
+//! with and without them.
+
+use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
+use erase::graph::{DType, Grad, Op, OptimizerConfig, Phase, Tensor};
+use erase::model::ctr::{CtrConfig, Variant};
+use erase::runtime::memory::plan_memory;
+use erase::runtime::program::ProgramRunner;
+use erase::train::{plan_step, ScheduleOptions, StepPlan};
+
+/// The spec's model at batch 128 (every large layer has 128 rows: the least that gets
+/// copies), with copies for every layer of 128-multiple sizes, or none.
+fn plan(variant: Variant, copies: bool) -> StepPlan {
+    let mut cfg = CtrConfig::default().with_variant(variant);
+    cfg.batch = 128;
+    cfg.rows = 1000;
+    let sched = ScheduleOptions {
+        bf16_copies: copies,
+        bf16_copy_min_flops: 0,
+        ..Default::default()
+    };
+    plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched).unwrap()
+}
+
+#[test]
+fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
+    let p = plan(Variant::Erase, true);
+    let g = &p.model.graph;
+    let rounds: Vec<_> = g
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::RoundBf16 { .. }))
+        .collect();
+    let forward = rounds.iter().filter(|n| n.phase == Phase::Forward).count();
+    let backward: Vec<_> = rounds
+        .iter()
+        .filter(|n| n.phase == Phase::Backward)
+        .collect();
+    // forward: the bottom MLP's first hidden layer, E (read through each block's flatten by cross U0, deep's first layer and
+    // MaskNet's m1), cross's x1, x2 and its three low-rank outputs, deep's hidden layer,
+    // MaskNet's hidden and masked input, the top's input and hidden layer; backward: the
+    // dy of each of the bottom's second, the 3 + 3 cross, 2 deep, 3 MaskNet and 2 top
+    // layers (every layer
+    // with sizes that are multiples of 64, at least 128)
+    let names: Vec<&str> = rounds
+        .iter()
+        .filter(|n| n.phase == Phase::Forward)
+        .map(|n| n.name.as_str())
+        .collect();
+    assert_eq!(forward, 12, "forward copies: {names:?}");
+    assert_eq!(backward.len(), 14, "backward copies");
+    // E's one copy is read by three forward GEMMs and their three weight gradients
+    let e = g.find("embedding/concat0").expect("E");
+    let copy = rounds
+        .iter()
+        .find(|n| n.inputs == [e])
+        .expect("a copy of E");
+    // the copy and its reshaped views
+    let mut views = vec![copy.outputs[0]];
+    for n in g.nodes() {
+        if matches!(n.op, Op::Reshape) && views.contains(&n.inputs[0]) {
+            views.push(n.outputs[0]);
+        }
+    }
+    let readers: Vec<&Op> = g
+        .nodes()
+        .iter()
+        .filter(|n| !matches!(n.op, Op::Reshape) && n.inputs.iter().any(|t| views.contains(t)))
+        .map(|n| &n.op)
+        .collect();
+    assert_eq!(
+        readers
+            .iter()
+            .filter(|o| matches!(o, Op::Linear { .. }))
+            .count(),
+        3
+    );
+    assert_eq!(
+        readers
+            .iter()
+            .filter(|o| matches!(o, Op::LinearGradWeight { bias: false }))
+            .count(),
+        3
+    );
+    // a layer with a bias takes its bias gradient from its dy's rounding pass
+    assert!(backward
+        .iter()
+        .any(|n| matches!(n.op, Op::RoundBf16 { col_sums: true }) && n.outputs.len() == 2));
+    assert!(
+        g.nodes()
+            .iter()
+            .all(|n| !matches!(n.op, Op::LinearGradWeight { bias: true })
+                || !matches!(g.dtype(n.inputs[0]), DType::Bf16)),
+        "no weight gradient sums a bias from a bf16 dy"
+    );
+    // no copies for the CPU, or below the threshold
+    let off = plan(Variant::Erase, false);
+    assert!(off
+        .model
+        .graph
+        .nodes()
+        .iter()
+        .all(|n| !matches!(n.op, Op::RoundBf16 { .. })));
+}
+
+/// One step on the golden-style batch with GEMM operands rounded as the kernels round
+/// them; returns the runner and the dense gradients by parameter name.
+fn step(p: &StepPlan) -> (f64, Vec<(String, Vec<f64>)>) {
+    let m = &p.model;
+    let g = &m.graph;
+    let mut keep = vec![m.logit, m.main_loss];
+    let mut grads: Vec<(String, Tensor)> = Vec::new();
+    for (&param, grad) in &p.training.grads.by_param {
+        if let Grad::Dense(t) = grad {
+            keep.push(*t);
+            grads.push((g.name(param).to_string(), *t));
+        }
+    }
+    let memory = plan_memory(g, &p.program, &keep);
+    let mut r = ProgramRunner::new(g, &p.program, &memory, 7, 2).unwrap();
+    r.bf16_gemm = true;
+    let gen = SyntheticCtr::new(SyntheticConfig {
+        seed: 0,
+        rows: 1000,
+        hot: 1,
+    });
+    let b = 128;
+    let (mut d, mut ids, mut y) = (vec![0f32; b * 13], vec![0u32; b * 26], vec![0f32; b]);
+    gen.fill_batch(1, 0, b, &mut d, &mut ids, &mut y);
+    let (bd, bi, bo, bl) = m.batch_buffers(&d, &ids, &y).unwrap();
+    for (t, buf) in [
+        (m.inputs.dense, bd),
+        (m.inputs.ids, bi),
+        (m.inputs.offsets, bo),
+        (m.inputs.label, bl),
+    ] {
+        r.feed(t, buf).unwrap();
+    }
+    r.run().unwrap();
+    let loss = r.get(m.main_loss).unwrap().to_f64()[0];
+
+    let mut out: Vec<(String, Vec<f64>)> = grads
+        .into_iter()
+        .map(|(n, t)| (n, r.get(t).unwrap().to_f64()))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    (loss, out)
+}
+
+#[test]
+fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
+    for variant in [Variant::Baseline, Variant::Erase] {
+        let (loss_on, on) = step(&plan(variant, true));
+        let (loss_off, off) = step(&plan(variant, false));
+        assert_eq!(on.len(), off.len());
+        assert!(
+            (loss_on - loss_off).abs() <= 1e-6 * loss_off.abs(),
+            "{variant}: loss {loss_on} with copies, {loss_off} without"
+        );
+        let mut worst = 0f64;
+        for ((name, a), (name_b, b)) in on.iter().zip(&off) {
+            assert_eq!(name, name_b);
+            // the same products; only the order in which a shared input's gradient
+            // contributions are summed differs (f32: a few units in the last place)
+            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+            let den: f64 = b.iter().map(|y| y * y).sum();
+            let rel = (num / den.max(1e-300)).sqrt();
+            // a ReLU input within rounding of 0 can fall either way (batch 128: one such
+            // element moves its layer's gradients by about 1e-2)
+            assert!(
+                rel <= 5e-2,
+                "{variant}: gradient of {name}: relative L2 difference {rel:.2e}"
+            );
+            worst = worst.max(rel);
+        }
+        println!("{variant}: gradients within {worst:.2e} (relative L2) of rounding in every GEMM");
+    }
+}
