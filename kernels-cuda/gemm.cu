@@ -1053,48 +1053,53 @@ ERASE_GEMM_TALL_KERNEL(256, 2)
 #define ERASE_GEMM_PIPE_PASS \
     A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags
 
-// gemm_bf16p<LAYOUT>_128x128 and _128x256, LAYOUT empty (K-major operands) or _mm.
+// gemm_bf16p<LAYOUT>_128x128 and _128x256, LAYOUT empty (K-major operands), _mm (both
+// MN-major) or _km (A K-major, B MN-major: a data gradient dy·w on copies of both).
 // gemm_bf16p<LAYOUT>_128x128_k<S>: the 128x128 kernel with its S splits (grid z = S,
 // batch 1) summed inside a cluster of S CTAs (gemm_cluster_epilogue): C is the output,
 // `flags` the whole epilogue. Clusters need sm_90; the sm_80 form computes the whole K in
 // the CTA of split 0 (the others return), the same result without the split. The plan
 // passes split_c = 0 (the kernel body offsets C by split·split_c).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, T)                                                                   \
+#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB)                                                                 \
     ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) {         \
-        gemm_wgmma_body<128, 3, 1, T, T>(ERASE_GEMM_PIPE_PASS);                                              \
+        gemm_wgmma_body<128, 3, 1, TA, TB>(ERASE_GEMM_PIPE_PASS);                                              \
     }                                                                                                        \
     ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) {         \
-        gemm_wgmma_body<256, 4, 1, T, T>(ERASE_GEMM_PIPE_PASS);                                              \
+        gemm_wgmma_body<256, 4, 1, TA, TB>(ERASE_GEMM_PIPE_PASS);                                              \
     }
-#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, T, S)                                                              \
+#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, TA, TB, S)                                                            \
     ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 2)                                    \
         gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {                                            \
-        gemm_wgmma_body<128, 3, S, T, T>(ERASE_GEMM_PIPE_PASS);                                              \
+        gemm_wgmma_body<128, 3, S, TA, TB>(ERASE_GEMM_PIPE_PASS);                                              \
     }
 #else
-#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, T)                                                                   \
+#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB)                                                                 \
     ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) {         \
-        gemm_pipe_body<128, 128, 64, 2, 4, 3, T, T>(ERASE_GEMM_PIPE_PASS);                                   \
+        gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB>(ERASE_GEMM_PIPE_PASS);                                   \
     }                                                                                                        \
     ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) {         \
-        gemm_pipe_body<128, 256, 32, 2, 4, 4, T, T>(ERASE_GEMM_PIPE_PASS);                                   \
+        gemm_pipe_body<128, 256, 32, 2, 4, 4, TA, TB>(ERASE_GEMM_PIPE_PASS);                                   \
     }
-#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, T, S)                                                              \
+#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, TA, TB, S)                                                            \
     ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {    \
         if (blockIdx.z != 0) return;                                                                         \
-        gemm_pipe_body<128, 128, 64, 2, 4, 3, T, T>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
+        gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
                                                     batch_c, 1, Kp, 0, flags);                               \
     }
 #endif
-ERASE_GEMM_PIPE_KERNELS(, false)
-ERASE_GEMM_PIPE_KERNELS(_mm, true)
-ERASE_GEMM_CLUSTER_KERNEL(, false, 2)
-ERASE_GEMM_CLUSTER_KERNEL(, false, 4)
-ERASE_GEMM_CLUSTER_KERNEL(, false, 8)
-ERASE_GEMM_CLUSTER_KERNEL(_mm, true, 2)
-ERASE_GEMM_CLUSTER_KERNEL(_mm, true, 4)
-ERASE_GEMM_CLUSTER_KERNEL(_mm, true, 8)
+ERASE_GEMM_PIPE_KERNELS(, false, false)
+ERASE_GEMM_PIPE_KERNELS(_mm, true, true)
+ERASE_GEMM_PIPE_KERNELS(_km, false, true)
+ERASE_GEMM_CLUSTER_KERNEL(, false, false, 2)
+ERASE_GEMM_CLUSTER_KERNEL(, false, false, 4)
+ERASE_GEMM_CLUSTER_KERNEL(, false, false, 8)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, 2)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, 4)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, 8)
+ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, 2)
+ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, 4)
+ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, 8)
 
 namespace {
 
@@ -1219,37 +1224,46 @@ ERASE_KERNEL void __launch_bounds__(256)
 // RoundBf16 with column sums (a layer's dy, rounded once for its data and weight
 // gradients, and its bias gradient from the same pass): dst[r][c] = bf16(src[r][c]) for
 // an f32 [rows][cols] matrix (cols a multiple of 8, src and dst 16-byte aligned), and
-// part[by][c] = the f32 sum of src[r][c] over the CTA's 256 rows r = 256·by + .., in a
+// part[by][c] = the f32 sum of src[r][c] over the CTA's 32·iters rows (iters ≤ 8), in a
 // fixed order (each of 32 row lanes over its rows in order, then the 32 lane sums in
-// lane order); colsum_final adds the ceil(rows/256) partials. Grid (ceil(cols/64),
-// ceil(rows/256)), block 256: thread t takes the 8 columns 64·bx + 8·(t % 8) of rows
-// 256·by + t/8 + 32·i, so a warp reads four whole 256-byte row segments at a time.
+// lane order); colsum_final adds the ceil(rows/(32·iters)) partials. Grid (ceil(cols/64),
+// ceil(rows/(32·iters))), block 256: thread t takes the 8 columns 64·bx + 8·(t % 8) of
+// rows 32·iters·by + t/8 + 32·i, i < iters, so a warp reads four whole 256-byte row
+// segments at a time; all of a thread's loads are issued before the first is used.
 ERASE_KERNEL void __launch_bounds__(256)
     gemm_round_colsum(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, float* __restrict__ part,
-                      int rows, int cols) {
+                      int rows, int cols, int iters) {
     __shared__ float lanes[32][65];
     const int tid = threadIdx.x, ch = tid & 7, y = tid >> 3;
-    const int c = blockIdx.x * 64 + ch * 8, r0 = blockIdx.y * 256;
+    const int c = blockIdx.x * 64 + ch * 8, r0 = blockIdx.y * 32 * iters;
     float acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.f;
     if (c < cols) {
-#pragma unroll 4
+        float4 v[8][2];
+#pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int r = r0 + y + 32 * i;
-            if (r >= rows) break;
-            const float* p = src + static_cast<long long>(r) * cols + c;
-            const float4 x = __ldg(reinterpret_cast<const float4*>(p));
-            const float4 z = __ldg(reinterpret_cast<const float4*>(p + 4));
-            const float v[8] = {x.x, x.y, x.z, x.w, z.x, z.y, z.z, z.w};
+            if (i < iters && r < rows) {
+                const float* p = src + static_cast<long long>(r) * cols + c;
+                v[i][0] = __ldg(reinterpret_cast<const float4*>(p));
+                v[i][1] = __ldg(reinterpret_cast<const float4*>(p + 4));
+            }
+        }
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += v[e];
-            uint4 o;
-            o.x = gemm_pack_bf16(v[0], v[1]);
-            o.y = gemm_pack_bf16(v[2], v[3]);
-            o.z = gemm_pack_bf16(v[4], v[5]);
-            o.w = gemm_pack_bf16(v[6], v[7]);
-            *reinterpret_cast<uint4*>(dst + static_cast<long long>(r) * cols + c) = o;
+        for (int i = 0; i < 8; ++i) {
+            const int r = r0 + y + 32 * i;
+            if (i < iters && r < rows) {
+                const float4 x = v[i][0], z = v[i][1];
+                acc[0] += x.x, acc[1] += x.y, acc[2] += x.z, acc[3] += x.w;
+                acc[4] += z.x, acc[5] += z.y, acc[6] += z.z, acc[7] += z.w;
+                uint4 o;
+                o.x = gemm_pack_bf16(x.x, x.y);
+                o.y = gemm_pack_bf16(x.z, x.w);
+                o.z = gemm_pack_bf16(z.x, z.y);
+                o.w = gemm_pack_bf16(z.z, z.w);
+                *reinterpret_cast<uint4*>(dst + static_cast<long long>(r) * cols + c) = o;
+            }
         }
     }
 #pragma unroll

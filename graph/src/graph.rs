@@ -113,10 +113,11 @@ impl Graph {
     /// instead of in each GEMM that reads them. For a layer added after this call by
     /// `linear_with` / `linear_relu_with` over `rows` rows, `in` inputs and `out` outputs,
     /// with rows, in and out multiples of 64, each at least 128, and 2·rows·in·out at least
-    /// `min_flops` (an f32 graph only), the forward reads a bf16 copy of x (one copy per
+    /// `min_flops` (an f32 graph only), the forward reads bf16 copies of x (one copy per
     /// activation, shared by every such layer that reads it; the weight gradient reads it
-    /// too), and autodiff rounds the layer's dy once for its data and weight gradients
-    /// (summing the bias gradient in the same pass). The values are those of a backend
+    /// too) and of the weight (which the data gradient reads too), and autodiff rounds the
+    /// layer's dy once for its data and weight gradients (summing the bias gradient in the
+    /// same pass). The values are those of a backend
     /// that rounds GEMM operands to bf16 (the CUDA kernels, the CPU with `bf16_gemm`), in
     /// fewer passes; `None` turns it off for the layers added after.
     pub fn set_bf16_copies(&mut self, min_flops: Option<usize>) {
@@ -651,6 +652,7 @@ impl Graph {
         };
         if self.bf16_layer(xs.rows(), k, n) {
             all[0] = self.bf16_copy(x);
+            all[1] = self.bf16_copy(w);
         }
         Ok(self.add1(op, all, Shape(out), dt))
     }

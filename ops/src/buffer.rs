@@ -38,7 +38,7 @@ impl Buffer {
         match dtype {
             DType::F32 => Buffer::F32(v.iter().map(|&x| x as f32).collect()),
             DType::F64 => Buffer::F64(v.to_vec()),
-            DType::Bf16 => Buffer::Bf16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
+            DType::Bf16 => Buffer::Bf16(v.iter().map(|&x| crate::cpu::bf16_rne(x)).collect()),
             DType::I32 => Buffer::I32(v.iter().map(|&x| x as i32).collect()),
         }
     }

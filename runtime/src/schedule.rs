@@ -5,7 +5,8 @@
 //! robin; with `late_stream`, the program readied last gets a pool stream of its own at
 //! the priority just below main's; with `weight_grad_streams`, a program's weight
 //! gradients go to a companion of its pool stream; a program that reads only the step's
-//! inputs, the embedding ids' sort, takes the first pool stream outside the round robin).
+//! inputs, the embedding ids' sort, takes the first pool stream outside the round robin,
+//! and so does forward work that reads only parameters, the bf16 copies of the weights).
 //! Every cross-stream edge is derived from a data dependency (or the occupancy rule, the
 //! join before the optimizer, or the start of an inputs-only program) and carries a
 //! sentence saying why, so the plan can be audited.
@@ -552,9 +553,39 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             if late {
                 b.prog.late_stream = Some(StreamId(sides as u16));
             }
+            // forward work that reads only parameters (the bf16 copies of the weights)
+            // needs nothing the step computes: it runs on the first side stream, idle at
+            // the step's start, behind the first forward launch (so after the previous
+            // step's update of those parameters), instead of on the main stream
+            let param_only = |n: NodeId| {
+                let node = g.node(n);
+                !node.inputs.is_empty()
+                    && node.inputs.iter().all(|&t| {
+                        matches!(
+                            g.leaf(t),
+                            Some(erase_graph::Leaf::Param { .. } | erase_graph::Leaf::Const(_))
+                        )
+                    })
+            };
+            let hoisted: Vec<NodeId> = part
+                .forward
+                .iter()
+                .copied()
+                .filter(|&n| param_only(n))
+                .collect();
+            let mut hoist_pending = !hoisted.is_empty();
             let mut placed_early = 0usize;
             for (pos, &n) in part.forward.iter().enumerate() {
-                b.push(n, StreamId::MAIN, &fwd_block(n));
+                if !hoisted.contains(&n) {
+                    b.push(n, StreamId::MAIN, &fwd_block(n));
+                    if hoist_pending {
+                        hoist_pending = false;
+                        b.start_after = b.last_on[0];
+                        for &h in &hoisted {
+                            b.push(h, StreamId(1), &fwd_block(h));
+                        }
+                    }
+                }
                 for (k, prog) in part.ready_at(pos) {
                     let s = if inputs_only(prog) {
                         // it waits for the forward launch it is placed behind

@@ -1146,7 +1146,8 @@ fn bf16_copy(shape: &[usize], x: &[f32]) -> Arg {
 /// rounding, the sums against f64; then the GEMMs reading bf16 copies in place: Linear's x
 /// and LinearGradInput's dy K-major with ragged rows (read as the last row past M), and
 /// LinearGradWeight's dy and x MN-major with ragged M and N (whole 8-element chunks), on
-/// the split and cluster paths, against the bf16 reference.
+/// the split and cluster paths; with copies of the weights, Linear's w K-major and
+/// LinearGradInput's w MN-major; against the bf16 reference.
 #[test]
 fn bf16_copies_read_in_place_match_the_bf16_reference() {
     let Some(dev) = device("bf16_copies_read_in_place_match_the_bf16_reference") else {
@@ -1219,6 +1220,39 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
     let got = run_gpu(dev, &op, &[bf16_copy(&[m, n], &dyv), w], &outs, &mut []);
     let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
     assert_within("linear_grad_input, bf16 dy", &got[0].to_f64(), &want, &tol);
+    // copies of the weights too: y = x·wᵀ + b with no rounding launch, and dx = dy·w
+    // with w read MN-major (the _km kernels), the ReLU mask in its epilogue
+    let (m, n, k) = (1001, 1024, 1728);
+    let xv = rand_f32(1340, m * k, -1.0, 1.0);
+    let wv = rand_f32(1341, n * k, -1.0, 1.0);
+    let (b, bv) = f32_arg(&[n], 1342, -1.0, 1.0);
+    let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+    let op = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let ins = [bf16_copy(&[m, k], &xv), bf16_copy(&[n, k], &wv), b];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+    assert_within("linear, bf16 x and w", &got[0].to_f64(), &want, &tol);
+    let dyv = rand_f32(1343, m * n, -1.0, 1.0);
+    let (y, yv) = f32_arg(&[m, k], 1344, -1.0, 1.0);
+    let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+    let op = Op::LinearGradInput { relu_mask: true };
+    let ins = [bf16_copy(&[m, n], &dyv), bf16_copy(&[n, k], &wv), y];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+    let masked: Vec<f64> = want
+        .iter()
+        .zip(&yv)
+        .map(|(&d, &y)| if y > 0.0 { d } else { 0.0 })
+        .collect();
+    assert_within(
+        "linear_grad_input, bf16 dy and w, masked",
+        &got[0].to_f64(),
+        &masked,
+        &tol,
+    );
     // dw = dyᵀ·x over 4096 rows, both bf16 copies read MN-major: ragged [1000, 1736]
     // (split-K in a cluster), the model's [256, 1728] and [1024, 1728]
     for (i, &(rows, n, k)) in [

@@ -368,7 +368,7 @@ impl AttnDims {
     }
     fn round<T: Real>(&self, x: T) -> T {
         if self.bf16 {
-            T::from_f64(half::bf16::from_f64(x.to_f64()).to_f64())
+            T::from_f64(super::bf16_rne(x.to_f64()).to_f64())
         } else {
             x
         }

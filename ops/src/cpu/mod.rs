@@ -43,8 +43,25 @@ pub struct NodeCall<'a> {
 /// `x` with every element rounded to bf16 (nearest even) and back.
 fn round_bf16<T: Real>(x: &[T]) -> Vec<T> {
     x.iter()
-        .map(|&v| T::from_f64(half::bf16::from_f64(v.to_f64()).to_f64()))
+        .map(|&v| T::from_f64(bf16_rne(v.to_f64()).to_f64()))
         .collect()
+}
+
+/// `x` rounded to the nearest bf16, ties to even (the kernels' `__float2bfloat16_rn`).
+/// `half::bf16::from_f64` rounds some values just above a tie down (0x4b488003 as an f32
+/// gives 0x4b48), so a value that is an f32 goes through `from_f32`, and any other one
+/// first to f32 by rounding to odd (truncated, its last bit set when inexact), which
+/// leaves the bf16 rounding of the f32 that of x.
+pub(crate) fn bf16_rne(x: f64) -> half::bf16 {
+    let f = x as f32;
+    if !f.is_finite() || f as f64 == x {
+        return half::bf16::from_f32(f);
+    }
+    let mut bits = f.to_bits();
+    if (f as f64).abs() > x.abs() {
+        bits -= 1; // the magnitude below x: truncation
+    }
+    half::bf16::from_f32(f32::from_bits(bits | 1))
 }
 
 /// Float types with typed access to a [`Buffer`].
@@ -242,9 +259,7 @@ fn cast(b: &Buffer, to: DType) -> Buffer {
         (Buffer::F32(v), DType::Bf16) => {
             Buffer::Bf16(v.iter().map(|&x| bf16::from_f32(x)).collect())
         }
-        (Buffer::F64(v), DType::Bf16) => {
-            Buffer::Bf16(v.iter().map(|&x| bf16::from_f64(x)).collect())
-        }
+        (Buffer::F64(v), DType::Bf16) => Buffer::Bf16(v.iter().map(|&x| bf16_rne(x)).collect()),
         (Buffer::Bf16(v), DType::F32) => Buffer::F32(v.iter().map(|x| x.to_f32()).collect()),
         _ => Buffer::from_f64(to, &b.to_f64()),
     }
@@ -809,3 +824,29 @@ fn exec_inner<T: Elem>(
 }
 
 use kernels::AdamHyper;
+
+#[cfg(test)]
+mod rounding_tests {
+    use super::bf16_rne;
+
+    #[test]
+    fn bf16_rounding_is_to_nearest_even() {
+        // just above a tie rounds up, a tie to even, from f32 and from f64
+        for (bits, want) in [
+            (0x4b48_8003u32, 0x4b49u16),
+            (0x4b48_8000, 0x4b48),
+            (0x4b49_8000, 0x4b4a),
+            (0x6a72_8001, 0x6a73),
+            (0x4b48_7fff, 0x4b48),
+        ] {
+            let x = f32::from_bits(bits);
+            assert_eq!(bf16_rne(x as f64).to_bits(), want, "{bits:#x}");
+            assert_eq!(half::bf16::from_f32(x).to_bits(), want, "{bits:#x}");
+        }
+        // an f64 between two f32s at a bf16 tie: above it, up; below, down
+        let tie = f32::from_bits(0x4b48_8000) as f64;
+        assert_eq!(bf16_rne(tie * (1.0 + 1e-12)).to_bits(), 0x4b49);
+        assert_eq!(bf16_rne(tie * (1.0 - 1e-12)).to_bits(), 0x4b48);
+        assert_eq!(bf16_rne(-tie * (1.0 + 1e-12)).to_bits(), 0xcb49);
+    }
+}

@@ -44,6 +44,11 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_bf16p_mm_128x128_k2",
     "gemm_bf16p_mm_128x128_k4",
     "gemm_bf16p_mm_128x128_k8",
+    "gemm_bf16p_km_128x128",
+    "gemm_bf16p_km_128x256",
+    "gemm_bf16p_km_128x128_k2",
+    "gemm_bf16p_km_128x128_k4",
+    "gemm_bf16p_km_128x128_k8",
     "gemm_round_colsum",
     "gemm_tall_n64",
     "gemm_tall_n128",
@@ -546,15 +551,14 @@ fn pipe_tile(g: &Gemm) -> Option<PipeTile> {
 /// read in place): the tile of least estimated cost, whatever the size (the graph gives
 /// copies only to large layers), and the other operand rounded as in [`gemm_pipe`].
 /// Copies are read without padding, so K must be a multiple of 64, rows 16-byte aligned,
-/// and an MN-major operand's m or n a multiple of 8; A and B must share a layout.
+/// and an MN-major operand's m or n a multiple of 8; an MN-major A needs an MN-major B
+/// (the kernels' layouts: both K-major, both MN-major, or A K-major and B MN-major).
 fn gemm_pipe_bf16(g: &Gemm) -> Result<CudaPlan, String> {
     let (a_mn, b_mn) = (g.a_bf16 && g.ta, g.b_bf16 && !g.tb);
-    if a_mn != b_mn {
-        return Err(
-            "a bf16 operand read MN-major needs the other operand MN-major too \
+    if a_mn && !b_mn {
+        return Err("an MN-major bf16 A needs an MN-major B \
                     (a weight gradient takes bf16 copies of both dy and x)"
-                .into(),
-        );
+            .into());
     }
     if !g.k.is_multiple_of(64) {
         return Err(format!(
@@ -581,18 +585,22 @@ fn gemm_pipe_bf16(g: &Gemm) -> Result<CudaPlan, String> {
     gemm_pipe(g, t)
 }
 
-/// A pipelined kernel's name for its operands' layout: both K-major (the rounded scratch,
-/// or bf16 copies read K-major) or both MN-major (`_mm`).
-fn pipe_kernel(kernel: &'static str, mn_major: bool) -> &'static str {
-    if !mn_major {
-        return kernel;
-    }
-    match kernel {
-        "gemm_bf16p_128x128" => "gemm_bf16p_mm_128x128",
-        "gemm_bf16p_128x256" => "gemm_bf16p_mm_128x256",
-        "gemm_bf16p_128x128_k2" => "gemm_bf16p_mm_128x128_k2",
-        "gemm_bf16p_128x128_k4" => "gemm_bf16p_mm_128x128_k4",
-        _ => "gemm_bf16p_mm_128x128_k8",
+/// A pipelined kernel's name for its operands' layouts (`a_mn`, `b_mn`: MN-major): both
+/// K-major (the rounded scratch, or bf16 copies read K-major), both MN-major (`_mm`), or
+/// A K-major and B MN-major (`_km`).
+fn pipe_kernel(kernel: &'static str, a_mn: bool, b_mn: bool) -> &'static str {
+    match (a_mn || b_mn, a_mn, kernel) {
+        (false, _, k) => k,
+        (true, true, "gemm_bf16p_128x128") => "gemm_bf16p_mm_128x128",
+        (true, true, "gemm_bf16p_128x256") => "gemm_bf16p_mm_128x256",
+        (true, true, "gemm_bf16p_128x128_k2") => "gemm_bf16p_mm_128x128_k2",
+        (true, true, "gemm_bf16p_128x128_k4") => "gemm_bf16p_mm_128x128_k4",
+        (true, true, _) => "gemm_bf16p_mm_128x128_k8",
+        (true, false, "gemm_bf16p_128x128") => "gemm_bf16p_km_128x128",
+        (true, false, "gemm_bf16p_128x256") => "gemm_bf16p_km_128x256",
+        (true, false, "gemm_bf16p_128x128_k2") => "gemm_bf16p_km_128x128_k2",
+        (true, false, "gemm_bf16p_128x128_k4") => "gemm_bf16p_km_128x128_k4",
+        (true, false, _) => "gemm_bf16p_km_128x128_k8",
     }
 }
 
@@ -616,7 +624,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     );
     let (mi, ni, kpi) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(kp, "K")?);
     let count = batch * m * n;
-    let mn_major = g.a_bf16 && g.ta;
+    let (a_mn, b_mn) = (g.a_bf16 && g.ta, g.b_bf16 && !g.tb);
     if g.a_row_sums.is_some() && (g.a_bf16 || g.b_bf16) {
         return Err("row sums of op(A) are taken while rounding both f32 operands".into());
     }
@@ -727,7 +735,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     let out = part_at.map_or(KArg::Out(0), KArg::Scratch);
     let kernel = cluster.map_or(t.kernel, |(_, kernel)| kernel);
     calls.push(KernelCall {
-        kernel: pipe_kernel(kernel, mn_major),
+        kernel: pipe_kernel(kernel, a_mn, b_mn),
         grid: [blocks(mp, t.bm), blocks(np, t.bn), (splits * batch) as u32],
         block: [256, 1, 1],
         smem: t.smem,
@@ -816,12 +824,18 @@ fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, String> {
             scratch: vec![],
         });
     }
-    let slices = rows.div_ceil(256);
+    // 256 rows a CTA, fewer where that leaves under two CTAs an SM (a narrow dy)
+    let col_blocks = cols.div_ceil(64);
+    let iters = [8usize, 4, 2]
+        .into_iter()
+        .find(|i| col_blocks * rows.div_ceil(32 * i) >= 2 * SMS)
+        .unwrap_or(1);
+    let slices = rows.div_ceil(32 * iters);
     Ok(CudaPlan {
         calls: vec![
             KernelCall {
                 kernel: "gemm_round_colsum",
-                grid: [blocks(cols, 64), slices as u32, 1],
+                grid: [col_blocks as u32, slices as u32, 1],
                 block: [256, 1, 1],
                 smem: 0,
                 args: vec![
@@ -830,6 +844,7 @@ fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, String> {
                     KArg::Scratch(0),
                     KArg::I32(ri),
                     KArg::I32(ci),
+                    KArg::I32(iters as i32),
                 ],
             },
             super::misc::colsum_final_call(KArg::Scratch(0), KArg::Out(1), slices, cols),
@@ -904,7 +919,7 @@ fn matrix(s: &Shape, what: &str) -> Result<(usize, usize), String> {
 
 /// `[x, w, b?] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b).
 fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
-    let bf16 = check_gemm_operands(o, 2 + usize::from(bias), 1, &[0])?;
+    let bf16 = check_gemm_operands(o, 2 + usize::from(bias), 1, &[0, 1])?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != k {
         return Err(format!(
@@ -937,14 +952,14 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
         batch_a: 0,
         batch_b: 0,
         a_bf16: bf16[0],
-        b_bf16: false,
+        b_bf16: bf16[1],
     })
 }
 
 /// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K]; with `relu_mask`, `[dy, w, y] -> [dx]`,
 /// dx zeroed where y (of dx's shape) is not > 0.
 fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> {
-    let bf16 = check_gemm_operands(o, 2 + usize::from(relu_mask), 1, &[0])?;
+    let bf16 = check_gemm_operands(o, 2 + usize::from(relu_mask), 1, &[0, 1])?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != n {
         return Err(format!("dy {} does not match weight [{n}, {k}]", o.ins[0]));
@@ -973,7 +988,7 @@ fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> 
         batch_a: 0,
         batch_b: 0,
         a_bf16: bf16[0],
-        b_bf16: false,
+        b_bf16: bf16[1],
     })
 }
 
@@ -1668,6 +1683,31 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("MN-major"), "{e}");
+        // a copy of the weight too: the forward has no rounding launch, the data gradient
+        // reads the weight MN-major
+        let p = plan_typed(
+            &Op::Linear {
+                bias: true,
+                relu: false,
+            },
+            &[(&[4096, 1728], B), (&[1024, 1728], B), (&[1024], F)],
+            &[(&[4096, 1024], F)],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        assert!(p.calls[0].kernel.starts_with("gemm_bf16p_128x"));
+        let p = plan_typed(
+            &Op::LinearGradInput { relu_mask: true },
+            &[(&[4096, 1024], B), (&[1024, 1728], B), (&[4096, 1728], F)],
+            &[(&[4096, 1728], F)],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        assert!(
+            p.calls[0].kernel.starts_with("gemm_bf16p_km_128x"),
+            "{}",
+            p.calls[0].kernel
+        );
         let e = plan_typed(
             &Op::Linear {
                 bias: false,
