@@ -71,6 +71,51 @@ ERASE_KERNEL void ew_mul_add(const float* __restrict__ a, const float* __restric
     }
 }
 
+// bf16 (round to nearest even) of four floats, as 8 bytes.
+__device__ __forceinline__ uint2 ew_bf16x4(float4 v) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    return make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+}
+
+// ew_mul_add that also writes yb = bf16(y): the bf16 copy a GEMM reads of the cross
+// update (Graph::set_bf16_copies), without a pass of its own over y.
+ERASE_KERNEL void ew_mul_add_bf16(const float* __restrict__ a, const float* __restrict__ b,
+                                  const float* __restrict__ c, float* __restrict__ y, __nv_bfloat16* __restrict__ yb,
+                                  long long n) {
+    const long long n4 = n >> 2;
+    EW_LOOP(i, n4) {
+        const float4 x = ew4(a, i), z = ew4(b, i), w = ew4(c, i);
+        const float4 v = make_float4(erase_add(erase_mul(x.x, z.x), w.x), erase_add(erase_mul(x.y, z.y), w.y),
+                                     erase_add(erase_mul(x.z, z.z), w.z), erase_add(erase_mul(x.w, z.w), w.w));
+        reinterpret_cast<float4*>(y)[i] = v;
+        reinterpret_cast<uint2*>(yb)[i] = ew_bf16x4(v);
+    }
+    EW_LOOP(i, n - 4 * n4) {
+        const long long j = 4 * n4 + i;
+        y[j] = erase_add(erase_mul(a[j], b[j]), c[j]);
+        yb[j] = __float2bfloat16_rn(y[j]);
+    }
+}
+
+// c = a ⊙ b of same-shape tensors, and cb = bf16(c) (a product a GEMM reads: MaskNet's
+// masked input).
+ERASE_KERNEL void ew_mul_bf16(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                              __nv_bfloat16* __restrict__ cb, long long n) {
+    const long long n4 = n >> 2;
+    EW_LOOP(i, n4) {
+        const float4 x = ew4(a, i), z = ew4(b, i);
+        const float4 v = make_float4(erase_mul(x.x, z.x), erase_mul(x.y, z.y), erase_mul(x.z, z.z),
+                                     erase_mul(x.w, z.w));
+        reinterpret_cast<float4*>(c)[i] = v;
+        reinterpret_cast<uint2*>(cb)[i] = ew_bf16x4(v);
+    }
+    EW_LOOP(i, n - 4 * n4) {
+        const long long j = 4 * n4 + i;
+        c[j] = erase_mul(a[j], b[j]);
+        cb[j] = __float2bfloat16_rn(c[j]);
+    }
+}
+
 // da = dy ⊙ b, db = dy ⊙ a (the gradient of a product of same-shape tensors).
 ERASE_KERNEL void ew_mul_grad(const float* __restrict__ dy, const float* __restrict__ a,
                               const float* __restrict__ b, float* __restrict__ da, float* __restrict__ db,
@@ -342,6 +387,50 @@ __device__ __forceinline__ void parts_rows(T* big, long long outer, long long bi
         else
             *b = *s;
     }
+}
+
+// Concat of f32 parts in float4 units (every width and offset a multiple of 4 floats)
+// that also writes the big tensor's bf16 copy (uint2 units at the same index): the field
+// embeddings E and the copy the GEMMs read, in one pass.
+__device__ __forceinline__ void parts_rows_bf16(float4* big, uint2* copy, long long outer, long long big_row,
+                                                long long big_off, int count, float4* const (&p)[EW_PARTS],
+                                                const long long (&c)[EW_PARTS]) {
+    long long width = 0;
+#pragma unroll
+    for (int j = 0; j < EW_PARTS; ++j)
+        if (j < count) width += c[j];
+    if (width <= 0) return;
+    const long long n = outer * width;
+    EW_LOOP(i, n) {
+        const long long o = erase_udiv(i, width), col = i - o * width;
+        float4* q = p[0];
+        long long ch = c[0], start = 0, acc = 0;
+#pragma unroll
+        for (int j = 0; j < EW_PARTS; ++j) {
+            if (j < count && col >= acc) {
+                q = p[j];
+                ch = c[j];
+                start = acc;
+            }
+            if (j < count) acc += c[j];
+        }
+        const long long at = o * big_row + big_off + col;
+        const float4 v = q[o * ch + (col - start)];
+        big[at] = v;
+        copy[at] = ew_bf16x4(v);
+    }
+}
+
+// Arguments as ew_parts_rows_u128's (concat only, no `split`), with the copy second.
+ERASE_KERNEL void ew_parts_rows_f32_bf16(float4* big, uint2* copy, long long outer, long long big_row,
+                                         long long big_off, int count, EW_PART_PARAMS(float4, 0),
+                                         EW_PART_PARAMS(float4, 1), EW_PART_PARAMS(float4, 2),
+                                         EW_PART_PARAMS(float4, 3), EW_PART_PARAMS(float4, 4),
+                                         EW_PART_PARAMS(float4, 5), EW_PART_PARAMS(float4, 6),
+                                         EW_PART_PARAMS(float4, 7)) {
+    float4* const p[EW_PARTS] = {p0, p1, p2, p3, p4, p5, p6, p7};
+    const long long c[EW_PARTS] = {c0, c1, c2, c3, c4, c5, c6, c7};
+    parts_rows_bf16(big, copy, outer, big_row, big_off, count, p, c);
 }
 
 #define EW_PARTS_KERNEL(NAME, T)                                                                                   \

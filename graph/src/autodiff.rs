@@ -262,6 +262,19 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
         if node.op.is_leaf() || node.outputs.is_empty() || !req[node.outputs[0].index()] {
             continue;
         }
+        if let Some(c) = b.g.copy_output(&node) {
+            // the bf16 copy beside output 0: its gradient is output 0's
+            let cs = std::mem::take(&mut b.contribs[c.index()]);
+            b.contribs[node.outputs[0].index()].extend(cs);
+        }
+        if matches!(node.op, Op::RoundBf16 { .. }) {
+            // the rounding is not differentiated: each of the copy's contributions goes
+            // to x as it is, not summed first (x's own sum, E's slice sums, takes them
+            // with its other contributions in one pass)
+            let cs = std::mem::take(&mut b.contribs[node.outputs[0].index()]);
+            b.contribs[node.inputs[0].index()].extend(cs);
+            continue;
+        }
         let contributions = b.contribs[node.outputs[0].index()].len();
         if let (Op::Concat { axis }, true) = (&node.op, contributions > 1) {
             // each input's gradient as one pass over its window of the contributions,
@@ -531,8 +544,8 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 b.contribute(ins[0], dx);
             }
             Op::Detach => {}
-            // the rounding is not differentiated: the gradient passes through
-            Op::RoundBf16 { .. } => b.contribute(ins[0], dy),
+            // (its contributions were passed on above)
+            Op::RoundBf16 { .. } => {}
             Op::Cast { .. } => {
                 let to = b.g.dtype(ins[0]);
                 let s = shape_of(&b, 0);

@@ -124,6 +124,18 @@ impl Graph {
         self.bf16_copies = min_flops;
     }
 
+    /// The bf16 copy a node writes beside its output 0 (its second output), for the ops
+    /// that make one in the same pass (`MulAdd`, `Mul`, `Concat`; see
+    /// [`Graph::set_bf16_copies`]). Gradients of the copy are those of output 0.
+    pub fn copy_output(&self, node: &Node) -> Option<Tensor> {
+        match (&node.op, &node.outputs[..]) {
+            (Op::MulAdd | Op::Mul | Op::Concat { .. }, [_, c]) if self.dtype(*c) == DType::Bf16 => {
+                Some(*c)
+            }
+            _ => None,
+        }
+    }
+
     /// Whether a linear layer of these sizes takes bf16 copies of its operands (see
     /// [`Graph::set_bf16_copies`]).
     pub fn bf16_layer(&self, rows: usize, inputs: usize, outputs: usize) -> bool {
@@ -160,6 +172,30 @@ impl Graph {
                 }],
                 name,
             )[0];
+            self.bf16_of.insert(x, c);
+            return c;
+        }
+        // an elementwise product or a concat writes the copy beside its output in the
+        // same pass: a second output of its node (see Graph::copy_output)
+        let pid = self.info(x).producer;
+        let node = &self.nodes[pid.index()];
+        let same_shapes = node.inputs.iter().all(|&t| self.shape(t) == self.shape(x));
+        let fusable = node.outputs == [x]
+            && node.phase == Phase::Forward
+            && match node.op {
+                Op::MulAdd | Op::Concat { .. } => true,
+                Op::Mul => same_shapes,
+                _ => false,
+            };
+        if fusable {
+            let c = Tensor(self.tensors.len() as u32);
+            self.tensors.push(TensorInfo {
+                shape: self.shape(x).clone(),
+                dtype: DType::Bf16,
+                producer: pid,
+                name: format!("{}.bf16", self.name(x)),
+            });
+            self.nodes[pid.index()].outputs.push(c);
             self.bf16_of.insert(x, c);
             return c;
         }

@@ -118,6 +118,25 @@ fn elementwise_maps_match_cpu() {
             o,
             &[EXACT],
         );
+        // with the bf16 copy a GEMM reads written beside the output (round to nearest
+        // even, bit for bit the CPU's)
+        let oc: &[(&[usize], DType)] = &[(&shape, F32), (&shape, DType::Bf16)];
+        compare(
+            dev,
+            &format!("mul_add with its bf16 copy [{n}]"),
+            &Op::MulAdd,
+            &[dup(&x), dup(&y), dup(&z)],
+            oc,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("mul with its bf16 copy [{n}]"),
+            &Op::Mul,
+            &[dup(&x), dup(&y)],
+            oc,
+            &[EXACT],
+        );
         let o2: &[(&[usize], DType)] = &[(&shape, F32), (&shape, F32)];
         compare(
             dev,
@@ -395,6 +414,21 @@ fn shape_ops_match_cpu() {
                 },
                 &parts,
                 &[(&[full[0], len, 64], F32)],
+                &[EXACT],
+            );
+        }
+        // with the bf16 copy of the output: E's shape (float4 rows, one fused pass) and
+        // ragged rows (the concat, then a cast)
+        for (lens, inner) in [(vec![26usize, 1], 64usize), (vec![3, 5], 3)] {
+            let shapes: Vec<[usize; 3]> = lens.iter().map(|&l| [dims[0], l, inner]).collect();
+            let ins: Vec<Arg> = shapes.iter().map(|s| rand_arg(s, next())).collect();
+            let big = [dims[0], lens.iter().sum(), inner];
+            compare(
+                dev,
+                &format!("concat {lens:?} x {inner} with its bf16 copy"),
+                &Op::Concat { axis: 1 },
+                &ins,
+                &[(&big, F32), (&big, DType::Bf16)],
                 &[EXACT],
             );
         }

@@ -162,6 +162,22 @@ pub fn execute(
         }
         _ => {}
     }
+    if matches!(call.op, Op::MulAdd | Op::Mul | Op::Concat { .. })
+        && outs.len() == 2
+        && outs[1].dtype() == DType::Bf16
+    {
+        // the bf16 copy a GEMM reads, written beside the output (Graph::copy_output)
+        let call0 = NodeCall {
+            op: call.op,
+            name: call.name,
+            in_shapes: call.in_shapes.clone(),
+            out_shapes: call.out_shapes[..1].to_vec(),
+            bf16_gemm: call.bf16_gemm,
+        };
+        execute(&call0, ins, &mut outs[..1], upd)?;
+        outs[1] = cast(&outs[0], DType::Bf16);
+        return Ok(());
+    }
     if matches!(
         call.op,
         Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. }

@@ -18,6 +18,9 @@ pub(crate) const KERNELS: &[&str] = &[
     "ew_add",
     "ew_mul",
     "ew_mul_add",
+    "ew_mul_add_bf16",
+    "ew_mul_bf16",
+    "ew_parts_rows_f32_bf16",
     "ew_mul_grad",
     "ew_scale",
     "ew_relu",
@@ -201,6 +204,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         | Op::Attention { .. }
         | Op::AttentionGrad { .. } => return None,
         Op::Add => binary(op, o, "ew_add"),
+        Op::Mul if o.outs.len() == 2 => mul_bf16(op, o),
         Op::Mul => binary(op, o, "ew_mul"),
         Op::MulAdd => mul_add(op, o),
         Op::MulGrad => mul_grad(op, o),
@@ -320,12 +324,41 @@ fn one_shape(op: &Op, o: &Operands, outs: usize) -> Result<usize, String> {
     Ok(s.numel())
 }
 
-/// `[a, b, c] -> [a ⊙ b + c]`.
+/// `[a, b, c] -> [a ⊙ b + c]`, or `-> [y, bf16(y)]` with the bf16 copy a GEMM reads
+/// (Graph::set_bf16_copies puts it on the producer) written by the same pass.
 fn mul_add(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    if o.outs.len() == 2 {
+        expect(op, o, &[F, F, F], &[F, DType::Bf16])?;
+        let n = one_shape(op, o, 2)?;
+        let args = vec![
+            KArg::In(0),
+            KArg::In(1),
+            KArg::In(2),
+            Out(0),
+            Out(1),
+            n64(n),
+        ];
+        return Ok(plan_of(
+            vec![ew("ew_mul_add_bf16", n.div_ceil(4), args)],
+            vec![],
+        ));
+    }
     expect(op, o, &[F, F, F], &[F])?;
     let n = one_shape(op, o, 1)?;
     let args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0), n64(n)];
     Ok(plan_of(vec![ew("ew_mul_add", n.div_ceil(4), args)], vec![]))
+}
+
+/// `[a, b] -> [a ⊙ b, bf16(a ⊙ b)]` of same-shape tensors in one pass (a product with
+/// the bf16 copy a GEMM reads).
+fn mul_bf16(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F], &[F, DType::Bf16])?;
+    let n = one_shape(op, o, 2)?;
+    let args = vec![KArg::In(0), KArg::In(1), Out(0), Out(1), n64(n)];
+    Ok(plan_of(
+        vec![ew("ew_mul_bf16", n.div_ceil(4), args)],
+        vec![],
+    ))
 }
 
 /// `[dy, a, b] -> [dy ⊙ b, dy ⊙ a]`.
@@ -556,10 +589,43 @@ fn parts_rows(
 }
 
 fn concat(op: &Op, o: &Operands, axis: usize) -> Result<CudaPlan, String> {
+    if o.outs.len() == 2 {
+        return concat_bf16(op, o, axis);
+    }
     let d = *o.out_dtypes.first().ok_or("concat: no output")?;
     let want: Vec<DType> = vec![d; o.ins.len()];
     expect(op, o, &want, &[d])?;
     parts_rows(op, d, o.outs[0], o.ins, axis, false)
+}
+
+/// Concat of f32 parts `-> [y, bf16(y)]`: with every part's row a whole number of float4
+/// units, one pass writing both (`ew_parts_rows_f32_bf16`), else the concat and then a
+/// cast of its output.
+fn concat_bf16(op: &Op, o: &Operands, axis: usize) -> Result<CudaPlan, String> {
+    let want = vec![F; o.ins.len()];
+    expect(op, o, &want, &[F, DType::Bf16])?;
+    if o.outs[1] != o.outs[0] {
+        return Err(format!(
+            "concat: the copy {} is not the output's shape {}",
+            o.outs[1], o.outs[0]
+        ));
+    }
+    let mut plan = parts_rows(op, F, o.outs[0], o.ins, axis, false)?;
+    let n = o.outs[0].numel();
+    let fused = plan.calls.len() == 1 && plan.calls[0].kernel == "ew_parts_rows_u128";
+    if fused {
+        plan.calls[0].kernel = "ew_parts_rows_f32_bf16";
+        // the copy after the big tensor; no `split` flag
+        plan.calls[0].args.insert(1, Out(1));
+        plan.calls[0].args.remove(5);
+    } else {
+        plan.calls.push(ew(
+            "ew_cast",
+            n,
+            vec![Out(0), Out(1), n64(n), I32(0), I32(1)],
+        ));
+    }
+    Ok(plan)
 }
 
 fn split(op: &Op, o: &Operands, axis: usize, sizes: &[usize]) -> Result<CudaPlan, String> {
