@@ -133,10 +133,11 @@ __device__ __forceinline__ bool gemm_vec_ok(const float* p, long long ld) {
 // the ReLU gradient's mask (flags & 8: zero where mask[m·ldc + n] = bias[m·ldc + n] is
 // not > 0, the `bias` pointer then being the ReLU's output, of C's layout, batch 1), two
 // adjacent columns as one float2 where C's alignment allows.
-template <int MI, int NI, bool MASK>
+template <int MI, int NI, bool MASK, bool COPY = false>
 __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], float* __restrict__ C,
                                                  const float* __restrict__ bias, int M, int N, long long ldc,
-                                                 int row0, int col0, int lane, int flags) {
+                                                 int row0, int col0, int lane, int flags,
+                                                 __nv_bfloat16* __restrict__ Cb = nullptr) {
     const int g = lane >> 2, t = lane & 3;
     const bool vec_c = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & 7) == 0;
     // the mask is read NC mma tiles at a time, all loads issued before the stores (one
@@ -179,6 +180,16 @@ __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], 
                         if (n < N) crow[n] = v[0];
                         if (n + 1 < N) crow[n + 1] = v[1];
                     }
+                    if constexpr (COPY) {
+                        // the bf16 copy of C (C's layout) that a later GEMM reads
+                        __nv_bfloat16* brow = Cb + static_cast<long long>(m) * ldc;
+                        if (vec_c && n + 1 < N) {
+                            *reinterpret_cast<__nv_bfloat162*>(brow + n) = __floats2bfloat162_rn(v[0], v[1]);
+                        } else {
+                            if (n < N) brow[n] = __float2bfloat16_rn(v[0]);
+                            if (n + 1 < N) brow[n + 1] = __float2bfloat16_rn(v[1]);
+                        }
+                    }
                 }
             }
         }
@@ -187,14 +198,15 @@ __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], 
 
 // The epilogue with the mask compiled in only where flags ask for it (the plain form is
 // the store-bound path of most GEMMs).
-template <int MI, int NI>
+template <int MI, int NI, bool COPY = false>
 __device__ __forceinline__ void gemm_epilogue(const float (&acc)[MI][NI][4], float* __restrict__ C,
                                               const float* __restrict__ bias, int M, int N, long long ldc,
-                                              int row0, int col0, int lane, int flags) {
+                                              int row0, int col0, int lane, int flags,
+                                              __nv_bfloat16* __restrict__ Cb = nullptr) {
     if (flags & 8)
-        gemm_epilogue_as<MI, NI, true>(acc, C, bias, M, N, ldc, row0, col0, lane, flags);
+        gemm_epilogue_as<MI, NI, true, COPY>(acc, C, bias, M, N, ldc, row0, col0, lane, flags, Cb);
     else
-        gemm_epilogue_as<MI, NI, false>(acc, C, bias, M, N, ldc, row0, col0, lane, flags);
+        gemm_epilogue_as<MI, NI, false, COPY>(acc, C, bias, M, N, ldc, row0, col0, lane, flags, Cb);
 }
 
 template <int BM, int BN, int WARPS_M, int WARPS_N, int AHEAD, bool TA, bool TB>
@@ -426,13 +438,14 @@ __device__ __forceinline__ void gemm_pipe_tile(__nv_bfloat16* dst, const __nv_bf
     }
 }
 
-template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool TA = false, bool TB = false>
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool TA = false, bool TB = false,
+          bool COPY = false>
 __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__ A,
                                                const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
                                                const float* __restrict__ bias, int M, int N, int Kp,
                                                long long lda, long long ldb, long long ldc, long long batch_a,
                                                long long batch_b, long long batch_c, int batch, int k_split,
-                                               long long split_c, int flags) {
+                                               long long split_c, int flags, __nv_bfloat16* __restrict__ Cb) {
     constexpr int THREADS = WARPS_M * WARPS_N * 32;
     // shared rows: K-major operands BK (+ pad) wide, MN-major ones BM or BN (+ pad)
     constexpr int LDA = (TA ? BM : BK) + GEMM_PAD, LDB = (TB ? BN : BK) + GEMM_PAD;
@@ -532,7 +545,7 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
     }
     gemm_cp_wait<0>();
 
-    gemm_epilogue<MI, NI>(acc, C, bias, M, N, ldc, m0 + wm0, n0 + wn0, lane, flags);
+    gemm_epilogue<MI, NI, COPY>(acc, C, bias, M, N, ldc, m0 + wm0, n0 + wn0, lane, flags, Cb);
 }
 
 // ---- tall GEMMs: many rows, the whole of N and K in one CTA -----------------------------
@@ -589,8 +602,10 @@ __device__ __forceinline__ void gemm_tall_stage(float* dst, int ld, const float*
 // Columns n .. n+3 of row m of C (m < M): the epilogue of gemm_epilogue (bias, ReLU, the
 // ReLU gradient's mask read through `bias`) on v, then one float4 store where `vec` (C and
 // ldc allow it) and all four columns lie before N, else scalar stores up to N.
+template <bool COPY = false>
 __device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* __restrict__ bias, int N,
-                                            long long ldc, int m, int n, float (&v)[4], int flags, bool vec) {
+                                            long long ldc, int m, int n, float (&v)[4], int flags, bool vec,
+                                            __nv_bfloat16* __restrict__ Cb = nullptr) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
@@ -604,6 +619,19 @@ __device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* 
 #pragma unroll
         for (int e = 0; e < 4; ++e)
             if (n + e < N) crow[n + e] = v[e];
+    }
+    if constexpr (COPY) {
+        // the bf16 copy of C, as gemm_epilogue_as
+        __nv_bfloat16* brow = Cb + static_cast<long long>(m) * ldc;
+        if (vec && n + 3 < N) {
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+            *reinterpret_cast<uint2*>(brow + n) =
+                make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (n + e < N) brow[n + e] = __float2bfloat16_rn(v[e]);
+        }
     }
 }
 
@@ -827,11 +855,11 @@ __device__ __forceinline__ void gemm_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-template <int BN, int S>
+template <int BN, int S, bool COPY = false>
 __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
                                                       const float* __restrict__ bias, int M, int N, long long ldc,
                                                       int m0, int n0, int flags, uint32_t base,
-                                                      unsigned char* smem) {
+                                                      unsigned char* smem, __nv_bfloat16* __restrict__ Cb) {
     constexpr int BM = 128, LDT = BN + 4, RP = BM / S, C4 = BN / 4;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     // [BM][BN + 4] f32: the fragments' float2 writes (row g, column 2t) hit banks 4g + 2t
@@ -868,7 +896,7 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
         }
         const int m = m0 + r, n = n0 + c;
         if (m >= M) continue;
-        gemm_store4(C, bias, N, ldc, m, n, v, flags, vec);
+        gemm_store4<COPY>(C, bias, N, ldc, m, n, v, flags, vec, Cb);
     }
     gemm_cluster_sync();
 }
@@ -895,13 +923,13 @@ __device__ __forceinline__ void gemm_wgmma_tile(uint32_t dst, const __nv_bfloat1
     }
 }
 
-template <int BN, int STAGES, int CLUSTER = 1, bool TA = false, bool TB = false>
+template <int BN, int STAGES, int CLUSTER = 1, bool TA = false, bool TB = false, bool COPY = false>
 __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict__ A,
                                                 const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
                                                 const float* __restrict__ bias, int M, int N, int Kp,
                                                 long long lda, long long ldb, long long ldc, long long batch_a,
                                                 long long batch_b, long long batch_c, int batch, int k_split,
-                                                long long split_c, int flags) {
+                                                long long split_c, int flags, __nv_bfloat16* __restrict__ Cb) {
     constexpr int BM = 128, BK = 64;
     constexpr int A_BYTES = BM * BK * 2, STAGE = (BM + BN) * BK * 2, NACC = BN / 2;
     static_assert(BN == 128 || BN == 256, "wgmma tiles are 128 or 256 wide");
@@ -966,12 +994,12 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
     }
     gemm_cp_wait<0>();
     if constexpr (CLUSTER > 1) {
-        gemm_cluster_epilogue<BN, CLUSTER>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem);
+        gemm_cluster_epilogue<BN, CLUSTER, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
         return;
     }
 
     // wgmma's accumulator layout is mma.sync's, per warp: rows 16·(warp % 4) + g (+8)
-    gemm_epilogue<1, BN / 8>(acc, C, bias, M, N, ldc, m0 + wg * 64 + (warp & 3) * 16, n0, lane, flags);
+    gemm_epilogue<1, BN / 8, COPY>(acc, C, bias, M, N, ldc, m0 + wg * 64 + (warp & 3) * 16, n0, lane, flags, Cb);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -1033,7 +1061,9 @@ ERASE_GEMM_TALL_KERNEL(256, 2)
 //   C, bias, M, N, Kp (i32; Kp a multiple of 64: the k range read, rows of A and B past M
 //   and N read as row M-1 or N-1, and in `_mm` M, N are multiples of 8),
 //   lda, ldb, ldc (i64), batch_a, batch_b, batch_c (i64, elements), batch (i32),
-//   k_split (i32, multiple of 64), split_c (i64), flags (i32: 1 bias, 2 relu).
+//   k_split (i32, multiple of 64), split_c (i64), flags (i32: 1 bias, 2 relu), Cb (bf16:
+//   the `_c` kernels, K-major operands, also store C's bf16 copy there, C's layout, the
+//   operand of a later GEMM; the others never touch it).
 // The operands are either the plan's rounded scratch (K-major, [Mp][Kp] and [Np][Kp],
 // lda = ldb = Kp) or bf16 tensors read in place: an activation rounded once by its
 // RoundBf16 node for every GEMM that reads it (K-major as Linear's x or
@@ -1049,57 +1079,63 @@ ERASE_GEMM_TALL_KERNEL(256, 2)
     const __nv_bfloat16 *__restrict__ A, const __nv_bfloat16 *__restrict__ B, float *__restrict__ C,    \
         const float *__restrict__ bias, int M, int N, int Kp, long long lda, long long ldb, long long ldc, \
         long long batch_a, long long batch_b, long long batch_c, int batch, int k_split, long long split_c, \
-        int flags
+        int flags, __nv_bfloat16 *__restrict__ Cb
 #define ERASE_GEMM_PIPE_PASS \
-    A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags
+    A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags, Cb
 
 // gemm_bf16p<LAYOUT>_128x128 and _128x256, LAYOUT empty (K-major operands), _mm (both
-// MN-major) or _km (A K-major, B MN-major: a data gradient dy·w on copies of both).
+// MN-major), _km (A K-major, B MN-major: a data gradient dy·w on copies of both) or _c
+// (K-major, and C's bf16 copy written by the epilogue: a separate instantiation, so the
+// other kernels' code is that of no copy).
 // gemm_bf16p<LAYOUT>_128x128_k<S>: the 128x128 kernel with its S splits (grid z = S,
 // batch 1) summed inside a cluster of S CTAs (gemm_cluster_epilogue): C is the output,
 // `flags` the whole epilogue. Clusters need sm_90; the sm_80 form computes the whole K in
 // the CTA of split 0 (the others return), the same result without the split. The plan
 // passes split_c = 0 (the kernel body offsets C by split·split_c).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB)                                                                 \
+#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB, COPY)                                                                 \
     ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) {         \
-        gemm_wgmma_body<128, 3, 1, TA, TB>(ERASE_GEMM_PIPE_PASS);                                              \
+        gemm_wgmma_body<128, 3, 1, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
     }                                                                                                        \
     ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) {         \
-        gemm_wgmma_body<256, 4, 1, TA, TB>(ERASE_GEMM_PIPE_PASS);                                              \
+        gemm_wgmma_body<256, 4, 1, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
     }
-#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, TA, TB, S)                                                            \
+#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, TA, TB, COPY, S)                                                            \
     ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 2)                                    \
         gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {                                            \
-        gemm_wgmma_body<128, 3, S, TA, TB>(ERASE_GEMM_PIPE_PASS);                                              \
+        gemm_wgmma_body<128, 3, S, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
     }
 #else
-#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB)                                                                 \
+#define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB, COPY)                                                                 \
     ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) {         \
-        gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB>(ERASE_GEMM_PIPE_PASS);                                   \
+        gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                   \
     }                                                                                                        \
     ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) {         \
-        gemm_pipe_body<128, 256, 32, 2, 4, 4, TA, TB>(ERASE_GEMM_PIPE_PASS);                                   \
+        gemm_pipe_body<128, 256, 32, 2, 4, 4, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                   \
     }
-#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, TA, TB, S)                                                            \
+#define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, TA, TB, COPY, S)                                                            \
     ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {    \
         if (blockIdx.z != 0) return;                                                                         \
-        gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
-                                                    batch_c, 1, Kp, 0, flags);                               \
+        gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB, COPY>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
+                                                    batch_c, 1, Kp, 0, flags, Cb);                               \
     }
 #endif
-ERASE_GEMM_PIPE_KERNELS(, false, false)
-ERASE_GEMM_PIPE_KERNELS(_mm, true, true)
-ERASE_GEMM_PIPE_KERNELS(_km, false, true)
-ERASE_GEMM_CLUSTER_KERNEL(, false, false, 2)
-ERASE_GEMM_CLUSTER_KERNEL(, false, false, 4)
-ERASE_GEMM_CLUSTER_KERNEL(, false, false, 8)
-ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, 2)
-ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, 4)
-ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, 8)
-ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, 2)
-ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, 4)
-ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, 8)
+ERASE_GEMM_PIPE_KERNELS(, false, false, false)
+ERASE_GEMM_PIPE_KERNELS(_mm, true, true, false)
+ERASE_GEMM_PIPE_KERNELS(_km, false, true, false)
+ERASE_GEMM_PIPE_KERNELS(_c, false, false, true)
+ERASE_GEMM_CLUSTER_KERNEL(, false, false, false, 2)
+ERASE_GEMM_CLUSTER_KERNEL(, false, false, false, 4)
+ERASE_GEMM_CLUSTER_KERNEL(, false, false, false, 8)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, false, 2)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, false, 4)
+ERASE_GEMM_CLUSTER_KERNEL(_mm, true, true, false, 8)
+ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, false, 2)
+ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, false, 4)
+ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, false, 8)
+ERASE_GEMM_CLUSTER_KERNEL(_c, false, false, true, 2)
+ERASE_GEMM_CLUSTER_KERNEL(_c, false, false, true, 4)
+ERASE_GEMM_CLUSTER_KERNEL(_c, false, false, true, 8)
 
 namespace {
 

@@ -39,11 +39,9 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .filter(|n| n.phase == Phase::Backward)
         .collect();
     // forward RoundBf16 nodes: the weight of each of the 14 layers with sizes that are
-    // multiples of 64, at least 128 (read by its forward and data gradient), and the
-    // outputs of the linear layers those read (the bottom MLP's first hidden layer,
-    // cross's three low-rank outputs, deep's and MaskNet's hidden layers, the top's
-    // hidden layer); backward: the dy of each of the bottom's second, the 3 + 3 cross,
-    // 2 deep, 3 MaskNet and 2 top layers
+    // multiples of 64, at least 128 (read by its forward and data gradient); backward: the
+    // dy of each of them (the bottom's second, the 3 + 3 cross, 2 deep, 3 MaskNet and 2
+    // top layers)
     let names: Vec<&str> = rounds
         .iter()
         .filter(|n| n.phase == Phase::Forward)
@@ -54,10 +52,13 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .filter(|n| g.leaf(n.inputs[0]).is_some())
         .count();
     assert_eq!(weights, 14, "weight copies: {names:?}");
-    assert_eq!(forward, 14 + 7, "forward copies: {names:?}");
+    assert_eq!(forward, 14, "forward copies: {names:?}");
     assert_eq!(backward.len(), 14, "backward copies");
-    // the concats (E, the top's input) and the elementwise products the GEMMs read
-    // (cross's x1 and x2, MaskNet's masked input) write their copies themselves
+    // every activation they read is copied by the node that makes it, in the same pass:
+    // the concats (E, the top's input), the elementwise products (cross's x1 and x2,
+    // MaskNet's masked input) and the linear layers (the bottom MLP's first hidden layer,
+    // cross's three low-rank outputs, deep's and MaskNet's hidden layers, the top's
+    // hidden layer)
     let fused: Vec<&str> = g
         .nodes()
         .iter()
@@ -67,13 +68,35 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
     assert_eq!(
         fused,
         [
+            "bottom/linear0",
             "embedding/concat0",
+            "cross/linear0",
             "cross/mul_add0",
+            "cross/linear2",
             "cross/mul_add1",
+            "cross/linear4",
+            "deep/linear0",
+            "masknet/linear0",
             "masknet/mul0",
-            "top/concat0"
+            "top/concat0",
+            "top/linear0"
         ]
     );
+    // a ReLU layer's copy still lets the next layer's data gradient apply its mask
+    let lgi_masks = g
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::LinearGradInput { relu_mask: true }))
+        .count();
+    let off = plan(Variant::Erase, false);
+    let lgi_masks_off = off
+        .model
+        .graph
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::LinearGradInput { relu_mask: true }))
+        .count();
+    assert_eq!(lgi_masks, lgi_masks_off);
     // E's one copy is read by three forward GEMMs and their three weight gradients
     let e = g.find("embedding/concat0").expect("E");
     let copy = g.copy_output(g.producer(e)).expect("a copy of E");
@@ -115,8 +138,7 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
                 || !matches!(g.dtype(n.inputs[0]), DType::Bf16)),
         "no weight gradient sums a bias from a bf16 dy"
     );
-    // no copies for the CPU, or below the threshold
-    let off = plan(Variant::Erase, false);
+    // no copies when off
     assert!(off
         .model
         .graph

@@ -315,13 +315,20 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 // the forward read a bf16 copy of x (Graph::set_bf16_copies): dy is
                 // rounded once too, for both GEMMs, its column sums (the bias gradient)
                 // taken in the same pass
-                // (x is the copy, or a reshaped view of one)
+                // (x is the copy, or a reshaped view of one). The f32 tensor behind it, and
+                // how many other nodes read that f32 tensor or the copy
                 let copied = b.g.dtype(ins[0]) == DType::Bf16;
                 let copy = b.g.producer(ins[0]);
-                let x_f32 = if matches!(copy.op, Op::RoundBf16 { .. }) {
-                    copy.inputs[0]
+                let (x_f32, other_readers) = if matches!(copy.op, Op::RoundBf16 { .. }) {
+                    // a RoundBf16 reads x_f32
+                    let x = copy.inputs[0];
+                    (x, uses[x.index()] - 1 + uses[ins[0].index()] - 1)
+                } else if b.g.copy_output(copy) == Some(ins[0]) {
+                    // written beside x_f32 by its producer
+                    let x = copy.outputs[0];
+                    (x, uses[x.index()] + uses[ins[0].index()] - 1)
                 } else {
-                    ins[0]
+                    (ins[0], uses[ins[0].index()] - 1)
                 };
                 let mut db_done = false;
                 let dy_gemm = if copied && (needs(0) || needs(1)) {
@@ -352,8 +359,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     // gradient's mask goes into this dx's epilogue
                     let x = x_f32;
                     let producer = b.g.node(b.g.info(x).producer);
-                    let mask = uses[x.index()] == 1
-                        && (!copied || uses[ins[0].index()] == 1)
+                    let mask = other_readers == 0
                         && matches!(producer.op, Op::Linear { relu: true, .. } | Op::Relu)
                         && producer.outputs[0] == x;
                     let mut inputs = vec![dy_gemm, ins[1]];

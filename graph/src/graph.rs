@@ -125,11 +125,14 @@ impl Graph {
     }
 
     /// The bf16 copy a node writes beside its output 0 (its second output), for the ops
-    /// that make one in the same pass (`MulAdd`, `Mul`, `Concat`; see
+    /// that make one in the same pass (`MulAdd`, `Mul`, `Concat`, `Linear`: its GEMM's
+    /// epilogue; see
     /// [`Graph::set_bf16_copies`]). Gradients of the copy are those of output 0.
     pub fn copy_output(&self, node: &Node) -> Option<Tensor> {
         match (&node.op, &node.outputs[..]) {
-            (Op::MulAdd | Op::Mul | Op::Concat { .. }, [_, c]) if self.dtype(*c) == DType::Bf16 => {
+            (Op::MulAdd | Op::Mul | Op::Concat { .. } | Op::Linear { .. }, [_, c])
+                if self.dtype(*c) == DType::Bf16 =>
+            {
                 Some(*c)
             }
             _ => None,
@@ -175,15 +178,15 @@ impl Graph {
             self.bf16_of.insert(x, c);
             return c;
         }
-        // an elementwise product or a concat writes the copy beside its output in the
-        // same pass: a second output of its node (see Graph::copy_output)
+        // an elementwise product, a concat or a linear layer writes the copy beside its
+        // output in the same pass: a second output of its node (see Graph::copy_output)
         let pid = self.info(x).producer;
         let node = &self.nodes[pid.index()];
         let same_shapes = node.inputs.iter().all(|&t| self.shape(t) == self.shape(x));
         let fusable = node.outputs == [x]
             && node.phase == Phase::Forward
             && match node.op {
-                Op::MulAdd | Op::Concat { .. } => true,
+                Op::MulAdd | Op::Concat { .. } | Op::Linear { .. } => true,
                 Op::Mul => same_shapes,
                 _ => false,
             };

@@ -1253,6 +1253,46 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
         &masked,
         &tol,
     );
+    // a linear layer that writes its output's bf16 copy too (a later GEMM reads it): from
+    // the pipelined epilogue (one CTA a tile; a cluster of split-K CTAs), and from a cast
+    // after a single-launch GEMM; the copy is bit for bit the rounding of the output
+    for (i, &(m, n, k, copies)) in [
+        (1001usize, 1024usize, 1728usize, true),
+        (4096, 256, 1728, true),
+        (300, 40, 72, false),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 1350 + 10 * i as u64;
+        let xv = rand_f32(seed, m * k, -1.0, 1.0);
+        let wv = rand_f32(seed + 1, n * k, -1.0, 1.0);
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let (x, w) = if copies {
+            (bf16_copy(&[m, k], &xv), bf16_copy(&[n, k], &wv))
+        } else {
+            (
+                arg(&[m, k], Buffer::F32(xv.clone())),
+                arg(&[n, k], Buffer::F32(wv.clone())),
+            )
+        };
+        let outs: [(&[usize], DType); 2] = [(&[m, n], DType::F32), (&[m, n], DType::Bf16)];
+        let op = Op::Linear {
+            bias: true,
+            relu: true,
+        };
+        let got = run_gpu(dev, &op, &[x, w, b], &outs, &mut []);
+        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+        let want: Vec<f64> = want.iter().map(|v| v.max(0.0)).collect();
+        let what = format!("linear {m}x{k} -> {n} with its output's bf16 copy");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        let y = f32s(&got[0]).to_vec();
+        let copy = bf16_copy(&[m, n], &y);
+        assert!(
+            got[1].bytes() == copy.value.bytes(),
+            "{what}: the copy is not the output rounded to bf16"
+        );
+    }
     // dw = dyᵀ·x over 4096 rows, both bf16 copies read MN-major: ragged [1000, 1736]
     // (split-K in a cluster), the model's [256, 1728] and [1024, 1728]
     for (i, &(rows, n, k)) in [

@@ -162,8 +162,10 @@ pub fn execute(
         }
         _ => {}
     }
-    if matches!(call.op, Op::MulAdd | Op::Mul | Op::Concat { .. })
-        && outs.len() == 2
+    if matches!(
+        call.op,
+        Op::MulAdd | Op::Mul | Op::Concat { .. } | Op::Linear { .. }
+    ) && outs.len() == 2
         && outs[1].dtype() == DType::Bf16
     {
         // the bf16 copy a GEMM reads, written beside the output (Graph::copy_output)

@@ -49,6 +49,11 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_bf16p_km_128x128_k2",
     "gemm_bf16p_km_128x128_k4",
     "gemm_bf16p_km_128x128_k8",
+    "gemm_bf16p_c_128x128",
+    "gemm_bf16p_c_128x256",
+    "gemm_bf16p_c_128x128_k2",
+    "gemm_bf16p_c_128x128_k4",
+    "gemm_bf16p_c_128x128_k8",
     "gemm_round_colsum",
     "gemm_tall_n64",
     "gemm_tall_n128",
@@ -149,8 +154,14 @@ fn check_gemm_operands(
             }
         }
     }
-    if let Some(d) = o.out_dtypes.iter().find(|d| **d != DType::F32) {
-        return Err(format!("the CUDA kernel writes f32 tensors, not {d}"));
+    for (i, d) in o.out_dtypes.iter().enumerate() {
+        // output 1 of a Linear with two: the bf16 copy of output 0
+        let copy = i == 1 && o.outs.len() == 2 && o.outs[1] == o.outs[0];
+        if *d != DType::F32 && !(copy && *d == DType::Bf16) {
+            return Err(format!(
+                "output {i}: the CUDA kernel writes f32 here, not {d}"
+            ));
+        }
     }
     Ok(bf16)
 }
@@ -183,6 +194,7 @@ fn i64_of(v: usize) -> KArg {
 }
 
 /// One (batched) GEMM `C = op(A)·op(B)` (+ bias) over row-major operands.
+#[derive(Clone, Copy)]
 struct Gemm {
     ta: bool,
     tb: bool,
@@ -210,6 +222,10 @@ struct Gemm {
     /// transposed, B transposed), else MN-major.
     a_bf16: bool,
     b_bf16: bool,
+    /// Where C's bf16 copy goes (a Linear whose output a later GEMM reads, see
+    /// `Graph::copy_output`): written by the epilogue of a `_c` pipelined kernel, else
+    /// by a cast launch after the GEMM.
+    copy: Option<KArg>,
 }
 
 impl Gemm {
@@ -246,6 +262,27 @@ fn gemm_kernel(ta: bool, tb: bool, big: bool) -> &'static str {
 }
 
 fn gemm(g: Gemm) -> Result<CudaPlan, String> {
+    let mut plan = gemm_any(&g)?;
+    // C's bf16 copy: the pipelined kernels write it in their epilogue (one split, or a
+    // cluster), any other path casts C after the GEMM
+    if let Some(copy) = g.copy {
+        let written = plan
+            .calls
+            .iter()
+            .any(|c| c.kernel.starts_with("gemm_bf16p") && c.args.last() == Some(&copy));
+        if !written {
+            plan.calls.push(super::misc::cast_f32_bf16_call(
+                KArg::Out(0),
+                copy,
+                g.batch * g.m * g.n,
+            ));
+        }
+    }
+    Ok(plan)
+}
+
+fn gemm_any(g: &Gemm) -> Result<CudaPlan, String> {
+    let g = *g;
     let Gemm { batch, m, n, k, .. } = g;
     if batch * m * n == 0 {
         return Ok(CudaPlan::default());
@@ -604,6 +641,17 @@ fn pipe_kernel(kernel: &'static str, a_mn: bool, b_mn: bool) -> &'static str {
     }
 }
 
+/// The `_c` form of a K-major pipelined kernel: it also writes C's bf16 copy.
+fn copy_kernel(kernel: &'static str) -> &'static str {
+    match kernel {
+        "gemm_bf16p_128x128" => "gemm_bf16p_c_128x128",
+        "gemm_bf16p_128x256" => "gemm_bf16p_c_128x256",
+        "gemm_bf16p_128x128_k2" => "gemm_bf16p_c_128x128_k2",
+        "gemm_bf16p_128x128_k4" => "gemm_bf16p_c_128x128_k4",
+        _ => "gemm_bf16p_c_128x128_k8",
+    }
+}
+
 /// The pipelined plan: each f32 operand rounded to bf16 into scratch (K-major, padded
 /// with zeros to whole tiles; both in one launch when both are f32), each bf16 operand
 /// read in place, the GEMM, and for split-K the fixed-order reduction of the partials.
@@ -734,8 +782,14 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     let flags = g.flags();
     let out = part_at.map_or(KArg::Out(0), KArg::Scratch);
     let kernel = cluster.map_or(t.kernel, |(_, kernel)| kernel);
+    // C's bf16 copy from the epilogue: K-major operands, C written whole by one launch
+    let fused_copy = g.copy.filter(|_| !partials && !a_mn && !b_mn);
     calls.push(KernelCall {
-        kernel: pipe_kernel(kernel, a_mn, b_mn),
+        kernel: if fused_copy.is_some() {
+            copy_kernel(kernel)
+        } else {
+            pipe_kernel(kernel, a_mn, b_mn)
+        },
         grid: [blocks(mp, t.bm), blocks(np, t.bn), (splits * batch) as u32],
         block: [256, 1, 1],
         smem: t.smem,
@@ -758,6 +812,11 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
             // the partials' stride; 0 in the cluster form, whose splits share C
             i64_of(if partials { count } else { 0 }),
             KArg::I32(if partials { 0 } else { flags }),
+            // C's bf16 copy (the `_c` kernels), else any valid pointer
+            match fused_copy {
+                Some(copy) => copy,
+                None => KArg::Out(0),
+            },
         ],
     });
     if let Some(p) = part_at {
@@ -919,7 +978,9 @@ fn matrix(s: &Shape, what: &str) -> Result<(usize, usize), String> {
 
 /// `[x, w, b?] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b).
 fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
-    let bf16 = check_gemm_operands(o, 2 + usize::from(bias), 1, &[0, 1])?;
+    // `[y]`, or `[y, bf16(y)]`: the copy a later GEMM reads, from the same epilogue
+    let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
+    let bf16 = check_gemm_operands(o, 2 + usize::from(bias), 1 + usize::from(copy), &[0, 1])?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != k {
         return Err(format!(
@@ -953,6 +1014,7 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
         batch_b: 0,
         a_bf16: bf16[0],
         b_bf16: bf16[1],
+        copy: copy.then_some(KArg::Out(1)),
     })
 }
 
@@ -989,6 +1051,7 @@ fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> 
         batch_b: 0,
         a_bf16: bf16[0],
         b_bf16: bf16[1],
+        copy: None,
     })
 }
 
@@ -1032,6 +1095,7 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
         batch_b: 0,
         a_bf16: bf16[0],
         b_bf16: bf16[1],
+        copy: None,
     };
     // db = dy's column sums: while the pipelined path rounds dyᵀ (at most 256 partials of
     // 64 rows for the second pass) or the single-launch kernel stages dy's tiles, else by
@@ -1096,6 +1160,7 @@ fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
         batch_b: rb * cb,
         a_bf16: false,
         b_bf16: false,
+        copy: None,
     })
 }
 
@@ -1725,6 +1790,36 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("bias gradient"), "{e}");
+        // a Linear that writes its output's bf16 copy: from the pipelined epilogue (a `_c`
+        // kernel, the copy its last argument), or a cast after a single-launch GEMM
+        let p = plan_typed(
+            &Op::Linear {
+                bias: true,
+                relu: true,
+            },
+            &[(&[4096, 1728], B), (&[256, 1728], B), (&[256], F)],
+            &[(&[4096, 256], F), (&[4096, 256], B)],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].args.last(), Some(&KArg::Out(1)));
+        assert!(
+            p.calls[0].kernel.starts_with("gemm_bf16p_c_128x"),
+            "{}",
+            p.calls[0].kernel
+        );
+        assert_eq!(p.calls[0].args[16], KArg::I32(1 | 2));
+        let p = plan_typed(
+            &Op::Linear {
+                bias: false,
+                relu: false,
+            },
+            &[(&[300, 72], F), (&[40, 72], F)],
+            &[(&[300, 40], F), (&[300, 40], B)],
+        )
+        .unwrap();
+        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names.last(), Some(&"ew_cast"), "{names:?}");
         // RoundBf16: one launch, or the column-summing kernel and colsum_final
         let p = plan_typed(
             &Op::RoundBf16 { col_sums: false },

@@ -434,6 +434,11 @@ fn cast(op: &Op, o: &Operands, to: DType) -> Result<CudaPlan, String> {
     ))
 }
 
+/// `dst = bf16(src)` over `n` f32 elements (ew_cast).
+pub(crate) fn cast_f32_bf16_call(src: KArg, dst: KArg, n: usize) -> KernelCall {
+    ew("ew_cast", n, vec![src, dst, n64(n), I32(0), I32(1)])
+}
+
 /// The copy kernels for an element type: (flat, rows, pad).
 fn copy_kernels(op: &Op, d: DType) -> Result<[&'static str; 3], String> {
     match d.size_bytes() {
