@@ -267,3 +267,37 @@ fn weight_copies_run_beside_the_forward_under_erase() {
         .iter()
         .all(|l| l.stream == StreamId::MAIN));
 }
+
+/// A data-parallel plan with copies (the defaults) keeps each backward program on one
+/// stream: its gradients, the bias gradients from the dy copies included, are all-reduced
+/// after its last launch, on that launch's stream.
+#[test]
+fn data_parallel_plans_with_copies_keep_each_program_on_one_stream() {
+    let cfg = CtrConfig::default().with_variant(Variant::Erase);
+    let p = erase::train::plan_step_data_parallel(
+        &cfg,
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions::default(),
+    )
+    .unwrap();
+    let g = &p.model.graph;
+    assert!(g
+        .nodes()
+        .iter()
+        .any(|n| matches!(n.op, Op::RoundBf16 { col_sums: true })));
+    for prog in &p.partition.programs {
+        let streams: std::collections::BTreeSet<_> = p
+            .program
+            .launches
+            .iter()
+            .filter(|l| prog.nodes.contains(&l.node))
+            .map(|l| l.stream)
+            .collect();
+        assert!(
+            streams.len() <= 1,
+            "program {} runs on {streams:?}",
+            prog.name
+        );
+    }
+}
