@@ -64,6 +64,35 @@ fn concat_and_split_take_one_launch_per_eight_parts_in_the_widest_unit() {
         "big row in 16-byte units"
     );
     assert_eq!(p.calls[0].args[4], KArg::I32(1), "split, not concat");
+    // a concat that writes its output's bf16 copy: each launch writes both where the rows
+    // are whole float4 units (E's shape, and 11 parts of 4-float widths: two launches),
+    // else the concat launches and then one cast
+    let bf = DType::Bf16;
+    let p = plan(
+        &Op::Concat { axis: 1 },
+        &[(&[4096, 26, 64], F), (&[4096, 1, 64], F)],
+        &[(&[4096, 27, 64], F), (&[4096, 27, 64], bf)],
+    )
+    .unwrap();
+    assert_eq!(kernels(&p), ["ew_parts_rows_f32_bf16"]);
+    assert_eq!(p.calls[0].args[1], KArg::Out(1), "the copy second");
+    assert_eq!(
+        p.calls[0].args[5],
+        KArg::I32(2),
+        "no split flag: the part count"
+    );
+    let wide: Vec<Vec<usize>> = widths.iter().map(|&w| vec![5, 4 * w]).collect();
+    let ins: Vec<(&[usize], DType)> = wide.iter().map(|p| (&p[..], F)).collect();
+    let outs: [(&[usize], DType); 2] = [(&[5, 4 * total], F), (&[5, 4 * total], bf)];
+    let p = plan(&Op::Concat { axis: 1 }, &ins, &outs).unwrap();
+    assert_eq!(kernels(&p), ["ew_parts_rows_f32_bf16"; 2]);
+    let outs: [(&[usize], DType); 2] = [(&[5, total], F), (&[5, total], bf)];
+    let ins: Vec<(&[usize], DType)> = parts.iter().map(|p| (&p[..], F)).collect();
+    let p = plan(&Op::Concat { axis: 1 }, &ins, &outs).unwrap();
+    assert_eq!(
+        kernels(&p),
+        ["ew_parts_rows_u32", "ew_parts_rows_u32", "ew_cast"]
+    );
     // a split whose parts do not fill the axis is refused, naming the op
     let e = plan(
         &Op::Split {

@@ -162,21 +162,8 @@ impl Graph {
         }
         let producer = self.producer(x);
         if matches!(producer.op, Op::Reshape) && self.shape(producer.inputs[0]).rank() >= 2 {
-            let src = producer.inputs[0];
-            let src_copy = self.bf16_copy(src);
-            let shape = self.shape(x).clone();
-            let name = format!("{}.bf16", self.name(x));
-            let c = self.add_forward(
-                Op::Reshape,
-                vec![src_copy],
-                vec![OutSpec {
-                    shape,
-                    dtype: DType::Bf16,
-                }],
-                name,
-            )[0];
-            self.bf16_of.insert(x, c);
-            return c;
+            let src_copy = self.bf16_copy(producer.inputs[0]);
+            return self.add_copy_node(x, Op::Reshape, src_copy);
         }
         // an elementwise product, a concat or a linear layer writes the copy beside its
         // output in the same pass: a second output of its node (see Graph::copy_output)
@@ -202,17 +189,19 @@ impl Graph {
             self.bf16_of.insert(x, c);
             return c;
         }
+        self.add_copy_node(x, Op::RoundBf16 { col_sums: false }, x)
+    }
+
+    /// A node `op(input)` that makes `x`'s bf16 copy (x's shape, named after it),
+    /// remembered as that copy.
+    fn add_copy_node(&mut self, x: Tensor, op: Op, input: Tensor) -> Tensor {
         let shape = self.shape(x).clone();
         let name = format!("{}.bf16", self.name(x));
-        let c = self.add_forward(
-            Op::RoundBf16 { col_sums: false },
-            vec![x],
-            vec![OutSpec {
-                shape,
-                dtype: DType::Bf16,
-            }],
-            name,
-        )[0];
+        let out = OutSpec {
+            shape,
+            dtype: DType::Bf16,
+        };
+        let c = self.add_forward(op, vec![input], vec![out], name)[0];
         self.bf16_of.insert(x, c);
         c
     }

@@ -327,26 +327,24 @@ fn one_shape(op: &Op, o: &Operands, outs: usize) -> Result<usize, String> {
 /// `[a, b, c] -> [a ⊙ b + c]`, or `-> [y, bf16(y)]` with the bf16 copy a GEMM reads
 /// (Graph::set_bf16_copies puts it on the producer) written by the same pass.
 fn mul_add(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
-    if o.outs.len() == 2 {
-        expect(op, o, &[F, F, F], &[F, DType::Bf16])?;
-        let n = one_shape(op, o, 2)?;
-        let args = vec![
-            KArg::In(0),
-            KArg::In(1),
-            KArg::In(2),
-            Out(0),
-            Out(1),
-            n64(n),
-        ];
-        return Ok(plan_of(
-            vec![ew("ew_mul_add_bf16", n.div_ceil(4), args)],
-            vec![],
-        ));
+    let outs: &[DType] = if o.outs.len() == 2 {
+        &[F, DType::Bf16]
+    } else {
+        &[F]
+    };
+    expect(op, o, &[F, F, F], outs)?;
+    let n = one_shape(op, o, outs.len())?;
+    let mut args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0)];
+    if outs.len() == 2 {
+        args.push(Out(1));
     }
-    expect(op, o, &[F, F, F], &[F])?;
-    let n = one_shape(op, o, 1)?;
-    let args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0), n64(n)];
-    Ok(plan_of(vec![ew("ew_mul_add", n.div_ceil(4), args)], vec![]))
+    args.push(n64(n));
+    let kernel = if outs.len() == 2 {
+        "ew_mul_add_bf16"
+    } else {
+        "ew_mul_add"
+    };
+    Ok(plan_of(vec![ew(kernel, n.div_ceil(4), args)], vec![]))
 }
 
 /// `[a, b] -> [a ⊙ b, bf16(a ⊙ b)]` of same-shape tensors in one pass (a product with
@@ -518,7 +516,9 @@ const EW_PARTS: usize = 8;
 
 /// Concat (`split` false: the parts are the inputs, the big tensor the output) or Split
 /// (the big tensor the input, the parts the outputs) along `axis`, `EW_PARTS` parts a
-/// launch; `parts` are the parts' shapes.
+/// launch; `parts` are the parts' shapes. With `copy` (a concat of f32 parts), the big
+/// tensor's bf16 copy there too: by the same launches where the rows are whole float4
+/// units (`ew_parts_rows_f32_bf16`), else by a cast after them.
 fn parts_rows(
     op: &Op,
     d: DType,
@@ -526,7 +526,11 @@ fn parts_rows(
     parts: &[&Shape],
     axis: usize,
     split: bool,
+    copy: Option<KArg>,
 ) -> Result<CudaPlan, String> {
+    if copy.is_some() && (split || d != F) {
+        return Err(format!("{}: a bf16 copy of a split or of {d}", op.name()));
+    }
     let size = d.size_bytes();
     if size != 4 && size != 2 {
         return Err(format!("{}: no CUDA copy of {d} elements", op.name()));
@@ -554,7 +558,12 @@ fn parts_rows(
     // (the arena aligns each tensor to 256 bytes)
     let per16 = 16 / size;
     let (kernel, unit) = if lens.iter().all(|l| (l * inner).is_multiple_of(per16)) {
-        ("ew_parts_rows_u128", per16)
+        let k = if copy.is_some() {
+            "ew_parts_rows_f32_bf16"
+        } else {
+            "ew_parts_rows_u128"
+        };
+        (k, per16)
     } else if size == 4 {
         ("ew_parts_rows_u32", 1)
     } else {
@@ -570,14 +579,19 @@ fn parts_rows(
     for (g, group) in lens.chunks(EW_PARTS).enumerate() {
         let width: usize = group.iter().sum();
         if outer * width * inner > 0 {
-            let mut args = vec![
-                big_arg,
+            let mut args = vec![big_arg];
+            let fused = kernel == "ew_parts_rows_f32_bf16";
+            // the copy kernel takes the copy second and no `split` flag
+            args.extend(copy.filter(|_| fused));
+            args.extend([
                 n64(outer),
                 n64(total * inner / unit),
                 n64(start * inner / unit),
-                I32(i32::from(split)),
-                I32(group.len() as i32),
-            ];
+            ]);
+            if !fused {
+                args.push(I32(i32::from(split)));
+            }
+            args.push(I32(group.len() as i32));
             for j in 0..EW_PARTS {
                 match group.get(j) {
                     Some(&len) => {
@@ -590,47 +604,26 @@ fn parts_rows(
         }
         start += width;
     }
+    if let (Some(c), false) = (copy, kernel == "ew_parts_rows_f32_bf16") {
+        calls.push(cast_f32_bf16_call(big_arg, c, big.numel()));
+    }
     Ok(plan_of(calls, vec![]))
 }
 
+/// `[x1, x2, ..] -> [y]`, or `-> [y, bf16(y)]` (f32 parts) with the copy a GEMM reads.
 fn concat(op: &Op, o: &Operands, axis: usize) -> Result<CudaPlan, String> {
-    if o.outs.len() == 2 {
-        return concat_bf16(op, o, axis);
-    }
     let d = *o.out_dtypes.first().ok_or("concat: no output")?;
     let want: Vec<DType> = vec![d; o.ins.len()];
-    expect(op, o, &want, &[d])?;
-    parts_rows(op, d, o.outs[0], o.ins, axis, false)
-}
-
-/// Concat of f32 parts `-> [y, bf16(y)]`: with every part's row a whole number of float4
-/// units, one pass writing both (`ew_parts_rows_f32_bf16`), else the concat and then a
-/// cast of its output.
-fn concat_bf16(op: &Op, o: &Operands, axis: usize) -> Result<CudaPlan, String> {
-    let want = vec![F; o.ins.len()];
-    expect(op, o, &want, &[F, DType::Bf16])?;
-    if o.outs[1] != o.outs[0] {
+    let copy = o.outs.len() == 2;
+    let outs = if copy { vec![F, DType::Bf16] } else { vec![d] };
+    expect(op, o, &want, &outs)?;
+    if copy && o.outs[1] != o.outs[0] {
         return Err(format!(
             "concat: the copy {} is not the output's shape {}",
             o.outs[1], o.outs[0]
         ));
     }
-    let mut plan = parts_rows(op, F, o.outs[0], o.ins, axis, false)?;
-    let n = o.outs[0].numel();
-    let fused = plan.calls.len() == 1 && plan.calls[0].kernel == "ew_parts_rows_u128";
-    if fused {
-        plan.calls[0].kernel = "ew_parts_rows_f32_bf16";
-        // the copy after the big tensor; no `split` flag
-        plan.calls[0].args.insert(1, Out(1));
-        plan.calls[0].args.remove(5);
-    } else {
-        plan.calls.push(ew(
-            "ew_cast",
-            n,
-            vec![Out(0), Out(1), n64(n), I32(0), I32(1)],
-        ));
-    }
-    Ok(plan)
+    parts_rows(op, d, o.outs[0], o.ins, axis, false, copy.then_some(Out(1)))
 }
 
 fn split(op: &Op, o: &Operands, axis: usize, sizes: &[usize]) -> Result<CudaPlan, String> {
@@ -644,7 +637,7 @@ fn split(op: &Op, o: &Operands, axis: usize, sizes: &[usize]) -> Result<CudaPlan
             ));
         }
     }
-    parts_rows(op, d, o.ins[0], o.outs, axis, true)
+    parts_rows(op, d, o.ins[0], o.outs, axis, true, None)
 }
 
 fn slice(op: &Op, o: &Operands, axis: usize, start: usize, len: usize) -> Result<CudaPlan, String> {
