@@ -901,27 +901,53 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
     gemm_cluster_sync();
 }
 
-// One operand's tile of a wgmma k step (BK = 64) into a stage, 16-byte cp.async chunks
-// in the 128-byte swizzle: K-major (TR false), ROWS rows of 128 bytes (row r at r·128,
-// from src[row·ld + k], rows past `lim` reading row lim-1); MN-major (TR true), ROWS/64
-// blocks of [64 k][64 m or n] (block h at h·8192, row k at k·128, from src[k·ld + m],
-// chunks past `lim` reading the last whole chunk, lim a multiple of 8).
+// One operand's tiles of the wgmma k steps (BK = 64) into the stages, 16-byte cp.async
+// chunks in the 128-byte swizzle: K-major (TR false), ROWS rows of 128 bytes (row r at
+// r·128, from src[row·ld + k], rows past `lim` reading row lim-1); MN-major (TR true),
+// ROWS/64 blocks of [64 k][64 m or n] (block h at h·8192, row k at k·128, from
+// src[k·ld + m], chunks past `lim` reading the last whole chunk, lim a multiple of 8).
+// Each chunk's clamped offset from the tile's base is found once, 32 bits (under 128·ld
+// + 128 elements); a k step adds its k to the base.
 template <int ROWS, bool TR>
-__device__ __forceinline__ void gemm_wgmma_tile(uint32_t dst, const __nv_bfloat16* __restrict__ src, long long ld,
-                                                int r0, int lim, int k0, int tid) {
+struct GemmWgmmaTile {
+    static constexpr int CH = ROWS * 8 / 256;
+    const __nv_bfloat16* base;
+    long long ld;
+    uint32_t off[CH];
+
+    __device__ __forceinline__ GemmWgmmaTile(const __nv_bfloat16* __restrict__ src, long long ld_, int r0, int lim,
+                                             int tid)
+        : base(src + (TR ? r0 : static_cast<long long>(r0) * ld_)), ld(ld_) {
 #pragma unroll
-    for (int i = 0; i < ROWS * 8 / 256; ++i) {
-        const int id = tid + i * 256, c = id & 7;
-        if (TR) {
-            const int h = id >> 9, k = (id >> 3) & 63, m = r0 + h * 64 + c * 8;
-            gemm_cp_async16(dst + h * 8192 + k * 128 + ((c ^ (k & 7)) << 4),
-                            src + static_cast<long long>(k0 + k) * ld + (m < lim ? m : lim - 8));
-        } else {
-            const int r = id >> 3, row = r0 + r < lim ? r0 + r : lim - 1;
-            gemm_cp_async16(dst + r * 128 + ((c ^ (r & 7)) << 4), src + static_cast<long long>(row) * ld + k0 + c * 8);
+        for (int i = 0; i < CH; ++i) {
+            const int id = tid + i * 256, c = id & 7;
+            if (TR) {
+                const int h = id >> 9, k = (id >> 3) & 63, m = r0 + h * 64 + c * 8;
+                off[i] = static_cast<uint32_t>(k * ld + ((m < lim ? m : lim - 8) - r0));
+            } else {
+                const int r = id >> 3, row = r0 + r < lim ? r0 + r : lim - 1;
+                off[i] = static_cast<uint32_t>((row - r0) * ld + c * 8);
+            }
         }
     }
-}
+
+    __device__ __forceinline__ void load(uint32_t dst, int k0, int tid) const {
+        const __nv_bfloat16* p = base + (TR ? static_cast<long long>(k0) * ld : k0);
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+            const int id = tid + i * 256, c = id & 7;
+            uint32_t at;
+            if (TR) {
+                const int h = id >> 9, k = (id >> 3) & 63;
+                at = h * 8192 + k * 128 + ((c ^ (k & 7)) << 4);
+            } else {
+                const int r = id >> 3;
+                at = r * 128 + ((c ^ (r & 7)) << 4);
+            }
+            gemm_cp_async16(dst + at, p + off[i]);
+        }
+    }
+};
 
 template <int BN, int STAGES, int CLUSTER = 1, bool TA = false, bool TB = false, bool COPY = false>
 __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict__ A,
@@ -946,11 +972,13 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
     B += bi * batch_b;
     C += split * split_c + bi * batch_c;
 
+    const GemmWgmmaTile<BM, TA> tile_a(A, lda, m0, M, tid);
+    const GemmWgmmaTile<BN, TB> tile_b(B, ldb, n0, N, tid);
     auto load_stage = [&](int slot, int kt) {
         const int k0 = k_begin + kt * BK;
         const uint32_t sa = base + slot * STAGE;
-        gemm_wgmma_tile<BM, TA>(sa, A, lda, m0, M, k0, tid);
-        gemm_wgmma_tile<BN, TB>(sa + A_BYTES, B, ldb, n0, N, k0, tid);
+        tile_a.load(sa, k0, tid);
+        tile_b.load(sa + A_BYTES, k0, tid);
     };
 
     float acc[1][BN / 8][4];
