@@ -47,6 +47,10 @@ pub struct ScheduleOptions {
     pub bf16_copies: bool,
     /// Least FLOPs of a layer given copies (default [`BF16_COPY_MIN_FLOPS`]).
     pub bf16_copy_min_flops: usize,
+    /// Under ERASE, no join before the updates: each waits only for the gradients it
+    /// reads, and the embedding tables' update runs beside the dense one (see
+    /// `ScheduleConfig::updates_by_data`). Data-parallel steps join (they all-reduce there).
+    pub updates_by_data: bool,
 }
 
 /// Least FLOPs of a layer given bf16 operand copies: the size from which the CUDA plans
@@ -64,6 +68,7 @@ impl Default for ScheduleOptions {
             weight_grad_streams: true,
             bf16_copies: true,
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
+            updates_by_data: true,
         }
     }
 }
@@ -101,6 +106,7 @@ pub fn plan_step_data_parallel(
     };
     let sched = ScheduleOptions {
         weight_grad_streams: false,
+        updates_by_data: false,
         ..sched.clone()
     };
     plan_step(cfg, float, &opt, &sched)
@@ -131,6 +137,7 @@ pub fn plan_step(
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
         late_stream: sched.late_stream,
         weight_grad_streams: sched.weight_grad_streams,
+        updates_by_data: sched.updates_by_data,
     };
     let program = schedule(&model.graph, &partition, &scfg);
     let mut keep = vec![model.logit, model.main_loss];

@@ -508,3 +508,77 @@ fn weight_gradients_leave_the_data_gradient_chain_for_companion_streams() {
         );
     }
 }
+
+#[test]
+fn streams_rank_main_then_late_then_pool_then_companions() {
+    let p = plan(&tiny(Variant::Erase), 4);
+    let prog = &p.program;
+    // side1..3 the shared pool, side4 the late stream, side5..8 the companions
+    assert_eq!(prog.late_stream, Some(StreamId(4)));
+    assert_eq!(prog.weight_grad_from, Some(StreamId(5)));
+    let ranks: Vec<u32> = (0..prog.streams as u16)
+        .map(|s| prog.stream_rank(StreamId(s)))
+        .collect();
+    let m = u32::MAX;
+    assert_eq!(ranks, vec![0, 2, 2, 2, 1, m, m, m, m]);
+    // without companions the pool keeps the least priority
+    let sched = ScheduleOptions {
+        side_streams: 4,
+        weight_grad_streams: false,
+        ..Default::default()
+    };
+    let c = &tiny(Variant::Erase);
+    let off = plan_step(c, DType::F32, &OptimizerConfig::default(), &sched).unwrap();
+    assert_eq!(off.program.weight_grad_from, None);
+    assert_eq!(off.program.stream_rank(StreamId(1)), m);
+    assert_eq!(off.program.stream_rank(StreamId(4)), 1);
+}
+
+#[test]
+fn updates_wait_for_their_gradients_alone_and_the_tables_update_beside_the_dense_one() {
+    for by_data in [true, false] {
+        let sched = ScheduleOptions {
+            side_streams: 4,
+            updates_by_data: by_data,
+            ..Default::default()
+        };
+        let c = &tiny(Variant::Erase);
+        // plan_step proves the plan hazard-free over two steps
+        let p = plan_step(c, DType::F32, &OptimizerConfig::default(), &sched).unwrap();
+        let (prog, g) = (&p.program, &p.model.graph);
+        let find = |pred: &dyn Fn(&Op) -> bool| -> usize {
+            prog.launches
+                .iter()
+                .position(|l| pred(&g.node(l.node).op))
+                .unwrap()
+        };
+        let rowwise = find(&|op| matches!(op, Op::RowwiseAdagrad { .. }));
+        let adam = find(&|op| matches!(op, Op::Adam { .. }));
+        // the launch that writes the tables' gradient (the concat's backward sum)
+        let grad_of = g.node(prog.launches[rowwise].node).inputs.clone();
+        let writer = prog.launches[..rowwise]
+            .iter()
+            .rposition(|l| g.node(l.node).outputs.iter().any(|t| grad_of.contains(t)))
+            .unwrap();
+        let joins = prog
+            .launches
+            .iter()
+            .flat_map(|l| &l.waits)
+            .filter(|w| w.kind == EdgeKind::Join)
+            .count();
+        assert_eq!(prog.launches[adam].stream, StreamId::MAIN);
+        if by_data {
+            assert_ne!(prog.launches[writer].stream, StreamId::MAIN);
+            assert_eq!(prog.launches[rowwise].stream, prog.launches[writer].stream);
+            assert_eq!(joins, 0, "no join edge when updates wait by data");
+            // the dense update is not ordered after the tables' update, nor after the
+            // gradient sum it does not read
+            let hb = vector_clocks(prog);
+            assert!(!happens_before(prog, &hb, rowwise, adam));
+            assert!(!happens_before(prog, &hb, writer, adam));
+        } else {
+            assert_eq!(prog.launches[rowwise].stream, StreamId::MAIN);
+            assert!(joins >= 4, "{joins} join edges");
+        }
+    }
+}

@@ -118,6 +118,7 @@ fn cfg(kind: ScheduleKind, side: usize) -> ScheduleConfig {
         kernels: None,
         late_stream: false,
         weight_grad_streams: false,
+        updates_by_data: false,
     }
 }
 
@@ -159,6 +160,7 @@ fn random_graphs_plan_safely_and_fuzz_bit_identically() {
         let mut c = cfg(ScheduleKind::Early, sides);
         c.late_stream = seed % 2 == 0;
         c.weight_grad_streams = seed % 3 == 1;
+        c.updates_by_data = seed % 4 >= 2;
         let prog: StepProgram = schedule(&m.g, &part, &c);
         let plan = plan_memory(&m.g, &prog, &m.losses);
         let hazards = check(&m.g, &prog, &plan);

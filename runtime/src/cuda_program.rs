@@ -144,13 +144,9 @@ impl<'a> CudaProgram<'a> {
                 _scratch: scratch,
             });
         }
-        // main at the greatest priority, the late stream one level below, the rest least
+        // main at the greatest priority, then the late stream, the pool, the companions
         let streams = (0..prog.streams)
-            .map(|s| match s {
-                0 => dev.stream_ranked(0),
-                _ if prog.late_stream == Some(StreamId(s as u16)) => dev.stream_ranked(1),
-                _ => dev.stream_ranked(u32::MAX),
-            })
+            .map(|s| dev.stream_ranked(prog.stream_rank(StreamId(s as u16))))
             .collect::<Result<Vec<_>, _>>()?;
         for (s, st) in streams.iter().enumerate() {
             nvtx::name_stream(st.raw(), &crate::trace::stream_name(s as u16));

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::memory::{alias_root, is_alias, MemoryPlan};
-use crate::schedule::{happens_before, vector_clocks, EventId, StepProgram};
+use crate::schedule::{happens_before, vector_clocks, EdgeKind, EventId, StepProgram, Wait};
 use erase_graph::{Graph, Tensor};
 
 /// Two launches that may run in either order, or at once, on overlapping bytes.
@@ -40,19 +40,44 @@ struct Access {
 }
 
 /// Two consecutive steps of `p`: the second step's launches follow the first's on every
-/// stream, with their own events. Work a step leaves unjoined meets the next step here.
+/// stream, with their own events, and the second step's first launch on the main stream
+/// waits for every stream's last launch of the first: every executor joins the pool
+/// streams into the main stream at the end of a step (as a CUDA graph must before its
+/// capture ends). Work a step leaves unordered with that join's far side meets the next
+/// step here.
 fn two_steps(p: &StepProgram) -> StepProgram {
     let mut q = p.clone();
+    let mut events = 2 * p.events as u32;
+    let mut join = Vec::new();
+    for s in 1..p.streams {
+        let Some(last) = p.launches.iter().rposition(|l| l.stream.0 as usize == s) else {
+            continue;
+        };
+        let e = *q.launches[last].record.get_or_insert_with(|| {
+            events += 1;
+            EventId(events - 1)
+        });
+        join.push(Wait {
+            event: e,
+            kind: EdgeKind::Join,
+            why: format!("the end of the step joins side{s}"),
+        });
+    }
     let shift = p.events as u32;
+    let mut first_main = true;
     for l in &p.launches {
         let mut l = l.clone();
         l.record = l.record.map(|e| EventId(e.0 + shift));
         for w in &mut l.waits {
             w.event = EventId(w.event.0 + shift);
         }
+        if first_main && l.stream.0 == 0 {
+            first_main = false;
+            l.waits.append(&mut join);
+        }
         q.launches.push(l);
     }
-    q.events = 2 * p.events;
+    q.events = events as usize;
     q
 }
 

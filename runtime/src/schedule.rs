@@ -8,8 +8,11 @@
 //! inputs, the embedding ids' sort, takes the first pool stream outside the round robin,
 //! and so does forward work that reads only parameters, the bf16 copies of the weights).
 //! Every cross-stream edge is derived from a data dependency (or the occupancy rule, the
-//! join before the optimizer, or the start of an inputs-only program) and carries a
-//! sentence saying why, so the plan can be audited.
+//! join before the optimizer where `updates_by_data` is off, or the start of an
+//! inputs-only program) and carries a sentence saying why, so the plan can be audited.
+//! Every executor joins all streams into the main stream at the end of a step.
+//! Priorities: main first, then the late stream, the pool, and the weight-gradient
+//! companions last (`StepProgram::stream_rank`).
 //!
 //! The schedule is a deterministic function of the graph and the config: no hash maps
 //! are iterated and nothing depends on the process, so every rank issues the same
@@ -73,7 +76,15 @@ pub struct ScheduleConfig {
     /// gradients (LinearGradWeight) of the early programs it runs: nothing in a block's
     /// backward waits for them, so its chain of data gradients (the critical path of the
     /// block that ends last) runs without them, and they fill the device beside it.
+    /// The companions run one priority level below their side streams, so the chains,
+    /// which the step's end waits for in order, go first where they meet.
     pub weight_grad_streams: bool,
+    /// No join before the updates (ERASE only): each update waits for the gradients it
+    /// reads and nothing else, and the row-wise update of the embedding tables runs on
+    /// the stream that wrote their gradient, beside the dense update on the main stream;
+    /// the step's end joins every stream. Off where the updates need every stream done
+    /// first: a data-parallel step all-reduces the gradients at the join.
+    pub updates_by_data: bool,
 }
 
 /// Replaces the declared footprint of `spec` with the real one of the heaviest call of
@@ -192,9 +203,13 @@ pub struct StepProgram {
     pub streams: usize,
     pub events: usize,
     pub kind: ScheduleKind,
-    /// The side stream that runs at the priority just below main's (the others at the
-    /// lowest), if any.
+    /// The side stream that runs at the priority just below main's (the others lower),
+    /// if any.
     pub late_stream: Option<StreamId>,
+    /// The first of the weight-gradient companion streams (`ScheduleConfig::
+    /// weight_grad_streams`), if any: they and every stream after them run at the least
+    /// priority, the pool streams before them one level above it.
+    pub weight_grad_from: Option<StreamId>,
 }
 
 fn scope_of(name: &str) -> &str {
@@ -439,6 +454,7 @@ impl Builder<'_> {
                 events: 0,
                 kind: ScheduleKind::Serial,
                 late_stream: None,
+                weight_grad_from: None,
             },
         );
         let base = vector_clocks(&p);
@@ -501,6 +517,7 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             events: 0,
             kind: cfg.kind,
             late_stream: None,
+            weight_grad_from: None,
         },
         clock: vec![vec![0; streams]; streams],
         launch_clock: Vec::new(),
@@ -552,6 +569,9 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             let shared = if late { sides - 1 } else { sides };
             if late {
                 b.prog.late_stream = Some(StreamId(sides as u16));
+            }
+            if split_dw {
+                b.prog.weight_grad_from = Some(StreamId(1 + sides as u16));
             }
             // forward work that reads only parameters (the bf16 copies of the weights)
             // needs nothing the step computes: it runs on the first side stream, idle at
@@ -632,15 +652,44 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
     };
     // the join comes with the first optimizer launch: a data-parallel step all-reduces
     // the dense gradients there (runtime/src/cuda_collective.rs), so every stream must be
-    // done by then (the row-wise update ahead of the join measured no faster on an H200)
-    b.join_next = true;
+    // done by then (the row-wise update ahead of the join measured no faster on an H200).
+    // Without it (updates_by_data), the row-wise update follows its gradient onto the
+    // stream that wrote it, and the dense update on main waits only for its gradients:
+    // the embedding gradient's sum, which waits for every block, and the weight
+    // gradients, the last of which often end sooner, then run their updates side by side.
+    let by_data = cfg.updates_by_data && cfg.kind == ScheduleKind::Early;
+    b.join_next = !by_data;
     for &n in part.optimizer.iter().filter(|n| !placed.contains(n)) {
-        b.push(n, StreamId::MAIN, "optim");
+        let mut s = StreamId::MAIN;
+        if by_data && matches!(g.node(n).op, erase_graph::Op::RowwiseAdagrad { .. }) {
+            let last = g
+                .node(n)
+                .inputs
+                .iter()
+                .filter_map(|t| b.writers.get(t).and_then(|w| w.last()))
+                .max();
+            if let Some(w) = last {
+                s = b.prog.launches[*w].stream;
+            }
+        }
+        b.push(n, s, "optim");
     }
     b.finish()
 }
 
 impl StepProgram {
+    /// How many priority levels below the greatest stream `s` runs (0: the greatest;
+    /// `u32::MAX`: the least the device has): the main stream first, then the late
+    /// stream, then the pool streams, then their weight-gradient companions.
+    pub fn stream_rank(&self, s: StreamId) -> u32 {
+        match s {
+            StreamId::MAIN => 0,
+            _ if self.late_stream == Some(s) => 1,
+            _ if self.weight_grad_from.is_some_and(|w| s < w) => 2,
+            _ => u32::MAX,
+        }
+    }
+
     /// The launches of `stream`, by index, in stream order.
     pub fn on_stream(&self, s: StreamId) -> impl Iterator<Item = usize> + '_ {
         self.launches

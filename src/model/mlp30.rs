@@ -319,6 +319,7 @@ pub fn plan_graph(
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
         late_stream: false,
         weight_grad_streams: false,
+        updates_by_data: false,
     };
     let program = schedule(&graph, &partition, &scfg);
     let memory = plan_memory(&graph, &program, keep);
