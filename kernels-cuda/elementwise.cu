@@ -135,6 +135,60 @@ ERASE_KERNEL void ew_mul_grad(const float* __restrict__ dy, const float* __restr
     }
 }
 
+// ew_mul_grad whose db is a copied linear layer's dy (Graph::set_bf16_copies), written
+// as the bf16 copy its GEMMs read instead of in f32, with its column sums (the layer's
+// bias gradient) from the same pass: for [rows][cols] tensors (cols a multiple of 8, the
+// arena's 256-byte alignment), da = dy ⊙ b in f32, dbb = bf16(dy ⊙ a), and, where part
+// is not null, part[by][c] = the f32 sum of dy ⊙ a over the CTA's 32·iters rows, in the
+// order of gemm_round_colsum (each of 32 row lanes over its rows in order, then the lane
+// sums in lane order; colsum_final adds the slices in order). Grid (ceil(cols/64),
+// ceil(rows/(32·iters))), block 256: thread t takes the 8 columns 64·bx + 8·(t % 8) of
+// rows 32·iters·by + t/8 + 32·i, i < iters.
+ERASE_KERNEL void __launch_bounds__(256)
+    ew_mul_grad_bf16(const float* __restrict__ dy, const float* __restrict__ a, const float* __restrict__ b,
+                     float* __restrict__ da, __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows,
+                     int cols, int iters) {
+    __shared__ float lanes[32][65];
+    const int tid = threadIdx.x, ch = tid & 7, y = tid >> 3;
+    const int c = blockIdx.x * 64 + ch * 8, r0 = blockIdx.y * 32 * iters;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    if (c < cols) {
+        const int last = min(iters, (rows - r0 - y + 31) / 32);  // rows r0 + y + 32·i < rows
+#pragma unroll 2
+        for (int i = 0; i < last; ++i) {
+            const int r = r0 + y + 32 * i;
+            const long long q = (static_cast<long long>(r) * cols + c) >> 2;
+            const float4 g0 = ew4(dy, q), g1 = ew4(dy, q + 1), x0 = ew4(a, q), x1 = ew4(a, q + 1);
+            const float4 z0 = ew4(b, q), z1 = ew4(b, q + 1);
+            reinterpret_cast<float4*>(da)[q] = make_float4(erase_mul(g0.x, z0.x), erase_mul(g0.y, z0.y),
+                                                           erase_mul(g0.z, z0.z), erase_mul(g0.w, z0.w));
+            reinterpret_cast<float4*>(da)[q + 1] = make_float4(erase_mul(g1.x, z1.x), erase_mul(g1.y, z1.y),
+                                                               erase_mul(g1.z, z1.z), erase_mul(g1.w, z1.w));
+            const float4 v0 = make_float4(erase_mul(g0.x, x0.x), erase_mul(g0.y, x0.y), erase_mul(g0.z, x0.z),
+                                          erase_mul(g0.w, x0.w));
+            const float4 v1 = make_float4(erase_mul(g1.x, x1.x), erase_mul(g1.y, x1.y), erase_mul(g1.z, x1.z),
+                                          erase_mul(g1.w, x1.w));
+            acc[0] = erase_add(acc[0], v0.x), acc[1] = erase_add(acc[1], v0.y);
+            acc[2] = erase_add(acc[2], v0.z), acc[3] = erase_add(acc[3], v0.w);
+            acc[4] = erase_add(acc[4], v1.x), acc[5] = erase_add(acc[5], v1.y);
+            acc[6] = erase_add(acc[6], v1.z), acc[7] = erase_add(acc[7], v1.w);
+            reinterpret_cast<uint2*>(dbb)[q] = ew_bf16x4(v0);
+            reinterpret_cast<uint2*>(dbb)[q + 1] = ew_bf16x4(v1);
+        }
+    }
+    if (part == nullptr) return;  // uniform across the CTA: no barrier is skipped by some
+#pragma unroll
+    for (int e = 0; e < 8; ++e) lanes[y][ch * 8 + e] = acc[e];
+    __syncthreads();
+    if (tid < 64 && blockIdx.x * 64 + tid < cols) {
+        float t = 0.f;
+        for (int q = 0; q < 32; ++q) t = erase_add(t, lanes[q][tid]);
+        part[static_cast<long long>(blockIdx.y) * cols + blockIdx.x * 64 + tid] = t;
+    }
+}
+
 // ---- unary maps ------------------------------------------------------------------------
 
 ERASE_KERNEL void ew_scale(const float* __restrict__ x, float* __restrict__ y, long long n, float f) {

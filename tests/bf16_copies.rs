@@ -41,7 +41,8 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
     // forward RoundBf16 nodes: the weight of each of the 14 layers with sizes that are
     // multiples of 64, at least 128 (read by its forward and data gradient); backward: the
     // dy of each of them (the bottom's second, the 3 + 3 cross, 2 deep, 3 MaskNet and 2
-    // top layers)
+    // top layers) but the 4 whose dy an elementwise product's gradient writes as the copy
+    // (cross's three up-projections, MaskNet's mask)
     let names: Vec<&str> = rounds
         .iter()
         .filter(|n| n.phase == Phase::Forward)
@@ -53,7 +54,23 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .count();
     assert_eq!(weights, 14, "weight copies: {names:?}");
     assert_eq!(forward, 14, "forward copies: {names:?}");
-    assert_eq!(backward.len(), 14, "backward copies");
+    assert_eq!(backward.len(), 10, "backward copies");
+    let by_product: Vec<(&str, usize)> = g
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::MulGrad) && g.dtype(n.outputs[1]) == DType::Bf16)
+        .map(|n| (n.name.as_str(), n.outputs.len()))
+        .collect();
+    // each with its column sums: the layer's bias gradient
+    assert_eq!(
+        by_product,
+        [
+            ("masknet/mul0.grad", 3),
+            ("cross/mul_add2.grad", 3),
+            ("cross/mul_add1.grad", 3),
+            ("cross/mul_add0.grad", 3)
+        ]
+    );
     // every activation they read is copied by the node that makes it, in the same pass:
     // the concats (E, the top's input), the elementwise products (cross's x1 and x2,
     // MaskNet's masked input) and the linear layers (the bottom MLP's first hidden layer,

@@ -94,6 +94,9 @@ struct Builder<'g> {
     /// already has the ReLU's mask applied (a `LinearGradInput { relu_mask }` of their
     /// one consumer).
     masked: std::collections::BTreeSet<Tensor>,
+    /// A linear layer's dy written as its bf16 copy by the node that makes it (a
+    /// `MulGrad`), with that node's column sums of it (the layer's bias gradient).
+    dy_sums: BTreeMap<Tensor, Tensor>,
 }
 
 impl Builder<'_> {
@@ -238,6 +241,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
         contribs: vec![Vec::new(); n],
         sparse: BTreeMap::new(),
         masked: Default::default(),
+        dy_sums: Default::default(),
     };
 
     // Seeds: d(Σ w·l)/dl = w, one constant per loss.
@@ -331,7 +335,18 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     (ins[0], uses[ins[0].index()] - 1)
                 };
                 let mut db_done = false;
-                let dy_gemm = if copied && (needs(0) || needs(1)) {
+                let dy_gemm = if b.g.dtype(dy) == DType::Bf16 {
+                    // the copy its producer wrote (a MulGrad), with the bias gradient
+                    if let Some(sums) = b.dy_sums.remove(&dy) {
+                        b.contribute(ins[2], sums);
+                        db_done = true;
+                    } else if *bias && needs(2) {
+                        return Err(GraphError::Structure(format!(
+                            "autodiff: '{nm}' has a bf16 dy without its column sums"
+                        )));
+                    }
+                    dy
+                } else if copied && (needs(0) || needs(1)) {
                     let col_sums = *bias && needs(2);
                     let mut outs = vec![(b.g.shape(dy).clone(), DType::Bf16)];
                     if col_sums {
@@ -440,17 +455,66 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             Op::Mul | Op::MulAdd
                 if needs(0) && needs(1) && b.g.shape(ins[0]) == b.g.shape(ins[1]) =>
             {
-                // both factors' gradients in one pass
+                // both factors' gradients in one pass. A factor that is the output of a
+                // linear layer with bf16 copies (Graph::set_bf16_copies), read by this
+                // node alone: its gradient is that layer's whole dy, which the pass writes
+                // as the bf16 copy the layer's GEMMs read (with its column sums, the bias
+                // gradient) instead of in f32 for a RoundBf16 of its own
+                let copied_dy = |k: usize| -> Option<Option<Shape>> {
+                    let t = ins[k];
+                    let p = b.g.producer(t);
+                    match p.op {
+                        Op::Linear { bias, relu: false }
+                            if p.outputs == [t]
+                                && uses[t.index()] == 1
+                                && b.g.dtype(p.inputs[0]) == DType::Bf16
+                                && (req[p.inputs[0].index()] || req[p.inputs[1].index()]) =>
+                        {
+                            Some(
+                                (bias && req[p.inputs[2].index()])
+                                    .then(|| b.g.shape(p.inputs[2]).clone()),
+                            )
+                        }
+                        _ => None,
+                    }
+                };
                 let s = shape_of(&b, 0);
-                let g = b.add(
-                    Op::MulGrad,
-                    vec![dy, ins[0], ins[1]],
-                    vec![s.clone(), s],
-                    format!("{nm}.grad"),
-                    id,
-                );
-                b.contribute(ins[0], g[0]);
-                b.contribute(ins[1], g[1]);
+                let fused = [1, 0]
+                    .into_iter()
+                    .find_map(|k| copied_dy(k).map(|sums| (k, sums)));
+                if let Some((k, sums)) = fused {
+                    // [dy, other, linear output] -> [other's gradient, the layer's dy in
+                    // bf16 (, its column sums)]
+                    let (other, lin) = (ins[1 - k], ins[k]);
+                    let f = b.g.float_dtype();
+                    let mut outs = vec![(s.clone(), f), (s, DType::Bf16)];
+                    if let Some(bs) = &sums {
+                        outs.push((bs.clone(), f));
+                    }
+                    let g = b.g.add_derived(
+                        Op::MulGrad,
+                        vec![dy, other, lin],
+                        outs,
+                        format!("{nm}.grad"),
+                        Phase::Backward,
+                        Some(id),
+                    );
+                    b.contribute(other, g[0]);
+                    b.contribute(lin, g[1]);
+                    if sums.is_some() {
+                        b.dy_sums.insert(g[1], g[2]);
+                    }
+                } else {
+                    let g = b.add(
+                        Op::MulGrad,
+                        vec![dy, ins[0], ins[1]],
+                        vec![s.clone(), s],
+                        format!("{nm}.grad"),
+                        id,
+                    );
+                    b.contribute(ins[0], g[0]);
+                    b.contribute(ins[1], g[1]);
+                }
                 if matches!(node.op, Op::MulAdd) && needs(2) {
                     b.contribute(ins[2], dy);
                 }

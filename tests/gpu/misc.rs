@@ -146,6 +146,37 @@ fn elementwise_maps_match_cpu() {
             o2,
             &[EXACT],
         );
+        if n % 8 == 0 || n == 4099 {
+            // db a copied linear layer's dy: its bf16 copy (bit for bit the CPU's) and
+            // its column sums (a fixed order of its own) from the same pass, on
+            // [rows][cols] with cols a multiple of 8; every row count's tail of a CTA's
+            // 32·iters rows, with and without the sums
+            for (rows, cols) in [(n / 8, 8), (3, 8 * n), (n.div_ceil(72), 72), (4096, 1728)] {
+                if rows * cols > 8_000_000 && n != 4099 {
+                    continue;
+                }
+                let sh = [rows, cols];
+                let (d, a, b) = (
+                    rand_arg(&sh, next()),
+                    rand_arg(&sh, next()),
+                    rand_arg(&sh, next()),
+                );
+                for sums in [true, false] {
+                    let mut outs: Vec<(&[usize], DType)> = vec![(&sh, F32), (&sh, DType::Bf16)];
+                    if sums {
+                        outs.push((&sh[1..], F32));
+                    }
+                    compare(
+                        dev,
+                        &format!("mul_grad with db in bf16 [{rows}, {cols}], sums {sums}"),
+                        &Op::MulGrad,
+                        &[dup(&d), dup(&a), dup(&b)],
+                        &outs,
+                        &[EXACT, EXACT, (1e-6, sum_atol(rows, 1.0))],
+                    );
+                }
+            }
+        }
         compare(
             dev,
             &format!("scale [{n}]"),

@@ -180,6 +180,27 @@ pub fn execute(
         outs[1] = cast(&outs[0], DType::Bf16);
         return Ok(());
     }
+    if matches!(call.op, Op::MulGrad) && outs.len() >= 2 && outs[1].dtype() == DType::Bf16 {
+        // db a copied linear layer's dy: only its bf16 copy, and with a third output its
+        // column sums (the layer's bias gradient), as RoundBf16 of the f32 db gives them
+        let call0 = NodeCall {
+            op: call.op,
+            name: call.name,
+            in_shapes: call.in_shapes.clone(),
+            out_shapes: call.out_shapes[..2].to_vec(),
+            bf16_gemm: call.bf16_gemm,
+        };
+        let mut two = [outs[0].clone(), Buffer::F32(vec![0.0; outs[1].len()])];
+        execute(&call0, ins, &mut two, upd)?;
+        let [da, db] = two;
+        outs[1] = cast(&db, DType::Bf16);
+        if let Some(s) = outs.get_mut(2) {
+            let db = get::<f32>(&db, "db").map_err(err)?;
+            kernels::sum_to_shape(db, out(s).map_err(err)?);
+        }
+        outs[0] = da;
+        return Ok(());
+    }
     if matches!(
         call.op,
         Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. }

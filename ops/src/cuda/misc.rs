@@ -361,6 +361,9 @@ fn mul_bf16(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
 
 /// `[dy, a, b] -> [dy ⊙ b, dy ⊙ a]`.
 fn mul_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    if o.out_dtypes.get(1) == Some(&DType::Bf16) {
+        return mul_grad_bf16(op, o);
+    }
     expect(op, o, &[F, F, F], &[F, F])?;
     let n = one_shape(op, o, 2)?;
     let args = vec![
@@ -375,6 +378,73 @@ fn mul_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         vec![ew("ew_mul_grad", n.div_ceil(4), args)],
         vec![],
     ))
+}
+
+/// MulGrad `[dy, a, b] -> [da, dbb]` or `[da, dbb, s]`: db = dy ⊙ a is a copied linear
+/// layer's dy, written only as its bf16 copy, with its column sums (the bias gradient)
+/// from the same pass (`ew_mul_grad_bf16`'s partials, then colsum_final in order), as
+/// RoundBf16 of the f32 db would make them.
+fn mul_grad_bf16(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    let sums = o.outs.len() == 3;
+    let outs: &[DType] = if sums {
+        &[F, DType::Bf16, F]
+    } else {
+        &[F, DType::Bf16]
+    };
+    expect(op, o, &[F, F, F], outs)?;
+    let n = o.ins[0];
+    if o.ins.iter().chain(&o.outs[..2]).any(|t| *t != n) {
+        return Err(format!(
+            "{}: dy, a, b, da and db must have one shape",
+            op.name()
+        ));
+    }
+    let (rows, cols) = (n.rows(), n.last());
+    if n.rank() < 2 || !cols.is_multiple_of(8) {
+        return Err(format!(
+            "mul_grad with a bf16 db: the tensors {n} must be at least 2-D with a last dim that is a multiple of 8"
+        ));
+    }
+    if sums && o.outs[2].numel() != cols {
+        return Err(format!(
+            "mul_grad: the column sums {} do not match {n}",
+            o.outs[2]
+        ));
+    }
+    let i32_of = |v: usize, what: &str| {
+        i32::try_from(v).map_err(|_| format!("mul_grad: {what} {v} exceeds the kernel's i32 range"))
+    };
+    let (ri, ci) = (i32_of(rows, "rows")?, i32_of(cols, "columns")?);
+    let col_blocks = cols.div_ceil(64);
+    let iters = [8usize, 4, 2]
+        .into_iter()
+        .find(|i| col_blocks * rows.div_ceil(32 * i) >= 2 * SMS)
+        .unwrap_or(1);
+    let slices = rows.div_ceil(32 * iters);
+    let part = if sums { Scratch(0) } else { I64(0) }; // a null pointer: no sums
+    let mut calls = vec![kc(
+        "ew_mul_grad_bf16",
+        [col_blocks as u32, slices as u32, 1],
+        [256, 1, 1],
+        0,
+        vec![
+            KArg::In(0),
+            KArg::In(1),
+            KArg::In(2),
+            Out(0),
+            Out(1),
+            part,
+            I32(ri),
+            I32(ci),
+            I32(iters as i32),
+        ],
+    )];
+    let mut scratch = vec![];
+    if sums {
+        calls.push(colsum_final_call(Scratch(0), Out(2), slices, cols));
+        scratch.push(slices * cols * 4);
+    }
+    Ok(CudaPlan { calls, scratch })
 }
 
 fn unary(op: &Op, o: &Operands, kernel: &'static str) -> Result<CudaPlan, String> {
