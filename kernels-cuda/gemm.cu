@@ -1112,9 +1112,10 @@ ERASE_GEMM_TALL_KERNEL(256, 2)
     A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, batch_c, batch, k_split, split_c, flags, Cb
 
 // gemm_bf16p<LAYOUT>_128x128 and _128x256, LAYOUT empty (K-major operands), _mm (both
-// MN-major), _km (A K-major, B MN-major: a data gradient dy·w on copies of both) or _c
+// MN-major), _km (A K-major, B MN-major: a data gradient dy·w on copies of both), _c
 // (K-major, and C's bf16 copy written by the epilogue: a separate instantiation, so the
-// other kernels' code is that of no copy).
+// other kernels' code is that of no copy) or _kmc (_km with the copy: a data gradient
+// that is the next layer down's dy).
 // gemm_bf16p<LAYOUT>_128x128_k<S>: the 128x128 kernel with its S splits (grid z = S,
 // batch 1) summed inside a cluster of S CTAs (gemm_cluster_epilogue): C is the output,
 // `flags` the whole epilogue. Clusters need sm_90; the sm_80 form computes the whole K in
@@ -1152,6 +1153,7 @@ ERASE_GEMM_PIPE_KERNELS(, false, false, false)
 ERASE_GEMM_PIPE_KERNELS(_mm, true, true, false)
 ERASE_GEMM_PIPE_KERNELS(_km, false, true, false)
 ERASE_GEMM_PIPE_KERNELS(_c, false, false, true)
+ERASE_GEMM_PIPE_KERNELS(_kmc, false, true, true)
 ERASE_GEMM_CLUSTER_KERNEL(, false, false, false, 2)
 ERASE_GEMM_CLUSTER_KERNEL(, false, false, false, 4)
 ERASE_GEMM_CLUSTER_KERNEL(, false, false, false, 8)
@@ -1164,6 +1166,9 @@ ERASE_GEMM_CLUSTER_KERNEL(_km, false, true, false, 8)
 ERASE_GEMM_CLUSTER_KERNEL(_c, false, false, true, 2)
 ERASE_GEMM_CLUSTER_KERNEL(_c, false, false, true, 4)
 ERASE_GEMM_CLUSTER_KERNEL(_c, false, false, true, 8)
+ERASE_GEMM_CLUSTER_KERNEL(_kmc, false, true, true, 2)
+ERASE_GEMM_CLUSTER_KERNEL(_kmc, false, true, true, 4)
+ERASE_GEMM_CLUSTER_KERNEL(_kmc, false, true, true, 8)
 
 namespace {
 

@@ -377,19 +377,39 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     let mask = other_readers == 0
                         && matches!(producer.op, Op::Linear { relu: true, .. } | Op::Relu)
                         && producer.outputs[0] == x;
+                    // x the output of a linear layer with copies and without a ReLU (or
+                    // a bias gradient to sum), read by this node alone: dx is that
+                    // layer's whole dy, and the GEMM's epilogue writes its bf16 copy too
+                    let below = matches!(
+                        producer.op,
+                        Op::Linear { bias, relu: false }
+                            if !bias || !req[producer.inputs[2].index()]
+                    ) && copied
+                        && !mask
+                        && other_readers == 0
+                        && producer.outputs[0] == x
+                        && b.g.dtype(producer.inputs[0]) == DType::Bf16
+                        && (req[producer.inputs[0].index()] || req[producer.inputs[1].index()]);
                     let mut inputs = vec![dy_gemm, ins[1]];
                     if mask {
                         inputs.push(x);
                         b.masked.insert(x);
                     }
-                    let dx = b.add1(
+                    let s = shape_of(&b, 0);
+                    let f = b.g.float_dtype();
+                    let mut outs = vec![(s.clone(), f)];
+                    if below {
+                        outs.push((s, DType::Bf16));
+                    }
+                    let dx = b.g.add_derived(
                         Op::LinearGradInput { relu_mask: mask },
                         inputs,
-                        shape_of(&b, 0),
+                        outs,
                         format!("{nm}.dx"),
-                        id,
+                        Phase::Backward,
+                        Some(id),
                     );
-                    b.contribute(ins[0], dx);
+                    b.contribute(ins[0], dx[usize::from(below)]);
                 }
                 // the bias gradient from the weight gradient's own pass over dy when both
                 // are wanted, else a reduction of its own

@@ -1293,6 +1293,31 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
             "{what}: the copy is not the output rounded to bf16"
         );
     }
+    // a data gradient that writes its bf16 copy too (the dy of a copied layer below it):
+    // dy and w bf16 copies, w read MN-major (the _kmc kernels): cross's [4096, 1728] ·
+    // [1728, 256], one CTA a tile, and a ragged [1001, 1024] · [1024, 1736] (K = 1024:
+    // split-K in a cluster); the copy bit for bit the rounding of dx
+    for (i, &(m, n, k)) in [(4096usize, 1728usize, 256usize), (1001, 1024, 1736)]
+        .iter()
+        .enumerate()
+    {
+        let seed = 1390 + 10 * i as u64;
+        let dyv = rand_f32(seed, m * n, -1.0, 1.0);
+        let wv = rand_f32(seed + 1, n * k, -1.0, 1.0);
+        let ins = [bf16_copy(&[m, n], &dyv), bf16_copy(&[n, k], &wv)];
+        let outs: [(&[usize], DType); 2] = [(&[m, k], DType::F32), (&[m, k], DType::Bf16)];
+        let op = Op::LinearGradInput { relu_mask: false };
+        let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+        let what = format!("linear_grad_input {m}x{n} · {n}x{k} with its bf16 copy");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        let dx = f32s(&got[0]).to_vec();
+        let copy = bf16_copy(&[m, k], &dx);
+        assert!(
+            got[1].bytes() == copy.value.bytes(),
+            "{what}: the copy is not dx rounded to bf16"
+        );
+    }
     // dw = dyᵀ·x over 4096 rows, both bf16 copies read MN-major: ragged [1000, 1736]
     // (split-K in a cluster), the model's [256, 1728] and [1024, 1728]
     for (i, &(rows, n, k)) in [

@@ -164,7 +164,7 @@ pub fn execute(
     }
     if matches!(
         call.op,
-        Op::MulAdd | Op::Mul | Op::Concat { .. } | Op::Linear { .. }
+        Op::MulAdd | Op::Mul | Op::Concat { .. } | Op::Linear { .. } | Op::LinearGradInput { .. }
     ) && outs.len() == 2
         && outs[1].dtype() == DType::Bf16
     {

@@ -54,6 +54,11 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_bf16p_c_128x128_k2",
     "gemm_bf16p_c_128x128_k4",
     "gemm_bf16p_c_128x128_k8",
+    "gemm_bf16p_kmc_128x128",
+    "gemm_bf16p_kmc_128x256",
+    "gemm_bf16p_kmc_128x128_k2",
+    "gemm_bf16p_kmc_128x128_k4",
+    "gemm_bf16p_kmc_128x128_k8",
     "gemm_round_colsum",
     "gemm_tall_n64",
     "gemm_tall_n128",
@@ -639,14 +644,20 @@ fn pipe_kernel(kernel: &'static str, a_mn: bool, b_mn: bool) -> &'static str {
     }
 }
 
-/// The `_c` form of a K-major pipelined kernel: it also writes C's bf16 copy.
-fn copy_kernel(kernel: &'static str) -> &'static str {
-    match kernel {
-        "gemm_bf16p_128x128" => "gemm_bf16p_c_128x128",
-        "gemm_bf16p_128x256" => "gemm_bf16p_c_128x256",
-        "gemm_bf16p_128x128_k2" => "gemm_bf16p_c_128x128_k2",
-        "gemm_bf16p_128x128_k4" => "gemm_bf16p_c_128x128_k4",
-        _ => "gemm_bf16p_c_128x128_k8",
+/// The form of a pipelined kernel that also writes C's bf16 copy: `_c` for K-major
+/// operands, `_kmc` for an MN-major B (`_km`).
+fn copy_kernel(kernel: &'static str, b_mn: bool) -> &'static str {
+    match (b_mn, kernel) {
+        (false, "gemm_bf16p_128x128") => "gemm_bf16p_c_128x128",
+        (false, "gemm_bf16p_128x256") => "gemm_bf16p_c_128x256",
+        (false, "gemm_bf16p_128x128_k2") => "gemm_bf16p_c_128x128_k2",
+        (false, "gemm_bf16p_128x128_k4") => "gemm_bf16p_c_128x128_k4",
+        (false, _) => "gemm_bf16p_c_128x128_k8",
+        (true, "gemm_bf16p_128x128") => "gemm_bf16p_kmc_128x128",
+        (true, "gemm_bf16p_128x256") => "gemm_bf16p_kmc_128x256",
+        (true, "gemm_bf16p_128x128_k2") => "gemm_bf16p_kmc_128x128_k2",
+        (true, "gemm_bf16p_128x128_k4") => "gemm_bf16p_kmc_128x128_k4",
+        (true, _) => "gemm_bf16p_kmc_128x128_k8",
     }
 }
 
@@ -780,11 +791,11 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     let flags = g.flags();
     let out = part_at.map_or(KArg::Out(0), KArg::Scratch);
     let kernel = cluster.map_or(t.kernel, |(_, kernel)| kernel);
-    // C's bf16 copy from the epilogue: K-major operands, C written whole by one launch
-    let fused_copy = g.copy.filter(|_| !partials && !a_mn && !b_mn);
+    // C's bf16 copy from the epilogue: a K-major A, C written whole by one launch
+    let fused_copy = g.copy.filter(|_| !partials && !a_mn);
     calls.push(KernelCall {
         kernel: if fused_copy.is_some() {
-            copy_kernel(kernel)
+            copy_kernel(kernel, b_mn)
         } else {
             pipe_kernel(kernel, a_mn, b_mn)
         },
@@ -1019,7 +1030,15 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
 /// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K]; with `relu_mask`, `[dy, w, y] -> [dx]`,
 /// dx zeroed where y (of dx's shape) is not > 0.
 fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> {
-    let bf16 = check_gemm_operands(o, 2 + usize::from(relu_mask), 1, &[0, 1])?;
+    // `[dx]`, or `[dx, bf16(dx)]`: dx is the dy of a layer with copies (the one below),
+    // and its copy comes from the same epilogue
+    let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
+    let bf16 = check_gemm_operands(
+        o,
+        2 + usize::from(relu_mask),
+        1 + usize::from(copy),
+        &[0, 1],
+    )?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != n {
         return Err(format!("dy {} does not match weight [{n}, {k}]", o.ins[0]));
@@ -1049,7 +1068,7 @@ fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> 
         batch_b: 0,
         a_bf16: bf16[0],
         b_bf16: bf16[1],
-        copy: None,
+        copy: copy.then_some(KArg::Out(1)),
     })
 }
 
@@ -1807,6 +1826,22 @@ mod tests {
             p.calls[0].kernel
         );
         assert_eq!(p.calls[0].args[16], KArg::I32(1 | 2));
+        // a data gradient that is the dy of a copied layer below it (cross's up-projection
+        // into its low-rank layer): the copy from the epilogue of the `_km` layout's
+        // `_kmc` form
+        let p = plan_typed(
+            &Op::LinearGradInput { relu_mask: false },
+            &[(&[4096, 1728], B), (&[1728, 256], B)],
+            &[(&[4096, 256], F), (&[4096, 256], B)],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].args.last(), Some(&KArg::Out(1)));
+        assert!(
+            p.calls[0].kernel.starts_with("gemm_bf16p_kmc_128x"),
+            "{}",
+            p.calls[0].kernel
+        );
         let p = plan_typed(
             &Op::Linear {
                 bias: false,
