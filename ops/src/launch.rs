@@ -21,6 +21,9 @@ pub struct LaunchSpec {
     pub bytes: f64,
     /// True when the FLOPs run on tensor cores (bf16 GEMM operands).
     pub tensor_core: bool,
+    /// A GEMM that reads bf16 copies of its operands in place (`Graph::set_bf16_copies`):
+    /// the pipelined kernels with no rounding pass, at a rate of their own.
+    pub copies: bool,
 }
 
 fn ceil(a: usize, b: usize) -> u64 {
@@ -39,6 +42,7 @@ fn gemm(kernel: &'static str, m: usize, n: usize, k: usize) -> LaunchSpec {
         flops: 2.0 * m * n * k,
         bytes: 2.0 * (m * k + n * k) + 4.0 * m * n,
         tensor_core: true,
+        copies: false,
     }
 }
 
@@ -52,6 +56,7 @@ fn elementwise(kernel: &'static str, elems: usize, bytes: f64) -> LaunchSpec {
         flops: elems as f64,
         bytes,
         tensor_core: false,
+        copies: false,
     }
 }
 
@@ -63,7 +68,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
     let out_bytes: f64 = outs.iter().map(|s| numel(s) as f64 * e).sum();
     let moved = in_bytes + out_bytes;
     let out0 = outs.first().map_or(1, |s| numel(s));
-    Some(match op {
+    let mut spec = match op {
         Op::Leaf(_) | Op::Reshape | Op::Detach => return None,
         Op::Linear { .. } => gemm(
             "gemm_linear",
@@ -133,6 +138,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 flops: if bwd { 2.5 * fwd } else { fwd },
                 bytes: moved,
                 tensor_core: true,
+                copies: false,
             }
         }
         Op::LayerNorm { .. } | Op::LayerNormGrad => LaunchSpec {
@@ -148,6 +154,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             flops: 8.0 * out0 as f64,
             bytes: moved,
             tensor_core: false,
+            copies: false,
         },
         Op::EmbeddingBag { .. } | Op::EmbeddingBagGradDense { .. } => LaunchSpec {
             kernel: "embedding_bag_fwd",
@@ -159,6 +166,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             // each looked-up row is read once, each pooled row written once
             bytes: (ins[1].numel() * outs[0].last()) as f64 * e + out_bytes,
             tensor_core: false,
+            copies: false,
         },
         Op::EmbeddingSort { field_rows } => {
             // the keys, then one 8-bit LSD pass per byte the row keys use, each reading
@@ -177,6 +185,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 flops: (8 * n) as f64,
                 bytes: (12 * n + passes * 16 * n) as f64,
                 tensor_core: false,
+                copies: false,
             }
         }
         Op::RowwiseAdagrad { .. } => {
@@ -191,6 +200,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 flops: (4 * n * d) as f64,
                 bytes: (3 * n * d) as f64 * 4.0,
                 tensor_core: false,
+                copies: false,
             }
         }
         Op::PairwiseDot | Op::PairwiseDotGrad => {
@@ -213,6 +223,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 flops: (b * f * f * dim) as f64,
                 bytes: moved,
                 tensor_core: false,
+                copies: false,
             }
         }
         Op::SumToShape => LaunchSpec {
@@ -225,6 +236,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             flops: ins[0].numel() as f64,
             bytes: moved,
             tensor_core: false,
+            copies: false,
         },
         Op::Adam { .. } | Op::Sgd { .. } => {
             let n: usize = ins
@@ -250,6 +262,7 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
                 flops: 10.0 * n as f64,
                 bytes: per * n as f64,
                 tensor_core: false,
+                copies: false,
             }
         }
         // f32 in, bf16 out (and the column sums' partials)
@@ -266,11 +279,19 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             flops: 4.0 * ins[0].numel() as f64,
             bytes: moved,
             tensor_core: false,
+            copies: false,
         },
         // reads only the window of each contribution
         Op::SliceSum { .. } => {
             elementwise("ew_slice_sum", out0, (ins.len() + 1) as f64 * out_bytes)
         }
         _ => elementwise("elementwise", out0, moved),
-    })
+    };
+    // a GEMM whose operands are bf16 (the copies it reads in place)
+    spec.copies = dt == DType::Bf16
+        && matches!(
+            op,
+            Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. }
+        );
+    Some(spec)
 }

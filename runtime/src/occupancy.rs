@@ -26,6 +26,9 @@ pub struct DeviceModel {
     pub max_threads_per_sm: u32,
     /// Dense bf16 tensor-core FLOP/s that a good GEMM reaches.
     pub tensor_flops: f64,
+    /// The same for a GEMM that reads bf16 copies of its operands in place
+    /// (`LaunchSpec::copies`: no rounding pass).
+    pub tensor_flops_copies: f64,
     /// FP32 CUDA-core FLOP/s.
     pub simt_flops: f64,
     /// Reachable memory bandwidth, bytes/s.
@@ -50,6 +53,7 @@ impl DeviceModel {
             max_ctas_per_sm: 32,
             max_threads_per_sm: 2048,
             tensor_flops: 736e12,
+            tensor_flops_copies: 736e12,
             simt_flops: 60e12,
             mem_bw: 4.22e12,
             launch_s: 2.5e-6,
@@ -57,13 +61,16 @@ impl DeviceModel {
         }
     }
 
-    /// An H200 with the rates Erase's own kernels reached on it (2026-11-29, BENCHMARKS.md):
-    /// the bf16 GEMM at 125 TFLOP/s (4096³), elementwise kernels at 3.2 TB/s. This is
-    /// what the simulator should predict with until the kernels reach the peaks.
+    /// An H200 with the rates Erase's own kernels reached on it (BENCHMARKS.md): the bf16
+    /// GEMM at 125 TFLOP/s (4096³ with its rounding passes, 2026-11-29), a GEMM reading
+    /// bf16 copies in place at 250 TFLOP/s (the CTR model's twelve copied GEMM shapes,
+    /// FLOP-weighted, 2026-11-30), elementwise kernels at 3.2 TB/s. This is what the
+    /// simulator should predict with until the kernels reach the peaks.
     pub fn h200_measured() -> Self {
         DeviceModel {
             name: "NVIDIA H200 (Erase's measured kernel rates)",
             tensor_flops: 125e12,
+            tensor_flops_copies: 250e12,
             mem_bw: 3.2e12,
             ..Self::h200()
         }
@@ -81,6 +88,7 @@ impl DeviceModel {
             max_ctas_per_sm: u32::MAX,
             max_threads_per_sm: u32::MAX,
             tensor_flops: 50e9,
+            tensor_flops_copies: 50e9,
             simt_flops: 50e9,
             mem_bw: 10e9,
             launch_s: 1e-6,
@@ -122,7 +130,9 @@ impl DeviceModel {
 
     /// Predicted time of the launch running alone.
     pub fn duration_s(&self, spec: &LaunchSpec) -> f64 {
-        let peak = if spec.tensor_core {
+        let peak = if spec.copies {
+            self.tensor_flops_copies
+        } else if spec.tensor_core {
             self.tensor_flops
         } else {
             self.simt_flops
@@ -143,5 +153,43 @@ impl DeviceModel {
     /// The rule: fills a full wave and runs long enough that overlap would only contend.
     pub fn is_exclusive(&self, spec: &LaunchSpec) -> bool {
         spec.grid >= self.wave(spec) && self.duration_s(spec) > self.exclusive_threshold_s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceModel;
+    use erase_graph::{DType, Op, Shape};
+    use erase_ops::launch_spec;
+
+    #[test]
+    fn gemms_on_bf16_copies_are_priced_at_their_own_rate() {
+        let (x, w, y) = (
+            Shape::new(&[4096, 1728]),
+            Shape::new(&[1024, 1728]),
+            Shape::new(&[4096, 1024]),
+        );
+        let op = Op::Linear {
+            bias: false,
+            relu: false,
+        };
+        let f32_spec = launch_spec(&op, &[&x, &w], &[&y], DType::F32).expect("a launch");
+        let copies = launch_spec(&op, &[&x, &w], &[&y], DType::Bf16).expect("a launch");
+        assert!(!f32_spec.copies && copies.copies);
+        assert_eq!(f32_spec.flops, copies.flops);
+        // FLOP-bound at both rates: twice the rate, half the time (plus the launch)
+        let m = DeviceModel::h200_measured();
+        let (a, b) = (m.duration_s(&f32_spec), m.duration_s(&copies));
+        let ratio = (a - m.launch_s) / (b - m.launch_s);
+        assert!((ratio - 2.0).abs() < 1e-9, "{a} s against {b} s");
+        // an elementwise op of bf16 operands is not a GEMM on copies
+        let cast = launch_spec(
+            &Op::RoundBf16 { col_sums: false },
+            &[&x],
+            &[&x],
+            DType::Bf16,
+        )
+        .expect("a launch");
+        assert!(!cast.copies);
     }
 }

@@ -145,7 +145,8 @@ fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrar
 pub enum EdgeKind {
     /// The waiting launch reads what the recording launch wrote, or overwrites what it read.
     Data,
-    /// Every pool stream joins the main stream before the optimizer (the step's end).
+    /// Every pool stream joins the main stream before the optimizer (unless
+    /// `updates_by_data`; the step's end joins them in every case).
     Join,
     /// The occupancy rule keeps a device-filling launch from sharing the device. It orders
     /// work for speed only: removing it loses no correctness.

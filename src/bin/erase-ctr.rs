@@ -392,7 +392,7 @@ struct PlanArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The rates the simulator predicts with: `measured`, what Erase's kernels reached on
-    /// an H200 (GEMM 125 TFLOP/s, memory 3.2 TB/s), or `peak`, what cuBLAS and a copy reach
+    /// an H200 (GEMM 125 TFLOP/s, 250 reading bf16 copies in place, memory 3.2 TB/s), or `peak`, what cuBLAS and a copy reach
     /// (736 TFLOP/s, 4.22 TB/s).
     #[arg(long, value_enum, default_value = "measured")]
     rates: Rates,
