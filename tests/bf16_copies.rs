@@ -86,7 +86,7 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
     // every activation they read is copied by the node that makes it, in the same pass:
     // the concats (E, the top's input), the elementwise products (cross's x1 and x2,
     // MaskNet's masked input) and the linear layers (the bottom MLP's first hidden layer,
-    // cross's three low-rank outputs, deep's and MaskNet's hidden layers, the top's
+    // cross's three low-rank outputs, MaskNet's and deep's hidden layers, the top's
     // hidden layer)
     let fused: Vec<&str> = g
         .nodes()
@@ -104,9 +104,9 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
             "cross/linear2",
             "cross/mul_add1",
             "cross/linear4",
-            "deep/linear0",
             "masknet/linear0",
             "masknet/mul0",
+            "deep/linear0",
             "top/concat0",
             "top/linear0"
         ]

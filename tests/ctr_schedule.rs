@@ -68,8 +68,8 @@ fn erase_plan_starts_every_block_backward_early_on_side_streams() {
             "bottom",
             "autoint",
             "cross",
-            "deep",
             "masknet",
+            "deep",
             "interaction"
         ]
     );
