@@ -906,8 +906,9 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
 // r·128, from src[row·ld + k], rows past `lim` reading row lim-1); MN-major (TR true),
 // ROWS/64 blocks of [64 k][64 m or n] (block h at h·8192, row k at k·128, from
 // src[k·ld + m], chunks past `lim` reading the last whole chunk, lim a multiple of 8).
-// Each chunk's clamped offset from the tile's base is found once, 32 bits (under 128·ld
-// + 128 elements); a k step adds its k to the base.
+// Each chunk's clamped offset from the tile's base is found once, 32 bits (under
+// ROWS·ld elements K-major, 64·ld + ROWS MN-major; the plans refuse an ld that overflows
+// them); a k step adds its k to the base.
 template <int ROWS, bool TR>
 struct GemmWgmmaTile {
     static constexpr int CH = ROWS * 8 / 256;

@@ -144,7 +144,10 @@ pub enum Op {
     /// `[dy, w] -> [dx]`: `dx = dy·w` over the rows of `dy` (the data gradient of `Linear`).
     /// With `relu_mask`, `[dy, w, y] -> [dx]` with `dx = (dy·w) ⊙ (y > 0)`: the gradient
     /// carried on through the ReLU that made `y` (a `Relu`'s or a `Linear { relu: true
-    /// }`'s output), `ReluGrad` folded into the product's epilogue.
+    /// }`'s output), `ReluGrad` folded into the product's epilogue. A second output
+    /// `[.., dx_bf16]` (bf16) is dx's bf16 copy from the same pass: dx is the whole dy of a
+    /// linear layer below with bf16 operand copies (`Graph::set_bf16_copies`), whose GEMMs
+    /// read the copy.
     LinearGradInput {
         relu_mask: bool,
     },
@@ -159,7 +162,9 @@ pub enum Op {
     /// `[dy, x] -> [dx]`
     GeluGrad,
     /// `[dy, a, b] -> [da, db]`: `da = dy ⊙ b`, `db = dy ⊙ a` (the gradient of a product of
-    /// two tensors of one shape, in one pass).
+    /// two tensors of one shape, in one pass). With a bf16 output 1, `[da, db_bf16]` or
+    /// `[da, db_bf16, s]`: db is the dy of a linear layer with bf16 operand copies, written
+    /// only as its bf16 copy, and `s` its column sums (the layer's bias gradient).
     MulGrad,
     /// `[dy, y] -> [dx]`
     SigmoidGrad,

@@ -21,8 +21,9 @@ pub struct LaunchSpec {
     pub bytes: f64,
     /// True when the FLOPs run on tensor cores (bf16 GEMM operands).
     pub tensor_core: bool,
-    /// A GEMM that reads bf16 copies of its operands in place (`Graph::set_bf16_copies`):
-    /// the pipelined kernels with no rounding pass, at a rate of their own.
+    /// A GEMM whose first operand is a bf16 copy read in place (`Graph::set_bf16_copies`;
+    /// in the CTR model its other operand is one too): the pipelined kernels with no
+    /// rounding pass, at a rate of their own.
     pub copies: bool,
 }
 

@@ -92,6 +92,18 @@ impl DataParallel {
             .iter()
             .position(|l| g.node(l.node).phase == Phase::Optimizer)
             .ok_or_else(|| err("the step has no optimizer".into()))?;
+        // the collectives meet at the join before the updates: every update on the main
+        // stream behind it (a plan without `updates_by_data`)
+        if let Some(l) = prog.launches[first_optimizer..]
+            .iter()
+            .find(|l| g.node(l.node).phase == Phase::Optimizer && l.stream.0 != 0)
+        {
+            return Err(err(format!(
+                "the update '{}' runs on {}, not behind the join on the main stream:                  plan data-parallel steps with updates_by_data off",
+                g.node(l.node).name,
+                l.stream
+            )));
+        }
         let last_of = |k: usize| -> Option<usize> {
             part.programs[k]
                 .nodes

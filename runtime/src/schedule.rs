@@ -76,8 +76,9 @@ pub struct ScheduleConfig {
     /// gradients (LinearGradWeight) of the early programs it runs: nothing in a block's
     /// backward waits for them, so its chain of data gradients (the critical path of the
     /// block that ends last) runs without them, and they fill the device beside it.
-    /// The companions run one priority level below their side streams, so the chains,
-    /// which the step's end waits for in order, go first where they meet.
+    /// The companions run at a lower priority than their side streams (the least the
+    /// device has; `StepProgram::stream_rank`), so the chains, which the step's end waits
+    /// for in order, go first where they meet.
     pub weight_grad_streams: bool,
     /// No join before the updates (ERASE only): each update waits for the gradients it
     /// reads and nothing else, and the row-wise update of the embedding tables runs on
@@ -209,7 +210,7 @@ pub struct StepProgram {
     pub late_stream: Option<StreamId>,
     /// The first of the weight-gradient companion streams (`ScheduleConfig::
     /// weight_grad_streams`), if any: they and every stream after them run at the least
-    /// priority, the pool streams before them one level above it.
+    /// priority, the pool streams before them higher (see [`StepProgram::stream_rank`]).
     pub weight_grad_from: Option<StreamId>,
 }
 
@@ -654,8 +655,9 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
     // the join comes with the first optimizer launch: a data-parallel step all-reduces
     // the dense gradients there (runtime/src/cuda_collective.rs), so every stream must be
     // done by then (the row-wise update ahead of the join measured no faster on an H200).
-    // Without it (updates_by_data), the row-wise update follows its gradient onto the
-    // stream that wrote it, and the dense update on main waits only for its gradients:
+    // Without it (updates_by_data), the row-wise update runs on the stream of the last
+    // launch that wrote one of its inputs (the embedding gradient's sum), and the dense
+    // update on main waits only for its gradients:
     // the embedding gradient's sum, which waits for every block, and the weight
     // gradients, the last of which often end sooner, then run their updates side by side.
     let by_data = cfg.updates_by_data && cfg.kind == ScheduleKind::Early;

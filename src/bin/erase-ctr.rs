@@ -851,14 +851,16 @@ fn data_parallel_inputs(
         .enumerate()
         .map(|(i, l)| (l.node, i))
         .collect();
+    // where a data-parallel step joins: after the last launch before the updates (the
+    // single-GPU ERASE plan has no join of its own: its updates wait by data)
     let join = p
         .program
         .launches
         .iter()
         .enumerate()
-        .filter(|(_, l)| g.node(l.node).phase == Phase::Optimizer)
-        .map(|(i, _)| r.launches[i].start)
-        .fold(r.step_s, f64::min);
+        .filter(|(_, l)| g.node(l.node).phase != Phase::Optimizer)
+        .map(|(i, _)| r.launches[i].end)
+        .fold(0.0, f64::max);
     let end_of = |prog: usize| -> f64 {
         p.partition.programs[prog]
             .nodes

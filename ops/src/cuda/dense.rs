@@ -160,7 +160,7 @@ fn check_gemm_operands(
         }
     }
     for (i, d) in o.out_dtypes.iter().enumerate() {
-        // output 1 of a Linear with two: the bf16 copy of output 0
+        // output 1 of a Linear or a LinearGradInput with two: the bf16 copy of output 0
         let copy = i == 1 && o.outs.len() == 2 && o.outs[1] == o.outs[0];
         if *d != DType::F32 && !(copy && *d == DType::Bf16) {
             return Err(format!(
@@ -228,8 +228,9 @@ struct Gemm {
     a_bf16: bool,
     b_bf16: bool,
     /// Where C's bf16 copy goes (a Linear whose output a later GEMM reads, see
-    /// `Graph::copy_output`): written by the epilogue of a `_c` pipelined kernel, else
-    /// by a cast launch after the GEMM.
+    /// `Graph::copy_output`, or a data gradient that is a copied layer's dy): written by
+    /// the epilogue of a `_c` or `_kmc` pipelined kernel, else by a cast launch after the
+    /// GEMM.
     copy: Option<KArg>,
 }
 
@@ -610,6 +611,15 @@ fn gemm_pipe_bf16(g: &Gemm) -> Result<CudaPlan, String> {
         (g.a_bf16, a_mn, g.m, g.lda, "A"),
         (g.b_bf16, b_mn, g.n, g.ldb, "B"),
     ] {
+        // the kernels find each chunk's offset from its tile's base in 32 bits: under
+        // 256 rows of ld (a K-major operand of the 128x256 tile), or 64 rows of ld plus
+        // 256 (an MN-major one)
+        if bf16 && 256 * (ld as u64 + 1) > u64::from(u32::MAX) {
+            return Err(format!(
+                "bf16 operand {what}: rows of {ld} elements are too long for the kernels'                  32-bit tile offsets (at most {})",
+                u64::from(u32::MAX) / 256 - 1
+            ));
+        }
         if bf16 && (!ld.is_multiple_of(8) || (mn && !dim.is_multiple_of(8))) {
             return Err(format!(
                 "bf16 operand {what}: rows of {ld} elements and {dim} wide are not whole \
@@ -1807,6 +1817,18 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("bias gradient"), "{e}");
+        // rows too long for the kernels' 32-bit tile offsets are refused, not wrapped
+        let k = 1 << 24;
+        let e = plan_typed(
+            &Op::Linear {
+                bias: false,
+                relu: false,
+            },
+            &[(&[128, k], B), (&[128, k], B)],
+            &[(&[128, 128], F)],
+        )
+        .unwrap_err();
+        assert!(e.contains("32-bit"), "{e}");
         // a Linear that writes its output's bf16 copy: from the pipelined epilogue (a `_c`
         // kernel, the copy its last argument), or a cast after a single-launch GEMM
         let p = plan_typed(

@@ -22,6 +22,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "ew_mul_bf16",
     "ew_parts_rows_f32_bf16",
     "ew_mul_grad",
+    "ew_mul_grad_bf16",
     "ew_scale",
     "ew_relu",
     "ew_gelu",
