@@ -529,3 +529,30 @@ fn plan_sweeps_side_streams_and_names_the_fastest() {
     }
     assert!(text.contains("fastest:"), "{text}");
 }
+
+/// `plan --update-join`: the join before the updates only where asked for.
+#[test]
+fn plan_joins_before_the_updates_only_with_update_join_on() {
+    let run = |join: &str| -> String {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_erase-ctr"))
+            .args(["plan", "--preset", "small", "--full", "--update-join", join])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let (on, off) = (run("on"), run("off"));
+    assert!(on.contains("join: optim"), "{on}");
+    assert!(!off.contains("join: "), "{off}");
+    // off: the tables' row-wise update waits for their gradient on a side stream
+    assert!(
+        off.lines()
+            .any(|l| l.contains(" side") && l.contains("optim rowwise_adagrad")),
+        "{off}"
+    );
+}

@@ -841,5 +841,9 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             grads.by_param.insert(p, Grad::Dense(t));
         }
     }
+    debug_assert!(
+        b.dy_sums.is_empty(),
+        "autodiff: column sums of a bf16 dy no linear layer took"
+    );
     Ok(grads)
 }

@@ -155,6 +155,13 @@ struct ModelArgs {
     /// an H200, see BENCHMARKS.md). Only under ERASE.
     #[arg(long, value_enum, default_value = "on")]
     weight_grad_streams: OnOff,
+    /// `on`: every stream joins the main stream before the updates start (as a
+    /// data-parallel step always does: it all-reduces there); `off`: each update waits
+    /// only for the gradients it reads, and the embedding tables' update runs on the
+    /// stream that wrote their gradient, beside the dense update (with the companions'
+    /// lower priority, 0.9 % faster on an H200, see BENCHMARKS.md). Only under ERASE.
+    #[arg(long, value_enum, default_value = "off")]
+    update_join: OnOff,
     /// Round each large layer's GEMM operands (its input, its output's gradient) to bf16
     /// once, in a pass of their own that every GEMM reading them shares, instead of in
     /// each GEMM: the same values in fewer passes. CUDA only (the CPU's GEMMs are f32).
@@ -197,6 +204,7 @@ impl ModelArgs {
             early_updates: self.optimizer_update == UpdateArg::Early,
             late_stream: self.late_stream == OnOff::On,
             weight_grad_streams: self.weight_grad_streams == OnOff::On,
+            updates_by_data: self.update_join == OnOff::Off,
             bf16_copies: self.bf16_copies == OnOff::On,
             ..ScheduleOptions::default()
         }
