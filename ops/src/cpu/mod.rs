@@ -40,6 +40,20 @@ pub struct NodeCall<'a> {
     pub bf16_gemm: bool,
 }
 
+impl<'a> NodeCall<'a> {
+    /// The same call with only its first `k` outputs: the plain op under one that also
+    /// writes copies of an output (computed from the plain op's outputs).
+    fn first_outputs(&self, k: usize) -> NodeCall<'a> {
+        NodeCall {
+            op: self.op,
+            name: self.name,
+            in_shapes: self.in_shapes.clone(),
+            out_shapes: self.out_shapes[..k].to_vec(),
+            bf16_gemm: self.bf16_gemm,
+        }
+    }
+}
+
 /// `x` with every element rounded to bf16 (nearest even) and back.
 fn round_bf16<T: Real>(x: &[T]) -> Vec<T> {
     x.iter()
@@ -169,13 +183,7 @@ pub fn execute(
         && outs[1].dtype() == DType::Bf16
     {
         // the bf16 copy a GEMM reads, written beside the output (Graph::copy_output)
-        let call0 = NodeCall {
-            op: call.op,
-            name: call.name,
-            in_shapes: call.in_shapes.clone(),
-            out_shapes: call.out_shapes[..1].to_vec(),
-            bf16_gemm: call.bf16_gemm,
-        };
+        let call0 = call.first_outputs(1);
         execute(&call0, ins, &mut outs[..1], upd)?;
         outs[1] = cast(&outs[0], DType::Bf16);
         return Ok(());
@@ -183,13 +191,7 @@ pub fn execute(
     if matches!(call.op, Op::MulGrad) && outs.len() >= 2 && outs[1].dtype() == DType::Bf16 {
         // db a copied linear layer's dy: only its bf16 copy, and with a third output its
         // column sums (the layer's bias gradient), as RoundBf16 of the f32 db gives them
-        let call0 = NodeCall {
-            op: call.op,
-            name: call.name,
-            in_shapes: call.in_shapes.clone(),
-            out_shapes: call.out_shapes[..2].to_vec(),
-            bf16_gemm: call.bf16_gemm,
-        };
+        let call0 = call.first_outputs(2);
         let mut two = [outs[0].clone(), Buffer::F32(vec![0.0; outs[1].len()])];
         execute(&call0, ins, &mut two, upd)?;
         let [da, db] = two;

@@ -902,13 +902,7 @@ fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, String> {
             scratch: vec![],
         });
     }
-    // 256 rows a CTA, fewer where that leaves under two CTAs an SM (a narrow dy)
-    let col_blocks = cols.div_ceil(64);
-    let iters = [8usize, 4, 2]
-        .into_iter()
-        .find(|i| col_blocks * rows.div_ceil(32 * i) >= 2 * SMS)
-        .unwrap_or(1);
-    let slices = rows.div_ceil(32 * iters);
+    let (col_blocks, iters, slices) = super::misc::colsum_geometry(rows, cols);
     Ok(CudaPlan {
         calls: vec![
             KernelCall {

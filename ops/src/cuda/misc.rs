@@ -152,6 +152,20 @@ fn i32_of(v: usize, what: &str) -> Result<i32, String> {
     i32::try_from(v).map_err(|_| format!("{what} = {v} does not fit the kernels' i32"))
 }
 
+/// `(column blocks, iters, row slices)` of the kernels that write a [rows][cols] tensor's
+/// column sums as partials from their own pass, in the layout of `gemm_round_colsum`
+/// (grid (column blocks, row slices), 64 columns and 32·iters rows a CTA): 256 rows a
+/// CTA, fewer where that leaves under two CTAs an SM (a narrow tensor). Part of the
+/// summation order: every such kernel must take it from here.
+pub(crate) fn colsum_geometry(rows: usize, cols: usize) -> (usize, usize, usize) {
+    let col_blocks = cols.div_ceil(64);
+    let iters = [8usize, 4, 2]
+        .into_iter()
+        .find(|i| col_blocks * rows.div_ceil(32 * i) >= 2 * SMS)
+        .unwrap_or(1);
+    (col_blocks, iters, rows.div_ceil(32 * iters))
+}
+
 fn plan_of(calls: Vec<KernelCall>, scratch: Vec<usize>) -> CudaPlan {
     CudaPlan { calls, scratch }
 }
@@ -412,16 +426,8 @@ fn mul_grad_bf16(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
             o.outs[2]
         ));
     }
-    let i32_of = |v: usize, what: &str| {
-        i32::try_from(v).map_err(|_| format!("mul_grad: {what} {v} exceeds the kernel's i32 range"))
-    };
     let (ri, ci) = (i32_of(rows, "rows")?, i32_of(cols, "columns")?);
-    let col_blocks = cols.div_ceil(64);
-    let iters = [8usize, 4, 2]
-        .into_iter()
-        .find(|i| col_blocks * rows.div_ceil(32 * i) >= 2 * SMS)
-        .unwrap_or(1);
-    let slices = rows.div_ceil(32 * iters);
+    let (col_blocks, iters, slices) = colsum_geometry(rows, cols);
     let part = if sums { Scratch(0) } else { I64(0) }; // a null pointer: no sums
     let mut calls = vec![kc(
         "ew_mul_grad_bf16",
