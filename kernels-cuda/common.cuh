@@ -122,3 +122,21 @@ __device__ __forceinline__ double erase_powi(double a, int n) {
     }
     return recip ? 1.0 / r : r;
 }
+
+// The column-sum partials of a CTA of 256 threads laid out as gemm_round_colsum's: thread
+// t holds in acc[e] its running sums of column 64·blockIdx.x + 8·(t % 8) + e over its
+// rows (row lane t / 8). The 32 row lanes' sums are added in lane order into
+// part[blockIdx.y·cols + c] (colsum_final then adds the slices in order). `lanes` is
+// the CTA's shared [32][65] floats.
+__device__ __forceinline__ void erase_colsum_partials(float (&lanes)[32][65], const float (&acc)[8],
+                                                      float* __restrict__ part, int cols) {
+    const int tid = threadIdx.x, ch = tid & 7, y = tid >> 3;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) lanes[y][ch * 8 + e] = acc[e];
+    __syncthreads();
+    if (tid < 64 && blockIdx.x * 64 + tid < cols) {
+        float t = 0.f;
+        for (int q = 0; q < 32; ++q) t += lanes[q][tid];
+        part[static_cast<long long>(blockIdx.y) * cols + blockIdx.x * 64 + tid] = t;
+    }
+}

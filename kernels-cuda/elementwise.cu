@@ -179,14 +179,7 @@ ERASE_KERNEL void __launch_bounds__(256)
         }
     }
     if (part == nullptr) return;  // uniform across the CTA: no barrier is skipped by some
-#pragma unroll
-    for (int e = 0; e < 8; ++e) lanes[y][ch * 8 + e] = acc[e];
-    __syncthreads();
-    if (tid < 64 && blockIdx.x * 64 + tid < cols) {
-        float t = 0.f;
-        for (int q = 0; q < 32; ++q) t = erase_add(t, lanes[q][tid]);
-        part[static_cast<long long>(blockIdx.y) * cols + blockIdx.x * 64 + tid] = t;
-    }
+    erase_colsum_partials(lanes, acc, part, cols);
 }
 
 // ---- unary maps ------------------------------------------------------------------------
@@ -412,9 +405,21 @@ __device__ __forceinline__ void pad_rows(const T* __restrict__ x, T* __restrict_
 #define EW_PARTS 8
 #define EW_PART_PARAMS(T, j) T* __restrict__ p##j, long long c##j
 
-template <typename T>
+// What a concat does with each unit it writes besides writing it: nothing, or write
+// its bf16 copy at the same index (the copy a GEMM reads, see ew_parts_rows_f32_bf16).
+struct EwNoCopy {
+    template <typename T>
+    __device__ __forceinline__ void operator()(long long, const T&) const {}
+};
+struct EwBf16Copy {
+    uint2* copy;
+    __device__ __forceinline__ void operator()(long long at, const float4& v) const { copy[at] = ew_bf16x4(v); }
+};
+
+template <typename T, typename Copy = EwNoCopy>
 __device__ __forceinline__ void parts_rows(T* big, long long outer, long long big_row, long long big_off, int split,
-                                           int count, T* const (&p)[EW_PARTS], const long long (&c)[EW_PARTS]) {
+                                           int count, T* const (&p)[EW_PARTS], const long long (&c)[EW_PARTS],
+                                           Copy copy = Copy()) {
     long long width = 0;
 #pragma unroll
     for (int j = 0; j < EW_PARTS; ++j)
@@ -434,48 +439,23 @@ __device__ __forceinline__ void parts_rows(T* big, long long outer, long long bi
             }
             if (j < count) acc += c[j];
         }
-        T* b = big + o * big_row + big_off + col;
+        const long long at = o * big_row + big_off + col;
+        T* b = big + at;
         T* s = q + o * ch + (col - start);
-        if (split)
+        if (split) {
             *s = *b;
-        else
-            *b = *s;
+        } else {
+            const T v = *s;
+            *b = v;
+            copy(at, v);
+        }
     }
 }
 
 // Concat of f32 parts in float4 units (every width and offset a multiple of 4 floats)
 // that also writes the big tensor's bf16 copy (uint2 units at the same index): the field
-// embeddings E and the copy the GEMMs read, in one pass.
-__device__ __forceinline__ void parts_rows_bf16(float4* big, uint2* copy, long long outer, long long big_row,
-                                                long long big_off, int count, float4* const (&p)[EW_PARTS],
-                                                const long long (&c)[EW_PARTS]) {
-    long long width = 0;
-#pragma unroll
-    for (int j = 0; j < EW_PARTS; ++j)
-        if (j < count) width += c[j];
-    if (width <= 0) return;
-    const long long n = outer * width;
-    EW_LOOP(i, n) {
-        const long long o = erase_udiv(i, width), col = i - o * width;
-        float4* q = p[0];
-        long long ch = c[0], start = 0, acc = 0;
-#pragma unroll
-        for (int j = 0; j < EW_PARTS; ++j) {
-            if (j < count && col >= acc) {
-                q = p[j];
-                ch = c[j];
-                start = acc;
-            }
-            if (j < count) acc += c[j];
-        }
-        const long long at = o * big_row + big_off + col;
-        const float4 v = q[o * ch + (col - start)];
-        big[at] = v;
-        copy[at] = ew_bf16x4(v);
-    }
-}
-
-// Arguments as ew_parts_rows_u128's (concat only, no `split`), with the copy second.
+// embeddings E and the copy the GEMMs read, in one pass. Arguments as
+// ew_parts_rows_u128's (concat only, no `split`), with the copy second.
 ERASE_KERNEL void ew_parts_rows_f32_bf16(float4* big, uint2* copy, long long outer, long long big_row,
                                          long long big_off, int count, EW_PART_PARAMS(float4, 0),
                                          EW_PART_PARAMS(float4, 1), EW_PART_PARAMS(float4, 2),
@@ -484,7 +464,7 @@ ERASE_KERNEL void ew_parts_rows_f32_bf16(float4* big, uint2* copy, long long out
                                          EW_PART_PARAMS(float4, 7)) {
     float4* const p[EW_PARTS] = {p0, p1, p2, p3, p4, p5, p6, p7};
     const long long c[EW_PARTS] = {c0, c1, c2, c3, c4, c5, c6, c7};
-    parts_rows_bf16(big, copy, outer, big_row, big_off, count, p, c);
+    parts_rows(big, outer, big_row, big_off, 0, count, p, c, EwBf16Copy{copy});
 }
 
 #define EW_PARTS_KERNEL(NAME, T)                                                                                   \

@@ -1336,14 +1336,7 @@ ERASE_KERNEL void __launch_bounds__(256)
             }
         }
     }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) lanes[y][ch * 8 + e] = acc[e];
-    __syncthreads();
-    if (tid < 64 && blockIdx.x * 64 + tid < cols) {
-        float t = 0.f;
-        for (int q = 0; q < 32; ++q) t += lanes[q][tid];
-        part[static_cast<long long>(blockIdx.y) * cols + blockIdx.x * 64 + tid] = t;
-    }
+    erase_colsum_partials(lanes, acc, part, cols);
 }
 
 // C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU) (zero where flags & 8 and
