@@ -238,6 +238,13 @@ impl Bench<'_> {
             f64::NAN
         };
         let flops = 4.0 * (b * h * s * s * dh) as f64;
+        println!(
+            "attention B={b} H={h} S={s} D={dh}: forward {:.1} µs ({:.1} TFLOP/s), backward {:.1} µs ({:.1} TFLOP/s useful)",
+            f_ms * 1e3,
+            flops / (f_ms * 1e-3) / 1e12,
+            b_ms * 1e3,
+            2.5 * flops / (b_ms * 1e-3) / 1e12
+        );
         self.rows.push(Row {
             name: format!("attention fwd+bwd B={b} H={h} S={s} D={dh}"),
             kind: "attention",
