@@ -89,6 +89,52 @@ ERASE_KERNEL void layer_norm_bwd_dx(const float* __restrict__ dy, const float* _
     }
 }
 
+// layer_norm_bwd_dx whose dx is a linear layer's dy (Graph::set_bf16_copies): also
+// dxb = bf16(dx), and part[b·d + c] = the sum of dx[r][c] over the rows CTA b's warps
+// visit (each warp over its rows in visit order into its own row of shared memory, then
+// the 8 warps' sums in warp order; colsum_final adds the gridDim.x partials in CTA
+// order: the grid is a function of the shape only). Block 256, dynamic shared memory
+// 8·d floats.
+ERASE_KERNEL void __launch_bounds__(256)
+    layer_norm_bwd_dx_bf16(const float* __restrict__ dy, const float* __restrict__ x,
+                           const float* __restrict__ gamma, const float* __restrict__ mean,
+                           const float* __restrict__ rstd, float* __restrict__ dx, __nv_bfloat16* __restrict__ dxb,
+                           float* __restrict__ part, long long rows, int d, float inv_d) {
+    extern __shared__ float cs[];
+    const int lane = threadIdx.x & 31;
+    float* mine = cs + (threadIdx.x >> 5) * d;
+    for (int c = lane; c < d; c += 32) mine[c] = 0.f;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long r = erase_gtid() >> 5; r < rows; r += warps) {
+        const float* xr = x + r * d;
+        const float* dyr = dy + r * d;
+        const float mu = mean[r], rs = rstd[r];
+        float s1 = 0.0f, s2 = 0.0f;
+        for (int c = lane; c < d; c += 32) {
+            const float xh = erase_mul(erase_sub(xr[c], mu), rs);
+            const float g = erase_mul(dyr[c], __ldg(gamma + c));
+            s1 += g;
+            s2 = fmaf(g, xh, s2);
+        }
+        const float m1 = erase_mul(erase_warp_sum(s1), inv_d);
+        const float m2 = erase_mul(erase_warp_sum(s2), inv_d);
+        for (int c = lane; c < d; c += 32) {
+            const float xh = erase_mul(erase_sub(xr[c], mu), rs);
+            const float g = erase_mul(dyr[c], __ldg(gamma + c));
+            const float v = erase_mul(rs, erase_sub(erase_sub(g, m1), erase_mul(xh, m2)));
+            dx[r * d + c] = v;
+            dxb[r * d + c] = __float2bfloat16_rn(v);
+            mine[c] = erase_add(mine[c], v);
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float t = 0.f;
+        for (int q = 0; q < (int)(blockDim.x >> 5); ++q) t = erase_add(t, cs[q * d + c]);
+        part[(long long)blockIdx.x * d + c] = t;
+    }
+}
+
 // Pass 1 of dgamma/dbeta: grid (ceil(d/32), S), block (32, 8). Slice s covers rows
 // [s·rows_per_slice, min((s+1)·rows_per_slice, rows)).
 ERASE_KERNEL void layer_norm_bwd_dgb_partial(const float* __restrict__ dy, const float* __restrict__ x,

@@ -44,7 +44,8 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
     // top layers) but the 4 whose dy an elementwise product's gradient writes as the copy
     // (cross's three up-projections, MaskNet's mask) and the 3 whose dy the data
     // gradient of the layer above writes as the copy from its epilogue (cross's three
-    // low-rank layers)
+    // low-rank layers) and the 1 whose dy a layer norm's gradient writes as the copy
+    // (MaskNet's projection before its layer norm)
     let names: Vec<&str> = rounds
         .iter()
         .filter(|n| n.phase == Phase::Forward)
@@ -56,7 +57,15 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .count();
     assert_eq!(weights, 14, "weight copies: {names:?}");
     assert_eq!(forward, 14, "forward copies: {names:?}");
-    assert_eq!(backward.len(), 7, "backward copies");
+    assert_eq!(backward.len(), 6, "backward copies");
+    // MaskNet's normalised projection's dy from its layer norm's gradient, with the sums
+    let by_norm: Vec<(&str, usize)> = g
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::LayerNormGrad) && n.outputs.len() == 5)
+        .map(|n| (n.name.as_str(), n.outputs.len()))
+        .collect();
+    assert_eq!(by_norm, [("masknet/layer_norm0.grad", 5)]);
     let by_gemm: Vec<&str> = g
         .nodes()
         .iter()

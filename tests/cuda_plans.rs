@@ -294,3 +294,39 @@ fn layer_norm_and_the_lookup_take_their_single_pass_kernels_where_shapes_allow()
         ["emb_meta_build", "emb_meta_build", "embedding_bag_fwd_v4"]
     );
 }
+
+#[test]
+fn a_layer_norm_gradient_that_is_a_layers_dy_writes_its_copy_and_sums() {
+    const B: DType = DType::Bf16;
+    for (rows, d) in [(4096usize, 256usize), (4096, 64)] {
+        let (x, row, col): (&[usize], &[usize], &[usize]) = (&[rows, d], &[rows], &[d]);
+        let ins = [(x, F), (x, F), (col, F), (row, F), (row, F)];
+        let p = plan(
+            &Op::LayerNormGrad,
+            &ins,
+            &[(x, F), (col, F), (col, F), (x, B), (col, F)],
+        )
+        .unwrap();
+        let k = kernels(&p);
+        if d == 256 {
+            // dx's pass writes the copy and the sums' partials (8·d floats of shared
+            // memory), summed by colsum_final; then dgamma and dbeta as before
+            assert_eq!(k[..2], ["layer_norm_bwd_dx_bf16", "colsum_final"], "{k:?}");
+            assert_eq!(p.calls[0].smem, 8 * 256 * 4);
+            assert_eq!(p.calls[0].args[6], KArg::Out(3));
+            assert_eq!(p.calls[1].args[1], KArg::Out(4));
+        } else {
+            // the one-pass form (d ≤ 128) keeps its kernel: a cast and a column sum after
+            assert_eq!(k[0], "layer_norm_bwd_v4", "{k:?}");
+            assert!(k.contains(&"ew_cast"), "{k:?}");
+        }
+        // the copy must be dx's shape, the sums d wide
+        let e = plan(
+            &Op::LayerNormGrad,
+            &ins,
+            &[(x, F), (col, F), (col, F), (x, B), (row, F)],
+        )
+        .unwrap_err();
+        assert!(e.contains("do not match"), "{e}");
+    }
+}

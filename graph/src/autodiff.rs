@@ -210,6 +210,31 @@ pub fn backward(g: &mut Graph) -> Result<Gradients> {
 }
 
 /// [`backward`] with options.
+/// Whether `t` is the output of a linear layer with bf16 operand copies
+/// (`Graph::set_bf16_copies`), without a ReLU or a copy output of its own, that one node
+/// alone reads (`uses`): then that node's gradient for `t` is the layer's whole dy, and it
+/// may write it as the bf16 copy the layer's GEMMs read. `Some(sums)`: `sums` the shape of
+/// the column sums the layer takes as its bias gradient, if it needs one.
+fn copied_layer_output(
+    g: &Graph,
+    uses: &[usize],
+    req: &[bool],
+    t: Tensor,
+) -> Option<Option<Shape>> {
+    let p = g.producer(t);
+    match p.op {
+        Op::Linear { bias, relu: false }
+            if p.outputs == [t]
+                && uses[t.index()] == 1
+                && g.dtype(p.inputs[0]) == DType::Bf16
+                && (req[p.inputs[0].index()] || req[p.inputs[1].index()]) =>
+        {
+            Some((bias && req[p.inputs[2].index()]).then(|| g.shape(p.inputs[2]).clone()))
+        }
+        _ => None,
+    }
+}
+
 pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> {
     if g.losses().is_empty() {
         return Err(GraphError::Structure(
@@ -480,24 +505,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 // node alone: its gradient is that layer's whole dy, which the pass writes
                 // as the bf16 copy the layer's GEMMs read (with its column sums, the bias
                 // gradient) instead of in f32 for a RoundBf16 of its own
-                let copied_dy = |k: usize| -> Option<Option<Shape>> {
-                    let t = ins[k];
-                    let p = b.g.producer(t);
-                    match p.op {
-                        Op::Linear { bias, relu: false }
-                            if p.outputs == [t]
-                                && uses[t.index()] == 1
-                                && b.g.dtype(p.inputs[0]) == DType::Bf16
-                                && (req[p.inputs[0].index()] || req[p.inputs[1].index()]) =>
-                        {
-                            Some(
-                                (bias && req[p.inputs[2].index()])
-                                    .then(|| b.g.shape(p.inputs[2]).clone()),
-                            )
-                        }
-                        _ => None,
-                    }
-                };
+                let copied_dy = |k: usize| copied_layer_output(b.g, &uses, &req, ins[k]);
                 let s = shape_of(&b, 0);
                 let fused = [1, 0]
                     .into_iter()
@@ -610,17 +618,47 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 b.contribute(ins[0], dx);
             }
             Op::LayerNorm { .. } => {
-                let outs = b.add(
+                // x the output of a linear layer with bf16 copies, read by this node
+                // alone: dx is that layer's whole dy, which the pass also writes as the
+                // bf16 copy the layer's GEMMs read, with its column sums (the layer's
+                // bias gradient), as outputs 3 and 4
+                let copy = if needs(0) {
+                    copied_layer_output(b.g, &uses, &req, ins[0])
+                } else {
+                    None
+                };
+                let f = b.g.float_dtype();
+                let mut out_specs = vec![
+                    (shape_of(&b, 0), f),
+                    (shape_of(&b, 1), f),
+                    (shape_of(&b, 2), f),
+                ];
+                if let Some(sums) = &copy {
+                    out_specs.push((shape_of(&b, 0), DType::Bf16));
+                    // the sums even without a bias to take them: the kernel's one form
+                    let cols = b.g.shape(ins[0]).last();
+                    out_specs.push((sums.clone().unwrap_or_else(|| Shape::new(&[cols])), f));
+                }
+                let outs = b.g.add_derived(
                     Op::LayerNormGrad,
                     vec![dy, ins[0], ins[1], node.outputs[1], node.outputs[2]],
-                    vec![shape_of(&b, 0), shape_of(&b, 1), shape_of(&b, 2)],
+                    out_specs,
                     format!("{nm}.grad"),
-                    id,
+                    Phase::Backward,
+                    Some(id),
                 );
-                for (i, &t) in outs.iter().enumerate() {
+                for i in 0..3 {
                     if needs(i) {
+                        let t = if i == 0 && copy.is_some() {
+                            outs[3]
+                        } else {
+                            outs[i]
+                        };
                         b.contribute(ins[i], t);
                     }
+                }
+                if let Some(Some(_)) = &copy {
+                    b.dy_sums.insert(outs[3], outs[4]);
                 }
             }
             Op::Reshape => {

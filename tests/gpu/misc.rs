@@ -582,6 +582,53 @@ fn layer_norm_matches_cpu() {
             gouts,
             &tol,
         );
+        // dx a copied linear layer's dy: its bf16 copy (the rounding of the GPU's own dx,
+        // bit for bit) and its column sums, from dx's pass (d ≤ 1536 outside the _v4
+        // form) or a cast and a column sum after it
+        let couts: &[(&[usize], DType)] = &[
+            (&xs, F32),
+            (&[d], F32),
+            (&[d], F32),
+            (&xs, DType::Bf16),
+            (&[d], F32),
+        ];
+        let what = format!("layer_norm_grad with dx's copy [{rows},{d}]");
+        let ins2: Vec<Arg> = ins.iter().map(dup).collect();
+        let got = run_gpu(dev, &Op::LayerNormGrad, &ins2, couts, &mut []);
+        let want = run_cpu(&Op::LayerNormGrad, &ins2, gouts, &mut []);
+        for k in 0..3 {
+            let (rtol, atol) = tol[k];
+            let w = want[k].to_f64();
+            assert_close(
+                &format!("{what} output {k}"),
+                &got[k].to_f64(),
+                &w,
+                rtol,
+                atol,
+            );
+        }
+        let dx: Vec<f32> = got[0].to_f64().iter().map(|&v| v as f32).collect();
+        let copy = run_cpu(
+            &Op::Cast { to: DType::Bf16 },
+            &[f32_arg(&xs, dx.clone())],
+            &[(&xs, DType::Bf16)],
+            &mut [],
+        );
+        assert!(
+            got[3].bytes() == copy[0].bytes(),
+            "{what}: the copy is not dx rounded to bf16"
+        );
+        let mut sums = vec![0f64; d];
+        for (j, &v) in dx.iter().enumerate() {
+            sums[j % d] += v as f64;
+        }
+        assert_close(
+            &format!("{what} column sums"),
+            &got[4].to_f64(),
+            &sums,
+            1e-5,
+            sum_atol(rows, 4.0),
+        );
     }
 }
 

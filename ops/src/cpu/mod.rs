@@ -188,6 +188,16 @@ pub fn execute(
         outs[1] = cast(&outs[0], DType::Bf16);
         return Ok(());
     }
+    if matches!(call.op, Op::LayerNormGrad) && outs.len() == 5 {
+        // dx a linear layer's dy: its bf16 copy and its column sums beside it
+        let call0 = call.first_outputs(3);
+        execute(&call0, ins, &mut outs[..3], upd)?;
+        outs[3] = cast(&outs[0], DType::Bf16);
+        let (head, tail) = outs.split_at_mut(4);
+        let dx = get::<f32>(&head[0], "dx").map_err(err)?;
+        kernels::sum_to_shape(dx, out(&mut tail[0]).map_err(err)?);
+        return Ok(());
+    }
     if matches!(call.op, Op::MulGrad) && outs.len() >= 2 && outs[1].dtype() == DType::Bf16 {
         // db a copied linear layer's dy: only its bf16 copy, and with a third output its
         // column sums (the layer's bias gradient), as RoundBf16 of the f32 db gives them

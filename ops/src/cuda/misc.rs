@@ -48,6 +48,7 @@ pub(crate) const KERNELS: &[&str] = &[
     // norm.cu
     "layer_norm_fwd",
     "layer_norm_bwd_dx",
+    "layer_norm_bwd_dx_bf16",
     "layer_norm_bwd_dgb_partial",
     "layer_norm_fwd_v4",
     "layer_norm_bwd_v4",
@@ -1026,7 +1027,61 @@ fn ln_fwd_call(rows: usize, d: usize, mut args: Vec<KArg>) -> KernelCall {
     )
 }
 
+/// LayerNormGrad with dx's bf16 copy and column sums (outputs 3 and 4: dx is a copied
+/// linear layer's dy): for d ≤ 1536 outside the `_v4` form, from dx's own pass
+/// (`layer_norm_bwd_dx_bf16`'s partials, then colsum_final), else a cast and a column
+/// sum after the plain plan.
+fn layer_norm_grad_copy(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, F, F, F, F], &[F, F, F, DType::Bf16, F])?;
+    let d = o.ins[2].numel();
+    let n = o.ins[1].numel();
+    if o.outs[3] != o.outs[0] || o.outs[4].numel() != d {
+        return Err(format!(
+            "layer_norm_grad: dx's copy {} and sums {} do not match dx {}",
+            o.outs[3], o.outs[4], o.outs[0]
+        ));
+    }
+    let plain = Operands {
+        outs: &o.outs[..3],
+        out_dtypes: &o.out_dtypes[..3],
+        ..*o
+    };
+    let mut plan = layer_norm_grad(op, &plain)?;
+    let rows = n / d;
+    if ln_v4(d) || d > 1536 {
+        plan.calls.push(cast_f32_bf16_call(Out(0), Out(3), n));
+        append_column_sums(&mut plan.calls, &mut plan.scratch, Out(0), rows, d, Out(4));
+        return Ok(plan);
+    }
+    // the plain plan's first launch is layer_norm_bwd_dx: this one takes its place
+    let first = plan
+        .calls
+        .first()
+        .filter(|c| c.kernel == "layer_norm_bwd_dx")
+        .ok_or("layer_norm_grad: expected layer_norm_bwd_dx first")?
+        .clone();
+    let ctas = first.grid[0] as usize;
+    let part = plan.scratch.len();
+    plan.scratch.push(ctas * d * 4);
+    let mut args = first.args[..6].to_vec();
+    args.extend([Out(3), Scratch(part)]);
+    args.extend_from_slice(&first.args[6..]);
+    plan.calls[0] = kc(
+        "layer_norm_bwd_dx_bf16",
+        first.grid,
+        first.block,
+        (8 * d * 4) as u32,
+        args,
+    );
+    plan.calls
+        .insert(1, colsum_final_call(Scratch(part), Out(4), ctas, d));
+    Ok(plan)
+}
+
 fn layer_norm_grad(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
+    if o.outs.len() == 5 {
+        return layer_norm_grad_copy(op, o);
+    }
     expect(op, o, &[F, F, F, F, F], &[F, F, F])?;
     let d = o.ins[2].numel();
     let n = o.ins[1].numel();
