@@ -82,6 +82,13 @@ fn parse_ptxas(report: &str) -> Vec<Resources> {
     out
 }
 
+/// Kernels whose register cap makes ptxas spill a little, kept because they measured
+/// faster that way than without the cap (on an H200, BENCHMARKS.md "Attention at S = 2048"):
+/// two CTAs an SM hide the cp.async ring's latency better than one CTA without spills.
+/// A spill larger than the bytes listed here still warns.
+const MEASURED_SPILLS: &[(&str, u32)] =
+    &[("attn_bwd_dkdv_st_d64", 116), ("attn_bwd_dq_st_d64", 24)];
+
 fn run(cmd: &mut Command, what: &str) -> String {
     let out = cmd
         .output()
@@ -188,7 +195,11 @@ fn main() {
                 "{stem}: {} regs {} smem {} spill {}",
                 r.name, r.regs, r.smem, r.spill
             );
-            if r.spill > 0 {
+            let allowed = MEASURED_SPILLS
+                .iter()
+                .find(|(name, _)| *name == r.name)
+                .map_or(0, |&(_, bytes)| bytes);
+            if r.spill > allowed {
                 println!(
                     "cargo:warning=erase: kernel {} ({stem}.cu) spills {} bytes of registers",
                     r.name, r.spill

@@ -10,23 +10,27 @@
 // parameter (32, 64: kernels attn_*_d32, attn_*_d64); S is any length (tiles are guarded
 // and zero-filled; keys past S and, when causal, keys after the query are masked).
 //
-// Tiling: a CTA is 4 warps (128 threads) and owns 64 rows (queries, or keys for dk/dv);
-// each warp owns 16 of them and keeps its operand fragments and accumulators in
+// Tiling: a CTA is 4 warps (128 threads; 8 warps for S > 64) and owns 64 rows (128)
+// of queries, or keys for dk/dv; each warp owns 16 of them and keeps its operand fragments and accumulators in
 // registers; the other side streams through shared memory in tiles of 64 rows, stored
 // as bf16 [64][Dh + 8] (padding makes ldmatrix conflict-free). The score tile of a warp
 // (16 x 64, f32 accumulators) is turned into the A fragments of the next mma in registers.
 //
-//   attn_fwd_d{32,64}      grid (ceil(S/64), H, B): per key tile: S = Q·Kᵀ, online
-//                          softmax (running max m and sum l per row, f32, exp2 domain),
-//                          O = O·α + P·V; at the end o = O / l, lse = m·ln2 + ln l.
-//                          Never materialises [S, S]. Causal CTAs stop at the diagonal.
-//   attn_bwd_prep          D_i = Σ_c bf16(do_ic)·o_ic, one warp per row (fixed tree).
-//   attn_bwd_dkdv_d{32,64} grid (ceil(S/64), H, B): one CTA per key tile loops over all
+//   attn_fwd_d{32,64}      S ≤ 64, grid (ceil(S/64), H, B): per key tile: S = Q·Kᵀ,
+//                          online softmax (running max m and sum l per row, f32, exp2
+//                          domain), O = O·α + P·V; at the end o = O / l,
+//                          lse = m·ln2 + ln l. Never materialises [S, S]. Causal CTAs stop
+//                          at the diagonal.
+//   S > 64 (the staged kernels, 8 warps and 128 rows a CTA, see "S > 64" below):
+//   attn_stage_bf16        q, k, v (and do, with D_i = Σ_c bf16(do_ic)·o_ic and lse·log2 e
+//                          for the backward) to bf16 head-major scratch, once.
+//   attn_fwd_st_d{32,64}   the forward above, K and V tiles streamed by cp.async.
+//   attn_bwd_dkdv_st_d{32,64} grid (ceil(S/128), H, B): one CTA per 128 keys loops over all
 //                          query tiles (causal: from the diagonal): Pᵀ = exp(K·Qᵀ·scale −
 //                          lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D),
 //                          dK += dSᵀ·Q; dk = scale·dK.
-//   attn_bwd_dq_d{32,64}   grid (ceil(S/64), H, B): one CTA per query tile loops over the
-//                          key tiles, recomputing P and dP: dQ += dS·K; dq = scale·dQ.
+//   attn_bwd_dq_st_d{32,64} grid (ceil(S/128), H, B): one CTA per 128 queries loops over
+//                          the key tiles, recomputing P and dP: dQ += dS·K; dq = scale·dQ.
 //   attn_bwd_small_d{32,64} S ≤ 64 (the CTR model's 27 fields): grid (1, H, B), one CTA
 //                          does all three: D, then dK, dV as above, dSᵀ to shared memory
 //                          (bf16), then dQ = dS·K by query rows; no scratch, one launch.
@@ -35,7 +39,7 @@
 //
 // Bound: forward 4·B·H·S²·Dh FLOPs (halved when causal) on tensor cores; backward 10·B·H·S²·Dh
 // useful (5 products), 14 executed (the dq pass recomputes S and dP), against
-// 4·B·S·H·Dh·(4 fwd | 8 bwd) bytes plus one K/V (or Q/dO) re-read per 64-row tile. For
+// 4·B·S·H·Dh·(4 fwd | 8 bwd) bytes plus one K/V (or Q/dO) re-read (bf16) per 128 rows. For
 // S ≥ 128 the tensor-core work dominates; for short sequences (S = 27: B·H CTAs of one
 // tile) the kernels are memory-bound.
 #include "common.cuh"
@@ -287,40 +291,207 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
     attn_store_rows<D>(o, W, oacc, q0 + warp * 16, Sg, 1.f / l[0], 1.f / l[1], lane);
 }
 
-template <int D, bool P>
-__device__ __forceinline__ void attn_bwd_dkdv_body(const float* __restrict__ dO, const float* __restrict__ q,
-                                                   const float* __restrict__ k, const float* __restrict__ v,
-                                                   const float* __restrict__ lse, const float* __restrict__ Dv,
-                                                   float* __restrict__ dk, float* __restrict__ dv, int S, int H,
-                                                   int causal, float scale) {
-    constexpr int LD = D + 8;
-    __shared__ __align__(16) __nv_bfloat16 sK[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sV[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sQ[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sdO[ATTN_ROWS][LD];
-    __shared__ float sL[ATTN_ROWS], sD[ATTN_ROWS];
+// ---- S > 64: bf16 operands staged once, streamed tiles through a cp.async ring ----------
+//
+// attn_stage_bf16 rounds q, k, v (and do, for the backward) to bf16 once, into scratch
+// laid out head-major, [B, H, S, Dh]: a 64-row tile of one head is then 64·Dh·2
+// contiguous bytes that cp.async copies straight into shared memory, the next tile in
+// flight while the warps multiply the current one (two stages). Against the f32 kernels
+// that each CTA rounded on the way (attn_load_tile), the streamed bytes halve, no
+// registers hold a tile in flight, and the rounding is done once per element instead of
+// once per CTA that reads it. The products are the same (the same bf16 values in the same
+// mma order); CTAs are NW = 8 warps, 128 rows of queries (forward, dq) or keys (dk, dv),
+// so each streamed tile feeds twice the rows.
+
+constexpr int ATTN_ST_WARPS = 8;
+constexpr int ATTN_ST_THREADS = ATTN_ST_WARPS * 32;
+constexpr int ATTN_ST_ROWS = ATTN_ST_WARPS * 16;  // a CTA's own rows
+
+__device__ __forceinline__ void attn_cp16(void* smem, const void* gmem, int bytes) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void attn_cp4(void* smem, const void* gmem, int bytes) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void attn_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void attn_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Issues the copies of rows r0 .. r0+R-1 of one head's bf16 [S][Dh] (`src` at row 0) into
+// dst[R][Dh + 8]; rows past S are zero-filled.
+template <int D, int R>
+__device__ __forceinline__ void attn_cp_tile(__nv_bfloat16 (*dst)[D + 8], const __nv_bfloat16* __restrict__ src,
+                                             int r0, int S, int tid) {
+    constexpr int CPR = D / 8;  // 16-byte chunks per row
+    static_assert(R * CPR % ATTN_ST_THREADS == 0, "tile must split evenly over the threads");
+#pragma unroll
+    for (int i = 0; i < R * CPR / ATTN_ST_THREADS; ++i) {
+        const int id = tid + i * ATTN_ST_THREADS;
+        const int r = id / CPR, c = (id % CPR) * 8;
+        const bool ok = r0 + r < S;
+        attn_cp16(&dst[r][c], src + static_cast<long long>(ok ? r0 + r : 0) * D + c, ok ? 16 : 0);
+    }
+}
+
+// Issues the copies of v[r0 .. r0+63] (zero past S) into dst[64] (threads `first` ..
+// first+63 of the CTA).
+__device__ __forceinline__ void attn_cp_row64(float* dst, const float* __restrict__ v, int r0, int S, int tid,
+                                              int first) {
+    const int i = tid - first;
+    if (i >= 0 && i < ATTN_ROWS) {
+        const bool ok = r0 + i < S;
+        attn_cp4(dst + i, v + (ok ? r0 + i : 0), ok ? 4 : 0);
+    }
+}
+
+// The shared memory of the staged kernels: two stages of two streamed [64][Dh + 8] bf16
+// tiles (K and V, or Q and dO), which also hold the CTA's own 128 rows of two tensors
+// before the loop; and two stages of two 64-float rows (lse and D for dk, dv).
+template <int D>
+struct AttnStaged {
+    static constexpr int LD = D + 8;
+    __nv_bfloat16 t[2][2][ATTN_ROWS][LD];
+    float row[2][2][ATTN_ROWS];
+    // the two tensors' own rows: [ATTN_ST_ROWS][LD] each, over stage 0 (and 1)
+    __device__ __forceinline__ __nv_bfloat16 (*own(int i))[LD] {
+        return reinterpret_cast<__nv_bfloat16(*)[LD]>(&t[0][0][0][0] + i * ATTN_ST_ROWS * LD);
+    }
+};
+static_assert(2 * ATTN_ST_ROWS == 4 * ATTN_ROWS, "own rows of two tensors fill both stages");
+
+// Forward, S > 64: grid (ceil(S/128), H, B), block 256. q, k, v: bf16 [B, H, S, Dh];
+// o f32 [B, S, H·Dh]; lse [B, H, S]. Each warp does what attn_fwd_body's does for its 16
+// queries, in the same order.
+template <int D>
+__device__ __forceinline__ void attn_fwd_st_body(const __nv_bfloat16* __restrict__ q,
+                                                 const __nv_bfloat16* __restrict__ k,
+                                                 const __nv_bfloat16* __restrict__ v, float* __restrict__ o,
+                                                 float* __restrict__ lse, int S, int H, int causal, float scale) {
+    __shared__ __align__(16) AttnStaged<D> sm;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int h = blockIdx.y, b = blockIdx.z, kt = blockIdx.x, j0 = kt * ATTN_ROWS;
-    const long long W = static_cast<long long>(H) * D;
-    const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
-    // q, k, v and their gradients: rows W floats apart, or 3·W when packed (P)
-    // 32-bit strides: fewer registers in the loop (rows × stride fits, checked on the host)
-    const int Wi = H * D, ldi = P ? 3 * Wi : Wi;
-    const long long pbase = static_cast<long long>(b) * S * ldi + static_cast<long long>(h) * D;
-    dO += base;
-    q += pbase;
-    k += pbase;
-    v += pbase;
-    lse += (static_cast<long long>(b) * H + h) * S;
-    Dv += (static_cast<long long>(b) * H + h) * S;
+    const int h = blockIdx.y, b = blockIdx.z, q0 = blockIdx.x * ATTN_ST_ROWS;
+    const long long hb = (static_cast<long long>(b) * H + h) * S * D;
+    q += hb;
+    k += hb;
+    v += hb;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<D>(sK, k, ldi, j0, S, tid);
-    attn_load_tile<D>(sV, v, ldi, j0, S, tid);
+    const int tiles = (S + ATTN_ROWS - 1) / ATTN_ROWS;
+    const int kt_end = causal ? min(tiles, (q0 + ATTN_ST_ROWS - 1) / ATTN_ROWS + 1) : tiles;
+    // the CTA's queries over stage 1 (a whole stage: 128 rows), the first K, V tile in stage 0
+    attn_cp_tile<D, ATTN_ST_ROWS>(sm.own(1), q, q0, S, tid);
+    attn_cp_tile<D, ATTN_ROWS>(sm.t[0][0], k, 0, S, tid);
+    attn_cp_tile<D, ATTN_ROWS>(sm.t[0][1], v, 0, S, tid);
+    attn_cp_commit();
+    attn_cp_wait<0>();
+    __syncthreads();
+    uint32_t qf[D / 16][4];
+    attn_load_a<D>(qf, sm.own(1), warp * 16, lane);
+
+    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float oacc[D / 8][4];
+    attn_zero(oacc);
+
+    for (int kt = 0; kt < kt_end; ++kt) {
+        const int k0 = kt * ATTN_ROWS, st = kt & 1;
+        __syncthreads();  // stage st ^ 1 (and the queries over it) is read by no one
+        if (kt + 1 < kt_end) {
+            attn_cp_tile<D, ATTN_ROWS>(sm.t[st ^ 1][0], k, k0 + ATTN_ROWS, S, tid);
+            attn_cp_tile<D, ATTN_ROWS>(sm.t[st ^ 1][1], v, k0 + ATTN_ROWS, S, tid);
+        }
+        attn_cp_commit();
+        attn_cp_wait<1>();  // this tile's group is done (the next one may be in flight)
+        __syncthreads();
+
+        float s[ATTN_ROWS / 8][4];
+        attn_zero(s);
+        attn_mma_abt<D>(s, qf, sm.t[st][0], lane);
+
+        float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int ni = 0; ni < ATTN_ROWS / 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = k0 + ni * 8 + 2 * t + (e & 1), r = e >> 1;
+                const bool ok = j < S && (!causal || j <= row[r]);
+                s[ni][e] = ok ? s[ni][e] * sl2 : -INFINITY;
+                mt[r] = fmaxf(mt[r], s[ni][e]);
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+            const float mn = fmaxf(m[r], mt[r]);
+            const float mu = mn == -INFINITY ? 0.f : mn;
+            const float alpha = exp2f(m[r] - mu);
+            m[r] = mn;
+            l[r] *= alpha;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+                oacc[dn][2 * r] *= alpha;
+                oacc[dn][2 * r + 1] *= alpha;
+            }
+#pragma unroll
+            for (int ni = 0; ni < ATTN_ROWS / 8; ++ni)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[ni][2 * r + e] - mu);
+                    s[ni][2 * r + e] = p;
+                    l[r] += p;
+                }
+        }
+        attn_mma_pt<D>(oacc, s, sm.t[st][1], lane);
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        if (t == 0 && row[r] < S) lse[(static_cast<long long>(b) * H + h) * S + row[r]] = m[r] * ATTN_LN2 + logf(l[r]);
+    }
+    const long long W = static_cast<long long>(H) * D;
+    o += static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
+    attn_store_rows<D>(o, W, oacc, q0 + warp * 16, S, 1.f / l[0], 1.f / l[1], lane);
+}
+
+// dK, dV, S > 64: grid (ceil(S/128), H, B), block 256; a warp owns 16 keys and loops over
+// the query tiles (causal: from the first that reaches its CTA's keys) as the f32 kernel
+// do: Pᵀ = exp(K·Qᵀ·scale − lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D),
+// dK += dSᵀ·Q; dk = scale·dK. dk, dv: rows `ldo` floats apart. lb = lse·log2(e) and D
+// come from attn_stage_bf16.
+template <int D, int C = 16>
+__device__ __forceinline__ void attn_bwd_dkdv_st_body(const __nv_bfloat16* __restrict__ dO,
+                                                      const __nv_bfloat16* __restrict__ q,
+                                                      const __nv_bfloat16* __restrict__ k,
+                                                      const __nv_bfloat16* __restrict__ v,
+                                                      const float* __restrict__ lb, const float* __restrict__ Dv,
+                                                      float* __restrict__ dk, float* __restrict__ dv, int ldo,
+                                                      int S, int H, int causal, float scale) {
+    __shared__ __align__(16) AttnStaged<D> sm;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * ATTN_ST_ROWS;
+    const long long bh = static_cast<long long>(b) * H + h, hb = bh * S * D;
+    dO += hb;
+    q += hb;
+    k += hb;
+    v += hb;
+    lb += bh * S;
+    Dv += bh * S;
+    const float sl2 = scale * ATTN_LOG2E;
+
+    attn_cp_tile<D, ATTN_ST_ROWS>(sm.own(0), k, j0, S, tid);
+    attn_cp_tile<D, ATTN_ST_ROWS>(sm.own(1), v, j0, S, tid);
+    attn_cp_commit();
+    attn_cp_wait<0>();
     __syncthreads();
     uint32_t kf[D / 16][4], vf[D / 16][4];
-    attn_load_a<D>(kf, sK, warp * 16, lane);
-    attn_load_a<D>(vf, sV, warp * 16, lane);
+    attn_load_a<D>(kf, sm.own(0), warp * 16, lane);
+    attn_load_a<D>(vf, sm.own(1), warp * 16, lane);
 
     const int key[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
     float dkacc[D / 8][4], dvacc[D / 8][4];
@@ -328,122 +499,148 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(const float* __restrict__ dO,
     attn_zero(dvacc);
 
     const int tiles = (S + ATTN_ROWS - 1) / ATTN_ROWS;
-    for (int qt = causal ? kt : 0; qt < tiles; ++qt) {
+    const int qt0 = causal ? j0 / ATTN_ROWS : 0;
+    auto issue = [&](int qt, int st) {
         const int i0 = qt * ATTN_ROWS;
+        attn_cp_tile<D, ATTN_ROWS>(sm.t[st][0], q, i0, S, tid);
+        attn_cp_tile<D, ATTN_ROWS>(sm.t[st][1], dO, i0, S, tid);
+        attn_cp_row64(sm.row[st][0], lb, i0, S, tid, 0);
+        attn_cp_row64(sm.row[st][1], Dv, i0, S, tid, ATTN_ROWS);
+    };
+    __syncthreads();  // the own rows' readers are done before stage 0 is overwritten
+    issue(qt0, 0);
+    attn_cp_commit();
+    for (int qt = qt0; qt < tiles; ++qt) {
+        const int i0 = qt * ATTN_ROWS, st = (qt - qt0) & 1;
+        if (qt + 1 < tiles) issue(qt + 1, st ^ 1);
+        attn_cp_commit();
+        attn_cp_wait<1>();
         __syncthreads();
-        attn_load_tile<D>(sQ, q, ldi, i0, S, tid);
-        attn_load_tile<D>(sdO, dO, Wi, i0, S, tid);
-        if (tid < ATTN_ROWS) {
-            const bool ok = i0 + tid < S;
-            sL[tid] = ok ? __ldg(lse + i0 + tid) * ATTN_LOG2E : 0.f;
-            sD[tid] = ok ? __ldg(Dv + i0 + tid) : 0.f;
-        }
-        __syncthreads();
+        __nv_bfloat16(*sQ)[D + 8] = sm.t[st][0];
+        __nv_bfloat16(*sdO)[D + 8] = sm.t[st][1];
+        const float* sL = sm.row[st][0];
+        const float* sD = sm.row[st][1];
 
-        // Pᵀ (16 keys x 64 queries) = exp(K·Qᵀ·scale − lse)
-        float p[8][4];
-        attn_zero(p);
-        attn_mma_abt<D>(p, kf, sQ, lane);
+        // the tile's queries in parts of C columns (fewer registers live); each
+        // accumulator still adds the query k-steps in order
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
+        for (int c0 = 0; c0 < ATTN_ROWS; c0 += C) {
+            // Pᵀ (16 keys x C queries) = exp(K·Qᵀ·scale − lse)
+            float p[C / 8][4];
+            attn_zero(p);
+            attn_mma_abt<D, C>(p, kf, sQ + c0, lane);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int ci = ni * 8 + 2 * t + (e & 1), i = i0 + ci, j = key[e >> 1];
-                const bool ok = i < S && j < S && (!causal || j <= i);
-                p[ni][e] = ok ? exp2f(p[ni][e] * sl2 - sL[ci]) : 0.f;
-            }
-        // dV += Pᵀ·dO
-        attn_mma_pt<D>(dvacc, p, sdO, lane);
-        // dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D)
-        float dp[8][4];
-        attn_zero(dp);
-        attn_mma_abt<D>(dp, vf, sdO, lane);
+            for (int ni = 0; ni < C / 8; ++ni)
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
+                for (int e = 0; e < 4; ++e) {
+                    const int ci = c0 + ni * 8 + 2 * t + (e & 1), i = i0 + ci, j = key[e >> 1];
+                    const bool ok = i < S && j < S && (!causal || j <= i);
+                    p[ni][e] = ok ? exp2f(p[ni][e] * sl2 - sL[ci]) : 0.f;
+                }
+            // dV += Pᵀ·dO
+            attn_mma_pt<D, C>(dvacc, p, sdO + c0, lane);
+            // dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D)
+            float dp[C / 8][4];
+            attn_zero(dp);
+            attn_mma_abt<D, C>(dp, vf, sdO + c0, lane);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) p[ni][e] *= dp[ni][e] - sD[ni * 8 + 2 * t + (e & 1)];
-        // dK += dSᵀ·Q
-        attn_mma_pt<D>(dkacc, p, sQ, lane);
+            for (int ni = 0; ni < C / 8; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) p[ni][e] *= dp[ni][e] - sD[c0 + ni * 8 + 2 * t + (e & 1)];
+            // dK += dSᵀ·Q
+            attn_mma_pt<D, C>(dkacc, p, sQ + c0, lane);
+        }
+        __syncthreads();  // stage st is read by no one before the next issue overwrites it
     }
-    // the gradients' offset recomputed here rather than kept live through the loop
-    const long long obase = static_cast<long long>(b) * S * ldi + static_cast<long long>(h) * D;
-    attn_store_rows<D>(dk + obase, ldi, dkacc, j0 + warp * 16, S, scale, scale, lane);
-    attn_store_rows<D>(dv + obase, ldi, dvacc, j0 + warp * 16, S, 1.f, 1.f, lane);
+    const long long obase = static_cast<long long>(b) * S * ldo + static_cast<long long>(h) * D;
+    attn_store_rows<D>(dk + obase, ldo, dkacc, j0 + warp * 16, S, scale, scale, lane);
+    attn_store_rows<D>(dv + obase, ldo, dvacc, j0 + warp * 16, S, 1.f, 1.f, lane);
 }
 
-template <int D, bool P>
-__device__ __forceinline__ void attn_bwd_dq_body(const float* __restrict__ dO, const float* __restrict__ q,
-                                                 const float* __restrict__ k, const float* __restrict__ v,
-                                                 const float* __restrict__ lse, const float* __restrict__ Dv,
-                                                 float* __restrict__ dq, int S, int H, int causal, float scale) {
-    constexpr int LD = D + 8;
-    __shared__ __align__(16) __nv_bfloat16 sQ[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sdO[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sK[ATTN_ROWS][LD];
-    __shared__ __align__(16) __nv_bfloat16 sV[ATTN_ROWS][LD];
+// dQ, S > 64: grid (ceil(S/128), H, B), block 256; a warp owns 16 queries and loops over
+// the key tiles recomputing P and dP: dQ += dS·K; dq = scale·dQ (rows `ldo` floats apart).
+// lb and D as for dk, dv.
+template <int D, int C = 16>
+__device__ __forceinline__ void attn_bwd_dq_st_body(const __nv_bfloat16* __restrict__ dO,
+                                                    const __nv_bfloat16* __restrict__ q,
+                                                    const __nv_bfloat16* __restrict__ k,
+                                                    const __nv_bfloat16* __restrict__ v,
+                                                    const float* __restrict__ lb, const float* __restrict__ Dv,
+                                                    float* __restrict__ dq, int ldo, int S, int H, int causal,
+                                                    float scale) {
+    __shared__ __align__(16) AttnStaged<D> sm;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int h = blockIdx.y, b = blockIdx.z, qt = blockIdx.x, i0 = qt * ATTN_ROWS;
-    const long long W = static_cast<long long>(H) * D;
-    const long long base = static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
-    // q, k, v and their gradients: rows W floats apart, or 3·W when packed (P)
-    const long long ldi = P ? 3 * W : W;
-    const long long pbase = static_cast<long long>(b) * S * ldi + static_cast<long long>(h) * D;
-    dO += base;
-    q += pbase;
-    k += pbase;
-    v += pbase;
-    dq += pbase;
-    const long long lbase = (static_cast<long long>(b) * H + h) * S;
+    const int h = blockIdx.y, b = blockIdx.z, i0 = blockIdx.x * ATTN_ST_ROWS;
+    const long long bh = static_cast<long long>(b) * H + h, hb = bh * S * D;
+    dO += hb;
+    q += hb;
+    k += hb;
+    v += hb;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<D>(sQ, q, ldi, i0, S, tid);
-    attn_load_tile<D>(sdO, dO, W, i0, S, tid);
+    attn_cp_tile<D, ATTN_ST_ROWS>(sm.own(0), q, i0, S, tid);
+    attn_cp_tile<D, ATTN_ST_ROWS>(sm.own(1), dO, i0, S, tid);
+    attn_cp_commit();
+    attn_cp_wait<0>();
     __syncthreads();
     uint32_t qf[D / 16][4], dof[D / 16][4];
-    attn_load_a<D>(qf, sQ, warp * 16, lane);
-    attn_load_a<D>(dof, sdO, warp * 16, lane);
+    attn_load_a<D>(qf, sm.own(0), warp * 16, lane);
+    attn_load_a<D>(dof, sm.own(1), warp * 16, lane);
 
     const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
     float L[2], Di[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const bool ok = row[r] < S;
-        L[r] = ok ? __ldg(lse + lbase + row[r]) * ATTN_LOG2E : 0.f;
-        Di[r] = ok ? __ldg(Dv + lbase + row[r]) : 0.f;
+        L[r] = ok ? __ldg(lb + bh * S + row[r]) : 0.f;
+        Di[r] = ok ? __ldg(Dv + bh * S + row[r]) : 0.f;
     }
     float dqacc[D / 8][4];
     attn_zero(dqacc);
 
     const int tiles = (S + ATTN_ROWS - 1) / ATTN_ROWS;
-    const int kt_end = causal ? min(tiles, qt + 1) : tiles;
+    const int kt_end = causal ? min(tiles, (i0 + ATTN_ST_ROWS - 1) / ATTN_ROWS + 1) : tiles;
+    __syncthreads();  // the own rows' readers are done before stage 0 is overwritten
+    attn_cp_tile<D, ATTN_ROWS>(sm.t[0][0], k, 0, S, tid);
+    attn_cp_tile<D, ATTN_ROWS>(sm.t[0][1], v, 0, S, tid);
+    attn_cp_commit();
     for (int kt = 0; kt < kt_end; ++kt) {
-        const int j0 = kt * ATTN_ROWS;
-        __syncthreads();
-        attn_load_tile<D>(sK, k, ldi, j0, S, tid);
-        attn_load_tile<D>(sV, v, ldi, j0, S, tid);
+        const int j0 = kt * ATTN_ROWS, st = kt & 1;
+        if (kt + 1 < kt_end) {
+            attn_cp_tile<D, ATTN_ROWS>(sm.t[st ^ 1][0], k, j0 + ATTN_ROWS, S, tid);
+            attn_cp_tile<D, ATTN_ROWS>(sm.t[st ^ 1][1], v, j0 + ATTN_ROWS, S, tid);
+        }
+        attn_cp_commit();
+        attn_cp_wait<1>();
         __syncthreads();
 
-        float p[8][4];
-        attn_zero(p);
-        attn_mma_abt<D>(p, qf, sK, lane);
-        float dp[8][4];
-        attn_zero(dp);
-        attn_mma_abt<D>(dp, dof, sV, lane);
+        // the tile's keys in parts of C columns (fewer registers live); dQ still adds
+        // the key k-steps in order
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
+        for (int c0 = 0; c0 < ATTN_ROWS; c0 += C) {
+            float p[C / 8][4];
+            attn_zero(p);
+            attn_mma_abt<D, C>(p, qf, sm.t[st][0] + c0, lane);
+            float dp[C / 8][4];
+            attn_zero(dp);
+            attn_mma_abt<D, C>(dp, dof, sm.t[st][1] + c0, lane);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = j0 + ni * 8 + 2 * t + (e & 1), r = e >> 1, i = row[r];
-                const bool ok = i < S && j < S && (!causal || j <= i);
-                const float pe = ok ? exp2f(p[ni][e] * sl2 - L[r]) : 0.f;
-                p[ni][e] = pe * (dp[ni][e] - Di[r]);
-            }
-        // dQ += dS·K
-        attn_mma_pt<D>(dqacc, p, sK, lane);
+            for (int ni = 0; ni < C / 8; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = j0 + c0 + ni * 8 + 2 * t + (e & 1), r = e >> 1, i = row[r];
+                    const bool ok = i < S && j < S && (!causal || j <= i);
+                    const float pe = ok ? exp2f(p[ni][e] * sl2 - L[r]) : 0.f;
+                    p[ni][e] = pe * (dp[ni][e] - Di[r]);
+                }
+            // dQ += dS·K
+            attn_mma_pt<D, C>(dqacc, p, sm.t[st][0] + c0, lane);
+        }
+        __syncthreads();  // stage st is read by no one before the next issue overwrites it
     }
-    attn_store_rows<D>(dq, ldi, dqacc, i0 + warp * 16, S, scale, scale, lane);
+    const long long obase = static_cast<long long>(b) * S * ldo + static_cast<long long>(h) * D;
+    attn_store_rows<D>(dq + obase, ldo, dqacc, i0 + warp * 16, S, scale, scale, lane);
 }
-
 
 // S ≤ 64: one CTA per (b, h) holds every query and key, so the three gradients come out
 // of one pass: D from do and o, dK and dV as in attn_bwd_dkdv (warps own 16 keys), dSᵀ to
@@ -495,7 +692,7 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
     attn_load_tile<D, R, G::T>(sQ, q, ldi, 0, S, tid);
     attn_load_tile<D, R, G::T>(sdO, dO, W, 0, S, tid);
     if (tid < R) sL[tid] = tid < S ? __ldg(lse + lbase + tid) * ATTN_LOG2E : 0.f;
-    // D_i = Σ_c bf16(do_ic)·o_ic, the same order as attn_bwd_prep: warp w takes rows w, w+4,
+    // D_i = Σ_c bf16(do_ic)·o_ic, lanes over c then the warp's fixed tree: warp w takes rows w, w+4,
     // ..; the loads of 8 rows are issued before their reductions (one row at a time left
     // this loop bound by load latency)
     constexpr int WARPS = G::WARPS, BATCH = 8;
@@ -593,18 +790,6 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
         float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) {             \
         attn_fwd_body<DH, P>(q, k, v, o, lse, S, H, causal, scale);                                          \
     }                                                                                                        \
-    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_dkdv##SUFFIX##_d##DH(                         \
-        const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
-        const float* __restrict__ v, const float* __restrict__ lse, const float* __restrict__ Dv,            \
-        float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal, float scale) {             \
-        attn_bwd_dkdv_body<DH, P>(dO, q, k, v, lse, Dv, dk, dv, S, H, causal, scale);                        \
-    }                                                                                                        \
-    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_dq##SUFFIX##_d##DH(                           \
-        const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
-        const float* __restrict__ v, const float* __restrict__ lse, const float* __restrict__ Dv,            \
-        float* __restrict__ dq, int S, int H, int causal, float scale) {                                     \
-        attn_bwd_dq_body<DH, P>(dO, q, k, v, lse, Dv, dq, S, H, causal, scale);                              \
-    }                                                                                                        \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_small##SUFFIX##_d##DH(                        \
         const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
         const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,             \
@@ -635,20 +820,79 @@ ERASE_ATTN_KERNELS(64, false, , 1, 2, 4)
 ERASE_ATTN_KERNELS(32, true, _packed, 5, 5, 8)
 ERASE_ATTN_KERNELS(64, true, _packed, 1, 2, 4)
 
-// D[(b·H + h)·S + i] = Σ_c bf16(do[b, i, h·Dh + c])·o[b, i, h·Dh + c]: one warp per row
-// (b, h, i), lanes over c, then a fixed-order warp tree. Block 256 (8 rows), grid
-// ceil(B·H·S / 8).
+// S > 64 (grid (ceil(S/128), H, B), block 256): q, k, v and do are the bf16 head-major
+// copies attn_stage_bf16 writes; o, lse, D and the gradients are as in the f32 kernels,
+// the gradients' rows `ldo` floats apart (H·Dh, or 3·H·Dh into a packed dqkv).
+#define ERASE_ATTN_STAGED_KERNELS(DH)                                                                          \
+    ERASE_KERNEL void __launch_bounds__(ATTN_ST_THREADS, 2) attn_fwd_st_d##DH(                                 \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                              \
+        const __nv_bfloat16* __restrict__ v, float* __restrict__ o, float* __restrict__ lse, int S, int H,     \
+        int causal, float scale) {                                                                             \
+        attn_fwd_st_body<DH>(q, k, v, o, lse, S, H, causal, scale);                                            \
+    }                                                                                                          \
+    ERASE_KERNEL void __launch_bounds__(ATTN_ST_THREADS, 2) attn_bwd_dkdv_st_d##DH(                            \
+        const __nv_bfloat16* __restrict__ dO, const __nv_bfloat16* __restrict__ q,                             \
+        const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,                              \
+        const float* __restrict__ lb, const float* __restrict__ Dv, float* __restrict__ dk,                    \
+        float* __restrict__ dv, int ldo, int S, int H, int causal, float scale) {                              \
+        attn_bwd_dkdv_st_body<DH>(dO, q, k, v, lb, Dv, dk, dv, ldo, S, H, causal, scale);                     \
+    }                                                                                                          \
+    ERASE_KERNEL void __launch_bounds__(ATTN_ST_THREADS, 2) attn_bwd_dq_st_d##DH(                              \
+        const __nv_bfloat16* __restrict__ dO, const __nv_bfloat16* __restrict__ q,                             \
+        const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,                              \
+        const float* __restrict__ lb, const float* __restrict__ Dv, float* __restrict__ dq, int ldo, int S,    \
+        int H, int causal, float scale) {                                                                      \
+        attn_bwd_dq_st_body<DH>(dO, q, k, v, lb, Dv, dq, ldo, S, H, causal, scale);                           \
+    }
+
+ERASE_ATTN_STAGED_KERNELS(32)
+ERASE_ATTN_STAGED_KERNELS(64)
+
+// dst_t[((b·H + h)·S + i)·Dh + c] = bf16(src_t[(b·S + i)·ld_t + h·Dh + c]) for tensor
+// t = blockIdx.y (0, 1, 2: q, k, v, rows ld_qkv floats apart; 3: do, rows H·Dh apart),
+// rounded to nearest even as attn_load_tile rounds. With do (t = 3) the backward's row
+// statistics come too, for row r = (b·H + h)·S + i: Dv[r] = Σ_c bf16(do)·o (each thread's
+// four products in column order, then a fixed xor tree over the row's Dh/4 threads) and
+// lb[r] = lse[r]·log2(e). A thread per 4 consecutive elements (four columns of one head:
+// a row is Dh/4 consecutive lanes of one warp); block 256, grid (ceil(B·S·H·Dh / 1024),
+// tensors). o, lse, Dv and lb are read or written only for t = 3.
 ERASE_KERNEL void __launch_bounds__(256)
-    attn_bwd_prep(const float* __restrict__ dO, const float* __restrict__ o, float* __restrict__ Dv, int B, int S,
-                  int H, int Dh) {
-    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    const long long rows = static_cast<long long>(B) * H * S;
-    if (w >= rows) return;  // whole warps leave together
-    const long long i = w % S, bh = w / S, h = bh % H, b = bh / H;
-    const long long base = ((b * S + i) * H + h) * Dh;
-    float s = 0.f;
-    for (int c = lane; c < Dh; c += 32) s += erase_round_bf16(__ldg(dO + base + c)) * __ldg(o + base + c);
-    s = erase_warp_sum(s);
-    if (lane == 0) Dv[w] = s;
+    attn_stage_bf16(const float* __restrict__ s0, const float* __restrict__ s1, const float* __restrict__ s2,
+                    const float* __restrict__ s3, __nv_bfloat16* __restrict__ d0, __nv_bfloat16* __restrict__ d1,
+                    __nv_bfloat16* __restrict__ d2, __nv_bfloat16* __restrict__ d3, const float* __restrict__ o,
+                    const float* __restrict__ lse, float* __restrict__ Dv, float* __restrict__ lb, int ld_qkv,
+                    int B, int S, int H, int Dh) {
+    const int tsr = blockIdx.y;
+    const float* src = tsr == 0 ? s0 : tsr == 1 ? s1 : tsr == 2 ? s2 : s3;
+    __nv_bfloat16* dst = tsr == 0 ? d0 : tsr == 1 ? d1 : tsr == 2 ? d2 : d3;
+    const long long W = static_cast<long long>(H) * Dh;
+    const long long ld = tsr == 3 ? W : ld_qkv;
+    const long long e = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+    const long long n = static_cast<long long>(B) * S * W;
+    // threads past the end stay for the row sums' shuffles (whole rows are in or out)
+    const bool in = e < n;
+    const int c = static_cast<int>(e % Dh);
+    long long r = e / Dh;
+    const int h = static_cast<int>(r % H);
+    r /= H;  // b·S + i
+    const long long b = r / S, i = r % S;
+    const long long at = r * ld + static_cast<long long>(h) * Dh + c;
+    const float4 x = in ? __ldg(reinterpret_cast<const float4*>(src + at)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    uint2 p;
+    p.x = attn_pack_bf16(x.x, x.y);
+    p.y = attn_pack_bf16(x.z, x.w);
+    const long long row = (b * H + h) * S + i;
+    if (in) *reinterpret_cast<uint2*>(dst + row * Dh + c) = p;
+    if (tsr != 3) return;  // uniform across the CTA
+    const float4 y = in ? __ldg(reinterpret_cast<const float4*>(o + r * W + static_cast<long long>(h) * Dh + c))
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = erase_round_bf16(x.x) * y.x;
+    sum += erase_round_bf16(x.y) * y.y;
+    sum += erase_round_bf16(x.z) * y.z;
+    sum += erase_round_bf16(x.w) * y.w;
+    for (int m = Dh / 8; m >= 1; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+    if (in && c == 0) {
+        Dv[row] = sum;
+        lb[row] = __ldg(lse + row) * ATTN_LOG2E;
+    }
 }

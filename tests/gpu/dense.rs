@@ -917,7 +917,9 @@ fn attention_b1_h1_s2047_dh64_matches_the_bf16_reference() {
 fn attention_tile_edges_match_the_bf16_reference() {
     // S = 1; S = 32, the longest of the two-heads-a-CTA kernels, with an odd head count
     // (a CTA's second head past the last), and one past it; exactly one tile (the fused
-    // S ≤ 64 backward, Dh 64); one past a tile (the tiled backward, both head dims)
+    // S ≤ 64 backward, Dh 64); one past a tile (the staged kernels of 128-row CTAs, both
+    // head dims); a second CTA whose last 64-row tile is partly past S, several batches
+    // and heads (the staged copies are head-major)
     for (i, &(b, h, s, dh)) in [
         (1, 1, 1, 32),
         (2, 3, 32, 64),
@@ -926,6 +928,7 @@ fn attention_tile_edges_match_the_bf16_reference() {
         (2, 1, 64, 64),
         (1, 2, 65, 64),
         (2, 3, 129, 32),
+        (2, 2, 200, 64),
     ]
     .iter()
     .enumerate()

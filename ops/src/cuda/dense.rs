@@ -74,19 +74,17 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_splitk_reduce",
     "attn_fwd_d32",
     "attn_fwd_d64",
-    "attn_bwd_prep",
-    "attn_bwd_dkdv_d32",
-    "attn_bwd_dkdv_d64",
-    "attn_bwd_dq_d32",
-    "attn_bwd_dq_d64",
+    "attn_stage_bf16",
+    "attn_fwd_st_d32",
+    "attn_fwd_st_d64",
+    "attn_bwd_dkdv_st_d32",
+    "attn_bwd_dkdv_st_d64",
+    "attn_bwd_dq_st_d32",
+    "attn_bwd_dq_st_d64",
     "attn_bwd_small_d32",
     "attn_bwd_small_d64",
     "attn_fwd_packed_d32",
     "attn_fwd_packed_d64",
-    "attn_bwd_dkdv_packed_d32",
-    "attn_bwd_dkdv_packed_d64",
-    "attn_bwd_dq_packed_d32",
-    "attn_bwd_dq_packed_d64",
     "attn_bwd_small_packed_d32",
     "attn_bwd_small_packed_d64",
     "attn_fwd_tiny_d32",
@@ -102,6 +100,10 @@ pub(crate) const KERNELS: &[&str] = &[
 /// Sequences up to this long use the attention kernels of 32-row tiles, two heads a CTA
 /// (`attn_*_tiny_*`): half the padding of the 64-row tile and twice the heads an SM.
 const ATTN_TINY_S: usize = 32;
+/// Longer sequences than this (more than one 64-row tile) use the staged kernels
+/// (`attn_*_st_*`): q, k, v (and do) rounded to bf16 once into head-major scratch, tiles
+/// streamed through a cp.async ring, 128 rows a CTA.
+const ATTN_STAGED_S: usize = 64;
 
 /// The GEMM kernels' k step; a split's K range is a multiple of it.
 const BK: usize = 32;
@@ -1185,6 +1187,16 @@ fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
     })
 }
 
+/// The backward's extra operands of `attn_stage_bf16`: do and o (f32 `[B, S, H·Dh]`),
+/// lse, and where D and lse·log2(e) go.
+struct StageGrad {
+    d_o: KArg,
+    o: KArg,
+    lse: KArg,
+    d: KArg,
+    lb: KArg,
+}
+
 /// Geometry of an attention node: `[B, S, H·Dh]`.
 struct Attn {
     b: usize,
@@ -1239,13 +1251,72 @@ impl Attn {
         self.s <= ATTN_TINY_S
     }
 
-    /// Query tiles, heads (two a CTA for the tiny kernels), batch.
+    fn staged(&self) -> bool {
+        self.s > ATTN_STAGED_S
+    }
+
+    /// Query tiles (of 128 rows for the staged kernels, 64 otherwise), heads (two a CTA
+    /// for the tiny kernels), batch.
     fn grid(&self) -> [u32; 3] {
         if self.tiny() {
             [1, blocks(self.heads, 2), self.b as u32]
+        } else if self.staged() {
+            [blocks(self.s, 128), self.heads as u32, self.b as u32]
         } else {
             [blocks(self.s, 64), self.heads as u32, self.b as u32]
         }
+    }
+
+    /// Bytes of one bf16 head-major copy `[B, H, S, Dh]` of q, k, v or do.
+    fn bf16_bytes(&self) -> usize {
+        self.b * self.heads * self.s * self.dh * 2
+    }
+
+    /// `attn_stage_bf16` of q, k, v (the node's operands from `qkv`, see [`Attn::three`])
+    /// and, when `d_o` is given, do, into scratch buffers `first ..`.
+    fn stage(&self, qkv: [KArg; 3], grad: Option<StageGrad>, first: usize) -> KernelCall {
+        let n = self.b * self.s * self.heads * self.dh;
+        let tensors = if grad.is_some() { 4 } else { 3 };
+        let [q, k, v] = qkv;
+        // the forward's stage reads and writes nothing of the fourth tensor's arguments:
+        // they repeat q and its copy
+        let g = grad.unwrap_or(StageGrad {
+            d_o: q,
+            o: q,
+            lse: q,
+            d: KArg::Scratch(first),
+            lb: KArg::Scratch(first),
+        });
+        let w = self.heads * self.dh;
+        let mut args = vec![q, k, v, g.d_o];
+        args.extend((0..tensors).map(|i| KArg::Scratch(first + i)));
+        if tensors == 3 {
+            args.push(KArg::Scratch(first));
+        }
+        args.extend([
+            g.o,
+            g.lse,
+            g.d,
+            g.lb,
+            KArg::I32((if self.packed { 3 * w } else { w }) as i32),
+            KArg::I32(self.b as i32),
+            KArg::I32(self.s as i32),
+            KArg::I32(self.heads as i32),
+            KArg::I32(self.dh as i32),
+        ]);
+        KernelCall {
+            kernel: "attn_stage_bf16",
+            grid: [blocks(n.div_ceil(4), 256), tensors as u32, 1],
+            block: [256, 1, 1],
+            smem: 0,
+            args,
+        }
+    }
+
+    /// The staged kernels' output stride: H·Dh, or 3·H·Dh into a packed gradient.
+    fn ldo(&self) -> KArg {
+        let w = self.heads * self.dh;
+        KArg::I32((if self.packed { 3 * w } else { w }) as i32)
     }
 
     /// The kernels' trailing arguments: S, H, causal, scale.
@@ -1307,6 +1378,29 @@ fn attention(o: &Operands, heads: usize, causal: bool, packed: bool) -> Result<C
     if a.empty() {
         return Ok(CudaPlan::default());
     }
+    if a.staged() {
+        let mut args: Vec<KArg> = (0..3).map(KArg::Scratch).collect();
+        args.extend([KArg::Out(0), KArg::Out(1)]);
+        args.extend(a.tail(causal));
+        let kernel = if a.dh == 32 {
+            "attn_fwd_st_d32"
+        } else {
+            "attn_fwd_st_d64"
+        };
+        return Ok(CudaPlan {
+            calls: vec![
+                a.stage(a.three(KArg::In, KArg::InAt, 0), None, 0),
+                KernelCall {
+                    kernel,
+                    grid: a.grid(),
+                    block: [256, 1, 1],
+                    smem: 0,
+                    args,
+                },
+            ],
+            scratch: vec![a.bf16_bytes(); 3],
+        });
+    }
     let mut args = a.three(KArg::In, KArg::InAt, 0).to_vec();
     args.extend([KArg::Out(0), KArg::Out(1)]);
     args.extend(a.tail(causal));
@@ -1360,7 +1454,7 @@ fn attention_grad(
     }
     let qkv = a.three(KArg::In, KArg::InAt, 1);
     let [dq, dk, dv] = a.three(KArg::Out, KArg::OutAt, 0);
-    if a.s <= 64 {
+    if !a.staged() {
         // one tile of queries and keys: D, dk, dv and dq in one CTA per (batch, head)
         let mut args = vec![KArg::In(0)];
         args.extend(qkv);
@@ -1382,51 +1476,53 @@ fn attention_grad(
             scratch: vec![],
         });
     }
+    // S > 64: bf16 head-major copies of q, k, v and do into scratch 2 ..= 5, with
+    // D = rowsum(bf16(do)∘o) into scratch 0 and lse·log2(e) into scratch 1; then dk, dv
+    // by key tiles and dq by query tiles
     let rows = a.b * a.heads * a.s;
-    let prep = KernelCall {
-        kernel: "attn_bwd_prep",
-        grid: [blocks(rows, 8), 1, 1],
+    let stage = a.stage(
+        qkv,
+        Some(StageGrad {
+            d_o: KArg::In(0),
+            o: KArg::In(io),
+            lse: KArg::In(il),
+            d: KArg::Scratch(0),
+            lb: KArg::Scratch(1),
+        }),
+        2,
+    );
+    // do, q, k, v (bf16), lse·log2(e), D
+    let ins = [
+        KArg::Scratch(5),
+        KArg::Scratch(2),
+        KArg::Scratch(3),
+        KArg::Scratch(4),
+        KArg::Scratch(1),
+        KArg::Scratch(0),
+    ];
+    let mut dkdv_args = ins.to_vec();
+    dkdv_args.extend([dk, dv, a.ldo()]);
+    dkdv_args.extend(a.tail(causal));
+    let mut dq_args = ins.to_vec();
+    dq_args.extend([dq, a.ldo()]);
+    dq_args.extend(a.tail(causal));
+    let (dkdv, dq) = if a.dh == 32 {
+        ("attn_bwd_dkdv_st_d32", "attn_bwd_dq_st_d32")
+    } else {
+        ("attn_bwd_dkdv_st_d64", "attn_bwd_dq_st_d64")
+    };
+    let call = |kernel, args| KernelCall {
+        kernel,
+        grid: a.grid(),
         block: [256, 1, 1],
         smem: 0,
-        args: vec![
-            KArg::In(0),
-            KArg::In(io),
-            KArg::Scratch(0),
-            KArg::I32(a.b as i32),
-            KArg::I32(a.s as i32),
-            KArg::I32(a.heads as i32),
-            KArg::I32(a.dh as i32),
-        ],
+        args,
     };
-    let mut ins = vec![KArg::In(0)];
-    ins.extend(qkv);
-    ins.extend([KArg::In(il), KArg::Scratch(0)]);
-    let mut dkdv_args = ins.clone();
-    dkdv_args.extend([dk, dv]);
-    dkdv_args.extend(a.tail(causal));
-    let mut dq_args = ins;
-    dq_args.push(dq);
-    dq_args.extend(a.tail(causal));
-    let (dkdv, dq) = (a.kernel("attn_bwd_dkdv")?, a.kernel("attn_bwd_dq")?);
+    let mut scratch = vec![rows * 4; 2];
+    scratch.extend([a.bf16_bytes(); 4]);
     Ok(CudaPlan {
-        calls: vec![
-            prep,
-            KernelCall {
-                kernel: dkdv,
-                grid: a.grid(),
-                block: [128, 1, 1],
-                smem: 0,
-                args: dkdv_args,
-            },
-            KernelCall {
-                kernel: dq,
-                grid: a.grid(),
-                block: [128, 1, 1],
-                smem: 0,
-                args: dq_args,
-            },
-        ],
-        scratch: vec![rows * 4],
+        calls: vec![stage, call(dkdv, dkdv_args), call(dq, dq_args)],
+        scratch,
     })
 }
 
@@ -1457,6 +1553,46 @@ mod tests {
             packed: false,
         };
         plan_of(&op, &[x, x, x, x, x, &[1, 1, s]], &[x, x, x])
+    }
+
+    #[test]
+    fn long_attention_stages_its_operands_to_bf16_once() {
+        // S = 65 is past one 64-row tile: the staged kernels, 128 rows a CTA
+        let fwd = plan_of(
+            &Op::Attention {
+                heads: 2,
+                causal: true,
+                packed: true,
+            },
+            &[&[3, 65, 192]],
+            &[&[3, 65, 64], &[3, 2, 65]],
+        )
+        .expect("plan");
+        let names: Vec<_> = fwd.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(names, ["attn_stage_bf16", "attn_fwd_st_d32"]);
+        assert_eq!(fwd.calls[0].grid[1], 3, "q, k and v");
+        assert_eq!(fwd.calls[1].grid, [1, 2, 3]);
+        assert_eq!(fwd.scratch, vec![3 * 2 * 65 * 32 * 2; 3]);
+        // packed: the stage reads rows 3·H·Dh floats apart
+        assert!(fwd.calls[0].args.contains(&KArg::I32(192)));
+
+        let grad = attention_grad_plan(300).expect("plan");
+        let names: Vec<_> = grad.calls.iter().map(|c| c.kernel).collect();
+        assert_eq!(
+            names,
+            [
+                "attn_stage_bf16",
+                "attn_bwd_dkdv_st_d64",
+                "attn_bwd_dq_st_d64"
+            ]
+        );
+        assert_eq!(grad.calls[0].grid[1], 4, "q, k, v and do");
+        assert_eq!(grad.calls[1].grid, [3, 1, 1]);
+        let copy = 300 * 64 * 2;
+        assert_eq!(grad.scratch, vec![300 * 4, 300 * 4, copy, copy, copy, copy]);
+        // S = 64 stays on the one-tile kernels
+        let short = attention_grad_plan(64).expect("plan");
+        assert_eq!(short.calls.len(), 1);
     }
 
     #[test]
@@ -1491,6 +1627,15 @@ mod tests {
             ),
             attention_grad_plan(27),
             attention_grad_plan(100),
+            plan_of(
+                &Op::Attention {
+                    heads: 2,
+                    causal: false,
+                    packed: true,
+                },
+                &[&[3, 100, 192]],
+                &[&[3, 100, 64], &[3, 2, 100]],
+            ),
         ];
         for p in plans {
             let p = p.expect("plan");
