@@ -208,7 +208,10 @@ ERASE_KERNEL void embedding_bag_fwd_v4(const float* __restrict__ table, const in
 //
 // The table rows are read once (ld.global.cs: evict first, no reuse to keep) and the bags
 // written with st.global.cs: 26.5 -> 23.5 µs at the spec's sizes on an H200, the CTR step
-// unchanged (BENCHMARKS.md).
+// unchanged (BENCHMARKS.md). A bag's first id is loaded beside its offsets, from
+// position `bag`, and used when offsets[bag] is bag (one id a bag, the CTR model's
+// case): one dependent load fewer before the rows; other bags load it after.
+// __launch_bounds__(256, 4) keeps 64 registers (4 CTAs an SM) with the extra ids.
 #define EMB_FWD_BAGS 4
 
 template <bool ALIGNED>
@@ -231,7 +234,13 @@ __device__ __forceinline__ void emb_fwd_fields(const float* __restrict__ table, 
     const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (long long b0 = (erase_gtid() >> lanes_log2) * EMB_FWD_BAGS; b0 < n_bags; b0 += groups * EMB_FWD_BAGS) {
         int st[EMB_FWD_BAGS], len[EMB_FWD_BAGS], base[EMB_FWD_BAGS], rows[EMB_FWD_BAGS];
+        // one id a bag (offsets[bag] = bag) is the common case: bag's first id, loaded
+        // beside its offsets instead of after them, is the id at offsets[bag] if that
+        // is bag (checked below; otherwise loaded from there as usual)
+        int spec[EMB_FWD_BAGS];
         int most = 0;
+#pragma unroll
+        for (int j = 0; j < EMB_FWD_BAGS; ++j) spec[j] = b0 + j < nids ? __ldg(ids + b0 + j) : -1;
 #pragma unroll
         for (int j = 0; j < EMB_FWD_BAGS; ++j) {
             const long long bag = b0 + j;
@@ -254,7 +263,9 @@ __device__ __forceinline__ void emb_fwd_fields(const float* __restrict__ table, 
                 int row[EMB_FWD_BAGS];
 #pragma unroll
                 for (int j = 0; j < EMB_FWD_BAGS; ++j) {
-                    const int id = k < len[j] ? __ldg(ids + st[j] + k) : -1;
+                    const int id = k >= len[j]                         ? -1
+                                   : k == 0 && st[j] == b0 + j ? spec[j]
+                                                               : __ldg(ids + st[j] + k);
                     row[j] = (id >= 0 && id < rows[j] && base[j] + id < trows) ? base[j] + id : -1;
                 }
                 float4 v[EMB_FWD_BAGS];
@@ -288,7 +299,7 @@ __device__ __forceinline__ void emb_fwd_fields(const float* __restrict__ table, 
         meta[2 * k + 1] = r##k;          \
     }
 
-ERASE_KERNEL void embedding_bag_fwd_fields(const float* __restrict__ table, const int* __restrict__ ids,
+ERASE_KERNEL void __launch_bounds__(256, 4) embedding_bag_fwd_fields(const float* __restrict__ table, const int* __restrict__ ids,
                                            const int* __restrict__ offsets, float* __restrict__ y, long long n_ids,
                                            long long n_offsets, long long n_bags, int nf, int d, long long total_rows,
                                            int lanes_log2, EMB_META_PARAMS(0), EMB_META_PARAMS(1), EMB_META_PARAMS(2), EMB_META_PARAMS(3), EMB_META_PARAMS(4), EMB_META_PARAMS(5), EMB_META_PARAMS(6), EMB_META_PARAMS(7), EMB_META_PARAMS(8), EMB_META_PARAMS(9), EMB_META_PARAMS(10), EMB_META_PARAMS(11), EMB_META_PARAMS(12), EMB_META_PARAMS(13), EMB_META_PARAMS(14), EMB_META_PARAMS(15), EMB_META_PARAMS(16), EMB_META_PARAMS(17), EMB_META_PARAMS(18), EMB_META_PARAMS(19), EMB_META_PARAMS(20), EMB_META_PARAMS(21), EMB_META_PARAMS(22), EMB_META_PARAMS(23), EMB_META_PARAMS(24), EMB_META_PARAMS(25), EMB_META_PARAMS(26), EMB_META_PARAMS(27), EMB_META_PARAMS(28), EMB_META_PARAMS(29), EMB_META_PARAMS(30), EMB_META_PARAMS(31)) {

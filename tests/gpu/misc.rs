@@ -951,20 +951,35 @@ fn embedding_bag_and_dense_grad_match_cpu() {
         return;
     };
     let mut seed = 8000;
-    for (batch, field_rows, d) in [
-        (1usize, vec![5usize], 64usize),
-        (7, vec![5, 1, 100, 37, 3000], 64),
-        (64, vec![3, 1000, 17], 33),
-        (33, vec![2, 9], 130),
-        (4096, vec![10, 100_000, 1, 500, 26], 64),
+    for (batch, field_rows, d, one_hot) in [
+        (1usize, vec![5usize], 64usize, false),
+        (7, vec![5, 1, 100, 37, 3000], 64, false),
+        (64, vec![3, 1000, 17], 33, false),
+        (33, vec![2, 9], 130, false),
+        (4096, vec![10, 100_000, 1, 500, 26], 64, false),
+        // one id a bag (the CTR model's case: the lookup takes a bag's id beside its
+        // offsets), an odd count of bags
+        (1023, vec![10, 100_000, 1, 500, 26], 64, true),
         // more fields than one launch's arguments carry: the meta-table kernel
-        (5, (0..40).map(|i| 1 + (i * 7) % 23).collect(), 16),
+        (5, (0..40).map(|i| 1 + (i * 7) % 23).collect(), 16, false),
         // float4 columns wider than a warp's (two column passes), and 2-lane groups
-        (9, vec![7, 300], 256),
-        (13, vec![4, 4, 4], 8),
+        (9, vec![7, 300], 256, false),
+        (13, vec![4, 4, 4], 8, false),
     ] {
         seed += 10;
-        let (ids, offsets) = bags(seed, batch, &field_rows, None);
+        let (ids, offsets) = if one_hot {
+            let n = batch * field_rows.len();
+            let u = rand_f32(seed, n, 0.0, 1.0);
+            let ids = (0..n)
+                .map(|i| {
+                    let rows = field_rows[i % field_rows.len()];
+                    ((u[i] * rows as f32) as i32).min(rows as i32 - 1)
+                })
+                .collect();
+            (ids, (0..=n as i32).collect())
+        } else {
+            bags(seed, batch, &field_rows, None)
+        };
         let total: usize = field_rows.iter().sum();
         let f = field_rows.len();
         let table = rand_arg(&[total, d], seed + 1);
