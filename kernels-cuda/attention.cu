@@ -178,6 +178,49 @@ __device__ __forceinline__ void attn_store_rows(float* __restrict__ dst, long lo
     }
 }
 
+// One key tile's step of the online softmax for a warp's two rows per thread (row[r]):
+// scores s (scaled here to the exp2 domain, keys past S and, when causal, after the row
+// masked) become probabilities against the running max m; l and the output
+// accumulator are rescaled by exp2(m_old − m_new) first.
+template <int D, int R>
+__device__ __forceinline__ void attn_softmax_step(float (&s)[R / 8][4], float (&m)[2], float (&l)[2],
+                                                  float (&oacc)[D / 8][4], int k0, const int (&row)[2], int S,
+                                                  int causal, float sl2, int t) {
+    float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int ni = 0; ni < R / 8; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = k0 + ni * 8 + 2 * t + (e & 1), r = e >> 1;
+            const bool ok = j < S && (!causal || j <= row[r]);
+            s[ni][e] = ok ? s[ni][e] * sl2 : -INFINITY;
+            mt[r] = fmaxf(mt[r], s[ni][e]);
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+        mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+        const float mn = fmaxf(m[r], mt[r]);
+        const float mu = mn == -INFINITY ? 0.f : mn;
+        const float alpha = exp2f(m[r] - mu);
+        m[r] = mn;
+        l[r] *= alpha;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+            oacc[dn][2 * r] *= alpha;
+            oacc[dn][2 * r + 1] *= alpha;
+        }
+#pragma unroll
+        for (int ni = 0; ni < R / 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = exp2f(s[ni][2 * r + e] - mu);
+                s[ni][2 * r + e] = p;
+                l[r] += p;
+            }
+    }
+}
+
 // R = 64: the CTA's 4 warps own one tile of 64 queries of one (b, h). R = 32 (S <= 32
 // only): two groups of 2 warps, each a head of its own (h = blockIdx.y·2 + group), so
 // the padding to the tile is half as wide and twice the heads fit an SM.
@@ -243,39 +286,7 @@ __device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const
         attn_zero(s);
         attn_mma_abt<D, R>(s, qf, sK, lane);
 
-        float mt[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int ni = 0; ni < R / 8; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = k0 + ni * 8 + 2 * t + (e & 1), r = e >> 1;
-                const bool ok = j < Sg && (!causal || j <= row[r]);
-                s[ni][e] = ok ? s[ni][e] * sl2 : -INFINITY;
-                mt[r] = fmaxf(mt[r], s[ni][e]);
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
-            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
-            const float mn = fmaxf(m[r], mt[r]);
-            const float mu = mn == -INFINITY ? 0.f : mn;
-            const float alpha = exp2f(m[r] - mu);
-            m[r] = mn;
-            l[r] *= alpha;
-#pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-                oacc[dn][2 * r] *= alpha;
-                oacc[dn][2 * r + 1] *= alpha;
-            }
-#pragma unroll
-            for (int ni = 0; ni < R / 8; ++ni)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(s[ni][2 * r + e] - mu);
-                    s[ni][2 * r + e] = p;
-                    l[r] += p;
-                }
-        }
+        attn_softmax_step<D, R>(s, m, l, oacc, k0, row, Sg, causal, sl2, t);
         attn_mma_pt<D, R>(oacc, s, sV, lane);
     }
 
@@ -412,39 +423,7 @@ __device__ __forceinline__ void attn_fwd_st_body(const __nv_bfloat16* __restrict
         attn_zero(s);
         attn_mma_abt<D>(s, qf, sm.t[st][0], lane);
 
-        float mt[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int ni = 0; ni < ATTN_ROWS / 8; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = k0 + ni * 8 + 2 * t + (e & 1), r = e >> 1;
-                const bool ok = j < S && (!causal || j <= row[r]);
-                s[ni][e] = ok ? s[ni][e] * sl2 : -INFINITY;
-                mt[r] = fmaxf(mt[r], s[ni][e]);
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
-            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
-            const float mn = fmaxf(m[r], mt[r]);
-            const float mu = mn == -INFINITY ? 0.f : mn;
-            const float alpha = exp2f(m[r] - mu);
-            m[r] = mn;
-            l[r] *= alpha;
-#pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-                oacc[dn][2 * r] *= alpha;
-                oacc[dn][2 * r + 1] *= alpha;
-            }
-#pragma unroll
-            for (int ni = 0; ni < ATTN_ROWS / 8; ++ni)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(s[ni][2 * r + e] - mu);
-                    s[ni][2 * r + e] = p;
-                    l[r] += p;
-                }
-        }
+        attn_softmax_step<D, ATTN_ROWS>(s, m, l, oacc, k0, row, S, causal, sl2, t);
         attn_mma_pt<D>(oacc, s, sm.t[st][1], lane);
     }
 

@@ -60,6 +60,34 @@ ERASE_KERNEL void layer_norm_fwd(const float* __restrict__ x, const float* __res
     }
 }
 
+// One row of the layer norm's data gradient, for the warp that owns it: the row's two
+// means (lanes over columns, then the warp's fixed tree), then dx at any column c:
+// rstd · (dy·γ − mean(dy·γ) − xhat · mean(dy·γ·xhat)).
+struct LnBwdRow {
+    const float* xr;
+    const float* dyr;
+    float mu, rs, m1, m2;
+    __device__ __forceinline__ LnBwdRow(const float* __restrict__ dy, const float* __restrict__ x,
+                                        const float* __restrict__ gamma, const float* __restrict__ mean,
+                                        const float* __restrict__ rstd, long long r, int d, float inv_d, int lane)
+        : xr(x + r * d), dyr(dy + r * d), mu(mean[r]), rs(rstd[r]) {
+        float s1 = 0.0f, s2 = 0.0f;
+        for (int c = lane; c < d; c += 32) {
+            const float xh = erase_mul(erase_sub(xr[c], mu), rs);
+            const float g = erase_mul(dyr[c], __ldg(gamma + c));
+            s1 += g;
+            s2 = fmaf(g, xh, s2);
+        }
+        m1 = erase_mul(erase_warp_sum(s1), inv_d);
+        m2 = erase_mul(erase_warp_sum(s2), inv_d);
+    }
+    __device__ __forceinline__ float dx(const float* __restrict__ gamma, int c) const {
+        const float xh = erase_mul(erase_sub(xr[c], mu), rs);
+        const float g = erase_mul(dyr[c], __ldg(gamma + c));
+        return erase_mul(rs, erase_sub(erase_sub(g, m1), erase_mul(xh, m2)));
+    }
+};
+
 // dx = rstd · (dy·γ − mean(dy·γ) − xhat · mean(dy·γ·xhat)), one warp per row.
 ERASE_KERNEL void layer_norm_bwd_dx(const float* __restrict__ dy, const float* __restrict__ x,
                                     const float* __restrict__ gamma, const float* __restrict__ mean,
@@ -68,24 +96,9 @@ ERASE_KERNEL void layer_norm_bwd_dx(const float* __restrict__ dy, const float* _
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long r = erase_gtid() >> 5; r < rows; r += warps) {
-        const float* xr = x + r * d;
-        const float* dyr = dy + r * d;
-        const float mu = mean[r], rs = rstd[r];
-        float s1 = 0.0f, s2 = 0.0f;
-        for (int c = lane; c < d; c += 32) {
-            const float xh = erase_mul(erase_sub(xr[c], mu), rs);
-            const float g = erase_mul(dyr[c], __ldg(gamma + c));
-            s1 += g;
-            s2 = fmaf(g, xh, s2);
-        }
-        const float m1 = erase_mul(erase_warp_sum(s1), inv_d);
-        const float m2 = erase_mul(erase_warp_sum(s2), inv_d);
+        const LnBwdRow row(dy, x, gamma, mean, rstd, r, d, inv_d, lane);
         float* dxr = dx + r * d;
-        for (int c = lane; c < d; c += 32) {
-            const float xh = erase_mul(erase_sub(xr[c], mu), rs);
-            const float g = erase_mul(dyr[c], __ldg(gamma + c));
-            dxr[c] = erase_mul(rs, erase_sub(erase_sub(g, m1), erase_mul(xh, m2)));
-        }
+        for (int c = lane; c < d; c += 32) dxr[c] = row.dx(gamma, c);
     }
 }
 
@@ -106,22 +119,9 @@ ERASE_KERNEL void __launch_bounds__(256)
     for (int c = lane; c < d; c += 32) mine[c] = 0.f;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long r = erase_gtid() >> 5; r < rows; r += warps) {
-        const float* xr = x + r * d;
-        const float* dyr = dy + r * d;
-        const float mu = mean[r], rs = rstd[r];
-        float s1 = 0.0f, s2 = 0.0f;
+        const LnBwdRow row(dy, x, gamma, mean, rstd, r, d, inv_d, lane);
         for (int c = lane; c < d; c += 32) {
-            const float xh = erase_mul(erase_sub(xr[c], mu), rs);
-            const float g = erase_mul(dyr[c], __ldg(gamma + c));
-            s1 += g;
-            s2 = fmaf(g, xh, s2);
-        }
-        const float m1 = erase_mul(erase_warp_sum(s1), inv_d);
-        const float m2 = erase_mul(erase_warp_sum(s2), inv_d);
-        for (int c = lane; c < d; c += 32) {
-            const float xh = erase_mul(erase_sub(xr[c], mu), rs);
-            const float g = erase_mul(dyr[c], __ldg(gamma + c));
-            const float v = erase_mul(rs, erase_sub(erase_sub(g, m1), erase_mul(xh, m2)));
+            const float v = row.dx(gamma, c);
             dx[r * d + c] = v;
             dxb[r * d + c] = __float2bfloat16_rn(v);
             mine[c] = erase_add(mine[c], v);
