@@ -1273,7 +1273,8 @@ impl Attn {
     }
 
     /// `attn_stage_bf16` of q, k, v (the node's operands from `qkv`, see [`Attn::three`])
-    /// and, when `d_o` is given, do, into scratch buffers `first ..`.
+    /// into scratch buffers `first ..`; with `grad`, also do into the next one, and the
+    /// backward's D and lse·log2(e) where `grad` says.
     fn stage(&self, qkv: [KArg; 3], grad: Option<StageGrad>, first: usize) -> KernelCall {
         let n = self.b * self.s * self.heads * self.dh;
         let tensors = if grad.is_some() { 4 } else { 3 };
@@ -1287,7 +1288,6 @@ impl Attn {
             d: KArg::Scratch(first),
             lb: KArg::Scratch(first),
         });
-        let w = self.heads * self.dh;
         let mut args = vec![q, k, v, g.d_o];
         args.extend((0..tensors).map(|i| KArg::Scratch(first + i)));
         if tensors == 3 {
@@ -1298,7 +1298,8 @@ impl Attn {
             g.lse,
             g.d,
             g.lb,
-            KArg::I32((if self.packed { 3 * w } else { w }) as i32),
+            // q, k and v's rows are as far apart as the gradients'
+            self.ldo(),
             KArg::I32(self.b as i32),
             KArg::I32(self.s as i32),
             KArg::I32(self.heads as i32),
@@ -1313,7 +1314,8 @@ impl Attn {
         }
     }
 
-    /// The staged kernels' output stride: H·Dh, or 3·H·Dh into a packed gradient.
+    /// The staged kernels' output stride (and the stage's input stride): H·Dh, or 3·H·Dh
+    /// into a packed tensor.
     fn ldo(&self) -> KArg {
         let w = self.heads * self.dh;
         KArg::I32((if self.packed { 3 * w } else { w }) as i32)
