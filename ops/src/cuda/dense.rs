@@ -1344,16 +1344,31 @@ impl Attn {
 
     /// The kernel `{stem}[_packed]_d{Dh}`.
     fn kernel(&self, stem: &str) -> Result<&'static str, String> {
-        let name = format!(
-            "{stem}{}_d{}",
-            if self.packed { "_packed" } else { "" },
-            self.dh
-        );
+        self.kernel_d(&format!(
+            "{stem}{}",
+            if self.packed { "_packed" } else { "" }
+        ))
+    }
+
+    /// The kernel `{stem}_d{Dh}` (the staged kernels: one form for packed and not).
+    fn kernel_d(&self, stem: &str) -> Result<&'static str, String> {
+        let name = format!("{stem}_d{}", self.dh);
         KERNELS
             .iter()
             .copied()
             .find(|k| *k == name)
             .ok_or_else(|| format!("no attention kernel {name}"))
+    }
+
+    /// A launch of the staged kernel `{stem}_d{Dh}`: 256 threads, grid [`Attn::grid`].
+    fn staged_call(&self, stem: &str, args: Vec<KArg>) -> Result<KernelCall, String> {
+        Ok(KernelCall {
+            kernel: self.kernel_d(stem)?,
+            grid: self.grid(),
+            block: [256, 1, 1],
+            smem: 0,
+            args,
+        })
     }
 }
 
@@ -1384,21 +1399,10 @@ fn attention(o: &Operands, heads: usize, causal: bool, packed: bool) -> Result<C
         let mut args: Vec<KArg> = (0..3).map(KArg::Scratch).collect();
         args.extend([KArg::Out(0), KArg::Out(1)]);
         args.extend(a.tail(causal));
-        let kernel = if a.dh == 32 {
-            "attn_fwd_st_d32"
-        } else {
-            "attn_fwd_st_d64"
-        };
         return Ok(CudaPlan {
             calls: vec![
                 a.stage(a.three(KArg::In, KArg::InAt, 0), None, 0),
-                KernelCall {
-                    kernel,
-                    grid: a.grid(),
-                    block: [256, 1, 1],
-                    smem: 0,
-                    args,
-                },
+                a.staged_call("attn_fwd_st", args)?,
             ],
             scratch: vec![a.bf16_bytes(); 3],
         });
@@ -1508,22 +1512,14 @@ fn attention_grad(
     let mut dq_args = ins.to_vec();
     dq_args.extend([dq, a.ldo()]);
     dq_args.extend(a.tail(causal));
-    let (dkdv, dq) = if a.dh == 32 {
-        ("attn_bwd_dkdv_st_d32", "attn_bwd_dq_st_d32")
-    } else {
-        ("attn_bwd_dkdv_st_d64", "attn_bwd_dq_st_d64")
-    };
-    let call = |kernel, args| KernelCall {
-        kernel,
-        grid: a.grid(),
-        block: [256, 1, 1],
-        smem: 0,
-        args,
-    };
     let mut scratch = vec![rows * 4; 2];
     scratch.extend([a.bf16_bytes(); 4]);
     Ok(CudaPlan {
-        calls: vec![stage, call(dkdv, dkdv_args), call(dq, dq_args)],
+        calls: vec![
+            stage,
+            a.staged_call("attn_bwd_dkdv_st", dkdv_args)?,
+            a.staged_call("attn_bwd_dq_st", dq_args)?,
+        ],
         scratch,
     })
 }
