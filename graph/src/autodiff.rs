@@ -410,7 +410,6 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                         Op::Linear { bias, relu: false }
                             if !bias || !req[producer.inputs[2].index()]
                     ) && copied
-                        && !mask
                         && other_readers == 0
                         && producer.outputs[0] == x
                         && b.g.dtype(producer.inputs[0]) == DType::Bf16
