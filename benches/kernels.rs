@@ -68,8 +68,10 @@ impl Bench<'_> {
         }
     }
 
-    /// `[m,k]·[k,n]` style GEMMs: kind is linear (x·wᵀ+b), dx (dy·w), dw (dyᵀ·x) or mm.
-    fn gemm(&mut self, kind: &'static str, m: usize, n: usize, k: usize) {
+    /// `[m,k]·[k,n]` style GEMMs: kind is linear (x·wᵀ+b), dx (dy·w), dw (dyᵀ·x) or mm;
+    /// `dy16`: dy is bf16, as the model's op that makes it writes it (the GEMM reads it
+    /// as it is; its other operand is f32).
+    fn gemm(&mut self, kind: &'static str, m: usize, n: usize, k: usize, dy16: bool) {
         if self.skip(&format!("gemm {kind}")) {
             return;
         }
@@ -115,13 +117,24 @@ impl Bench<'_> {
                 vec![(Shape::new(&[m, n]), DType::F32)],
             ),
         };
+        let mut ins = ins;
+        if dy16 {
+            ins[0].1 = Buffer::from_f64(DType::Bf16, &ins[0].1.to_f64());
+        }
         let ms = self.time(&op, &ins, &outs, &[]);
+        let dy_bytes = if dy16 { 2.0 } else { 4.0 } * (m * n) as f64;
         self.rows.push(Row {
-            name: format!("gemm {kind} M={m} N={n} K={k}"),
+            name: format!(
+                "gemm {kind} M={m} N={n} K={k}{}",
+                if dy16 { " (bf16 dy)" } else { "" }
+            ),
             kind: "gemm",
             ms,
             flops: 2.0 * (m * n * k) as f64,
-            bytes: 4.0 * (m * k + n * k + m * n) as f64,
+            bytes: match kind {
+                "dx" | "dw" => dy_bytes + 4.0 * (n * k + m * k) as f64,
+                _ => 4.0 * (m * k + n * k + m * n) as f64,
+            },
             torch: format!("{{\"op\":\"gemm\",\"kind\":\"{kind}\",\"m\":{m},\"n\":{n},\"k\":{k}}}"),
         });
         // a plan of several launches: each one's time beside the whole (where it goes)
@@ -369,7 +382,7 @@ fn main() {
         only,
     };
     b.copy(1 << 28);
-    b.gemm("mm", 4096, 4096, 4096);
+    b.gemm("mm", 4096, 4096, 4096, false);
     b.gemm_bf16_kernel(4096);
     // every GEMM shape of the spec's CTR model at batch 4096
     let cfg = CtrConfig::default();
@@ -384,25 +397,29 @@ fn main() {
         for l in &p.program.launches {
             let n = g.node(l.node);
             let s = |i: usize| g.shape(n.inputs[i]).clone();
+            // a bf16 dy beside an f32 operand: written so by the op that makes it, read
+            // as it is (a bf16 dy beside a bf16 copy is a copied layer's: the benchmark
+            // feeds f32 and times its pipelined pass apart)
+            let dy16 = || g.dtype(n.inputs[0]) == DType::Bf16 && g.dtype(n.inputs[1]) == DType::F32;
             match n.op {
                 Op::Linear { .. } => {
                     let (x, w) = (s(0), s(1));
-                    shapes.insert(("linear", x.rows(), w.dims()[0], w.dims()[1]));
+                    shapes.insert(("linear", x.rows(), w.dims()[0], w.dims()[1], false));
                 }
                 Op::LinearGradInput { .. } => {
                     let (dy, w) = (s(0), s(1));
-                    shapes.insert(("dx", dy.rows(), w.dims()[0], w.dims()[1]));
+                    shapes.insert(("dx", dy.rows(), w.dims()[0], w.dims()[1], dy16()));
                 }
                 Op::LinearGradWeight { .. } => {
                     let (dy, x) = (s(0), s(1));
-                    shapes.insert(("dw", dy.rows(), dy.last(), x.last()));
+                    shapes.insert(("dw", dy.rows(), dy.last(), x.last(), dy16()));
                 }
                 _ => {}
             }
         }
     }
-    for (kind, m, n, k) in shapes {
-        b.gemm(kind, m, n, k);
+    for (kind, m, n, k, dy16) in shapes {
+        b.gemm(kind, m, n, k, dy16);
     }
     b.attention(4096, 2, 27, 32);
     b.attention(8, 8, 2048, 64);

@@ -152,6 +152,14 @@ __device__ __forceinline__ void attn_mma_pt(float (&acc)[D / 8][4], const float 
     }
 }
 
+// Two adjacent output elements: f32, or bf16 where the gradient's reader rounds it anyway.
+__device__ __forceinline__ void attn_store2(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+__device__ __forceinline__ void attn_store2(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
 template <int N, int M>
 __device__ __forceinline__ void attn_zero(float (&a)[N][M]) {
 #pragma unroll
@@ -161,8 +169,8 @@ __device__ __forceinline__ void attn_zero(float (&a)[N][M]) {
 }
 
 // Rows (i_r = row0 + g + 8r) of a [16 x Dh] accumulator, times `mul`, to dst rows < S.
-template <int D>
-__device__ __forceinline__ void attn_store_rows(float* __restrict__ dst, long long ld, const float (&acc)[D / 8][4],
+template <int D, typename OT>
+__device__ __forceinline__ void attn_store_rows(OT* __restrict__ dst, long long ld, const float (&acc)[D / 8][4],
                                                 int row0, int S, float mul0, float mul1, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -170,11 +178,10 @@ __device__ __forceinline__ void attn_store_rows(float* __restrict__ dst, long lo
         const int i = row0 + g + 8 * r;
         if (i >= S) continue;
         const float mul = r ? mul1 : mul0;
-        float* row = dst + static_cast<long long>(i) * ld;
+        OT* row = dst + static_cast<long long>(i) * ld;
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn)
-            *reinterpret_cast<float2*>(row + dn * 8 + 2 * t) =
-                make_float2(acc[dn][2 * r] * mul, acc[dn][2 * r + 1] * mul);
+            attn_store2(row + dn * 8 + 2 * t, acc[dn][2 * r] * mul, acc[dn][2 * r + 1] * mul);
     }
 }
 
@@ -624,12 +631,12 @@ __device__ __forceinline__ void attn_bwd_dq_st_body(const __nv_bfloat16* __restr
 // S ≤ 64: one CTA per (b, h) holds every query and key, so the three gradients come out
 // of one pass: D from do and o, dK and dV as in attn_bwd_dkdv (warps own 16 keys), dSᵀ to
 // shared memory as bf16, then dQ = dS·K with warps owning 16 queries. No scratch.
-template <int D, bool P, int R = ATTN_ROWS>
+template <int D, bool P, int R = ATTN_ROWS, typename OT = float>
 __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO, const float* __restrict__ q,
                                                     const float* __restrict__ k, const float* __restrict__ v,
                                                     const float* __restrict__ o, const float* __restrict__ lse,
-                                                    float* __restrict__ dq, float* __restrict__ dk,
-                                                    float* __restrict__ dv, int S, int H, int causal, float scale) {
+                                                    OT* __restrict__ dq, OT* __restrict__ dk,
+                                                    OT* __restrict__ dv, int S, int H, int causal, float scale) {
     constexpr int LD = D + 8;
     using G = AttnGroups<R>;
     __shared__ __align__(16) __nv_bfloat16 sKs[G::N][R][LD];
@@ -798,6 +805,27 @@ ERASE_ATTN_KERNELS(32, false, , 5, 5, 8)
 ERASE_ATTN_KERNELS(64, false, , 1, 2, 4)
 ERASE_ATTN_KERNELS(32, true, _packed, 5, 5, 8)
 ERASE_ATTN_KERNELS(64, true, _packed, 1, 2, 4)
+
+// attn_bwd_{small,tiny}_packed_bo_d*: the packed backward writing dqkv in bf16 (the
+// projection's GEMMs that read it round it to bf16 anyway): half the bytes out, and
+// half for each GEMM that reads it. Arguments as the f32 forms.
+#define ERASE_ATTN_BWD_BF16_OUT(DH, TBWD_MIN_CTAS)                                                               \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_small_packed_bo_d##DH(                           \
+        const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,                 \
+        const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,                \
+        __nv_bfloat16* __restrict__ dq, __nv_bfloat16* __restrict__ dk, __nv_bfloat16* __restrict__ dv, int S,  \
+        int H, int causal, float scale) {                                                                       \
+        attn_bwd_small_body<DH, true>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                    \
+    }                                                                                                           \
+    ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, TBWD_MIN_CTAS) attn_bwd_tiny_packed_bo_d##DH(              \
+        const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,                 \
+        const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,                \
+        __nv_bfloat16* __restrict__ dq, __nv_bfloat16* __restrict__ dk, __nv_bfloat16* __restrict__ dv, int S,  \
+        int H, int causal, float scale) {                                                                       \
+        attn_bwd_small_body<DH, true, 32>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                \
+    }
+ERASE_ATTN_BWD_BF16_OUT(32, 8)
+ERASE_ATTN_BWD_BF16_OUT(64, 4)
 
 // S > 64 (grid (ceil(S/128), H, B), block 256): q, k, v and do are the bf16 head-major
 // copies attn_stage_bf16 writes; o, lse, D and the gradients are as in the f32 kernels,

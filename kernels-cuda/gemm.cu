@@ -122,10 +122,77 @@ struct GemmTileLoader {
             *reinterpret_cast<uint2*>(&dst[r][c]) = packed;
         }
     }
+
+    // chunk i's four values (a transposed A's column sums)
+    __device__ __forceinline__ float4 value(int i) const { return v[i]; }
+};
+
+// The same tile of a bf16 matrix (an operand rounded once by the op that made it, read
+// as it is): 8-byte chunks of four elements where ld and the base allow, else guarded
+// 2-byte loads; stored to shared memory unchanged.
+template <int ROWS, int COLS, int THREADS>
+struct GemmTileLoaderBf16 {
+    static constexpr int CPR = COLS / 4;  // 4-element chunks per row
+    static constexpr int PER = ROWS * CPR / THREADS;
+    static_assert(ROWS * CPR % THREADS == 0, "tile must split evenly over the threads");
+    uint2 v[PER];
+
+    __device__ __forceinline__ void load(const __nv_bfloat16* __restrict__ src, long long ld, int row0, int col0,
+                                         int row_lim, int col_lim, bool vec, int tid) {
+        const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int id = tid + i * THREADS;
+            const int r = row0 + id / CPR, c = col0 + (id % CPR) * 4;
+            uint2 x = make_uint2(0u, 0u);
+            if (r < row_lim) {
+                const long long o = static_cast<long long>(r) * ld + c;
+                if (vec && c + 3 < col_lim) {
+                    x = __ldg(reinterpret_cast<const uint2*>(s + o));
+                } else {
+                    unsigned e[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        if (c + j < col_lim) e[j] = __ldg(s + o + j);
+                    x = make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+                }
+            }
+            v[i] = x;
+        }
+    }
+
+    __device__ __forceinline__ void store(__nv_bfloat16 (*dst)[COLS + GEMM_PAD], int tid) const {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int id = tid + i * THREADS;
+            *reinterpret_cast<uint2*>(&dst[id / CPR][(id % CPR) * 4]) = v[i];
+        }
+    }
+
+    __device__ __forceinline__ float4 value(int i) const {
+        // a bf16 is the high half of the f32 with the same value
+        return make_float4(__uint_as_float(v[i].x << 16), __uint_as_float(v[i].x & 0xffff0000u),
+                           __uint_as_float(v[i].y << 16), __uint_as_float(v[i].y & 0xffff0000u));
+    }
+};
+
+// The tile loader of an operand stored as T (float: rounded as it is staged; bf16: as is).
+template <typename T, int ROWS, int COLS, int THREADS>
+struct GemmLoaderOf {
+    using type = GemmTileLoader<ROWS, COLS, THREADS>;
+};
+template <int ROWS, int COLS, int THREADS>
+struct GemmLoaderOf<__nv_bfloat16, ROWS, COLS, THREADS> {
+    using type = GemmTileLoaderBf16<ROWS, COLS, THREADS>;
 };
 
 __device__ __forceinline__ bool gemm_vec_ok(const float* p, long long ld) {
     return (ld & 3) == 0 && (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// A bf16 operand: 8-byte chunks of four elements.
+__device__ __forceinline__ bool gemm_vec_ok(const __nv_bfloat16* p, long long ld) {
+    return (ld & 3) == 0 && (reinterpret_cast<uintptr_t>(p) & 7) == 0;
 }
 
 // Epilogue of a warp tile of MI x NI mma tiles at (row0, col0) of C: the thread holds
@@ -209,8 +276,8 @@ __device__ __forceinline__ void gemm_epilogue(const float (&acc)[MI][NI][4], flo
         gemm_epilogue_as<MI, NI, false, COPY>(acc, C, bias, M, N, ldc, row0, col0, lane, flags, Cb);
 }
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int AHEAD, bool TA, bool TB>
-__device__ __forceinline__ void gemm_bf16_body(const float* __restrict__ A, const float* __restrict__ B,
+template <int BM, int BN, int WARPS_M, int WARPS_N, int AHEAD, bool TA, bool TB, typename AT = float>
+__device__ __forceinline__ void gemm_bf16_body(const AT* __restrict__ A, const float* __restrict__ B,
                                                float* __restrict__ C, const float* __restrict__ bias, int M,
                                                int N, int K, long long lda, long long ldb, long long ldc,
                                                long long batch_a, long long batch_b, long long batch_c,
@@ -241,7 +308,7 @@ __device__ __forceinline__ void gemm_bf16_body(const float* __restrict__ A, cons
 
     // staged tiles: set 0, and set 1 when loads run two k steps ahead
     struct Staged {
-        GemmTileLoader<A_ROWS, A_COLS, THREADS> a;
+        typename GemmLoaderOf<AT, A_ROWS, A_COLS, THREADS>::type a;
         GemmTileLoader<B_ROWS, B_COLS, THREADS> b;
     };
     Staged st0, st1;
@@ -266,10 +333,11 @@ __device__ __forceinline__ void gemm_bf16_body(const float* __restrict__ A, cons
         if (TA && sums) {
 #pragma unroll
             for (int i = 0; i < decltype(s.a)::PER; ++i) {
-                colacc.x += s.a.v[i].x;
-                colacc.y += s.a.v[i].y;
-                colacc.z += s.a.v[i].z;
-                colacc.w += s.a.v[i].w;
+                const float4 x = s.a.value(i);
+                colacc.x += x.x;
+                colacc.y += x.y;
+                colacc.z += x.z;
+                colacc.w += x.w;
             }
         }
     };
@@ -599,6 +667,22 @@ __device__ __forceinline__ void gemm_tall_stage(float* dst, int ld, const float*
     }
 }
 
+// The same for a bf16 A (K a multiple of 8, A 16-byte aligned and lda a multiple of 8:
+// the plan checks), 16-byte chunks of 8 elements into dst[64][ld] bf16.
+__device__ __forceinline__ void gemm_tall_stage(__nv_bfloat16* dst, int ld, const __nv_bfloat16* __restrict__ A,
+                                                long long lda, int m0, int M, int K, int Kp, bool, int tid) {
+    const int cpr = Kp / 8;
+    for (int id = tid; id < 64 * cpr; id += 256) {
+        const int r = id / cpr, c = (id % cpr) * 8;
+        const int gm = m0 + r;
+        const bool ok = gm < M && c < K;
+        const uint32_t s = gemm_smem_addr(dst + r * ld + c);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s),
+                     "l"(ok ? A + static_cast<long long>(gm) * lda + c : A), "r"(ok ? 16 : 0)
+                     : "memory");
+    }
+}
+
 // Columns n .. n+3 of row m of C (m < M): the epilogue of gemm_epilogue (bias, ReLU, the
 // ReLU gradient's mask read through `bias`) on v, then one float4 store where `vec` (C and
 // ldc allow it) and all four columns lie before N, else scalar stores up to N.
@@ -670,8 +754,8 @@ __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], fl
     }
 }
 
-template <int NMAX, bool COALESCE>
-__device__ __forceinline__ void gemm_tall_body(const float* __restrict__ A, const float* __restrict__ B,
+template <int NMAX, bool COALESCE, typename AT = float>
+__device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const float* __restrict__ B,
                                                float* __restrict__ C, const float* __restrict__ bias, int M,
                                                int N, int K, long long lda, long long ldb, long long ldc, int tb,
                                                int flags) {
@@ -679,7 +763,8 @@ __device__ __forceinline__ void gemm_tall_body(const float* __restrict__ A, cons
     static_assert(NMAX % 32 == 0, "a warp column must be whole 16-column ldmatrix pairs");
     extern __shared__ __align__(16) unsigned char gemm_smem[];
     const int Kp = (K + 31) / 32 * 32, lda_s = Kp + 8, ldb_s = Kp + 8;
-    float* sA = reinterpret_cast<float*>(gemm_smem);
+    constexpr bool A16 = sizeof(AT) == 2;  // A is bf16, staged as it is
+    AT* sA = reinterpret_cast<AT*>(gemm_smem);
     __nv_bfloat16* sB = reinterpret_cast<__nv_bfloat16*>(sA + 2 * 64 * lda_s);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -715,7 +800,7 @@ __device__ __forceinline__ void gemm_tall_body(const float* __restrict__ A, cons
 
     for (int it = 0; mb < blocks_m; ++it, mb += gridDim.x) {
         const int next = mb + gridDim.x;
-        float* a = sA + (it & 1) * 64 * lda_s;
+        const AT* a = sA + (it & 1) * 64 * lda_s;
         if (next < blocks_m) gemm_tall_stage(sA + ((it + 1) & 1) * 64 * lda_s, lda_s, A, lda, next * 64, M, K, Kp, vec, tid);
         gemm_cp_commit();
         gemm_cp_wait<1>();
@@ -728,15 +813,20 @@ __device__ __forceinline__ void gemm_tall_body(const float* __restrict__ A, cons
             for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.f;
         for (int kk = 0; kk < Kp; kk += 16) {
             uint32_t af[4];
-            const float* ar = a + (wm + g) * lda_s + kk + 2 * t;
-            const float2 v0 = *reinterpret_cast<const float2*>(ar);
-            const float2 v1 = *reinterpret_cast<const float2*>(ar + 8 * lda_s);
-            const float2 v2 = *reinterpret_cast<const float2*>(ar + 8);
-            const float2 v3 = *reinterpret_cast<const float2*>(ar + 8 * lda_s + 8);
-            af[0] = gemm_pack_bf16(v0.x, v0.y);
-            af[1] = gemm_pack_bf16(v1.x, v1.y);
-            af[2] = gemm_pack_bf16(v2.x, v2.y);
-            af[3] = gemm_pack_bf16(v3.x, v3.y);
+            if constexpr (A16) {
+                const int mr = wm + (lane & 7) + ((lane >> 3) & 1) * 8, kc = kk + (lane >> 4) * 8;
+                gemm_ldsm_x4(af, reinterpret_cast<const __nv_bfloat16*>(a) + mr * lda_s + kc);
+            } else {
+                const float* ar = reinterpret_cast<const float*>(a) + (wm + g) * lda_s + kk + 2 * t;
+                const float2 v0 = *reinterpret_cast<const float2*>(ar);
+                const float2 v1 = *reinterpret_cast<const float2*>(ar + 8 * lda_s);
+                const float2 v2 = *reinterpret_cast<const float2*>(ar + 8);
+                const float2 v3 = *reinterpret_cast<const float2*>(ar + 8 * lda_s + 8);
+                af[0] = gemm_pack_bf16(v0.x, v0.y);
+                af[1] = gemm_pack_bf16(v1.x, v1.y);
+                af[2] = gemm_pack_bf16(v2.x, v2.y);
+                af[3] = gemm_pack_bf16(v3.x, v3.y);
+            }
 #pragma unroll
             for (int nj = 0; nj < NI / 2; ++nj) {
                 uint32_t r[4];
@@ -1035,8 +1125,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
 
 }  // namespace
 
-#define ERASE_GEMM_ARGS                                                                                 \
-    const float *__restrict__ A, const float *__restrict__ B, float *__restrict__ C,                   \
+#define ERASE_GEMM_ARGS_A(AT)                                                                           \
+    const AT *__restrict__ A, const float *__restrict__ B, float *__restrict__ C,                      \
         const float *__restrict__ bias, int M, int N, int K, long long lda, long long ldb, long long ldc, \
         long long batch_a, long long batch_b, long long batch_c, int batch, int k_split, long long split_c, \
         int flags, float *__restrict__ asum
@@ -1052,10 +1142,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
 //   only), asum (f32 [splits][M], written when flags & 4).
 // Grid: (ceil(M/BM), ceil(N/BN), splits·batch); block: 256 (128x128) or 128 (64x64).
 #define ERASE_GEMM_KERNELS(LAYOUT, TA, TB)                                                    \
-    ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128(ERASE_GEMM_ARGS) { \
+    ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128(ERASE_GEMM_ARGS_A(float)) { \
         gemm_bf16_body<128, 128, 2, 4, 2, TA, TB>(ERASE_GEMM_PASS);                             \
     }                                                                                         \
-    ERASE_KERNEL void __launch_bounds__(128) gemm_bf16_##LAYOUT##_64x64(ERASE_GEMM_ARGS) {   \
+    ERASE_KERNEL void __launch_bounds__(128) gemm_bf16_##LAYOUT##_64x64(ERASE_GEMM_ARGS_A(float)) {   \
         gemm_bf16_body<64, 64, 2, 2, 1, TA, TB>(ERASE_GEMM_PASS);                               \
     }
 
@@ -1063,6 +1153,21 @@ ERASE_GEMM_KERNELS(nn, false, false)
 ERASE_GEMM_KERNELS(nt, false, true)
 ERASE_GEMM_KERNELS(tn, true, false)
 ERASE_GEMM_KERNELS(tt, true, true)
+
+// `gemm_bf16_<layout>_<tile>_a16`: the same with A a bf16 tensor (read as it is, 8-byte
+// chunks where lda is a multiple of 4 and A 8-byte aligned): the dy a data or weight
+// gradient reads when the op that made it wrote it in bf16 (AutoInt's attention
+// gradient), too small a GEMM for the pipelined path. The layouts of LinearGradInput
+// (nn) and LinearGradWeight (tn, with dy's column sums from the bf16 values).
+#define ERASE_GEMM_KERNELS_A16(LAYOUT, TA, TB)                                                               \
+    ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128_a16(ERASE_GEMM_ARGS_A(__nv_bfloat16)) { \
+        gemm_bf16_body<128, 128, 2, 4, 2, TA, TB>(ERASE_GEMM_PASS);                                        \
+    }                                                                                                    \
+    ERASE_KERNEL void __launch_bounds__(128) gemm_bf16_##LAYOUT##_64x64_a16(ERASE_GEMM_ARGS_A(__nv_bfloat16)) {   \
+        gemm_bf16_body<64, 64, 2, 2, 1, TA, TB>(ERASE_GEMM_PASS);                                          \
+    }
+ERASE_GEMM_KERNELS_A16(nn, false, false)
+ERASE_GEMM_KERNELS_A16(tn, true, false)
 
 // The tall kernels (see gemm_tall_body), one a bound on N; PER_SM CTAs an SM by registers
 // (ops/src/cuda/dense.rs, TALL_KERNELS, plans with the same count).
@@ -1083,6 +1188,21 @@ ERASE_GEMM_TALL_KERNEL(64, 3)
 ERASE_GEMM_TALL_KERNEL(128, 2)
 ERASE_GEMM_TALL_KERNEL(192, 2)
 ERASE_GEMM_TALL_KERNEL(256, 2)
+
+// `gemm_tall_n<NMAX>_c_a16`: A bf16 (K a multiple of 8, A 16-byte aligned, lda a
+// multiple of 8), staged as it is: half the bytes of an f32 A, so K = 192 (AutoInt's QKV
+// data gradient from a bf16 dqkv) fits two CTAs an SM.
+#define ERASE_GEMM_TALL_KERNEL_A16(NMAX, PER_SM)                                                              \
+    ERASE_KERNEL void __launch_bounds__(256, PER_SM) gemm_tall_n##NMAX##_c_a16(                               \
+        const __nv_bfloat16* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,               \
+        const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb, long long ldc,      \
+        int tb, int flags) {                                                                                  \
+        gemm_tall_body<NMAX, true>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags);                         \
+    }
+ERASE_GEMM_TALL_KERNEL_A16(64, 3)
+ERASE_GEMM_TALL_KERNEL_A16(128, 2)
+ERASE_GEMM_TALL_KERNEL_A16(192, 2)
+ERASE_GEMM_TALL_KERNEL_A16(256, 2)
 
 // The pipelined kernels, arguments in order:
 //   A, B (bf16: K-major rows A[m·lda + k], B[n·ldb + k], or, in the `_mm` kernels,

@@ -169,13 +169,33 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
     assert!(backward
         .iter()
         .any(|n| matches!(n.op, Op::RoundBf16 { col_sums: true }) && n.outputs.len() == 2));
-    assert!(
-        g.nodes()
-            .iter()
-            .all(|n| !matches!(n.op, Op::LinearGradWeight { bias: true })
-                || !matches!(g.dtype(n.inputs[0]), DType::Bf16)),
-        "no weight gradient sums a bias from a bf16 dy"
-    );
+    // a weight gradient sums a bias from a bf16 dy only where an attention gradient
+    // wrote dy in bf16 (AutoInt's QKV projections, whose x is f32): one per layer
+    let from_bf16: Vec<&str> = g
+        .nodes()
+        .iter()
+        .filter(|n| {
+            matches!(n.op, Op::LinearGradWeight { bias: true })
+                && g.dtype(n.inputs[0]) == DType::Bf16
+        })
+        .map(|n| {
+            let dy = g.producer(n.inputs[0]);
+            assert!(
+                matches!(dy.op, Op::AttentionGrad { packed: true, .. }),
+                "{}: a bf16 dy from {}",
+                n.name,
+                dy.name
+            );
+            assert_eq!(g.dtype(n.inputs[1]), DType::F32, "{}: x", n.name);
+            n.name.as_str()
+        })
+        .collect();
+    assert_eq!(from_bf16.len(), 2, "{from_bf16:?}");
+    // and without copies every attention gradient stays f32
+    assert!(off.model.graph.nodes().iter().all(|n| {
+        !matches!(n.op, Op::AttentionGrad { .. })
+            || off.model.graph.dtype(n.outputs[0]) == DType::F32
+    }));
     // no copies when off
     assert!(off
         .model
@@ -245,13 +265,26 @@ fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
             let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
             let den: f64 = b.iter().map(|y| y * y).sum();
             let rel = (num / den.max(1e-300)).sqrt();
+            // except AutoInt's QKV biases: their dy (dqkv) is written in bf16, as its
+            // GEMMs read it, and the bias gradient sums those values (as autocast does
+            // in PyTorch): each term within 2^-9 of the f32 one
+            let tol = if name.starts_with("autoint/qkv.") && name.ends_with(".bias") {
+                2f64.powi(-8)
+            } else {
+                1e-5
+            };
             assert!(
-                rel <= 1e-5,
+                rel <= tol,
                 "{variant}: gradient of {name}: relative L2 difference {rel:.2e}"
             );
-            worst = worst.max(rel);
+            if tol == 1e-5 {
+                worst = worst.max(rel);
+            }
         }
-        println!("{variant}: gradients within {worst:.2e} (relative L2) of rounding in every GEMM");
+        println!(
+            "{variant}: gradients within {worst:.2e} (relative L2) of rounding in every GEMM, \
+             AutoInt's QKV biases aside"
+        );
     }
 }
 

@@ -235,6 +235,27 @@ fn copied_layer_output(
     }
 }
 
+/// Whether `t`'s gradient may be written in bf16: `t` is the output of a linear layer
+/// without a ReLU or a copy output, that one node alone reads (`uses`), of the size
+/// `Graph::bf16_dy_layer` asks, the layer reading an f32 x (a layer with copies rounds dy
+/// itself, with its column sums) and its weight trained (the weight gradient's pass sums
+/// the bias gradient from the bf16 values, as autocast does in PyTorch). The layer's data
+/// and weight gradients round dy to bf16 anyway, so they compute the same products; the
+/// gradient is written and read in half the bytes.
+fn bf16_layer_gradient(g: &Graph, uses: &[usize], req: &[bool], t: Tensor) -> bool {
+    let p = g.producer(t);
+    if !matches!(p.op, Op::Linear { relu: false, .. }) {
+        return false;
+    }
+    let (w, x) = (g.shape(p.inputs[1]).dims(), g.shape(p.inputs[0]));
+    w.len() == 2
+        && g.bf16_dy_layer(x.numel() / w[1].max(1), w[1], w[0])
+        && p.outputs == [t]
+        && uses[t.index()] == 1
+        && g.dtype(p.inputs[0]) == DType::F32
+        && req[p.inputs[1].index()]
+}
+
 pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> {
     if g.losses().is_empty() {
         return Err(GraphError::Structure(
@@ -365,7 +386,8 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     if let Some(sums) = b.dy_sums.remove(&dy) {
                         b.contribute(ins[2], sums);
                         db_done = true;
-                    } else if *bias && needs(2) {
+                    } else if *bias && needs(2) && (copied || !needs(1)) {
+                        // (a bf16 dy with an f32 x: the weight gradient sums it)
                         return Err(GraphError::Structure(format!(
                             "autodiff: '{nm}' has a bf16 dy without its column sums"
                         )));
@@ -756,17 +778,25 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                 causal,
                 packed: true,
             } => {
-                let dqkv = b.add1(
+                // qkv a projection's output: dqkv is that layer's whole dy, written in
+                // bf16 where only its GEMMs read it
+                let dt = if bf16_layer_gradient(b.g, &uses, &req, ins[0]) {
+                    DType::Bf16
+                } else {
+                    b.g.float_dtype()
+                };
+                let dqkv = b.g.add_derived(
                     Op::AttentionGrad {
                         heads: *heads,
                         causal: *causal,
                         packed: true,
                     },
                     vec![dy, ins[0], node.outputs[0], node.outputs[1]],
-                    shape_of(&b, 0),
+                    vec![(shape_of(&b, 0), dt)],
                     format!("{nm}.grad"),
-                    id,
-                );
+                    Phase::Backward,
+                    Some(id),
+                )[0];
                 b.contribute(ins[0], dqkv);
             }
             Op::Attention {

@@ -124,6 +124,18 @@ impl Graph {
         self.bf16_copies = min_flops;
     }
 
+    /// Whether a linear layer of these sizes may read its dy in bf16, written so by the op
+    /// that makes it (see `autodiff`): bf16 copies are on, in an f32 graph, and the layer
+    /// has at least their FLOPs (2·rows·in·out), whatever its shape. Its GEMMs round dy
+    /// to bf16 anyway.
+    pub fn bf16_dy_layer(&self, rows: usize, inputs: usize, outputs: usize) -> bool {
+        let Some(min_flops) = self.bf16_copies else {
+            return false;
+        };
+        self.float == DType::F32
+            && (2 * rows).saturating_mul(inputs).saturating_mul(outputs) >= min_flops
+    }
+
     /// The bf16 copy a node writes beside its output 0 (its second output), for the ops
     /// that make one in the same pass (`MulAdd`, `Mul`, `Concat`, `Linear`: its GEMM's
     /// epilogue; see

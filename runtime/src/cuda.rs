@@ -521,6 +521,7 @@ impl CudaDevice {
                     let (base, off) = match other {
                         KArg::InAt(i, off) => (KArg::In(i), off),
                         KArg::OutAt(i, off) => (KArg::Out(i), off),
+                        KArg::ScratchAt(i, off) => (KArg::Scratch(i), off),
                         a => (a, 0),
                     };
                     let p = ptr(base).map(|p| p + off).ok_or_else(|| {

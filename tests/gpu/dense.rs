@@ -845,7 +845,12 @@ fn check_packed_attention(
     let got = run_gpu(
         dev,
         &grad_op(true),
-        &[d_o, arg(&packed_shape, Buffer::F32(qkv)), o, lse],
+        &[
+            d_o.clone(),
+            arg(&packed_shape, Buffer::F32(qkv.clone())),
+            o.clone(),
+            lse.clone(),
+        ],
         &[(&packed_shape, DType::F32)],
         &mut [],
     );
@@ -854,6 +859,26 @@ fn check_packed_attention(
         bits(&Buffer::F32(want)),
         "{name}: dqkv against dq, dk, dv side by side"
     );
+    // dqkv written in bf16 (the `_bo` kernels; a cast after the staged ones): the f32
+    // gradient rounded to nearest even, bit for bit
+    let got16 = run_gpu(
+        dev,
+        &grad_op(true),
+        &[d_o, arg(&packed_shape, Buffer::F32(qkv.clone())), o, lse],
+        &[(&packed_shape, DType::Bf16)],
+        &mut [],
+    );
+    assert_eq!(got16[0].dtype(), DType::Bf16, "{name}: dqkv's type");
+    let want16 = Buffer::from_f64(DType::Bf16, &got[0].to_f64());
+    if let Some(i) = (0..want16.len())
+        .find(|&i| got16[0].bytes()[2 * i..2 * i + 2] != want16.bytes()[2 * i..2 * i + 2])
+    {
+        panic!(
+            "{name}: bf16 dqkv[{i}] = {} against the f32 one rounded, {}",
+            got16[0].to_f64()[i],
+            want16.to_f64()[i]
+        );
+    }
 
     // the CPU reference: packed and three-tensor ops agree bit for bit (f64, bf16 rounding)
     let (q, k, v) = (rounded(&d.q), rounded(&d.k), rounded(&d.v));
@@ -1143,6 +1168,82 @@ fn bf16_copy(shape: &[usize], x: &[f32]) -> Arg {
         &mut [],
     );
     arg(shape, out[0].clone())
+}
+
+/// A bf16 dy with f32 weights and inputs (AutoInt's dqkv, written in bf16 by its
+/// attention gradient), too small a GEMM for the pipelined path: the data gradient in the
+/// tall kernel (K = 192 and 64) and the single-launch kernels (K not a multiple of 8, a
+/// 128x128 tile, ragged edges), the weight gradient in the single-launch kernels with the
+/// bias gradient summed from the bf16 values (one split, split-K, the 128x128 tile);
+/// against the bf16 reference, and bit-identical on a second run.
+#[test]
+fn a_bf16_dy_alone_matches_the_bf16_reference() {
+    let Some(dev) = device("a_bf16_dy_alone_matches_the_bf16_reference") else {
+        return;
+    };
+    // (M, N, K) of dx[M,K] = dy[M,N]·w[N,K]
+    for (i, &(m, n, k)) in [
+        (40_000, 192, 64),
+        (40_000, 64, 64),
+        (35_001, 40, 250),
+        (40_000, 190, 64),
+        (37, 13, 65),
+        (8192, 100, 512),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 1500 + 10 * i as u64;
+        let dyv = rand_f32(seed, m * n, -1.0, 1.0);
+        let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+        let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+        let op = Op::LinearGradInput { relu_mask: false };
+        let ins = [bf16_copy(&[m, n], &dyv), w];
+        let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+        let what = format!("linear_grad_input, bf16 dy, M {m} N {n} K {k}");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        let again = run_gpu(dev, &op, &ins, &outs, &mut []);
+        assert_eq!(bits(&got[0]), bits(&again[0]), "{what}: two runs differ");
+    }
+    // (rows, N, K) of dw[N,K] = dyᵀ·x, db = dy's column sums
+    for (i, &(rows, n, k)) in [
+        (110_592, 192, 64),
+        (4097, 33, 31),
+        (5, 7, 3),
+        (200, 1501, 1500),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 1600 + 10 * i as u64;
+        let dyv = rand_f32(seed, rows * n, -1.0, 1.0);
+        let (x, xv) = f32_arg(&[rows, k], seed + 1, -1.0, 1.0);
+        let outs: [(&[usize], DType); 2] = [(&[n, k], DType::F32), (&[n], DType::F32)];
+        let op = Op::LinearGradWeight { bias: true };
+        let ins = [bf16_copy(&[rows, n], &dyv), x];
+        let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
+        let what = format!("linear_grad_weight, bf16 dy, rows {rows} N {n} K {k}");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        // db: the sums of the bf16 values (f64), f32 sums in any order within
+        // rows·2^-24 of the magnitudes
+        let (mut db, mut mag) = (vec![0f64; n], vec![0f64; n]);
+        for (j, &v) in dyv.iter().enumerate() {
+            let v = f64::from(bf16(v));
+            db[j % n] += v;
+            mag[j % n] += v.abs();
+        }
+        let tol: Vec<f64> = mag
+            .iter()
+            .map(|m| rows as f64 * 2f64.powi(-24) * m)
+            .collect();
+        assert_within(&format!("{what}: db"), &got[1].to_f64(), &db, &tol);
+        let again = run_gpu(dev, &op, &ins, &outs, &mut []);
+        for (a, b) in got.iter().zip(&again) {
+            assert_eq!(bits(a), bits(b), "{what}: two runs differ");
+        }
+    }
 }
 
 /// RoundBf16 (the plain and the column-summing kernel) bit for bit against the CPU's

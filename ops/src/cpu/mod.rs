@@ -213,6 +213,17 @@ pub fn execute(
         outs[0] = da;
         return Ok(());
     }
+    if matches!(call.op, Op::AttentionGrad { packed: true, .. })
+        && outs.len() == 1
+        && outs[0].dtype() == DType::Bf16
+    {
+        // dqkv in bf16 (a projection's GEMMs read it): the f32 gradient, rounded
+        let mut wide = [Buffer::F32(vec![0.0; outs[0].len()])];
+        execute(call, ins, &mut wide, upd)?;
+        let [dqkv] = wide;
+        outs[0] = cast(&dqkv, DType::Bf16);
+        return Ok(());
+    }
     if matches!(
         call.op,
         Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. }

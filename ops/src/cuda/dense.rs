@@ -19,6 +19,9 @@
 //! order, so the result is deterministic; the pipelined 128x128 tile at batch 1 sums its
 //! 2, 4 or 8 splits inside a thread-block cluster instead (`gemm_bf16p_128x128_k<S>`:
 //! the same fixed order, no partials in memory, no reduction launch).
+//! A bf16 dy beside an f32 operand (AutoInt's dqkv, which its attention gradient writes
+//! in bf16) is read as it is: by the pipelined kernels where they take it, else by the
+//! tall kernels' and the single-launch kernels' `_a16` forms.
 //! Attention runs the FlashAttention-2 kernels of kernels-cuda/attention.cu.
 
 use super::{blocks, CudaPlan, KArg, KernelCall, Operands, SMS};
@@ -95,6 +98,18 @@ pub(crate) const KERNELS: &[&str] = &[
     "attn_fwd_tiny_packed_d64",
     "attn_bwd_tiny_packed_d32",
     "attn_bwd_tiny_packed_d64",
+    "attn_bwd_small_packed_bo_d32",
+    "attn_bwd_small_packed_bo_d64",
+    "attn_bwd_tiny_packed_bo_d32",
+    "attn_bwd_tiny_packed_bo_d64",
+    "gemm_bf16_nn_128x128_a16",
+    "gemm_bf16_nn_64x64_a16",
+    "gemm_bf16_tn_128x128_a16",
+    "gemm_bf16_tn_64x64_a16",
+    "gemm_tall_n64_c_a16",
+    "gemm_tall_n128_c_a16",
+    "gemm_tall_n192_c_a16",
+    "gemm_tall_n256_c_a16",
 ];
 
 /// Sequences up to this long use the attention kernels of 32-row tiles, two heads a CTA
@@ -269,6 +284,18 @@ fn gemm_kernel(ta: bool, tb: bool, big: bool) -> &'static str {
     }
 }
 
+/// The single-launch kernel reading a bf16 A (LinearGradInput's and LinearGradWeight's
+/// layouts).
+fn gemm_kernel_a16(ta: bool, tb: bool, big: bool) -> Option<&'static str> {
+    match (ta, tb, big) {
+        (false, false, true) => Some("gemm_bf16_nn_128x128_a16"),
+        (false, false, false) => Some("gemm_bf16_nn_64x64_a16"),
+        (true, false, true) => Some("gemm_bf16_tn_128x128_a16"),
+        (true, false, false) => Some("gemm_bf16_tn_64x64_a16"),
+        _ => None,
+    }
+}
+
 fn gemm(g: Gemm) -> Result<CudaPlan, String> {
     let mut plan = gemm_any(&g)?;
     // C's bf16 copy: the pipelined kernels write it in their epilogue (one split, or a
@@ -293,13 +320,23 @@ fn gemm_any(g: &Gemm) -> Result<CudaPlan, String> {
     if batch * m * n == 0 {
         return Ok(CudaPlan::default());
     }
-    if g.a_bf16 || g.b_bf16 {
+    // a bf16 A alone (a dy its producer wrote in bf16): the pipelined path where the
+    // GEMM is large enough and its kernels can read A as it is (K a multiple of 64, no
+    // row sums), else the tall or single-launch kernels read it as it is
+    let a16_alone = g.a_bf16 && !g.b_bf16 && gemm_kernel_a16(g.ta, g.tb, false).is_some();
+    if a16_alone {
+        if pipe_tile(&g).is_some() {
+            if let Ok(plan) = gemm_pipe_bf16(&g) {
+                return Ok(plan);
+            }
+        }
+    } else if g.a_bf16 || g.b_bf16 {
         return gemm_pipe_bf16(&g);
     }
     if let Some(plan) = gemm_tall(&g)? {
         return Ok(plan);
     }
-    if let Some(t) = pipe_tile(&g) {
+    if let Some(t) = pipe_tile(&g).filter(|_| !a16_alone) {
         return gemm_pipe(&g, t);
     }
     let (mi, ni, ki) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(k, "K")?);
@@ -334,7 +371,18 @@ fn gemm_any(g: &Gemm) -> Result<CudaPlan, String> {
     let count = batch * m * n;
     let grid = [blocks(m, bm), blocks(n, bn), (splits * batch) as u32];
     let block = [threads, 1, 1];
-    let kernel = gemm_kernel(g.ta, g.tb, big);
+    let kernel = if g.a_bf16 {
+        gemm_kernel_a16(g.ta, g.tb, big).ok_or_else(|| {
+            format!(
+                "a bf16 A with an f32 B has single-launch kernels for dy·w and dyᵀ·x \
+                 (A not transposed and B not transposed, or A transposed), not for \
+                 ta = {}, tb = {}",
+                g.ta, g.tb
+            )
+        })?
+    } else {
+        gemm_kernel(g.ta, g.tb, big)
+    };
     if g.a_row_sums.is_some() && (!g.ta || batch != 1) {
         return Err("row sums of op(A) need a transposed A of batch 1".into());
     }
@@ -412,20 +460,38 @@ const CTA_SMEM: usize = 227 * 1024;
 /// The tall kernels: the most columns each covers, the CTAs an SM holds by their
 /// registers (their launch bounds), and the kernels storing through shared memory (a
 /// float4 a lane, whole 128-byte rows) and straight from the fragments.
-const TALL_KERNELS: [(usize, usize, [&str; 2]); 4] = [
-    (64, 3, ["gemm_tall_n64_c", "gemm_tall_n64"]),
-    (128, 2, ["gemm_tall_n128_c", "gemm_tall_n128"]),
-    (192, 2, ["gemm_tall_n192_c", "gemm_tall_n192"]),
-    (256, 2, ["gemm_tall_n256_c", "gemm_tall_n256"]),
+/// The last: the coalesced kernel reading a bf16 A.
+const TALL_KERNELS: [(usize, usize, [&str; 3]); 4] = [
+    (
+        64,
+        3,
+        ["gemm_tall_n64_c", "gemm_tall_n64", "gemm_tall_n64_c_a16"],
+    ),
+    (
+        128,
+        2,
+        ["gemm_tall_n128_c", "gemm_tall_n128", "gemm_tall_n128_c_a16"],
+    ),
+    (
+        192,
+        2,
+        ["gemm_tall_n192_c", "gemm_tall_n192", "gemm_tall_n192_c_a16"],
+    ),
+    (
+        256,
+        2,
+        ["gemm_tall_n256_c", "gemm_tall_n256", "gemm_tall_n256_c_a16"],
+    ),
 ];
 /// Shared memory of the coalesced store: [16][40] f32 for each of the 8 warps.
 const TALL_STAGE_SMEM: usize = 8 * 16 * 40 * 4;
 
 /// `gemm_tall_n*` for a tall GEMM (batch 1, A not transposed, many rows, N ≤ 256 and K
-/// small enough for two CTAs an SM, each with two 64-row f32 blocks of A and all of op(B)
-/// in shared memory): persistent CTAs, op(B) staged once, the next block of A loading
-/// while this one is multiplied and stored (kernels-cuda/gemm.cu). `None` for every
-/// other GEMM.
+/// small enough for two CTAs an SM, each with two 64-row blocks of A, f32 or bf16, and
+/// all of op(B) in shared memory): persistent CTAs, op(B) staged once, the next block of
+/// A loading while this one is multiplied and stored (kernels-cuda/gemm.cu). A bf16 A
+/// (an f32 B) needs K and lda multiples of 8 (16-byte copies). `None` for every other
+/// GEMM.
 fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     // ERASE_GEMM_TALL=0 leaves tall GEMMs to the other kernels (a way to compare them)
     if std::env::var("ERASE_GEMM_TALL").is_ok_and(|v| v == "0") {
@@ -434,16 +500,20 @@ fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     if g.batch != 1 || g.ta || g.a_row_sums.is_some() || g.m < TALL_MIN_M || g.k == 0 {
         return Ok(None);
     }
+    if g.b_bf16 || (g.a_bf16 && !(g.k.is_multiple_of(8) && g.lda.is_multiple_of(8))) {
+        return Ok(None);
+    }
     let Some(&(nmax, regs_per_sm, kernels)) = TALL_KERNELS.iter().find(|(nmax, ..)| g.n <= *nmax)
     else {
         return Ok(None);
     };
-    // ERASE_GEMM_TALL_STORE=direct stores from the fragments (a way to compare)
-    let direct = std::env::var("ERASE_GEMM_TALL_STORE").is_ok_and(|v| v == "direct");
-    let kernel = kernels[usize::from(direct)];
+    // ERASE_GEMM_TALL_STORE=direct stores from the fragments (a way to compare; f32 A)
+    let direct = !g.a_bf16 && std::env::var("ERASE_GEMM_TALL_STORE").is_ok_and(|v| v == "direct");
+    let kernel = kernels[if g.a_bf16 { 2 } else { usize::from(direct) }];
     let kp = g.k.next_multiple_of(32);
+    let a_size = if g.a_bf16 { 2 } else { 4 };
     let smem =
-        2 * 64 * (kp + 8) * 4 + nmax * (kp + 8) * 2 + if direct { 0 } else { TALL_STAGE_SMEM };
+        2 * 64 * (kp + 8) * a_size + nmax * (kp + 8) * 2 + if direct { 0 } else { TALL_STAGE_SMEM };
     if smem > CTA_SMEM {
         return Ok(None);
     }
@@ -1081,13 +1151,6 @@ fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> 
 /// `[dy, x] -> [dw]`: dw[N,K] = dy[M,N]ᵀ·x[M,K], K-dimension of the GEMM = the M rows.
 fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
     let bf16 = check_gemm_operands(o, 2, 1 + usize::from(bias), &[0, 1])?;
-    if bias && bf16[0] {
-        return Err(
-            "the bias gradient is summed from an f32 dy, not from its bf16 copy \
-                    (RoundBf16 with col_sums sums it)"
-                .into(),
-        );
-    }
     let (n, k) = matrix(o.outs[0], "the weight gradient")?;
     let rows = o.ins[0].rows();
     if o.ins[0].last() != n || o.ins[1].last() != k || o.ins[1].rows() != rows {
@@ -1124,7 +1187,16 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
     // 64 rows for the second pass) or the single-launch kernel stages dy's tiles, else by
     // the column reduction of SumToShape
     // (no input features: the GEMM has no launch to sum in, so SumToShape writes db)
-    let fused = bias && k > 0 && (pipe_tile(&g).is_none() || rows.div_ceil(64) <= 256);
+    // (a bf16 dy with an f32 x: summed by the single-launch kernels reading it)
+    let fused = bias && k > 0 && (bf16[0] || pipe_tile(&g).is_none() || rows.div_ceil(64) <= 256);
+    if bias && bf16[0] && (bf16[1] || k == 0) {
+        // both copies are read by the pipelined kernels, which take no sums
+        return Err(
+            "the bias gradient of a layer with bf16 copies of dy and x comes from \
+             RoundBf16 with col_sums, not from the weight gradient"
+                .into(),
+        );
+    }
     if fused {
         g.a_row_sums = Some(KArg::Out(1));
     }
@@ -1334,8 +1406,19 @@ impl Attn {
     /// q, k and v (or dq, dk, dv) for the kernels: three tensors from operand `first` on,
     /// or pointers 0, H·Dh and 2·H·Dh floats into the one packed operand `first`.
     fn three(&self, arg: fn(usize) -> KArg, at: fn(usize, u64) -> KArg, first: usize) -> [KArg; 3] {
+        self.three_of(arg, at, first, 4)
+    }
+
+    /// [`Attn::three`] for elements of `size` bytes.
+    fn three_of(
+        &self,
+        arg: fn(usize) -> KArg,
+        at: fn(usize, u64) -> KArg,
+        first: usize,
+        size: usize,
+    ) -> [KArg; 3] {
         if self.packed {
-            let w = (self.heads * self.dh * 4) as u64;
+            let w = (self.heads * self.dh * size) as u64;
             [arg(first), at(first, w), at(first, 2 * w)]
         } else {
             [arg(first), arg(first + 1), arg(first + 2)]
@@ -1427,18 +1510,32 @@ fn attention(o: &Operands, heads: usize, causal: bool, packed: bool) -> Result<C
     })
 }
 
-/// `[do, q, k, v, o, lse] -> [dq, dk, dv]` (packed: `[do, qkv, o, lse] -> [dqkv]`): for
-/// S ≤ 64 one fused kernel; else `attn_bwd_prep` (scratch 0 gets D = rowsum(bf16(do)∘o)),
-/// then dk/dv by key tile and dq by query tile.
+/// `[do, q, k, v, o, lse] -> [dq, dk, dv]` (packed: `[do, qkv, o, lse] -> [dqkv]`, dqkv
+/// f32 or bf16): for S ≤ 64 one fused kernel; else `attn_stage_bf16` (q, k, v, do to bf16
+/// scratch, with D = rowsum(bf16(do)∘o)), then dk/dv by key tile and dq by query tile (a
+/// bf16 dqkv: into f32 scratch, then cast).
 fn attention_grad(
     o: &Operands,
     heads: usize,
     causal: bool,
     packed: bool,
 ) -> Result<CudaPlan, String> {
+    // a packed dqkv in bf16: the projection's GEMMs read it (see the autodiff rule)
+    let bf16_out = packed && o.out_dtypes == [DType::Bf16];
     // input positions of o and lse
     let (io, il) = if packed {
-        check_f32(o, 4, 1)?;
+        if bf16_out {
+            check_f32(
+                &Operands {
+                    out_dtypes: &[DType::F32],
+                    ..*o
+                },
+                4,
+                1,
+            )?;
+        } else {
+            check_f32(o, 4, 1)?;
+        }
         if o.ins[0] != o.ins[2] {
             return Err(format!("do {} and o {} differ", o.ins[0], o.ins[2]));
         }
@@ -1459,18 +1556,23 @@ fn attention_grad(
         return Ok(CudaPlan::default());
     }
     let qkv = a.three(KArg::In, KArg::InAt, 1);
-    let [dq, dk, dv] = a.three(KArg::Out, KArg::OutAt, 0);
     if !a.staged() {
         // one tile of queries and keys: D, dk, dv and dq in one CTA per (batch, head)
+        let [dq, dk, dv] = a.three_of(KArg::Out, KArg::OutAt, 0, if bf16_out { 2 } else { 4 });
         let mut args = vec![KArg::In(0)];
         args.extend(qkv);
         args.extend([KArg::In(io), KArg::In(il), dq, dk, dv]);
         args.extend(a.tail(causal));
-        let kernel = a.kernel(if a.tiny() {
+        let stem = if a.tiny() {
             "attn_bwd_tiny"
         } else {
             "attn_bwd_small"
-        })?;
+        };
+        let kernel = if bf16_out {
+            a.kernel_d(&format!("{stem}_packed_bo"))?
+        } else {
+            a.kernel(stem)?
+        };
         return Ok(CudaPlan {
             calls: vec![KernelCall {
                 kernel,
@@ -1506,6 +1608,13 @@ fn attention_grad(
         KArg::Scratch(1),
         KArg::Scratch(0),
     ];
+    // dq, dk, dv: the output, or for a bf16 dqkv f32 scratch 6 (the compute dwarfs the
+    // cast after it at these lengths)
+    let [dq, dk, dv] = if bf16_out {
+        a.three(KArg::Scratch, KArg::ScratchAt, 6)
+    } else {
+        a.three(KArg::Out, KArg::OutAt, 0)
+    };
     let mut dkdv_args = ins.to_vec();
     dkdv_args.extend([dk, dv, a.ldo()]);
     dkdv_args.extend(a.tail(causal));
@@ -1514,14 +1623,21 @@ fn attention_grad(
     dq_args.extend(a.tail(causal));
     let mut scratch = vec![rows * 4; 2];
     scratch.extend([a.bf16_bytes(); 4]);
-    Ok(CudaPlan {
-        calls: vec![
-            stage,
-            a.staged_call("attn_bwd_dkdv_st", dkdv_args)?,
-            a.staged_call("attn_bwd_dq_st", dq_args)?,
-        ],
-        scratch,
-    })
+    let mut calls = vec![
+        stage,
+        a.staged_call("attn_bwd_dkdv_st", dkdv_args)?,
+        a.staged_call("attn_bwd_dq_st", dq_args)?,
+    ];
+    if bf16_out {
+        let n = o.outs[0].numel();
+        scratch.push(n * 4);
+        calls.push(super::misc::cast_f32_bf16_call(
+            KArg::Scratch(6),
+            KArg::Out(0),
+            n,
+        ));
+    }
+    Ok(CudaPlan { calls, scratch })
 }
 
 #[cfg(test)]
@@ -1744,6 +1860,75 @@ mod tests {
         assert!(p.calls.iter().all(|c| !c.kernel.starts_with("gemm_tall")));
     }
 
+    /// AutoInt's dqkv in bf16: its attention gradient writes it with the `_bo` kernels
+    /// (pointers 2 bytes an element apart), the QKV data gradient reads it in the tall
+    /// kernel (K = 192 now fits two CTAs an SM), the weight gradient in the single-launch
+    /// kernel that sums the bias gradient; a long sequence's gradient is cast from f32.
+    #[test]
+    fn a_bf16_dqkv_is_written_and_read_in_bf16() {
+        const F: DType = DType::F32;
+        const B: DType = DType::Bf16;
+        let op = Op::AttentionGrad {
+            heads: 2,
+            causal: false,
+            packed: true,
+        };
+        let (x, qkv, lse): (&[usize], &[usize], &[usize]) =
+            (&[4096, 27, 64], &[4096, 27, 192], &[4096, 2, 27]);
+        let p = plan_typed(&op, &[(x, F), (qkv, F), (x, F), (lse, F)], &[(qkv, B)]).unwrap();
+        assert_eq!(p.calls.len(), 1);
+        let c = &p.calls[0];
+        assert_eq!(c.kernel, "attn_bwd_tiny_packed_bo_d32");
+        assert_eq!(
+            c.args[6..9],
+            [KArg::Out(0), KArg::OutAt(0, 128), KArg::OutAt(0, 256)]
+        );
+        // S = 100: the staged kernels into f32 scratch, then one cast into dqkv
+        let (x, qkv, lse): (&[usize], &[usize], &[usize]) =
+            (&[2, 100, 128], &[2, 100, 384], &[2, 2, 100]);
+        let p = plan_typed(&op, &[(x, F), (qkv, F), (x, F), (lse, F)], &[(qkv, B)]).unwrap();
+        let last = p.calls.last().unwrap();
+        assert_eq!(last.kernel, "ew_cast");
+        assert_eq!(last.args[..2], [KArg::Scratch(6), KArg::Out(0)]);
+        assert_eq!(p.scratch[6], 2 * 100 * 384 * 4);
+        // dk and dv H·Dh and 2·H·Dh floats into it, dq at its start
+        let (dkdv, dq) = (&p.calls[1].args, &p.calls[2].args);
+        assert_eq!(
+            dkdv[6..8],
+            [KArg::ScratchAt(6, 512), KArg::ScratchAt(6, 1024)]
+        );
+        assert_eq!(dq[6], KArg::Scratch(6));
+        let p = plan_typed(
+            &Op::LinearGradInput { relu_mask: false },
+            &[(&[110_592, 192], B), (&[192, 64], F)],
+            &[(&[110_592, 64], F)],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c_a16");
+        assert_eq!(p.calls[0].grid, [2 * SMS as u32, 1, 1]);
+        assert_eq!(
+            p.calls[0].smem as usize,
+            2 * 64 * 200 * 2 + 64 * 200 * 2 + TALL_STAGE_SMEM
+        );
+        // K not a multiple of 8: the single-launch kernel
+        let p = plan_typed(
+            &Op::LinearGradInput { relu_mask: false },
+            &[(&[110_592, 190], B), (&[190, 64], F)],
+            &[(&[110_592, 64], F)],
+        )
+        .unwrap();
+        assert_eq!(p.calls[0].kernel, "gemm_bf16_nn_64x64_a16");
+        let p = plan_typed(
+            &Op::LinearGradWeight { bias: true },
+            &[(&[110_592, 192], B), (&[110_592, 64], F)],
+            &[(&[192, 64], F), (&[192], F)],
+        )
+        .unwrap();
+        assert_eq!(p.calls[0].kernel, "gemm_bf16_tn_64x64_a16");
+        assert_eq!(p.calls[0].args[16], KArg::I32(4));
+    }
+
     #[test]
     fn large_gemms_round_operands_first_and_split_half_waves() {
         // the CTR model's deep-layer weight gradient: 1024 x 1728 outputs over 4096 rows,
@@ -1903,15 +2088,18 @@ mod tests {
         let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
         assert_eq!(names, ["gemm_bf16p_mm_128x128_k2"]);
         assert!(p.scratch.is_empty());
-        // mixed layouts, K not a multiple of 64, and a bias summed from a bf16 dy are
-        // refused, naming the problem
-        let e = plan_typed(
-            &Op::LinearGradWeight { bias: false },
+        // a bf16 dy with an f32 x (mixed layouts for the pipelined kernels): the
+        // single-launch kernel reads dy as it is, and sums the bias gradient from it
+        let p = plan_typed(
+            &Op::LinearGradWeight { bias: true },
             &[(&[4096, 1024], B), (&[4096, 1728], F)],
-            &[(&[1024, 1728], F)],
+            &[(&[1024, 1728], F), (&[1024], F)],
         )
-        .unwrap_err();
-        assert!(e.contains("MN-major"), "{e}");
+        .unwrap();
+        assert_eq!(p.calls[0].kernel, "gemm_bf16_tn_64x64_a16");
+        assert_eq!(p.calls[0].args[16], KArg::I32(4));
+        // K not a multiple of 64 (with no single-launch kernel for a bf16 x), and a bias
+        // summed from bf16 copies of both dy and x, are refused, naming the problem
         // a copy of the weight too: the forward has no rounding launch, the data gradient
         // reads the weight MN-major
         let p = plan_typed(

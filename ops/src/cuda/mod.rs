@@ -25,6 +25,8 @@ pub enum KArg {
     Upd(usize),
     /// Device pointer to the node's scratch buffer `i` (see [`CudaPlan::scratch`]).
     Scratch(usize),
+    /// Device pointer `bytes` into the node's scratch buffer `i`.
+    ScratchAt(usize, u64),
     I32(i32),
     U32(u32),
     I64(i64),
