@@ -638,13 +638,22 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
 // (i64), tb (i32: B stored [N][K] when 1, [K][N] when 0), flags (1 bias, 2 ReLU, 8 the
 // ReLU gradient's mask read through `bias`, as gemm_bf16_*). Grid: x CTAs, any count.
 
+// A thread's chunks of a 64-row block of A: chunk id = tid + 256·i is (row id / cpr,
+// column chunk id % cpr); the first found by division once per kernel, the next ones by
+// adding 256 = dr·cpr + dc (the block loop issues the same chunks for every block; dr
+// and dc found once per block, fewer registers held through the loop).
+struct TallChunks {
+    int r0, c0, cpr;
+    __device__ __forceinline__ TallChunks(int tid, int cpr_) : r0(tid / cpr_), c0(tid % cpr_), cpr(cpr_) {}
+};
+
 // Issues the cp.async copies of A's 64-row block at m0 (all Kp columns; zero past M and
-// K) into dst[64][ld].
+// K) into dst[64][ld], 4 f32 a chunk.
 __device__ __forceinline__ void gemm_tall_stage(float* dst, int ld, const float* __restrict__ A, long long lda,
-                                                int m0, int M, int K, int Kp, bool vec, int tid) {
-    const int cpr = Kp / 4;
-    for (int id = tid; id < 64 * cpr; id += 256) {
-        const int r = id / cpr, c = (id % cpr) * 4;
+                                                int m0, int M, int K, bool vec, const TallChunks& ch) {
+    const int dr = 256 / ch.cpr, dc = 256 - dr * ch.cpr;
+    for (int r = ch.r0, c4 = ch.c0; r < 64;) {
+        const int c = c4 * 4;
         const int gm = m0 + r;
         const uint32_t s = gemm_smem_addr(dst + r * ld + c);
         const bool row_ok = gm < M;
@@ -664,22 +673,34 @@ __device__ __forceinline__ void gemm_tall_stage(float* dst, int ld, const float*
                              : "memory");
             }
         }
+        r += dr;
+        c4 += dc;
+        if (c4 >= ch.cpr) {
+            c4 -= ch.cpr;
+            ++r;
+        }
     }
 }
 
 // The same for a bf16 A (K a multiple of 8, A 16-byte aligned and lda a multiple of 8:
 // the plan checks), 16-byte chunks of 8 elements into dst[64][ld] bf16.
 __device__ __forceinline__ void gemm_tall_stage(__nv_bfloat16* dst, int ld, const __nv_bfloat16* __restrict__ A,
-                                                long long lda, int m0, int M, int K, int Kp, bool, int tid) {
-    const int cpr = Kp / 8;
-    for (int id = tid; id < 64 * cpr; id += 256) {
-        const int r = id / cpr, c = (id % cpr) * 8;
+                                                long long lda, int m0, int M, int K, bool, const TallChunks& ch) {
+    const int dr = 256 / ch.cpr, dc = 256 - dr * ch.cpr;
+    for (int r = ch.r0, c8 = ch.c0; r < 64;) {
+        const int c = c8 * 8;
         const int gm = m0 + r;
         const bool ok = gm < M && c < K;
         const uint32_t s = gemm_smem_addr(dst + r * ld + c);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s),
                      "l"(ok ? A + static_cast<long long>(gm) * lda + c : A), "r"(ok ? 16 : 0)
                      : "memory");
+        r += dr;
+        c8 += dc;
+        if (c8 >= ch.cpr) {
+            c8 -= ch.cpr;
+            ++r;
+        }
     }
 }
 
@@ -772,36 +793,54 @@ __device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const f
     const bool vec = gemm_vec_ok(A, lda);
     const int blocks_m = (M + 63) / 64;
 
+    const TallChunks chunks(tid, Kp / (A16 ? 8 : 4));
     int mb = blockIdx.x;
-    if (mb < blocks_m) gemm_tall_stage(sA, lda_s, A, lda, mb * 64, M, K, Kp, vec, tid);
+    if (mb < blocks_m) gemm_tall_stage(sA, lda_s, A, lda, mb * 64, M, K, vec, chunks);
     gemm_cp_commit();
     // op(B)ᵀ as bf16 [n][k], zero past N and K (ordinary loads, made visible by the
-    // first block's barrier), 16 loads in flight per thread: one at a time, this fixed
-    // cost of every CTA was a chain of L2 latencies as long as several blocks' work.
-    // Consecutive threads take consecutive elements of B's stored rows (coalesced).
-    const int inner = tb ? Kp : NMAX, total = NMAX * Kp;
-    for (int base = tid; base < total; base += 16 * 256) {
-        float v[16];
+    // first block's barrier), lanes along B's stored rows (coalesced), warps across
+    // them, many loads in flight per thread: one at a time, this fixed cost of every CTA
+    // was a chain of L2 latencies as long as several blocks' work. No division: it was
+    // most of the instructions of a CTA that walks a few blocks.
+    auto b_at = [&](int n, int k) -> float {
+        return n < N && k < K
+                   ? __ldg(B + (tb ? static_cast<long long>(n) * ldb + k : static_cast<long long>(k) * ldb + n))
+                   : 0.f;
+    };
+    if (tb) {
+        // B[n·ldb + k]: lanes along k (Kp a multiple of 32), warps take n = warp + 8u,
+        // 16 loads at a time (more spilled registers in the widest kernel)
+        constexpr int U = NMAX / 8 < 16 ? NMAX / 8 : 16;
+        for (int k = lane; k < Kp; k += 32) {
 #pragma unroll
-        for (int u = 0; u < 16; ++u) {
-            const int id = base + u * 256, o = id / inner, i = id % inner;
-            const int n = tb ? o : i, k = tb ? i : o;
-            v[u] = 0.f;
-            if (id < total && n < N && k < K)
-                v[u] = __ldg(B + (tb ? static_cast<long long>(n) * ldb + k : static_cast<long long>(k) * ldb + n));
+            for (int u0 = 0; u0 < NMAX / 8; u0 += U) {
+                float v[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) v[u] = b_at(warp + 8 * (u0 + u), k);
+#pragma unroll
+                for (int u = 0; u < U; ++u) sB[(warp + 8 * (u0 + u)) * ldb_s + k] = __float2bfloat16_rn(v[u]);
+            }
         }
+    } else {
+        // B[k·ldb + n]: lanes along n, warps take k = k0 + 8u (k0 - warp a multiple of 32)
+        for (int k0 = warp; k0 < Kp; k0 += 32) {
+            float v[4][NMAX / 32];
 #pragma unroll
-        for (int u = 0; u < 16; ++u) {
-            const int id = base + u * 256, o = id / inner, i = id % inner;
-            const int n = tb ? o : i, k = tb ? i : o;
-            if (id < total) sB[n * ldb_s + k] = __float2bfloat16_rn(v[u]);
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int j = 0; j < NMAX / 32; ++j) v[u][j] = b_at(lane + 32 * j, k0 + 8 * u);
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int j = 0; j < NMAX / 32; ++j)
+                    sB[(lane + 32 * j) * ldb_s + k0 + 8 * u] = __float2bfloat16_rn(v[u][j]);
         }
     }
 
     for (int it = 0; mb < blocks_m; ++it, mb += gridDim.x) {
         const int next = mb + gridDim.x;
         const AT* a = sA + (it & 1) * 64 * lda_s;
-        if (next < blocks_m) gemm_tall_stage(sA + ((it + 1) & 1) * 64 * lda_s, lda_s, A, lda, next * 64, M, K, Kp, vec, tid);
+        if (next < blocks_m) gemm_tall_stage(sA + ((it + 1) & 1) * 64 * lda_s, lda_s, A, lda, next * 64, M, K, vec, chunks);
         gemm_cp_commit();
         gemm_cp_wait<1>();
         __syncthreads();

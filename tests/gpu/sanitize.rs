@@ -54,6 +54,47 @@ fn sanitize_gemm() {
         let c = run_cpu(&Op::LinearGradWeight { bias: false }, &ins, &outs, &mut []);
         close(&format!("linear dw {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
     }
+    // a bf16 dy read as it is: the single-launch `_a16` kernels (dx, and dw with the bias
+    // gradient), and the tall one (its fewest rows, K a multiple of 8)
+    for (m, n, k) in [(33, 17, 13), (130, 65, 129), (34_000, 16, 8)] {
+        let dy16 = |seed| {
+            let v: Vec<f64> = rand_f32(seed, m * n, -1.0, 1.0)
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            arg(&[m, n], Buffer::from_f64(DType::Bf16, &v))
+        };
+        let w = arg(&[n, k], Buffer::F32(rand_f32(7, n * k, -1.0, 1.0)));
+        let ins = vec![dy16(6), w];
+        let op = Op::LinearGradInput { relu_mask: false };
+        let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(
+            &format!("linear dx, bf16 dy, {m}x{n}x{k}"),
+            &g[0],
+            &c[0],
+            2e-2,
+        );
+        let x = arg(&[m, k], Buffer::F32(rand_f32(8, m * k, -1.0, 1.0)));
+        let ins = vec![dy16(9), x];
+        let op = Op::LinearGradWeight { bias: true };
+        let outs: [(&[usize], DType); 2] = [(&[n, k], DType::F32), (&[n], DType::F32)];
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(
+            &format!("linear dw, bf16 dy, {m}x{n}x{k}"),
+            &g[0],
+            &c[0],
+            2e-2,
+        );
+        close(
+            &format!("linear db, bf16 dy, {m}x{n}x{k}"),
+            &g[1],
+            &c[1],
+            1e-4,
+        );
+    }
 }
 
 #[test]
@@ -132,6 +173,11 @@ fn sanitize_attention() {
         let g = run_gpu(dev, &bop, &bins, &bouts, &mut []);
         let c = run_cpu(&bop, &bins, &bouts, &mut []);
         close("packed attention dqkv", &g[0], &c[0], 5e-2);
+        // dqkv written in bf16
+        let bouts: [(&[usize], DType); 1] = [(&[b, s, 3 * w], DType::Bf16)];
+        let g = run_gpu(dev, &bop, &bins, &bouts, &mut []);
+        let c = run_cpu(&bop, &bins, &bouts, &mut []);
+        close("packed attention dqkv in bf16", &g[0], &c[0], 5e-2);
     }
 }
 
