@@ -633,7 +633,7 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
 // two A buffers of [64][Kp + 8] f32 (Kp = K rounded up to 32: fragment float2 reads
 // conflict-free, rounded to bf16 as they are read) and op(B) as bf16 [NMAX][Kp + 8]
 // (ldmatrix rows). Dynamic shared memory: 2·64·(Kp + 8)·4 + NMAX·(Kp + 8)·2 bytes, and
-// 8·16·40·4 more for `_c` (each warp's [16][40] f32 for the store).
+// 8·16·40·4 + NMAX·4 more for `_c` (each warp's [16][40] f32 for the store, the bias).
 // Arguments: A, B, C, bias (read when flags & 1 or 8), M, N, K (i32), lda, ldb, ldc
 // (i64), tb (i32: B stored [N][K] when 1, [K][N] when 0), flags (1 bias, 2 ReLU, 8 the
 // ReLU gradient's mask read through `bias`, as gemm_bf16_*). Grid: x CTAs, any count.
@@ -745,10 +745,12 @@ __device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* 
 // memory (the fragments' float2 writes hit banks 8g + 2t), then read back a float4 a
 // lane, 4 rows x 128 bytes an instruction (gemm_store4). The direct epilogue writes 8
 // rows x 32 bytes an instruction.
+// A bias (flags & 1) is read from `sbias`, the CTA's shared copy of bias[0 .. NMAX) (zero
+// past N), a float4 a lane, instead of four global loads per stored float4.
 template <int NI>
 __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], float* stage, float* __restrict__ C,
-                                                const float* __restrict__ bias, int M, int N, long long ldc,
-                                                int row0, int col0, int lane, int flags) {
+                                                const float* __restrict__ bias, const float* sbias, int M, int N,
+                                                long long ldc, int row0, int col0, int lane, int flags) {
     static_assert(NI % 4 == 0, "whole 32-column chunks");
     const int g = lane >> 2, t = lane & 3;
     const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
@@ -769,7 +771,14 @@ __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], fl
             const int m = row0 + r, n = col0 + c * 32 + q;
             if (m >= M) continue;
             float v[4] = {x.x, x.y, x.z, x.w};
-            gemm_store4(C, bias, N, ldc, m, n, v, flags, vec);
+            if (flags & 1) {
+                const float4 b = *reinterpret_cast<const float4*>(sbias + n);
+                v[0] += b.x;
+                v[1] += b.y;
+                v[2] += b.z;
+                v[3] += b.w;
+            }
+            gemm_store4(C, bias, N, ldc, m, n, v, flags & ~1, vec);
         }
         __syncwarp();
     }
@@ -836,6 +845,10 @@ __device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const f
                     sB[(lane + 32 * j) * ldb_s + k0 + 8 * u] = __float2bfloat16_rn(v[u][j]);
         }
     }
+    // the coalesced store's bias, after its stage buffers (zero past N)
+    float* sbias = reinterpret_cast<float*>(sB + NMAX * ldb_s) + 8 * 16 * 40;
+    if (COALESCE && (flags & 1))
+        for (int i = tid; i < NMAX; i += 256) sbias[i] = i < N ? __ldg(bias + i) : 0.f;
 
     for (int it = 0; mb < blocks_m; ++it, mb += gridDim.x) {
         const int next = mb + gridDim.x;
@@ -878,7 +891,7 @@ __device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const f
         }
         if constexpr (COALESCE) {
             float* stage = reinterpret_cast<float*>(sB + NMAX * ldb_s) + warp * 16 * 40;
-            gemm_tall_store<NI>(acc, stage, C, bias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
+            gemm_tall_store<NI>(acc, stage, C, bias, sbias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
         } else {
             gemm_epilogue<1, NI>(acc, C, bias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
         }

@@ -483,7 +483,8 @@ const TALL_KERNELS: [(usize, usize, [&str; 3]); 4] = [
         ["gemm_tall_n256_c", "gemm_tall_n256", "gemm_tall_n256_c_a16"],
     ),
 ];
-/// Shared memory of the coalesced store: [16][40] f32 for each of the 8 warps.
+/// Shared memory of the coalesced store: [16][40] f32 for each of the 8 warps (and the
+/// bias, NMAX f32, after them).
 const TALL_STAGE_SMEM: usize = 8 * 16 * 40 * 4;
 
 /// `gemm_tall_n*` for a tall GEMM (batch 1, A not transposed, many rows, N ≤ 256 and K
@@ -512,8 +513,13 @@ fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     let kernel = kernels[if g.a_bf16 { 2 } else { usize::from(direct) }];
     let kp = g.k.next_multiple_of(32);
     let a_size = if g.a_bf16 { 2 } else { 4 };
-    let smem =
-        2 * 64 * (kp + 8) * a_size + nmax * (kp + 8) * 2 + if direct { 0 } else { TALL_STAGE_SMEM };
+    let smem = 2 * 64 * (kp + 8) * a_size
+        + nmax * (kp + 8) * 2
+        + if direct {
+            0
+        } else {
+            TALL_STAGE_SMEM + nmax * 4
+        };
     if smem > CTA_SMEM {
         return Ok(None);
     }
@@ -1821,7 +1827,7 @@ mod tests {
         assert_eq!(c.grid, [2 * SMS as u32, 1, 1]);
         assert_eq!(
             c.smem as usize,
-            2 * 64 * 72 * 4 + 192 * 72 * 2 + TALL_STAGE_SMEM
+            2 * 64 * 72 * 4 + 192 * 72 * 2 + TALL_STAGE_SMEM + 192 * 4
         );
         // its output projection's data gradient: three CTAs an SM; the QKV projection's
         // (K = 192) would leave room for one, so it takes the general kernels
@@ -1909,7 +1915,7 @@ mod tests {
         assert_eq!(p.calls[0].grid, [2 * SMS as u32, 1, 1]);
         assert_eq!(
             p.calls[0].smem as usize,
-            2 * 64 * 200 * 2 + 64 * 200 * 2 + TALL_STAGE_SMEM
+            2 * 64 * 200 * 2 + 64 * 200 * 2 + TALL_STAGE_SMEM + 64 * 4
         );
         // K not a multiple of 8: the single-launch kernel
         let p = plan_typed(
