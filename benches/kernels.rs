@@ -68,7 +68,8 @@ impl Bench<'_> {
         }
     }
 
-    /// `[m,k]·[k,n]` style GEMMs: kind is linear (x·wᵀ+b), dx (dy·w), dw (dyᵀ·x) or mm;
+    /// `[m,k]·[k,n]` style GEMMs: kind is linear (x·wᵀ+b), linear_add (x·wᵀ+b+r), dx
+    /// (dy·w), dw (dyᵀ·x) or mm;
     /// `dy16`: dy is bf16, as the model's op that makes it writes it (the GEMM reads it
     /// as it is; its other operand is f32).
     fn gemm(&mut self, kind: &'static str, m: usize, n: usize, k: usize, dy16: bool) {
@@ -86,6 +87,16 @@ impl Bench<'_> {
                     (Shape::new(&[m, k]), rand(1, m * k, 1.0)),
                     (Shape::new(&[n, k]), rand(2, n * k, 0.1)),
                     (Shape::new(&[n]), rand(3, n, 0.1)),
+                ],
+                vec![(Shape::new(&[m, n]), DType::F32)],
+            ),
+            "linear_add" => (
+                Op::LinearAdd { bias: true },
+                vec![
+                    (Shape::new(&[m, k]), rand(1, m * k, 1.0)),
+                    (Shape::new(&[n, k]), rand(2, n * k, 0.1)),
+                    (Shape::new(&[n]), rand(3, n, 0.1)),
+                    (Shape::new(&[m, n]), rand(4, m * n, 1.0)),
                 ],
                 vec![(Shape::new(&[m, n]), DType::F32)],
             ),
@@ -133,6 +144,7 @@ impl Bench<'_> {
             flops: 2.0 * (m * n * k) as f64,
             bytes: match kind {
                 "dx" | "dw" => dy_bytes + 4.0 * (n * k + m * k) as f64,
+                "linear_add" => 4.0 * (m * k + n * k + 2 * m * n) as f64,
                 _ => 4.0 * (m * k + n * k + m * n) as f64,
             },
             torch: format!("{{\"op\":\"gemm\",\"kind\":\"{kind}\",\"m\":{m},\"n\":{n},\"k\":{k}}}"),
@@ -405,6 +417,10 @@ fn main() {
                 Op::Linear { .. } => {
                     let (x, w) = (s(0), s(1));
                     shapes.insert(("linear", x.rows(), w.dims()[0], w.dims()[1], false));
+                }
+                Op::LinearAdd { .. } => {
+                    let (x, w) = (s(0), s(1));
+                    shapes.insert(("linear_add", x.rows(), w.dims()[0], w.dims()[1], false));
                 }
                 Op::LinearGradInput { .. } => {
                     let (dy, w) = (s(0), s(1));

@@ -636,7 +636,8 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
 // 8·16·40·4 + NMAX·4 more for `_c` (each warp's [16][40] f32 for the store, the bias).
 // Arguments: A, B, C, bias (read when flags & 1 or 8), M, N, K (i32), lda, ldb, ldc
 // (i64), tb (i32: B stored [N][K] when 1, [K][N] when 0), flags (1 bias, 2 ReLU, 8 the
-// ReLU gradient's mask read through `bias`, as gemm_bf16_*). Grid: x CTAs, any count.
+// ReLU gradient's mask read through `bias`, as gemm_bf16_*; 16, `_c` only: the residual R
+// added after the bias), R (C's layout; read when flags & 16). Grid: x CTAs, any count.
 
 // A thread's chunks of a 64-row block of A: chunk id = tid + 256·i is (row id / cpr,
 // column chunk id % cpr); the first found by division once per kernel, the next ones by
@@ -747,10 +748,12 @@ __device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* 
 // rows x 32 bytes an instruction.
 // A bias (flags & 1) is read from `sbias`, the CTA's shared copy of bias[0 .. NMAX) (zero
 // past N), a float4 a lane, instead of four global loads per stored float4.
+// A residual (flags & 16: LinearAdd) is added after the bias, R of C's layout.
 template <int NI>
 __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], float* stage, float* __restrict__ C,
-                                                const float* __restrict__ bias, const float* sbias, int M, int N,
-                                                long long ldc, int row0, int col0, int lane, int flags) {
+                                                const float* __restrict__ bias, const float* sbias,
+                                                const float* __restrict__ R, int M, int N, long long ldc, int row0,
+                                                int col0, int lane, int flags) {
     static_assert(NI % 4 == 0, "whole 32-column chunks");
     const int g = lane >> 2, t = lane & 3;
     const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
@@ -778,7 +781,21 @@ __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], fl
                 v[2] += b.z;
                 v[3] += b.w;
             }
-            gemm_store4(C, bias, N, ldc, m, n, v, flags & ~1, vec);
+            if (flags & 16) {
+                const float* rr = R + static_cast<long long>(m) * ldc + n;
+                if (vec && n + 3 < N) {
+                    const float4 a = __ldcs(reinterpret_cast<const float4*>(rr));
+                    v[0] += a.x;
+                    v[1] += a.y;
+                    v[2] += a.z;
+                    v[3] += a.w;
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (n + e < N) v[e] += __ldg(rr + e);
+                }
+            }
+            gemm_store4(C, bias, N, ldc, m, n, v, flags & ~17, vec);
         }
         __syncwarp();
     }
@@ -788,7 +805,7 @@ template <int NMAX, bool COALESCE, typename AT = float>
 __device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const float* __restrict__ B,
                                                float* __restrict__ C, const float* __restrict__ bias, int M,
                                                int N, int K, long long lda, long long ldb, long long ldc, int tb,
-                                               int flags) {
+                                               int flags, const float* __restrict__ R) {
     constexpr int NI = NMAX / 16;  // n8 tiles of a warp (two warp columns)
     static_assert(NMAX % 32 == 0, "a warp column must be whole 16-column ldmatrix pairs");
     extern __shared__ __align__(16) unsigned char gemm_smem[];
@@ -891,7 +908,7 @@ __device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const f
         }
         if constexpr (COALESCE) {
             float* stage = reinterpret_cast<float*>(sB + NMAX * ldb_s) + warp * 16 * 40;
-            gemm_tall_store<NI>(acc, stage, C, bias, sbias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
+            gemm_tall_store<NI>(acc, stage, C, bias, sbias, R, M, N, ldc, mb * 64 + wm, wn, lane, flags);
         } else {
             gemm_epilogue<1, NI>(acc, C, bias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
         }
@@ -1227,14 +1244,14 @@ ERASE_GEMM_KERNELS_A16(tn, true, false)
     ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                      \
         gemm_tall_n##NMAX(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,   \
                           const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb,   \
-                          long long ldc, int tb, int flags) {                                             \
-        gemm_tall_body<NMAX, false>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags);                    \
+                          long long ldc, int tb, int flags, const float* __restrict__ R) {                \
+        gemm_tall_body<NMAX, false>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags, R);                 \
     }                                                                                                     \
     ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                      \
         gemm_tall_n##NMAX##_c(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, \
                               const float* __restrict__ bias, int M, int N, int K, long long lda,             \
-                              long long ldb, long long ldc, int tb, int flags) {                          \
-        gemm_tall_body<NMAX, true>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags);                     \
+                              long long ldb, long long ldc, int tb, int flags, const float* __restrict__ R) { \
+        gemm_tall_body<NMAX, true>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags, R);                  \
     }
 ERASE_GEMM_TALL_KERNEL(64, 3)
 ERASE_GEMM_TALL_KERNEL(128, 2)
@@ -1248,8 +1265,8 @@ ERASE_GEMM_TALL_KERNEL(256, 2)
     ERASE_KERNEL void __launch_bounds__(256, PER_SM) gemm_tall_n##NMAX##_c_a16(                               \
         const __nv_bfloat16* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,               \
         const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb, long long ldc,      \
-        int tb, int flags) {                                                                                  \
-        gemm_tall_body<NMAX, true>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags);                         \
+        int tb, int flags, const float* __restrict__ R) {                                                     \
+        gemm_tall_body<NMAX, true>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags, R);                      \
     }
 ERASE_GEMM_TALL_KERNEL_A16(64, 3)
 ERASE_GEMM_TALL_KERNEL_A16(128, 2)

@@ -42,6 +42,13 @@ def torch_ms(t):
             w = torch.randn(n, k, device=dev, dtype=bf)
             b = torch.randn(n, device=dev, dtype=bf)
             return timeit(lambda: torch.matmul(x, w.t()) + b)
+        if kind == "linear_add":
+            # a residual connection: the fp32 residual added to the bf16 layer's output
+            x = torch.randn(m, k, device=dev, dtype=bf)
+            w = torch.randn(n, k, device=dev, dtype=bf)
+            b = torch.randn(n, device=dev, dtype=bf)
+            r = torch.randn(m, n, device=dev)
+            return timeit(lambda: r + (torch.matmul(x, w.t()) + b))
         if kind == "dx":
             dy = torch.randn(m, n, device=dev, dtype=bf)
             w = torch.randn(n, k, device=dev, dtype=bf)

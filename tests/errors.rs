@@ -43,6 +43,15 @@ fn shape_mismatch_names_op_node_and_both_operands() {
         e.contains("concat") && e.contains("differ outside axis 0"),
         "{e}"
     );
+    // a residual that is not the layer's output shape
+    let w = g
+        .param("res.weight", &[5, 3], erase::graph::Init::Zeros)
+        .unwrap();
+    let e = g.linear_add_with(a, w, None, a).unwrap_err().to_string();
+    assert!(
+        e.contains("linear_add") && e.contains("'a' [4, 3]") && e.contains("[4, 5]"),
+        "{e}"
+    );
     let q = g.input("q", &[2, 5, 6], DType::F32).unwrap();
     let e = g.attention(q, q, q, 4, false).unwrap_err().to_string();
     assert!(e.contains("attention") && e.contains("4 heads"), "{e}");

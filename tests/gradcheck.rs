@@ -128,6 +128,24 @@ fn linear_and_matmul() {
             let bias = param(g, r, "b", &[n], 1.0);
             g.linear_relu_with(x, w, Some(bias)).unwrap()
         });
+        // the residual's gradient is dy itself; with and without a bias
+        check("linear_add", 40 + t, |g, r| {
+            let (b, s, k, n) = (r.range(1, 5), r.range(1, 3), r.range(1, 9), r.range(1, 7));
+            let x = param(g, r, "x", &[b, s, k], 1.0);
+            let w = param(g, r, "w", &[n, k], 1.0);
+            let bias = param(g, r, "b", &[n], 1.0);
+            let res = param(g, r, "r", &[b, s, n], 1.0);
+            let y = g.linear_add_with(x, w, Some(bias), res).unwrap();
+            // the residual read again downstream: its gradient sums both uses
+            g.mul(y, res).unwrap()
+        });
+        check("linear_add_nobias", 50 + t, |g, r| {
+            let (m, k, n) = (r.range(1, 7), r.range(1, 9), r.range(1, 7));
+            let x = param(g, r, "x", &[m, k], 1.0);
+            let w = param(g, r, "w", &[n, k], 1.0);
+            let res = param(g, r, "r", &[m, n], 1.0);
+            g.linear_add_with(x, w, None, res).unwrap()
+        });
         check("linear_nobias", 10 + t, |g, r| {
             let (m, k, n) = (r.range(1, 7), r.range(1, 9), r.range(1, 7));
             let x = param(g, r, "x", &[m, k], 1.0);

@@ -488,6 +488,51 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     b.contribute(ins[2], db);
                 }
             }
+            Op::LinearAdd { bias } => {
+                // [x, w, b?, r]: dy is r's gradient as it is, and the layer's dy
+                let nb = usize::from(*bias);
+                if needs(2 + nb) {
+                    b.contribute(ins[2 + nb], dy);
+                }
+                if needs(0) {
+                    let dx = b.add1(
+                        Op::LinearGradInput { relu_mask: false },
+                        vec![dy, ins[1]],
+                        shape_of(&b, 0),
+                        format!("{nm}.dx"),
+                        id,
+                    );
+                    b.contribute(ins[0], dx);
+                }
+                let fused_db = *bias && needs(1) && needs(2);
+                if needs(1) {
+                    let mut outs = vec![shape_of(&b, 1)];
+                    if fused_db {
+                        outs.push(shape_of(&b, 2));
+                    }
+                    let g = b.add(
+                        Op::LinearGradWeight { bias: fused_db },
+                        vec![dy, ins[0]],
+                        outs,
+                        format!("{nm}.dw"),
+                        id,
+                    );
+                    b.contribute(ins[1], g[0]);
+                    if fused_db {
+                        b.contribute(ins[2], g[1]);
+                    }
+                }
+                if *bias && needs(2) && !fused_db {
+                    let db = b.add1(
+                        Op::SumToShape,
+                        vec![dy],
+                        shape_of(&b, 2),
+                        format!("{nm}.db"),
+                        id,
+                    );
+                    b.contribute(ins[2], db);
+                }
+            }
             Op::MatMul { ta, tb } => {
                 let (ta, tb) = (*ta, *tb);
                 if needs(0) {

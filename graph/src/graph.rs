@@ -650,7 +650,61 @@ impl Graph {
         self.linear_op(x, w, b, true)
     }
 
-    fn linear_op(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>, relu: bool) -> Result<Tensor> {
+    /// `x·wᵀ (+ b) + r` as one op (`Op::LinearAdd`): a residual connection around a linear
+    /// layer, the sum in the GEMM's epilogue instead of a pass of its own. r has the
+    /// output's shape. A layer large enough for bf16 operand copies
+    /// ([`Graph::set_bf16_copies`]) is built as [`Graph::linear_with`] and [`Graph::add`]
+    /// instead: the same values.
+    pub fn linear_add_with(
+        &mut self,
+        x: Tensor,
+        w: Tensor,
+        b: Option<Tensor>,
+        r: Tensor,
+    ) -> Result<Tensor> {
+        // the layer's own checks, on a Linear node not yet added
+        let (n, k, dt) = self.linear_checks(x, w, b)?;
+        if self.bf16_layer(self.shape(x).rows(), k, n) {
+            let y = self.linear_with(x, w, b)?;
+            return self.add(r, y);
+        }
+        let op = "linear_add";
+        let mut d = self.shape(x).dims().to_vec();
+        *d.last_mut().unwrap_or(&mut 0) = n;
+        let y_shape = Shape(d);
+        if self.dtype(r) != dt {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "residual {} is not of input {}'s type",
+                    self.desc(r),
+                    self.desc(x)
+                ),
+            ));
+        }
+        if self.shape(r) != &y_shape {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "residual {} must have the layer's output shape {y_shape}",
+                    self.desc(r)
+                ),
+            ));
+        }
+        let mut all = vec![x, w];
+        all.extend(b);
+        all.push(r);
+        Ok(self.add1(Op::LinearAdd { bias: b.is_some() }, all, y_shape, dt))
+    }
+
+    /// The input checks of a linear layer: float operands, a matrix weight whose K is x's
+    /// last dim, a bias of the weight's N. Returns (N, K) and the type.
+    fn linear_checks(
+        &self,
+        x: Tensor,
+        w: Tensor,
+        b: Option<Tensor>,
+    ) -> Result<(usize, usize, DType)> {
         let op = "linear";
         let mut all = vec![x, w];
         all.extend(b);
@@ -684,6 +738,14 @@ impl Graph {
                 ));
             }
         }
+        Ok((n, k, dt))
+    }
+
+    fn linear_op(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>, relu: bool) -> Result<Tensor> {
+        let (n, k, dt) = self.linear_checks(x, w, b)?;
+        let xs = self.shape(x).clone();
+        let mut all = vec![x, w];
+        all.extend(b);
         let mut out = xs.dims().to_vec();
         *out.last_mut().unwrap_or(&mut 0) = n;
         let op = Op::Linear {

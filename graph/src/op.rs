@@ -53,6 +53,12 @@ pub enum Op {
         bias: bool,
         relu: bool,
     },
+    /// `[x, w, b?, r] -> [y]`: `y = (x·wᵀ (+ b)) + r`, r of y's shape: a linear layer and
+    /// the residual added to its output, rounded as `Linear` then `Add` (the sum in the
+    /// GEMM's epilogue where the kernel can, no pass of its own over y).
+    LinearAdd {
+        bias: bool,
+    },
     /// `[a, b] -> [c]`: matrix product of the last two dims (optional equal leading batch
     /// dim), `op(a)·op(b)` where `op` transposes when its flag is set.
     MatMul {
@@ -259,6 +265,7 @@ impl Op {
             Op::Leaf(Leaf::State) => "state",
             Op::Leaf(Leaf::Const(_)) => "const",
             Op::Linear { .. } => "linear",
+            Op::LinearAdd { .. } => "linear_add",
             Op::MatMul { .. } => "matmul",
             Op::Add => "add",
             Op::Mul => "mul",

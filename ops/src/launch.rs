@@ -77,6 +77,17 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             ins[1].dims()[0],
             ins[1].dims()[1],
         ),
+        Op::LinearAdd { .. } => {
+            // the layer, and the residual read in its epilogue
+            let mut s = gemm(
+                "gemm_linear",
+                ins[0].rows(),
+                ins[1].dims()[0],
+                ins[1].dims()[1],
+            );
+            s.bytes += out_bytes;
+            s
+        }
         Op::LinearGradInput { .. } => gemm(
             "gemm_linear_dx",
             ins[0].rows(),

@@ -614,8 +614,8 @@ fn autoint(g: &mut Graph, e: Tensor, p: &AutoIntParams, cfg: &CtrConfig) -> Resu
         // q, k, v read in place from the projection: head h in columns h·dh..(h+1)·dh of
         // each third of qkv, and of the output
         let a = g.attention_packed(qkv, cfg.heads, false)?;
-        let o = linear(g, a, p.o[l])?;
-        let s = g.add(x, o)?;
+        // x + (a·Woᵀ + bo): the residual added in the projection's epilogue
+        let s = g.linear_add_with(a, p.o[l].w, p.o[l].b, x)?;
         x = g.layer_norm_with(s, p.ln[l].gamma, p.ln[l].beta, LAYER_NORM_EPS)?;
     }
     let xf = g.flatten(x)?;

@@ -218,6 +218,49 @@ fn check_linear(
     }
 }
 
+/// LinearAdd, y = x·wᵀ (+ b) + r, against the bf16 reference plus r: the tall kernels (the
+/// residual added as they store; AutoInt's output projection, rows not a multiple of 64,
+/// N not a multiple of 4) and the other paths (a GEMM into scratch, then an add launch).
+#[test]
+fn linear_add_matches_the_bf16_reference() {
+    let Some(dev) = device("linear_add_matches_the_bf16_reference") else {
+        return;
+    };
+    let cases: &[(&[usize], usize, usize, bool)] = &[
+        (&[1300, 27], 64, 64, true),
+        (&[34_001], 62, 40, false),
+        (&[300], 40, 65, false),
+        (&[2049], 1100, 65, true),
+    ];
+    for (i, &(lead, n, k, bias)) in cases.iter().enumerate() {
+        let seed = 1700 + 10 * i as u64;
+        let m: usize = lead.iter().product();
+        let xshape: Vec<usize> = lead.iter().copied().chain([k]).collect();
+        let yshape: Vec<usize> = lead.iter().copied().chain([n]).collect();
+        let (x, xv) = f32_arg(&xshape, seed, -1.0, 1.0);
+        let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let (r, rv) = f32_arg(&yshape, seed + 3, -4.0, 4.0);
+        let mut ins = vec![x, w];
+        if bias {
+            ins.push(b);
+        }
+        ins.push(r);
+        let outs: [(&[usize], DType); 1] = [(&yshape, DType::F32)];
+        let (y, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, bias.then_some(&bv[..]));
+        // plus the residual, and the f32 rounding of that sum
+        let want: Vec<f64> = y.iter().zip(&rv).map(|(a, &b)| a + f64::from(b)).collect();
+        let tol: Vec<f64> = tol
+            .iter()
+            .zip(&want)
+            .map(|(t, w)| t + 2f64.powi(-23) * w.abs())
+            .collect();
+        let got = run_gpu(dev, &Op::LinearAdd { bias }, &ins, &outs, &mut []);
+        let what = format!("linear_add {lead:?}x{k} -> {n} bias {bias}");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+    }
+}
+
 /// `max(x, 0)` elementwise when `relu`.
 fn relu_if(relu: bool, x: &[f64]) -> Vec<f64> {
     x.iter()

@@ -54,6 +54,21 @@ fn sanitize_gemm() {
         let c = run_cpu(&Op::LinearGradWeight { bias: false }, &ins, &outs, &mut []);
         close(&format!("linear dw {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
     }
+    // LinearAdd: the residual added by the tall kernel's store, or by a launch after the
+    // GEMM (which writes to scratch)
+    for (m, n, k) in [(33, 17, 13), (34_000, 16, 8)] {
+        let ins = vec![
+            arg(&[m, k], Buffer::F32(rand_f32(10, m * k, -1.0, 1.0))),
+            arg(&[n, k], Buffer::F32(rand_f32(11, n * k, -1.0, 1.0))),
+            arg(&[n], Buffer::F32(rand_f32(12, n, -1.0, 1.0))),
+            arg(&[m, n], Buffer::F32(rand_f32(13, m * n, -1.0, 1.0))),
+        ];
+        let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+        let op = Op::LinearAdd { bias: true };
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(&format!("linear_add {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
+    }
     // a bf16 dy read as it is: the single-launch `_a16` kernels (dx, and dw with the bias
     // gradient), and the tall one (its fewest rows, K a multiple of 8)
     for (m, n, k) in [(33, 17, 13), (130, 65, 129), (34_000, 16, 8)] {

@@ -392,6 +392,7 @@ fn exec_typed<T: Elem>(
     // f32), q, k, v of attention, and do, q, k, v of its backward
     let rounded_inputs = match call.op {
         Op::Linear { .. }
+        | Op::LinearAdd { .. }
         | Op::LinearGradInput { .. }
         | Op::LinearGradWeight { .. }
         | Op::MatMul { .. } => 2,
@@ -449,6 +450,25 @@ fn exec_inner<T: Elem>(
                 y.iter_mut().for_each(|v| {
                     *v = if *v > T::ZERO { *v } else { T::ZERO };
                 });
+            }
+        }
+        Op::LinearAdd { bias } => {
+            // the layer's output, then the residual added to it (as Linear, then Add)
+            let (x, w) = (get::<T>(ins[0], "input")?, get::<T>(ins[1], "weight")?);
+            let b = if *bias {
+                Some(get::<T>(ins[2], "bias")?)
+            } else {
+                None
+            };
+            let r = get::<T>(ins[2 + usize::from(*bias)], "residual")?;
+            let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
+            let y = out(&mut outs[0])?;
+            if r.len() != y.len() {
+                return Err(format!("residual has {} elements, y {}", r.len(), y.len()));
+            }
+            kernels::linear(x, w, b, y, ish(0).rows(), k, n);
+            for (v, &a) in y.iter_mut().zip(r) {
+                *v += a;
             }
         }
         Op::LinearGradInput { relu_mask } => {

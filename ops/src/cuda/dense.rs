@@ -130,6 +130,7 @@ const GRID_YZ: usize = 65_535;
 pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
     let p = match op {
         Op::Linear { bias, relu } => linear(o, *bias, *relu),
+        Op::LinearAdd { bias } => linear_add(o, *bias),
         Op::LinearGradInput { relu_mask } => linear_grad_input(o, *relu_mask),
         Op::LinearGradWeight { bias } => linear_grad_weight(o, *bias),
         Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
@@ -249,6 +250,9 @@ struct Gemm {
     /// the epilogue of a `_c` or `_kmc` pipelined kernel, else by a cast launch after the
     /// GEMM.
     copy: Option<KArg>,
+    /// A residual of C's layout added after the bias (LinearAdd): by the tall kernels'
+    /// store, else by an add launch after the GEMM (which then writes to scratch).
+    residual: Option<KArg>,
 }
 
 impl Gemm {
@@ -298,6 +302,27 @@ fn gemm_kernel_a16(ta: bool, tb: bool, big: bool) -> Option<&'static str> {
 
 fn gemm(g: Gemm) -> Result<CudaPlan, String> {
     let mut plan = gemm_any(&g)?;
+    // the residual: the tall kernels add it as they store C (a launch names it); any
+    // other path writes C to scratch and adds it in a launch of its own
+    if let Some(r) = g.residual {
+        if g.copy.is_some() {
+            return Err("a GEMM with a residual writes no bf16 copy".into());
+        }
+        if !plan.calls.iter().any(|c| c.args.contains(&r)) {
+            let tmp = KArg::Scratch(plan.scratch.len());
+            let count = g.batch * g.m * g.n;
+            plan.scratch.push(count * 4);
+            for c in &mut plan.calls {
+                for a in &mut c.args {
+                    if *a == KArg::Out(0) {
+                        *a = tmp;
+                    }
+                }
+            }
+            plan.calls
+                .push(super::misc::add_call(tmp, r, KArg::Out(0), count));
+        }
+    }
     // C's bf16 copy: the pipelined kernels write it in their epilogue (one split, or a
     // cluster), any other path casts C after the GEMM
     if let Some(copy) = g.copy {
@@ -508,8 +533,11 @@ fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     else {
         return Ok(None);
     };
-    // ERASE_GEMM_TALL_STORE=direct stores from the fragments (a way to compare; f32 A)
-    let direct = !g.a_bf16 && std::env::var("ERASE_GEMM_TALL_STORE").is_ok_and(|v| v == "direct");
+    // ERASE_GEMM_TALL_STORE=direct stores from the fragments (a way to compare; f32 A,
+    // no residual)
+    let direct = !g.a_bf16
+        && g.residual.is_none()
+        && std::env::var("ERASE_GEMM_TALL_STORE").is_ok_and(|v| v == "direct");
     let kernel = kernels[if g.a_bf16 { 2 } else { usize::from(direct) }];
     let kp = g.k.next_multiple_of(32);
     let a_size = if g.a_bf16 { 2 } else { 4 };
@@ -550,7 +578,8 @@ fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
                 i64_of(g.ldb),
                 i64_of(g.n),
                 KArg::I32(i32::from(g.tb)),
-                KArg::I32(g.flags()),
+                KArg::I32(g.flags() | if g.residual.is_some() { 16 } else { 0 }),
+                g.residual.unwrap_or(g.a),
             ],
         }],
         scratch: vec![],
@@ -1106,6 +1135,49 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
         a_bf16: bf16[0],
         b_bf16: bf16[1],
         copy: copy.then_some(KArg::Out(1)),
+        residual: None,
+    })
+}
+
+/// `[x, w, b?, r] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b) + r, f32 operands.
+fn linear_add(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
+    let nb = usize::from(bias);
+    check_f32(o, 3 + nb, 1)?;
+    let (n, k) = matrix(o.ins[1], "the weight")?;
+    if o.ins[0].last() != k || (bias && o.ins[2].numel() != n) {
+        return Err(format!(
+            "input {} or bias does not match weight [{n}, {k}]",
+            o.ins[0]
+        ));
+    }
+    if o.ins[2 + nb] != o.outs[0] {
+        return Err(format!(
+            "the residual {} is not the output's shape {}",
+            o.ins[2 + nb],
+            o.outs[0]
+        ));
+    }
+    gemm(Gemm {
+        ta: false,
+        tb: true,
+        batch: 1,
+        m: o.ins[0].rows(),
+        n,
+        k,
+        a: KArg::In(0),
+        b: KArg::In(1),
+        bias: bias.then_some(KArg::In(2)),
+        relu: false,
+        mask: None,
+        a_row_sums: None,
+        lda: k,
+        ldb: k,
+        batch_a: 0,
+        batch_b: 0,
+        a_bf16: false,
+        b_bf16: false,
+        copy: None,
+        residual: Some(KArg::In(2 + nb)),
     })
 }
 
@@ -1151,6 +1223,7 @@ fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> 
         a_bf16: bf16[0],
         b_bf16: bf16[1],
         copy: copy.then_some(KArg::Out(1)),
+        residual: None,
     })
 }
 
@@ -1188,6 +1261,7 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
         a_bf16: bf16[0],
         b_bf16: bf16[1],
         copy: None,
+        residual: None,
     };
     // db = dy's column sums: while the pipelined path rounds dyᵀ (at most 256 partials of
     // 64 rows for the second pass) or the single-launch kernel stages dy's tiles, else by
@@ -1262,6 +1336,7 @@ fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
         a_bf16: false,
         b_bf16: false,
         copy: None,
+        residual: None,
     })
 }
 
@@ -1864,6 +1939,50 @@ mod tests {
         )
         .unwrap();
         assert!(p.calls.iter().all(|c| !c.kernel.starts_with("gemm_tall")));
+    }
+
+    /// LinearAdd: the tall kernel adds the residual as it stores (flag 16, the residual
+    /// its last argument); a GEMM on any other path writes to scratch and an add launch
+    /// sums it with the residual into the output.
+    #[test]
+    fn a_residual_is_added_by_the_tall_store_or_a_launch_after() {
+        let op = Op::LinearAdd { bias: true };
+        let p = plan_of(
+            &op,
+            &[&[4096, 27, 64], &[64, 64], &[64], &[4096, 27, 64]],
+            &[&[4096, 27, 64]],
+        )
+        .unwrap();
+        assert_eq!(p.calls.len(), 1);
+        let c = &p.calls[0];
+        assert_eq!(c.kernel, "gemm_tall_n64_c");
+        assert_eq!(c.args[11], KArg::I32(1 | 16));
+        assert_eq!(c.args[12], KArg::In(3));
+        assert_eq!(c.args[2], KArg::Out(0));
+        let p = plan_of(
+            &op,
+            &[&[300, 64], &[64, 64], &[64], &[300, 64]],
+            &[&[300, 64]],
+        )
+        .unwrap();
+        let last = p.calls.last().unwrap();
+        assert_eq!(last.kernel, "ew_add");
+        assert_eq!(
+            last.args[..3],
+            [KArg::Scratch(0), KArg::In(3), KArg::Out(0)]
+        );
+        assert_eq!(p.scratch, [300 * 64 * 4]);
+        assert!(p.calls[..p.calls.len() - 1]
+            .iter()
+            .all(|c| !c.args.contains(&KArg::Out(0))));
+        // a residual of another shape is refused
+        let e = plan_of(
+            &op,
+            &[&[300, 64], &[64, 64], &[64], &[300, 32]],
+            &[&[300, 64]],
+        )
+        .unwrap_err();
+        assert!(e.contains("residual"), "{e}");
     }
 
     /// AutoInt's dqkv in bf16: its attention gradient writes it with the `_bo` kernels

@@ -213,6 +213,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
     let p = match op {
         Op::Leaf(_)
         | Op::Linear { .. }
+        | Op::LinearAdd { .. }
         | Op::LinearGradInput { .. }
         | Op::LinearGradWeight { .. }
         | Op::MatMul { .. }
@@ -511,6 +512,11 @@ fn cast(op: &Op, o: &Operands, to: DType) -> Result<CudaPlan, String> {
 }
 
 /// `dst = bf16(src)` over `n` f32 elements (ew_cast).
+/// `y = a + b` over n f32 elements of one shape (`ew_add`).
+pub(crate) fn add_call(a: KArg, b: KArg, y: KArg, n: usize) -> KernelCall {
+    ew("ew_add", n, vec![a, b, y, n64(n), n64(n)])
+}
+
 pub(crate) fn cast_f32_bf16_call(src: KArg, dst: KArg, n: usize) -> KernelCall {
     ew("ew_cast", n, vec![src, dst, n64(n), I32(0), I32(1)])
 }
