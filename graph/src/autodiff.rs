@@ -176,6 +176,45 @@ impl Builder<'_> {
         }
     }
 
+    /// A linear layer's weight gradient, with the bias gradient (of `bias`, the bias the
+    /// layer still owes one) from the same pass over dy when both are wanted, else the
+    /// bias gradient by a reduction of its own. `dy` is [what the GEMM reads (dy or its
+    /// bf16 copy), what the reduction reads].
+    #[allow(clippy::too_many_arguments)]
+    fn weight_grads(
+        &mut self,
+        nm: &str,
+        id: NodeId,
+        dy: [Tensor; 2],
+        x: Tensor,
+        w: Tensor,
+        bias: Option<Tensor>,
+        req: &[bool],
+    ) {
+        let bias = bias.filter(|t| req[t.index()]);
+        let fused_db = bias.is_some() && req[w.index()];
+        if req[w.index()] {
+            let mut outs = vec![self.g.shape(w).clone()];
+            outs.extend(bias.filter(|_| fused_db).map(|t| self.g.shape(t).clone()));
+            let g = self.add(
+                Op::LinearGradWeight { bias: fused_db },
+                vec![dy[0], x],
+                outs,
+                format!("{nm}.dw"),
+                id,
+            );
+            self.contribute(w, g[0]);
+            if let (true, Some(t)) = (fused_db, bias) {
+                self.contribute(t, g[1]);
+            }
+        }
+        if let (false, Some(t)) = (fused_db, bias) {
+            let s = self.g.shape(t).clone();
+            let db = self.add1(Op::SumToShape, vec![dy[1]], s, format!("{nm}.db"), id);
+            self.contribute(t, db);
+        }
+    }
+
     /// Reduces `dy` to `target`'s shape when `target` was broadcast.
     fn unbroadcast(&mut self, dy: Tensor, target: Tensor, name: String, origin: NodeId) -> Tensor {
         let ts = self.g.shape(target).clone();
@@ -457,36 +496,8 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     );
                     b.contribute(ins[0], dx[usize::from(below)]);
                 }
-                // the bias gradient from the weight gradient's own pass over dy when both
-                // are wanted, else a reduction of its own
-                let fused_db = *bias && needs(1) && needs(2) && !db_done;
-                if needs(1) {
-                    let mut outs = vec![shape_of(&b, 1)];
-                    if fused_db {
-                        outs.push(shape_of(&b, 2));
-                    }
-                    let g = b.add(
-                        Op::LinearGradWeight { bias: fused_db },
-                        vec![dy_gemm, ins[0]],
-                        outs,
-                        format!("{nm}.dw"),
-                        id,
-                    );
-                    b.contribute(ins[1], g[0]);
-                    if fused_db {
-                        b.contribute(ins[2], g[1]);
-                    }
-                }
-                if *bias && needs(2) && !fused_db && !db_done {
-                    let db = b.add1(
-                        Op::SumToShape,
-                        vec![dy],
-                        shape_of(&b, 2),
-                        format!("{nm}.db"),
-                        id,
-                    );
-                    b.contribute(ins[2], db);
-                }
+                let owed = (*bias && !db_done).then(|| ins[2]);
+                b.weight_grads(&nm, id, [dy_gemm, dy], ins[0], ins[1], owed, &req);
             }
             Op::LinearAdd { bias } => {
                 // [x, w, b?, r]: dy is r's gradient as it is, and the layer's dy
@@ -504,34 +515,15 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
                     );
                     b.contribute(ins[0], dx);
                 }
-                let fused_db = *bias && needs(1) && needs(2);
-                if needs(1) {
-                    let mut outs = vec![shape_of(&b, 1)];
-                    if fused_db {
-                        outs.push(shape_of(&b, 2));
-                    }
-                    let g = b.add(
-                        Op::LinearGradWeight { bias: fused_db },
-                        vec![dy, ins[0]],
-                        outs,
-                        format!("{nm}.dw"),
-                        id,
-                    );
-                    b.contribute(ins[1], g[0]);
-                    if fused_db {
-                        b.contribute(ins[2], g[1]);
-                    }
-                }
-                if *bias && needs(2) && !fused_db {
-                    let db = b.add1(
-                        Op::SumToShape,
-                        vec![dy],
-                        shape_of(&b, 2),
-                        format!("{nm}.db"),
-                        id,
-                    );
-                    b.contribute(ins[2], db);
-                }
+                b.weight_grads(
+                    &nm,
+                    id,
+                    [dy, dy],
+                    ins[0],
+                    ins[1],
+                    bias.then(|| ins[2]),
+                    &req,
+                );
             }
             Op::MatMul { ta, tb } => {
                 let (ta, tb) = (*ta, *tb);
