@@ -37,6 +37,10 @@
 // bytes; the model's small shapes (K = 13..351, N small) are memory-bound and run these
 // single-launch kernels.
 //
+// A bf16 A beside an f32 B (a dy the op that made it wrote in bf16: AutoInt's dqkv) has
+// `_a16` forms of the nn and tn kernels, which stage its tiles as they are (and sum a
+// transposed A's columns from the bf16 values).
+//
 // Tall GEMMs (many rows, N ≤ 256, small K) take `gemm_tall_n*` (see gemm_tall_body).
 // Large GEMMs (ops/src/cuda/dense.rs decides) take the pipelined path instead: the
 // operands are rounded to bf16 once, by `gemm_to_bf16` / `gemm_to_bf16_t`, into K-major
@@ -627,12 +631,16 @@ __device__ __forceinline__ void gemm_pipe_body(const __nv_bfloat16* __restrict__
 // flight through cp.async before block j is multiplied and stored, so the loads of the
 // next block overlap the mma and the stores of this one. A is read from DRAM once and
 // each of its elements rounded once per warp column (two warp columns). The `_c` form
-// stores through shared memory (gemm_tall_store), the plain one from the fragments.
+// stores through shared memory (gemm_tall_store), the plain one from the fragments;
+// `_c_a16` is the `_c` form for a bf16 A, staged as it is (ldmatrix fragments), half the
+// shared memory for A. The kernels are latency-bound (16 warps an SM): the block loop
+// keeps its integer work small (no division), and the bias is read from shared memory.
 //
 // 256 threads: 4 warps along M (16 rows each) x 2 along N (NMAX/2 columns each). Shared:
 // two A buffers of [64][Kp + 8] f32 (Kp = K rounded up to 32: fragment float2 reads
-// conflict-free, rounded to bf16 as they are read) and op(B) as bf16 [NMAX][Kp + 8]
-// (ldmatrix rows). Dynamic shared memory: 2·64·(Kp + 8)·4 + NMAX·(Kp + 8)·2 bytes, and
+// conflict-free, rounded to bf16 as they are read; bf16 for `_a16`) and op(B) as bf16
+// [NMAX][Kp + 8] (ldmatrix rows). Dynamic shared memory: 2·64·(Kp + 8)·4 (·2 for `_a16`)
+// + NMAX·(Kp + 8)·2 bytes, and
 // 8·16·40·4 + NMAX·4 more for `_c` (each warp's [16][40] f32 for the store, the bias).
 // Arguments: A, B, C, bias (read when flags & 1 or 8), M, N, K (i32), lda, ldb, ldc
 // (i64), tb (i32: B stored [N][K] when 1, [K][N] when 0), flags (1 bias, 2 ReLU, 8 the
