@@ -213,6 +213,30 @@ pub fn execute(
         outs[0] = da;
         return Ok(());
     }
+    if let Op::LinearAdd { bias } = call.op {
+        // the layer, then the residual added to its output: Linear, then Add
+        let n = 2 + usize::from(*bias);
+        let (Some(r), Some(&r_shape)) = (ins.get(n), call.in_shapes.get(n)) else {
+            return Err(err(format!("expected {} inputs", n + 1)));
+        };
+        let linear = Op::Linear {
+            bias: *bias,
+            relu: false,
+        };
+        let layer = NodeCall {
+            op: &linear,
+            in_shapes: call.in_shapes[..n].to_vec(),
+            ..call.first_outputs(1)
+        };
+        execute(&layer, &ins[..n], outs, upd)?;
+        let y = outs[0].clone();
+        let add = NodeCall {
+            op: &Op::Add,
+            in_shapes: vec![call.out_shapes[0], r_shape],
+            ..call.first_outputs(1)
+        };
+        return execute(&add, &[&y, r], outs, upd);
+    }
     if matches!(call.op, Op::AttentionGrad { packed: true, .. })
         && outs.len() == 1
         && outs[0].dtype() == DType::Bf16
@@ -392,7 +416,6 @@ fn exec_typed<T: Elem>(
     // f32), q, k, v of attention, and do, q, k, v of its backward
     let rounded_inputs = match call.op {
         Op::Linear { .. }
-        | Op::LinearAdd { .. }
         | Op::LinearGradInput { .. }
         | Op::LinearGradWeight { .. }
         | Op::MatMul { .. } => 2,
@@ -450,25 +473,6 @@ fn exec_inner<T: Elem>(
                 y.iter_mut().for_each(|v| {
                     *v = if *v > T::ZERO { *v } else { T::ZERO };
                 });
-            }
-        }
-        Op::LinearAdd { bias } => {
-            // the layer's output, then the residual added to it (as Linear, then Add)
-            let (x, w) = (get::<T>(ins[0], "input")?, get::<T>(ins[1], "weight")?);
-            let b = if *bias {
-                Some(get::<T>(ins[2], "bias")?)
-            } else {
-                None
-            };
-            let r = get::<T>(ins[2 + usize::from(*bias)], "residual")?;
-            let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
-            let y = out(&mut outs[0])?;
-            if r.len() != y.len() {
-                return Err(format!("residual has {} elements, y {}", r.len(), y.len()));
-            }
-            kernels::linear(x, w, b, y, ish(0).rows(), k, n);
-            for (v, &a) in y.iter_mut().zip(r) {
-                *v += a;
             }
         }
         Op::LinearGradInput { relu_mask } => {
