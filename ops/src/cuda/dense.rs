@@ -129,8 +129,8 @@ const GRID_YZ: usize = 65_535;
 
 pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
     let p = match op {
-        Op::Linear { bias, relu } => linear(o, *bias, *relu),
-        Op::LinearAdd { bias } => linear_add(o, *bias),
+        Op::Linear { bias, relu } => linear(o, *bias, *relu, false),
+        Op::LinearAdd { bias } => linear(o, *bias, false, true),
         Op::LinearGradInput { relu_mask } => linear_grad_input(o, *relu_mask),
         Op::LinearGradWeight { bias } => linear_grad_weight(o, *bias),
         Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
@@ -1101,11 +1101,15 @@ fn matrix(s: &Shape, what: &str) -> Result<(usize, usize), String> {
     }
 }
 
-/// `[x, w, b?] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b).
-fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
+/// `[x, w, b?] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b); with `residual` (LinearAdd),
+/// `[x, w, b?, r] -> [y]`: y = x·wᵀ (+ b) + r, f32 operands.
+fn linear(o: &Operands, bias: bool, relu: bool, residual: bool) -> Result<CudaPlan, String> {
+    let nb = usize::from(bias);
     // `[y]`, or `[y, bf16(y)]`: the copy a later GEMM reads, from the same epilogue
     let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
-    let bf16 = check_gemm_operands(o, 2 + usize::from(bias), 1 + usize::from(copy), &[0, 1])?;
+    let bf16_ok: &[usize] = if residual { &[] } else { &[0, 1] };
+    let ins = 2 + nb + usize::from(residual);
+    let bf16 = check_gemm_operands(o, ins, 1 + usize::from(copy), bf16_ok)?;
     let (n, k) = matrix(o.ins[1], "the weight")?;
     if o.ins[0].last() != k {
         return Err(format!(
@@ -1117,6 +1121,13 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
         return Err(format!(
             "bias {} does not match weight [{n}, {k}]",
             o.ins[2]
+        ));
+    }
+    if residual && o.ins[2 + nb] != o.outs[0] {
+        return Err(format!(
+            "the residual {} is not the output's shape {}",
+            o.ins[2 + nb],
+            o.outs[0]
         ));
     }
     let m = o.ins[0].rows();
@@ -1140,49 +1151,7 @@ fn linear(o: &Operands, bias: bool, relu: bool) -> Result<CudaPlan, String> {
         a_bf16: bf16[0],
         b_bf16: bf16[1],
         copy: copy.then_some(KArg::Out(1)),
-        residual: None,
-    })
-}
-
-/// `[x, w, b?, r] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b) + r, f32 operands.
-fn linear_add(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
-    let nb = usize::from(bias);
-    check_f32(o, 3 + nb, 1)?;
-    let (n, k) = matrix(o.ins[1], "the weight")?;
-    if o.ins[0].last() != k || (bias && o.ins[2].numel() != n) {
-        return Err(format!(
-            "input {} or bias does not match weight [{n}, {k}]",
-            o.ins[0]
-        ));
-    }
-    if o.ins[2 + nb] != o.outs[0] {
-        return Err(format!(
-            "the residual {} is not the output's shape {}",
-            o.ins[2 + nb],
-            o.outs[0]
-        ));
-    }
-    gemm(Gemm {
-        ta: false,
-        tb: true,
-        batch: 1,
-        m: o.ins[0].rows(),
-        n,
-        k,
-        a: KArg::In(0),
-        b: KArg::In(1),
-        bias: bias.then_some(KArg::In(2)),
-        relu: false,
-        mask: None,
-        a_row_sums: None,
-        lda: k,
-        ldb: k,
-        batch_a: 0,
-        batch_b: 0,
-        a_bf16: false,
-        b_bf16: false,
-        copy: None,
-        residual: Some(KArg::In(2 + nb)),
+        residual: residual.then_some(KArg::In(2 + nb)),
     })
 }
 
