@@ -154,15 +154,8 @@ impl Graph {
     /// Whether a linear layer of these sizes takes bf16 copies of its operands (see
     /// [`Graph::set_bf16_copies`]).
     pub fn bf16_layer(&self, rows: usize, inputs: usize, outputs: usize) -> bool {
-        let Some(min_flops) = self.bf16_copies else {
-            return false;
-        };
         let ok = |d: usize| d >= 128 && d.is_multiple_of(64);
-        self.float == DType::F32
-            && ok(rows)
-            && ok(inputs)
-            && ok(outputs)
-            && (2 * rows).saturating_mul(inputs).saturating_mul(outputs) >= min_flops
+        ok(rows) && ok(inputs) && ok(outputs) && self.bf16_dy_layer(rows, inputs, outputs)
     }
 
     /// The bf16 copy of the f32 activation `x` (a RoundBf16 node the first time). A
