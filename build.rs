@@ -85,9 +85,14 @@ fn parse_ptxas(report: &str) -> Vec<Resources> {
 /// Kernels whose register cap makes ptxas spill a little, kept because they measured
 /// faster that way than without the cap (on an H200, BENCHMARKS.md "Attention at S = 2048"):
 /// two CTAs an SM hide the cp.async ring's latency better than one CTA without spills.
-/// A spill larger than the bytes listed here still warns.
-const MEASURED_SPILLS: &[(&str, u32)] =
-    &[("attn_bwd_dkdv_st_d64", 116), ("attn_bwd_dq_st_d64", 24)];
+/// The spills sit in the masked form of the loop body (tiles at S's end or on the causal
+/// diagonal); the unmasked form that whole tiles take spills nothing. A spill larger than
+/// the bytes listed here still warns.
+const MEASURED_SPILLS: &[(&str, u32)] = &[
+    ("attn_bwd_dkdv_st_d64", 72),
+    ("attn_bwd_dkdv_st_d32", 20),
+    ("attn_bwd_dq_st_d64", 4),
+];
 
 fn run(cmd: &mut Command, what: &str) -> String {
     let out = cmd

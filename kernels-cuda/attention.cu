@@ -34,6 +34,9 @@
 //   attn_bwd_small_d{32,64} S ≤ 64 (the CTR model's 27 fields): grid (1, H, B), one CTA
 //                          does all three: D, then dK, dV as above, dSᵀ to shared memory
 //                          (bf16), then dQ = dS·K by query rows; no scratch, one launch.
+// A warp's tile whose keys are all < S and, when causal, all at or before its first row
+// (and for dk, dv: whose queries are all < S) takes an unmasked copy of the loop body: no
+// index arithmetic, compares or selects per score, so no spills in the staged backward.
 // Every output element is written by exactly one thread after a fixed-order reduction:
 // no atomics, bit-identical results run to run.
 //
@@ -186,10 +189,12 @@ __device__ __forceinline__ void attn_store_rows(OT* __restrict__ dst, long long 
 }
 
 // One key tile's step of the online softmax for a warp's two rows per thread (row[r]):
-// scores s (scaled here to the exp2 domain, keys past S and, when causal, after the row
-// masked) become probabilities against the running max m; l and the output
-// accumulator are rescaled by exp2(m_old − m_new) first.
-template <int D, int R>
+// raw scores s (with M, keys past S and, when causal, after the row masked; without M the
+// caller knows every key of the tile is seen by every row) become probabilities
+// exp2(s·sl2 − m_new), one fused multiply-add each, against the running max m (kept in the
+// exp2 domain: the raw max times sl2 > 0 is the max of the scaled scores); l and the
+// output accumulator are rescaled by exp2(m_old − m_new) first.
+template <int D, int R, bool M = true>
 __device__ __forceinline__ void attn_softmax_step(float (&s)[R / 8][4], float (&m)[2], float (&l)[2],
                                                   float (&oacc)[D / 8][4], int k0, const int (&row)[2], int S,
                                                   int causal, float sl2, int t) {
@@ -198,16 +203,19 @@ __device__ __forceinline__ void attn_softmax_step(float (&s)[R / 8][4], float (&
     for (int ni = 0; ni < R / 8; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int j = k0 + ni * 8 + 2 * t + (e & 1), r = e >> 1;
-            const bool ok = j < S && (!causal || j <= row[r]);
-            s[ni][e] = ok ? s[ni][e] * sl2 : -INFINITY;
+            const int r = e >> 1;
+            if (M) {
+                const int j = k0 + ni * 8 + 2 * t + (e & 1);
+                const bool ok = j < S && (!causal || j <= row[r]);
+                s[ni][e] = ok ? s[ni][e] : -INFINITY;
+            }
             mt[r] = fmaxf(mt[r], s[ni][e]);
         }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
         mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
-        const float mn = fmaxf(m[r], mt[r]);
+        const float mn = fmaxf(m[r], mt[r] * sl2);
         const float mu = mn == -INFINITY ? 0.f : mn;
         const float alpha = exp2f(m[r] - mu);
         m[r] = mn;
@@ -221,7 +229,7 @@ __device__ __forceinline__ void attn_softmax_step(float (&s)[R / 8][4], float (&
         for (int ni = 0; ni < R / 8; ++ni)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float p = exp2f(s[ni][2 * r + e] - mu);
+                const float p = exp2f(fmaf(s[ni][2 * r + e], sl2, -mu));
                 s[ni][2 * r + e] = p;
                 l[r] += p;
             }
@@ -430,7 +438,11 @@ __device__ __forceinline__ void attn_fwd_st_body(const __nv_bfloat16* __restrict
         attn_zero(s);
         attn_mma_abt<D>(s, qf, sm.t[st][0], lane);
 
-        attn_softmax_step<D, ATTN_ROWS>(s, m, l, oacc, k0, row, S, causal, sl2, t);
+        // a tile every key of which every row of the warp sees needs no mask
+        if (k0 + ATTN_ROWS <= S && (!causal || k0 + ATTN_ROWS - 1 <= q0 + warp * 16))
+            attn_softmax_step<D, ATTN_ROWS, false>(s, m, l, oacc, k0, row, S, causal, sl2, t);
+        else
+            attn_softmax_step<D, ATTN_ROWS, true>(s, m, l, oacc, k0, row, S, causal, sl2, t);
         attn_mma_pt<D>(oacc, s, sm.t[st][1], lane);
     }
 
@@ -443,6 +455,88 @@ __device__ __forceinline__ void attn_fwd_st_body(const __nv_bfloat16* __restrict
     const long long W = static_cast<long long>(H) * D;
     o += static_cast<long long>(b) * S * W + static_cast<long long>(h) * D;
     attn_store_rows<D>(o, W, oacc, q0 + warp * 16, S, 1.f / l[0], 1.f / l[1], lane);
+}
+
+// One query tile (sQ, sdO, with lse·log2 e and D in sL, sD) of attn_bwd_dkdv_st_body's
+// loop for a warp's 16 keys, in parts of C query columns (fewer registers live; each
+// accumulator still adds the query k-steps in order). Without M the caller knows every
+// query of the tile is < S and sees every key.
+template <int D, int C, bool M>
+__device__ __forceinline__ void attn_dkdv_tile(float (&dkacc)[D / 8][4], float (&dvacc)[D / 8][4],
+                                               const uint32_t (&kf)[D / 16][4], const uint32_t (&vf)[D / 16][4],
+                                               __nv_bfloat16 (*sQ)[D + 8], __nv_bfloat16 (*sdO)[D + 8],
+                                               const float* sL, const float* sD, int i0, const int (&key)[2],
+                                               int S, int causal, float sl2, int lane) {
+    const int t = lane & 3;
+#pragma unroll
+    for (int c0 = 0; c0 < ATTN_ROWS; c0 += C) {
+        // Pᵀ (16 keys x C queries) = exp(K·Qᵀ·scale − lse)
+        float p[C / 8][4];
+        attn_zero(p);
+        attn_mma_abt<D, C>(p, kf, sQ + c0, lane);
+#pragma unroll
+        for (int ni = 0; ni < C / 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ci = c0 + ni * 8 + 2 * t + (e & 1);
+                const float pe = exp2f(p[ni][e] * sl2 - sL[ci]);
+                if (M) {
+                    const int i = i0 + ci, j = key[e >> 1];
+                    const bool ok = i < S && j < S && (!causal || j <= i);
+                    p[ni][e] = ok ? pe : 0.f;
+                } else {
+                    p[ni][e] = pe;
+                }
+            }
+        // dV += Pᵀ·dO
+        attn_mma_pt<D, C>(dvacc, p, sdO + c0, lane);
+        // dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D)
+        float dp[C / 8][4];
+        attn_zero(dp);
+        attn_mma_abt<D, C>(dp, vf, sdO + c0, lane);
+#pragma unroll
+        for (int ni = 0; ni < C / 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[ni][e] *= dp[ni][e] - sD[c0 + ni * 8 + 2 * t + (e & 1)];
+        // dK += dSᵀ·Q
+        attn_mma_pt<D, C>(dkacc, p, sQ + c0, lane);
+    }
+}
+
+// One key tile (sK, sV) of attn_bwd_dq_st_body's loop for a warp's 16 queries (row[r],
+// with L = lse·log2 e and D), in parts of C key columns, recomputing P and dP: dQ += dS·K.
+// Without M the caller knows every key of the tile is < S and seen by every row.
+template <int D, int C, bool M>
+__device__ __forceinline__ void attn_dq_tile(float (&dqacc)[D / 8][4], const uint32_t (&qf)[D / 16][4],
+                                             const uint32_t (&dof)[D / 16][4], __nv_bfloat16 (*sK)[D + 8],
+                                             __nv_bfloat16 (*sV)[D + 8], int j0, const int (&row)[2],
+                                             const float (&L)[2], const float (&Di)[2], int S, int causal,
+                                             float sl2, int lane) {
+    const int t = lane & 3;
+#pragma unroll
+    for (int c0 = 0; c0 < ATTN_ROWS; c0 += C) {
+        float p[C / 8][4];
+        attn_zero(p);
+        attn_mma_abt<D, C>(p, qf, sK + c0, lane);
+        float dp[C / 8][4];
+        attn_zero(dp);
+        attn_mma_abt<D, C>(dp, dof, sV + c0, lane);
+#pragma unroll
+        for (int ni = 0; ni < C / 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                float pe = exp2f(p[ni][e] * sl2 - L[r]);
+                if (M) {
+                    const int j = j0 + c0 + ni * 8 + 2 * t + (e & 1), i = row[r];
+                    const bool ok = i < S && j < S && (!causal || j <= i);
+                    pe = ok ? pe : 0.f;
+                }
+                p[ni][e] = pe * (dp[ni][e] - Di[r]);
+            }
+        // dQ += dS·K
+        attn_mma_pt<D, C>(dqacc, p, sK + c0, lane);
+    }
 }
 
 // dK, dV, S > 64: grid (ceil(S/128), H, B), block 256; a warp owns 16 keys and loops over
@@ -459,7 +553,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_st_body(const __nv_bfloat16* __res
                                                       float* __restrict__ dk, float* __restrict__ dv, int ldo,
                                                       int S, int H, int causal, float scale) {
     __shared__ __align__(16) AttnStaged<D> sm;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
     const int h = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * ATTN_ST_ROWS;
     const long long bh = static_cast<long long>(b) * H + h, hb = bh * S * D;
     dO += hb;
@@ -479,7 +573,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_st_body(const __nv_bfloat16* __res
     attn_load_a<D>(kf, sm.own(0), warp * 16, lane);
     attn_load_a<D>(vf, sm.own(1), warp * 16, lane);
 
-    const int key[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
+    const int key0 = j0 + warp * 16, key[2] = {key0 + g, key0 + g + 8};
     float dkacc[D / 8][4], dvacc[D / 8][4];
     attn_zero(dkacc);
     attn_zero(dvacc);
@@ -507,35 +601,11 @@ __device__ __forceinline__ void attn_bwd_dkdv_st_body(const __nv_bfloat16* __res
         const float* sL = sm.row[st][0];
         const float* sD = sm.row[st][1];
 
-        // the tile's queries in parts of C columns (fewer registers live); each
-        // accumulator still adds the query k-steps in order
-#pragma unroll
-        for (int c0 = 0; c0 < ATTN_ROWS; c0 += C) {
-            // Pᵀ (16 keys x C queries) = exp(K·Qᵀ·scale − lse)
-            float p[C / 8][4];
-            attn_zero(p);
-            attn_mma_abt<D, C>(p, kf, sQ + c0, lane);
-#pragma unroll
-            for (int ni = 0; ni < C / 8; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int ci = c0 + ni * 8 + 2 * t + (e & 1), i = i0 + ci, j = key[e >> 1];
-                    const bool ok = i < S && j < S && (!causal || j <= i);
-                    p[ni][e] = ok ? exp2f(p[ni][e] * sl2 - sL[ci]) : 0.f;
-                }
-            // dV += Pᵀ·dO
-            attn_mma_pt<D, C>(dvacc, p, sdO + c0, lane);
-            // dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D)
-            float dp[C / 8][4];
-            attn_zero(dp);
-            attn_mma_abt<D, C>(dp, vf, sdO + c0, lane);
-#pragma unroll
-            for (int ni = 0; ni < C / 8; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) p[ni][e] *= dp[ni][e] - sD[c0 + ni * 8 + 2 * t + (e & 1)];
-            // dK += dSᵀ·Q
-            attn_mma_pt<D, C>(dkacc, p, sQ + c0, lane);
-        }
+        // a tile whose queries are all < S and see all the warp's keys needs no mask
+        if (i0 + ATTN_ROWS <= S && key0 + 16 <= S && (!causal || key0 + 15 <= i0))
+            attn_dkdv_tile<D, C, false>(dkacc, dvacc, kf, vf, sQ, sdO, sL, sD, i0, key, S, causal, sl2, lane);
+        else
+            attn_dkdv_tile<D, C, true>(dkacc, dvacc, kf, vf, sQ, sdO, sL, sD, i0, key, S, causal, sl2, lane);
         __syncthreads();  // stage st is read by no one before the next issue overwrites it
     }
     const long long obase = static_cast<long long>(b) * S * ldo + static_cast<long long>(h) * D;
@@ -555,7 +625,7 @@ __device__ __forceinline__ void attn_bwd_dq_st_body(const __nv_bfloat16* __restr
                                                     float* __restrict__ dq, int ldo, int S, int H, int causal,
                                                     float scale) {
     __shared__ __align__(16) AttnStaged<D> sm;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
     const int h = blockIdx.y, b = blockIdx.z, i0 = blockIdx.x * ATTN_ST_ROWS;
     const long long bh = static_cast<long long>(b) * H + h, hb = bh * S * D;
     dO += hb;
@@ -573,7 +643,7 @@ __device__ __forceinline__ void attn_bwd_dq_st_body(const __nv_bfloat16* __restr
     attn_load_a<D>(qf, sm.own(0), warp * 16, lane);
     attn_load_a<D>(dof, sm.own(1), warp * 16, lane);
 
-    const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    const int row0 = i0 + warp * 16, row[2] = {row0 + g, row0 + g + 8};
     float L[2], Di[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -600,28 +670,13 @@ __device__ __forceinline__ void attn_bwd_dq_st_body(const __nv_bfloat16* __restr
         attn_cp_wait<1>();
         __syncthreads();
 
-        // the tile's keys in parts of C columns (fewer registers live); dQ still adds
-        // the key k-steps in order
-#pragma unroll
-        for (int c0 = 0; c0 < ATTN_ROWS; c0 += C) {
-            float p[C / 8][4];
-            attn_zero(p);
-            attn_mma_abt<D, C>(p, qf, sm.t[st][0] + c0, lane);
-            float dp[C / 8][4];
-            attn_zero(dp);
-            attn_mma_abt<D, C>(dp, dof, sm.t[st][1] + c0, lane);
-#pragma unroll
-            for (int ni = 0; ni < C / 8; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = j0 + c0 + ni * 8 + 2 * t + (e & 1), r = e >> 1, i = row[r];
-                    const bool ok = i < S && j < S && (!causal || j <= i);
-                    const float pe = ok ? exp2f(p[ni][e] * sl2 - L[r]) : 0.f;
-                    p[ni][e] = pe * (dp[ni][e] - Di[r]);
-                }
-            // dQ += dS·K
-            attn_mma_pt<D, C>(dqacc, p, sm.t[st][0] + c0, lane);
-        }
+        // a tile whose keys are all < S and seen by all the warp's (valid) rows needs no mask
+        if (j0 + ATTN_ROWS <= S && row0 + 16 <= S && (!causal || j0 + ATTN_ROWS - 1 <= row0))
+            attn_dq_tile<D, C, false>(dqacc, qf, dof, sm.t[st][0], sm.t[st][1], j0, row, L, Di, S, causal, sl2,
+                                      lane);
+        else
+            attn_dq_tile<D, C, true>(dqacc, qf, dof, sm.t[st][0], sm.t[st][1], j0, row, L, Di, S, causal, sl2,
+                                     lane);
         __syncthreads();  // stage st is read by no one before the next issue overwrites it
     }
     const long long obase = static_cast<long long>(b) * S * ldo + static_cast<long long>(h) * D;

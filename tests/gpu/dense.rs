@@ -987,7 +987,8 @@ fn attention_tile_edges_match_the_bf16_reference() {
     // (a CTA's second head past the last), and one past it; exactly one tile (the fused
     // S ≤ 64 backward, Dh 64); one past a tile (the staged kernels of 128-row CTAs, both
     // head dims); a second CTA whose last 64-row tile is partly past S, several batches
-    // and heads (the staged copies are head-major)
+    // and heads (the staged copies are head-major); whole tiles only (the staged kernels'
+    // unmasked path on every tile but the causal diagonal's)
     for (i, &(b, h, s, dh)) in [
         (1, 1, 1, 32),
         (2, 3, 32, 64),
@@ -997,6 +998,7 @@ fn attention_tile_edges_match_the_bf16_reference() {
         (1, 2, 65, 64),
         (2, 3, 129, 32),
         (2, 2, 200, 64),
+        (1, 2, 256, 64),
     ]
     .iter()
     .enumerate()
