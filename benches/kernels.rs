@@ -5,7 +5,8 @@
 //! `scripts/torch_kernels.py` reads to put PyTorch's times beside ours.
 //!
 //! `cargo bench --bench kernels -- [--json FILE] [--quick] [--only WORD]` (`--only gemm`
-//! runs only the benchmarks whose kind or name holds WORD).
+//! runs only the benchmarks whose kind or name holds WORD; `--only "gemm dx M=4096 N=64
+//! K=1728"` one GEMM shape, for a profiler).
 
 use std::collections::BTreeSet;
 use std::io::Write as _;
@@ -73,7 +74,9 @@ impl Bench<'_> {
     /// `dy16`: dy is bf16, as the model's op that makes it writes it (the GEMM reads it
     /// as it is; its other operand is f32).
     fn gemm(&mut self, kind: &'static str, m: usize, n: usize, k: usize, dy16: bool) {
-        if self.skip(&format!("gemm {kind}")) {
+        // the row's name, so that `--only "gemm dx M=4096 N=64 K=1728"` picks one shape
+        // (under a profiler, say)
+        if self.skip(&format!("gemm {kind} M={m} N={n} K={k}")) {
             return;
         }
         type Case = (Op, Vec<(Shape, Buffer)>, Vec<(Shape, DType)>);
