@@ -269,8 +269,8 @@ fn layer_norm_and_the_lookup_take_their_single_pass_kernels_where_shapes_allow()
         ["layer_norm_bwd_dx", "layer_norm_bwd_dgb_partial"]
     );
 
-    let bag = |fields: usize, d: usize| {
-        let n = 64 * fields;
+    let bag_of = |batch: usize, fields: usize, d: usize| {
+        let n = batch * fields;
         plan(
             &Op::EmbeddingBag {
                 field_rows: vec![10; fields],
@@ -280,13 +280,17 @@ fn layer_norm_and_the_lookup_take_their_single_pass_kernels_where_shapes_allow()
                 (&[n], DType::I32),
                 (&[n + 1], DType::I32),
             ],
-            &[(&[64, fields, d], F)],
+            &[(&[batch, fields, d], F)],
         )
         .unwrap()
     };
+    let bag = |fields: usize, d: usize| bag_of(64, fields, d);
     let p = bag(26, 64);
     assert_eq!(kernels(&p), ["embedding_bag_fwd_fields"]);
     assert!(p.scratch.is_empty());
+    // the spec's batch: one wave of three CTAs an SM (64 bags each), groups walking on
+    let p = bag_of(4096, 26, 64);
+    assert_eq!(p.calls[0].grid, [3 * 132, 1, 1]);
     // past 32 fields the geometry goes through the meta table
     let p = bag(40, 64);
     assert_eq!(

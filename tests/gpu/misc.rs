@@ -960,6 +960,10 @@ fn embedding_bag_and_dense_grad_match_cpu() {
         // one id a bag (the CTR model's case: the lookup takes a bag's id beside its
         // offsets), an odd count of bags
         (1023, vec![10, 100_000, 1, 500, 26], 64, true),
+        // more bags than one wave of the lookup's CTAs takes (3 an SM, 64 bags each, on
+        // 132 SMs: 25344): groups walk a second chunk, its indices loaded ahead
+        (8192, vec![10, 100_000, 1, 500, 26], 64, true),
+        (6000, vec![10, 100_000, 1, 500, 26], 64, false),
         // more fields than one launch's arguments carry: the meta-table kernel
         (5, (0..40).map(|i| 1 + (i * 7) % 23).collect(), 16, false),
         // float4 columns wider than a warp's (two column passes), and 2-lane groups

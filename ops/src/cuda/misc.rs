@@ -106,6 +106,10 @@ const EMB_TILE: usize = 2048;
 const EMB_CHUNK: usize = 32;
 /// Bags a lane group looks up at once in `embedding_bag_fwd_fields` (`EMB_FWD_BAGS`).
 const EMB_FWD_BAGS: usize = 4;
+/// CTAs an SM of `embedding_bag_fwd_fields` (its launch bounds, `EMB_FWD_CTAS`): the grid
+/// is one wave of them, each walking several chunks of bags, the next chunk's indices
+/// loaded while this chunk's rows are in flight.
+const EMB_FWD_CTAS: usize = 3;
 
 fn kc(
     kernel: &'static str,
@@ -1640,7 +1644,11 @@ fn embedding_bag(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan
         return Ok(plan_of(
             vec![kc(
                 "embedding_bag_fwd_fields",
-                [blocks(n_bags, per_cta).min(MAX_BLOCKS), 1, 1],
+                [
+                    blocks(n_bags, per_cta).min((SMS * EMB_FWD_CTAS) as u32),
+                    1,
+                    1,
+                ],
                 [256, 1, 1],
                 0,
                 args,
