@@ -515,12 +515,12 @@ fn cast(op: &Op, o: &Operands, to: DType) -> Result<CudaPlan, String> {
     ))
 }
 
-/// `dst = bf16(src)` over `n` f32 elements (ew_cast).
 /// `y = a + b` over n f32 elements of one shape (`ew_add`).
 pub(crate) fn add_call(a: KArg, b: KArg, y: KArg, n: usize) -> KernelCall {
     ew("ew_add", n, vec![a, b, y, n64(n), n64(n)])
 }
 
+/// `dst = bf16(src)` over `n` f32 elements (ew_cast).
 pub(crate) fn cast_f32_bf16_call(src: KArg, dst: KArg, n: usize) -> KernelCall {
     ew("ew_cast", n, vec![src, dst, n64(n), I32(0), I32(1)])
 }
