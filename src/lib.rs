@@ -10,6 +10,7 @@ pub use erase_runtime as runtime;
 
 pub mod bench;
 pub mod checkpoint;
+pub mod cli;
 pub mod data;
 pub mod distributed;
 pub mod distributed_cuda;

@@ -1,0 +1,161 @@
+//! Expands `--config FILE` into the flags of the subcommand it follows.
+//!
+//! One config file serves every subcommand. Its tables:
+//! - `[model]` and `[data]`: settings shared by the subcommands; each subcommand takes
+//!   the keys that are flags of it and leaves the others (`eval` has no `--steps`);
+//! - `[train]`, `[eval]`, `[bench]`, `[plan]`: settings of that subcommand alone;
+//! - `[data.schema]`: the columns of `--data tsv:PATH`, read by the data loader.
+//!
+//! Every key must be a flag of some subcommand (of its own, for the subcommands'
+//! tables) and every value must parse as that flag's value: a typo or a wrong type is an
+//! error naming the file, the table and the key, whichever subcommand runs.
+
+use std::ffi::OsString;
+
+use anyhow::{bail, Context, Result};
+use clap::{Arg, Command};
+
+use super::Cli;
+
+/// Tables whose keys every subcommand may take.
+const SHARED: [&str; 2] = ["model", "data"];
+
+fn flag_of<'a>(cmd: &'a Command, flag: &str) -> Option<&'a Arg> {
+    cmd.get_arguments().find(|a| a.get_long() == Some(flag))
+}
+
+/// The text of a clap error without its "error: " prefix and usage lines.
+fn clap_reason(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let first = text.lines().next().unwrap_or_default();
+    first.strip_prefix("error: ").unwrap_or(first).to_string()
+}
+
+/// The `--flag=value` arguments of one config value, checked against the flag's parser.
+fn flag_args(arg: &Arg, flag: &str, value: &toml::Value, at: &str) -> Result<Vec<OsString>> {
+    let takes_value = arg.get_action().takes_values();
+    let text = match value {
+        toml::Value::Boolean(b) if !takes_value => {
+            return Ok(if *b {
+                vec![format!("--{flag}").into()]
+            } else {
+                vec![]
+            })
+        }
+        _ if !takes_value => {
+            bail!("{at} = {value}: `--{flag}` is a switch; write true or false")
+        }
+        toml::Value::String(v) => v.clone(),
+        toml::Value::Integer(v) => v.to_string(),
+        toml::Value::Float(v) => v.to_string(),
+        toml::Value::Boolean(v) => if *v { "on" } else { "off" }.to_string(),
+        toml::Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_str().map_or_else(|| i.to_string(), str::to_string))
+            .collect::<Vec<_>>()
+            .join(","),
+        other => bail!("{at} = {other} is not a flag value"),
+    };
+    // the value must parse as the flag's: parse it with that flag alone
+    let alone = Command::new("erase-ctr")
+        .no_binary_name(true)
+        .arg(arg.clone().required(false));
+    alone
+        .try_get_matches_from([format!("--{flag}={text}")])
+        .map_err(|e| anyhow::anyhow!("{at} = {value}: {}", clap_reason(&e)))?;
+    // `--flag=value`: a value starting with '-' is not taken for a flag
+    Ok(vec![format!("--{flag}={text}").into()])
+}
+
+/// `args` (the program name first) with the settings of the `--config FILE` they name
+/// inserted after the subcommand, so that flags given on the command line win.
+pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
+    let strs: Vec<String> = args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let pos = strs
+        .iter()
+        .position(|a| a == "--config" || a.starts_with("--config="));
+    let Some(pos) = pos else { return Ok(args) };
+    let path = match strs[pos].strip_prefix("--config=") {
+        Some(p) => p.to_string(),
+        None => strs
+            .get(pos + 1)
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("--config needs a FILE"))?,
+    };
+    let text = std::fs::read_to_string(&path).with_context(|| format!("--config {path}"))?;
+    let table: toml::Table = text
+        .parse()
+        .with_context(|| format!("{path} is not valid TOML"))?;
+    let sub = strs.get(1).cloned().unwrap_or_default();
+    let cli = <Cli as clap::CommandFactory>::command();
+    let this = cli
+        .find_subcommand(&sub)
+        .ok_or_else(|| anyhow::anyhow!("--config must follow a subcommand"))?;
+    let names: Vec<String> = cli
+        .get_subcommands()
+        .map(|c| c.get_name().to_string())
+        .collect();
+    let mut extra: Vec<OsString> = Vec::new();
+    for (section, body) in &table {
+        let Some(body) = body.as_table() else {
+            bail!("{path}: `{section}` must be a table such as [train]");
+        };
+        let shared = SHARED.contains(&section.as_str());
+        let owner = match cli.find_subcommand(section) {
+            Some(c) => Some(c),
+            None if shared => None,
+            None => bail!(
+                "{path}: [{section}] is not a table of erase-ctr's config (tables: [model], [data], {})",
+                names
+                    .iter()
+                    .map(|n| format!("[{n}]"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        for (key, value) in body {
+            if section == "data" && key == "schema" {
+                continue; // read by the data loader
+            }
+            let at = format!("{path}: [{section}] {key}");
+            let flag = key.replace('_', "-");
+            match owner {
+                // a subcommand's own table: checked against it, used only by it
+                Some(cmd) => {
+                    let Some(arg) = flag_of(cmd, &flag) else {
+                        bail!("{at} is not a setting of `erase-ctr {section}` (see erase-ctr {section} --help)");
+                    };
+                    let args = flag_args(arg, &flag, value, &at)?;
+                    if cmd.get_name() == this.get_name() {
+                        extra.extend(args);
+                    }
+                }
+                // a shared table: a flag of this subcommand is used, one of another
+                // subcommand is left to it, anything else is a mistake
+                None => match flag_of(this, &flag) {
+                    Some(arg) => extra.extend(flag_args(arg, &flag, value, &at)?),
+                    None => {
+                        let other = cli
+                            .get_subcommands()
+                            .find_map(|c| flag_of(c, &flag).map(|a| (c, a)));
+                        match other {
+                            Some((_, a)) => {
+                                flag_args(a, &flag, value, &at)?;
+                            }
+                            None => bail!(
+                                "{at} is not a setting of any erase-ctr subcommand (see erase-ctr {sub} --help)"
+                            ),
+                        }
+                    }
+                },
+            }
+        }
+    }
+    let mut out: Vec<OsString> = args[..2.min(args.len())].to_vec();
+    out.extend(extra);
+    out.extend(args.into_iter().skip(2));
+    Ok(out)
+}

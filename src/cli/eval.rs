@@ -1,0 +1,95 @@
+//! `erase-ctr eval`: NE and AUC of a checkpoint on held-out data.
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use super::{model_and_data, open, DeviceArg, ModelArgs, VariantArg};
+use crate::graph::OptimizerConfig;
+use crate::model::ctr::Variant;
+use crate::train::{plan_step, Dispatch};
+
+#[derive(Args)]
+pub(crate) struct EvalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The checkpoint to evaluate (written by `train --checkpoint`).
+    #[arg(long, value_name = "FILE")]
+    checkpoint: std::path::PathBuf,
+    /// The variant the checkpoint was trained as (default: the one it records).
+    #[arg(long, value_enum)]
+    variant: Option<VariantArg>,
+    /// Held-out data, as for train (for synthetic: stream 2 of --data-seed).
+    #[arg(long, default_value = "synthetic")]
+    data: String,
+    /// Seed of the synthetic data.
+    #[arg(long, default_value_t = 0)]
+    data_seed: u64,
+    /// Stop at the first malformed line.
+    #[arg(long)]
+    strict: bool,
+    /// Keep a binary cache of parsed data here.
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<std::path::PathBuf>,
+    /// Held-out examples to evaluate (rounded down to whole batches).
+    #[arg(long, default_value_t = 20_000)]
+    eval_examples: usize,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
+    /// CPU threads (default: all cores; at least 1).
+    #[arg(long, value_parser = super::at_least_one)]
+    threads: Option<usize>,
+}
+
+pub(super) fn run(a: &EvalArgs) -> Result<()> {
+    let dev = open(a.device)?;
+    let recorded = crate::checkpoint::peek(&a.checkpoint)?;
+    let variant = match (a.variant, recorded.get("variant")) {
+        (Some(v), _) => Variant::from(v),
+        (None, Some(v)) => v
+            .parse()
+            .with_context(|| format!("{}: the variant it records", a.checkpoint.display()))?,
+        (None, None) => Variant::Erase,
+    };
+    // the sizes the checkpoint records, where the command line gives none
+    let mut m = a.model.clone();
+    let recorded_size = |key: &str| recorded.get(key).and_then(|v| v.parse::<usize>().ok());
+    m.batch = m.batch.or_else(|| recorded_size("model.batch"));
+    m.rows = m.rows.or_else(|| recorded_size("model.rows"));
+    let (model, data) = model_and_data(
+        &m,
+        variant,
+        &a.data,
+        a.strict,
+        a.cache_dir.as_deref(),
+        a.threads,
+    )?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let plan = plan_step(
+        &model,
+        crate::graph::DType::F32,
+        &OptimizerConfig::default(),
+        &m.schedule(),
+    )?;
+    let mut s = crate::train::Session::with_dispatch(
+        &plan,
+        dev.as_ref(),
+        Dispatch::Blocking,
+        &data,
+        0,
+        a.data_seed,
+        threads,
+    )?;
+    let step = s.load_weights(&a.checkpoint)?;
+    let e = s.evaluate(a.eval_examples.max(model.batch))?;
+    println!(
+        "{}: step {step}, NE {:.4}, AUC {:.4} on {} held-out examples",
+        a.checkpoint.display(),
+        e.ne,
+        e.auc,
+        e.examples
+    );
+    Ok(())
+}

@@ -1,0 +1,438 @@
+//! The `erase-ctr` command line: the bundled CTR trainer. Trains the spec's reference
+//! model (six dense subarchitectures over 26 embedding tables) as `baseline`, `detached`
+//! or `erase`, evaluates checkpoints, benchmarks the variants and prints the ERASE step
+//! plan. One file per subcommand; [`main`] is the whole program.
+
+mod bench;
+mod config;
+mod eval;
+mod plan;
+mod train;
+
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::model::ctr::{CtrConfig, Variant};
+use crate::runtime::occupancy::DeviceModel;
+use crate::runtime::trace::Trace;
+use crate::train::{Dispatch, ScheduleOptions};
+
+use bench::BenchArgs;
+use eval::EvalArgs;
+use plan::PlanArgs;
+use train::TrainArgs;
+
+/// More pool streams than this buy nothing: a step has few blocks to overlap (the CTR
+/// model six), and each stream costs the plan's printout and events.
+const MAX_SIDE_STREAMS: usize = 32;
+
+/// A count flag that must be at least 1 (`--threads 0` is a mistake, not "none").
+fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("not a count: {e}")),
+    }
+}
+
+/// `--side-streams`: 1 to [`MAX_SIDE_STREAMS`].
+fn side_stream_count(s: &str) -> std::result::Result<usize, String> {
+    let n = at_least_one(s)?;
+    if n > MAX_SIDE_STREAMS {
+        return Err(format!(
+            "at most {MAX_SIDE_STREAMS}: more pool streams than blocks to overlap buy nothing"
+        ));
+    }
+    Ok(n)
+}
+
+#[derive(Parser)]
+#[command(
+    name = "erase-ctr",
+    args_override_self = true,
+    version,
+    about = "Train the reference CTR model with early backward (ERASE), or print its step plan",
+    long_about = "Train the reference CTR model of the spec (bottom MLP, DLRM interaction, DCNv2 cross, \
+AutoInt, deep MLP and MaskNet over 26 embedding tables, then a top MLP) on synthetic data, \
+as one of three variants:\n\
+  baseline  one graph, one backward at the end of the step\n\
+  detached  each block cut off by a detach, with an auxiliary loss per block\n\
+  erase     as detached, with each block's backward started early on a pool stream\n\n\
+Runs on the CUDA device when there is one (blocking dispatch), else on the CPU backend."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Train on synthetic data and report loss, NE, AUC and examples per second.
+    Train(Box<TrainArgs>),
+    /// Evaluate a checkpoint: NE and AUC of its main logit on held-out data.
+    Eval(EvalArgs),
+    /// Run baseline, detached and erase side by side (interleaved) and print QPS
+    /// p50/p90, the gain over baseline, NE, AUC and the NE gap.
+    Bench(BenchArgs),
+    /// Print the step program (streams, events and why), peak memory, the
+    /// happens-before check, and the simulator's predicted step time per variant.
+    Plan(PlanArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Preset {
+    /// A lightweight size that trains in seconds on a CPU (batch 256, 1000 rows, dim 16).
+    Small,
+    /// The spec's sizes (batch 4096, 100000 rows per table, dim 64).
+    Spec,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum DeviceArg {
+    /// The CUDA device if this build and machine have one, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+enum DispatchArg {
+    /// One host thread issues every launch in schedule order.
+    Blocking,
+    /// Pool streams' launches issued by a dispatcher thread (CUDA only).
+    Threaded,
+    /// The whole step captured once as a CUDA graph and replayed (CUDA only).
+    Graph,
+}
+
+impl From<DispatchArg> for Dispatch {
+    fn from(d: DispatchArg) -> Self {
+        match d {
+            DispatchArg::Blocking => Dispatch::Blocking,
+            DispatchArg::Threaded => Dispatch::Threaded,
+            DispatchArg::Graph => Dispatch::Graph,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Rates {
+    Measured,
+    Peak,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum VariantArg {
+    Baseline,
+    Detached,
+    Erase,
+}
+
+impl From<VariantArg> for Variant {
+    fn from(v: VariantArg) -> Self {
+        match v {
+            VariantArg::Baseline => Variant::Baseline,
+            VariantArg::Detached => Variant::Detached,
+            VariantArg::Erase => Variant::Erase,
+        }
+    }
+}
+
+#[derive(Args, Clone)]
+struct ModelArgs {
+    /// A TOML file of settings: keys of its [model], [train], [bench], [plan] and [data]
+    /// tables are this command's flags (e.g. `steps = 500`); flags given on the command
+    /// line win. `[data.schema]` describes the columns of `--data tsv:PATH`.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
+    /// Model sizes to start from; the flags below override single sizes.
+    #[arg(long, value_enum, default_value = "small")]
+    preset: Preset,
+    /// Examples per step.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Rows of each of the 26 embedding tables.
+    #[arg(long)]
+    rows: Option<usize>,
+    /// Pool (side) streams for early backward programs (the paper used 4; with 5 the CTR
+    /// model's MaskNet backward no longer queues behind AutoInt's, 0.3 % faster on an
+    /// H200, see BENCHMARKS.md).
+    #[arg(long, default_value_t = 5, value_parser = side_stream_count)]
+    side_streams: usize,
+    /// The occupancy rule: a launch that fills the device for long is not overlapped.
+    /// Off by default: on an H200 the CTR model's erase step measured 17 % faster
+    /// without it (see BENCHMARKS.md).
+    #[arg(long, value_enum, default_value = "off")]
+    occupancy: OnOff,
+    /// When the dense parameters are updated: `end`, one update of all of them after the
+    /// whole backward; `early`, each early block's right after its backward, on its side
+    /// stream (the remainder's at the end). Same bits either way.
+    #[arg(long, value_enum, default_value = "end")]
+    optimizer_update: UpdateArg,
+    /// The last early backward program (readied last, so with the least time before
+    /// the step's end) on a side stream of its own, one priority level below the main
+    /// stream; `off` shares the pool round-robin among all early programs. With
+    /// --side-streams 1 there is no stream to spare and this does nothing.
+    #[arg(long, value_enum, default_value = "on")]
+    late_stream: OnOff,
+    /// Each side stream's weight gradients on a companion stream of their own, beside the
+    /// block's chain of data gradients (which the next layer's gradient waits for and the
+    /// weight gradient does not): the block that ends last ends sooner (1.2 % faster on
+    /// an H200, see BENCHMARKS.md). Only under ERASE.
+    #[arg(long, value_enum, default_value = "on")]
+    weight_grad_streams: OnOff,
+    /// `on`: every stream joins the main stream before the updates start (as a
+    /// data-parallel step always does: it all-reduces there); `off`: each update waits
+    /// only for the gradients it reads, and the embedding tables' update runs on the
+    /// stream that wrote their gradient, beside the dense update (with the companions'
+    /// lower priority, 0.9 % faster on an H200, see BENCHMARKS.md). Only under ERASE.
+    #[arg(long, value_enum, default_value = "off")]
+    update_join: OnOff,
+    /// Round each large layer's GEMM operands (its input, its output's gradient) to bf16
+    /// once, in a pass of their own that every GEMM reading them shares, instead of in
+    /// each GEMM: the same values in fewer passes. CUDA only (the CPU's GEMMs are f32).
+    #[arg(long, value_enum, default_value = "on")]
+    bf16_copies: OnOff,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum UpdateArg {
+    End,
+    Early,
+}
+
+impl ModelArgs {
+    fn config(&self, variant: Variant) -> Result<CtrConfig> {
+        let mut c = match self.preset {
+            Preset::Small => CtrConfig::small(),
+            Preset::Spec => CtrConfig::default(),
+        };
+        c.variant = variant;
+        if let Some(b) = self.batch {
+            c.batch = b;
+        }
+        if let Some(r) = self.rows {
+            c.rows = r;
+        }
+        c.validate()
+            .context("invalid model size (see --preset, --batch, --rows)")?;
+        Ok(c)
+    }
+
+    fn schedule(&self) -> ScheduleOptions {
+        ScheduleOptions {
+            side_streams: self.side_streams,
+            occupancy: self.occupancy == OnOff::On,
+            device: DeviceModel::h200(),
+            early_updates: self.optimizer_update == UpdateArg::Early,
+            late_stream: self.late_stream == OnOff::On,
+            weight_grad_streams: self.weight_grad_streams == OnOff::On,
+            updates_by_data: self.update_join == OnOff::Off,
+            bf16_copies: self.bf16_copies == OnOff::On,
+            ..ScheduleOptions::default()
+        }
+    }
+}
+
+/// The model sized for the data, and the data: synthetic, or loaded (with a held-out
+/// part) from `--data criteo:PATH | tsv:PATH`.
+fn model_and_data(
+    m: &ModelArgs,
+    variant: Variant,
+    data: &str,
+    strict: bool,
+    cache_dir: Option<&std::path::Path>,
+    threads: Option<usize>,
+) -> Result<(CtrConfig, crate::train::Data)> {
+    let schema = match &m.config {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?;
+            let table: toml::Table = text
+                .parse()
+                .with_context(|| format!("{} is not valid TOML", p.display()))?;
+            match table.get("data").and_then(|d| d.get("schema")) {
+                Some(_) => Some(
+                    crate::data::TsvSchema::from_toml(&text)
+                        .with_context(|| format!("{}: [data.schema]", p.display()))?,
+                ),
+                None => None,
+            }
+        }
+        None => None,
+    };
+    let source = crate::data::parse_data_arg(data, schema.as_ref()).context("--data")?;
+    if let (Some(crate::data::DataSource::Criteo { .. }), Some(_), Some(p)) =
+        (&source, &schema, &m.config)
+    {
+        bail!(
+            "{}: [data.schema] describes the columns of tsv: data, but --data {data} has \
+             Criteo's fixed layout; use --data tsv:PATH, or drop [data.schema]",
+            p.display()
+        );
+    }
+    let mut model = m.config(variant)?;
+    let Some(src) = source else {
+        return Ok((model, crate::train::Data::Synthetic));
+    };
+    let opts = crate::data::LoadOptions {
+        strict,
+        cache_dir: cache_dir.map(|p| p.to_path_buf()),
+        threads,
+    };
+    let t0 = std::time::Instant::now();
+    let (train, eval, report) = crate::data::load(&src, &opts)?;
+    eprintln!("{report}");
+    eprintln!(
+        "loaded {} training examples in {:.1} s",
+        train.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    let (train, eval) = match eval {
+        Some(e) => (std::sync::Arc::new(train), std::sync::Arc::new(e)),
+        None => {
+            // no split in the source: hold out the last tenth
+            let (tr, ev) = train
+                .split_tail(0.1)
+                .context("holding out a tenth for evaluation")?;
+            (std::sync::Arc::new(tr), std::sync::Arc::new(ev))
+        }
+    };
+    for (what, ex) in [("training", &train), ("held-out", &eval)] {
+        let rate = ex.positive_rate();
+        if rate == 0.0 || rate == 1.0 {
+            bail!(
+                "{data}: all {} {what} examples are {}{}: a model cannot learn, nor NE be measured, on one class (does the label need label_threshold in [data.schema]?)",
+                ex.len(),
+                if rate == 1.0 { "positive" } else { "negative" },
+                if report.malformed > 0 {
+                    format!(" ({} malformed lines were skipped; first: {})", report.malformed, report.first_errors.first().map_or("", String::as_str))
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+    model.num_dense = train.num_dense;
+    model.num_sparse = train.num_sparse;
+    model.hot = 1;
+    model.validate().context("the model for this data")?;
+    eprintln!(
+        "data: {} train / {} held-out examples, {} dense and {} categorical fields, {:.2} % positive",
+        train.len(),
+        eval.len(),
+        train.num_dense,
+        train.num_sparse,
+        100.0 * train.positive_rate()
+    );
+    Ok((
+        model,
+        crate::train::Data::Table {
+            train,
+            eval,
+            source: data.to_string(),
+        },
+    ))
+}
+
+fn open(device: DeviceArg) -> Result<Option<crate::runtime::cuda::CudaDevice>> {
+    Ok(match device {
+        DeviceArg::Cpu => None,
+        DeviceArg::Cuda => Some(crate::gpu::open_device().context("--device cuda")?),
+        DeviceArg::Auto => match crate::gpu::open_device() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!("erase-ctr: no usable CUDA device ({e:#}); running on the CPU");
+                None
+            }
+        },
+    })
+}
+
+/// Writes a trace as Chrome / Perfetto JSON and its last step as a picture (SVG or PNG).
+fn write_trace_files(
+    trace: &Trace,
+    json: Option<&std::path::Path>,
+    picture: Option<&std::path::Path>,
+    title: &str,
+    what: &str,
+) -> Result<()> {
+    let step = trace.steps().last().copied().unwrap_or(0);
+    if let Some(path) = picture {
+        let png = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+        let bytes = if png {
+            let h = 40 + 44 * trace.stream_count().max(1) as u32;
+            trace.to_png(step, 1600, h)
+        } else {
+            trace.to_svg(step, title).into_bytes()
+        };
+        std::fs::write(path, bytes).with_context(|| format!("--timeline {}", path.display()))?;
+        println!("{what} timeline written to {}", path.display());
+    }
+    if let Some(path) = json {
+        std::fs::write(path, trace.to_chrome_json())
+            .with_context(|| format!("--trace {}", path.display()))?;
+        println!("{what} trace written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The overlap figure of a trace, as `train` and `bench` print it.
+fn print_overlap(what: &str, o: &crate::runtime::trace::Overlap) {
+    println!(
+        "  {what} overlap: early backward {:.1} µs over {} step(s), of which {:.1} µs ({:.1} %) ran while forward work ran on another stream",
+        o.early_backward_us,
+        o.steps.len(),
+        o.overlapped_us,
+        100.0 * o.fraction
+    );
+    if let Some(last) = o.steps.last() {
+        let busy: Vec<String> = last
+            .streams
+            .iter()
+            .map(|b| format!("{} {:.0} %", b.name, 100.0 * b.busy_fraction))
+            .collect();
+        println!(
+            "  busy share of the {:.1} µs step {} per stream: {}",
+            last.span_us,
+            last.step,
+            busy.join(", ")
+        );
+    }
+}
+
+/// The `erase-ctr` program: parses the command line (after `--config` expansion) and
+/// runs the subcommand; errors are printed, and make the exit code 1.
+pub fn main() -> ExitCode {
+    let args = match config::expand_config(std::env::args_os().collect()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("erase-ctr: error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let cli = Cli::parse_from(args);
+    let r = match &cli.cmd {
+        Cmd::Train(a) => train::run(a),
+        Cmd::Plan(a) => plan::run(a),
+        Cmd::Bench(a) => bench::run(a),
+        Cmd::Eval(a) => eval::run(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("erase-ctr: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

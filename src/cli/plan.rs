@@ -1,0 +1,434 @@
+//! `erase-ctr plan`: the step program, its memory and happens-before check, and the
+//! simulator's predicted step per variant.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use super::{ModelArgs, Rates, VariantArg};
+use crate::graph::{DType, OptimizerConfig, Phase};
+use crate::model::ctr::Variant;
+use crate::runtime::occupancy::DeviceModel;
+use crate::runtime::simulate::{simulate, SimConfig};
+use crate::runtime::trace::Trace;
+use crate::train::{plan_step, ScheduleOptions};
+
+#[derive(Args)]
+pub(crate) struct PlanArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The rates the simulator predicts with: `measured`, what Erase's kernels reached on
+    /// an H200 (GEMM 125 TFLOP/s, 250 reading bf16 copies in place, memory 3.2 TB/s), or `peak`, what cuBLAS and a copy reach
+    /// (736 TFLOP/s, 4.22 TB/s).
+    #[arg(long, value_enum, default_value = "measured")]
+    rates: Rates,
+    /// The variant whose program is printed (the predicted times cover all three).
+    #[arg(long, value_enum, default_value = "erase")]
+    variant: VariantArg,
+    /// Print every launch, not only the cross-stream edges.
+    #[arg(long)]
+    full: bool,
+    /// Write the simulator's predicted timeline of the printed variant as a picture: SVG,
+    /// or PNG when FILE ends in `.png`; `-` prints it as text instead.
+    #[arg(long, value_name = "FILE")]
+    timeline: Option<std::path::PathBuf>,
+    /// Write the predicted timeline of the printed variant as Chrome / Perfetto
+    /// trace-event JSON (open it in ui.perfetto.dev or chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
+    /// Print the N launches the cost model predicts to take longest.
+    #[arg(long, value_name = "N")]
+    kernels: Option<usize>,
+    /// Also predict data-parallel steps on this many GPUs (NVLink, ring collectives),
+    /// with each block's gradients all-reduced early and with one all-reduce at the end.
+    #[arg(long, value_name = "N")]
+    gpus: Option<usize>,
+    /// Predict with kernel times measured on a GPU instead of the cost model's: a trace
+    /// written by `train --trace` or `bench --trace-dir` (best of a serial variant, whose
+    /// kernels ran alone). Launches it lacks keep the model's time.
+    #[arg(long, value_name = "TRACE.json")]
+    measured: Option<std::path::PathBuf>,
+    /// Also predict the `erase` step for every side-stream count from 1 to N (with the
+    /// occupancy rule as set) and name the fastest: how the simulator chooses the pool.
+    #[arg(long, value_name = "N")]
+    sweep_side_streams: Option<usize>,
+}
+
+/// (join time, optimizer time, communication buckets) of one simulated step.
+type DpInputs = (f64, f64, Vec<crate::runtime::simulate::Bucket>);
+
+/// What a data-parallel prediction needs from a one-GPU simulation: when the backward
+/// work is joined, how long the optimizer takes, and the communication buckets (one per
+/// backward program's dense gradients; the tables' sparse gradients gathered).
+fn data_parallel_inputs(
+    p: &crate::train::StepPlan,
+    r: &crate::runtime::simulate::SimResult,
+) -> DpInputs {
+    use crate::graph::{Grad, Phase};
+    use crate::runtime::simulate::Bucket;
+    let g = &p.model.graph;
+    let launch_of: std::collections::BTreeMap<_, _> = p
+        .program
+        .launches
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (l.node, i))
+        .collect();
+    // where a data-parallel step joins: after the last launch before the updates (the
+    // single-GPU ERASE plan has no join of its own: its updates wait by data)
+    let join = p
+        .program
+        .launches
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| g.node(l.node).phase != Phase::Optimizer)
+        .map(|(i, _)| r.launches[i].end)
+        .fold(0.0, f64::max);
+    let end_of = |prog: usize| -> f64 {
+        p.partition.programs[prog]
+            .nodes
+            .iter()
+            .filter_map(|n| launch_of.get(n).map(|&i| r.launches[i].end))
+            .fold(0.0, f64::max)
+    };
+    let mut by_prog: std::collections::BTreeMap<usize, f64> = Default::default();
+    let mut buckets = Vec::new();
+    for (param, grad) in &p.training.grads.by_param {
+        let Some(&prog) = p.partition.grad_complete.get(param) else {
+            continue;
+        };
+        match grad {
+            Grad::Dense(t) => *by_prog.entry(prog).or_default() += (g.shape(*t).numel() * 4) as f64,
+            Grad::Sparse {
+                ids,
+                offsets,
+                dpooled,
+                ..
+            } => buckets.push(Bucket {
+                bytes: ((g.shape(*ids).numel()
+                    + g.shape(*offsets).numel()
+                    + g.shape(*dpooled).numel())
+                    * 4) as f64,
+                ready_s: end_of(prog),
+                gather: true,
+            }),
+        }
+    }
+    for (prog, bytes) in by_prog {
+        buckets.push(Bucket {
+            bytes,
+            ready_s: end_of(prog),
+            gather: false,
+        });
+    }
+    (join, r.step_s - join, buckets)
+}
+
+pub(super) fn run(a: &PlanArgs) -> Result<()> {
+    let mut dp: Vec<(Variant, DpInputs)> = Vec::new();
+    let sched = a.model.schedule();
+    let sim = SimConfig {
+        device: match a.rates {
+            Rates::Measured => DeviceModel::h200_measured(),
+            Rates::Peak => sched.device.clone(),
+        },
+        host_per_launch_s: 0.0,
+    };
+    let shown = Variant::from(a.variant);
+    let mut rows = Vec::new();
+    let mut erase_overlap = None;
+    let measured = match &a.measured {
+        Some(path) => Some(
+            crate::profile::load_measured(path)
+                .with_context(|| format!("--measured {}", path.display()))?,
+        ),
+        None => None,
+    };
+    for v in Variant::ALL {
+        let cfg = a.model.config(v)?;
+        let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched)?;
+        let r = match &measured {
+            None => simulate(&p.program, &sim),
+            Some(m) => {
+                let (work, found) =
+                    crate::profile::measured_work(&p.program, &p.model.graph, m, &sim.device);
+                let kernels = p
+                    .program
+                    .launches
+                    .iter()
+                    .filter(|l| l.spec.is_some())
+                    .count();
+                println!("{v}: {found} of {kernels} launches take their measured time");
+                crate::runtime::simulate::simulate_with(&p.program, &sim, &work)
+            }
+        };
+        let g = &p.model.graph;
+        if v == shown {
+            println!(
+                "== {v}: batch {}, {} side stream(s), occupancy rule {} ==",
+                cfg.batch,
+                sched.side_streams,
+                if sched.occupancy { "on" } else { "off" }
+            );
+            let early: Vec<_> = p.partition.programs.iter().filter(|x| x.early).collect();
+            println!(
+                "backward programs: {} early, {} remainder",
+                early.len(),
+                p.partition.programs.len() - early.len()
+            );
+            for bp in &p.partition.programs {
+                let after = g.node(p.partition.forward[bp.ready_after]).name.clone();
+                println!(
+                    "  {:<12} {:4} nodes, ready after forward #{} '{}'",
+                    bp.name,
+                    bp.nodes.len(),
+                    bp.ready_after,
+                    after
+                );
+            }
+            println!("streams (runs of launches in issue order):");
+            print!("{}", p.program.render_streams());
+            if a.full {
+                print!("{}", p.program.render(g));
+            } else {
+                println!("cross-stream edges ({} events):", p.program.events);
+                for (i, r, w) in p.program.edges() {
+                    let (li, lr) = (&p.program.launches[i], &p.program.launches[r]);
+                    println!(
+                        "  {} #{i} waits for {} #{r}: {}",
+                        li.stream, lr.stream, w.why
+                    );
+                }
+            }
+            let trace = Trace::from_simulation(&p.program, &r, g);
+            let title = format!(
+                "erase-ctr {v}: predicted step on {} (batch {}, {} stream(s))",
+                sched.device.name, cfg.batch, p.program.streams
+            );
+            let text = a.timeline.as_deref().is_some_and(|p| p.as_os_str() == "-");
+            if let Some(path) = a.timeline.as_deref().filter(|_| !text) {
+                let png = path
+                    .extension()
+                    .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+                let bytes = if png {
+                    let h = 40 + 44 * trace.stream_count().max(1) as u32;
+                    trace.to_png(0, 1600, h)
+                } else {
+                    trace.to_svg(0, &title).into_bytes()
+                };
+                std::fs::write(path, bytes)
+                    .with_context(|| format!("--timeline {}", path.display()))?;
+                println!("predicted timeline written to {}", path.display());
+            }
+            if let Some(path) = &a.trace {
+                std::fs::write(path, trace.to_chrome_json())
+                    .with_context(|| format!("--trace {}", path.display()))?;
+                println!("predicted trace written to {}", path.display());
+            }
+            if text {
+                println!("predicted timeline on {} (µs):", sched.device.name);
+                for (i, l) in p.program.launches.iter().enumerate() {
+                    let s = r.launches[i];
+                    if l.spec.is_some() {
+                        println!(
+                            "  {:>9.1} {:>9.1}  {:<6} {}",
+                            s.start * 1e6,
+                            s.end * 1e6,
+                            l.stream.to_string(),
+                            l.label
+                        );
+                    }
+                }
+            }
+            if let Some(n) = a.kernels {
+                let mut by_time: Vec<(f64, usize)> = p
+                    .program
+                    .launches
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, l)| l.spec.as_ref().map(|s| (sched.device.duration_s(s), i)))
+                    .collect();
+                by_time.sort_by(|a, b| b.0.total_cmp(&a.0));
+                let total: f64 = by_time.iter().map(|x| x.0).sum();
+                println!(
+                    "longest launches predicted (alone) on {}; all launches add up to {:.1} µs:",
+                    sched.device.name,
+                    total * 1e6
+                );
+                println!(
+                    "  {:>8}  {:>6}  {:>8}  {:>9}  {:>9}  kernel / launch",
+                    "µs", "share", "grid", "GFLOP", "MB"
+                );
+                for (t, i) in by_time.into_iter().take(n) {
+                    let l = &p.program.launches[i];
+                    let s = l.spec.as_ref().map_or((0, 0.0, 0.0, String::new()), |s| {
+                        let k = crate::profile::kernels_of(g, l.node);
+                        let k = if k.is_empty() {
+                            s.kernel.to_string()
+                        } else {
+                            k
+                        };
+                        (s.grid, s.flops, s.bytes, k)
+                    });
+                    println!(
+                        "  {:8.1}  {:5.1}%  {:8}  {:9.3}  {:9.2}  {} ({}) '{}'",
+                        t * 1e6,
+                        100.0 * t / total,
+                        s.0,
+                        s.1 / 1e9,
+                        s.2 / 1e6,
+                        s.3,
+                        l.label,
+                        g.node(l.node).name
+                    );
+                }
+            }
+            let fwd = p
+                .program
+                .launches
+                .iter()
+                .filter(|l| g.node(l.node).phase == Phase::Forward)
+                .count();
+            println!(
+                "{} launches ({fwd} forward); arena {:.1} MiB (without reuse {:.1} MiB); happens-before check: no hazards",
+                p.program.launches.len(),
+                p.memory.arena_bytes as f64 / (1 << 20) as f64,
+                p.memory.total_bytes as f64 / (1 << 20) as f64
+            );
+            println!();
+        }
+        if v == Variant::Erase {
+            erase_overlap = Some(Trace::from_simulation(&p.program, &r, g).overlap_step(0));
+        }
+        if a.gpus.is_some() {
+            dp.push((v, data_parallel_inputs(&p, &r)));
+        }
+        rows.push((v, r.step_s, p.memory.arena_bytes, r.busy_s));
+    }
+    if let Some(max) = a.sweep_side_streams {
+        let cfg = a.model.config(Variant::Erase)?;
+        println!(
+            "erase step by side streams (occupancy rule {}), {}:",
+            if sched.occupancy { "on" } else { "off" },
+            if measured.is_some() {
+                "measured kernel times"
+            } else {
+                "cost model"
+            }
+        );
+        let mut best: Option<(usize, f64)> = None;
+        for k in 1..=max.max(1) {
+            let sk = ScheduleOptions {
+                side_streams: k,
+                ..sched.clone()
+            };
+            let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sk)?;
+            let r = match &measured {
+                None => simulate(&p.program, &sim),
+                Some(m) => {
+                    let (work, _) =
+                        crate::profile::measured_work(&p.program, &p.model.graph, m, &sim.device);
+                    crate::runtime::simulate::simulate_with(&p.program, &sim, &work)
+                }
+            };
+            println!(
+                "  {k} side stream(s): {:8.1} µs, {} streams used",
+                r.step_s * 1e6,
+                p.program.streams
+            );
+            if best.is_none_or(|b| r.step_s < b.1 * (1.0 - 1e-3)) {
+                best = Some((k, r.step_s));
+            }
+        }
+        if let Some((k, t)) = best {
+            println!(
+                "  fastest: {k} side stream(s), {:.1} µs (fewer streams win ties)",
+                t * 1e6
+            );
+        }
+    }
+    if let Some(n) = a.gpus {
+        use crate::runtime::simulate::{predict_data_parallel, LinkModel};
+        if n == 0 {
+            bail!("--gpus must be at least 1");
+        }
+        let link = LinkModel::nvlink_h200();
+        let batch = a.model.config(Variant::Erase)?.batch;
+        println!(
+            "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop):",
+            batch,
+            link.bus_bw / 1e9,
+            link.latency_s * 1e6
+        );
+        for (v, (join, opt, buckets)) in &dp {
+            for (early, label) in [
+                (true, "early all-reduce"),
+                (false, "one all-reduce at the end"),
+            ] {
+                let one = predict_data_parallel(*join, *opt, buckets, &link, 1, early);
+                let pn = predict_data_parallel(*join, *opt, buckets, &link, n, early);
+                println!(
+                    "  {:<9} {:<26} {n} GPUs: {:8.1} µs, {:>9.0} ex/s, scaling {:5.1} %, exposed communication {:7.1} µs of {:7.1}",
+                    v.as_str(),
+                    label,
+                    pn.step_s * 1e6,
+                    (n * batch) as f64 / pn.step_s,
+                    100.0 * one.step_s / pn.step_s,
+                    pn.exposed_comm_s * 1e6,
+                    pn.comm_s * 1e6
+                );
+            }
+        }
+        if let Some((_, (_, _, buckets))) = dp.first() {
+            let gathered: f64 = buckets.iter().filter(|b| b.gather).map(|b| b.bytes).sum();
+            let mc = a.model.config(Variant::Erase)?;
+            let pooled = (batch * mc.num_sparse * mc.dim * 4) as f64;
+            println!(
+                "  replicated tables: each rank gathers {:.1} MB of (ids, gradients) from every other rank, {:.1} µs at {n} GPUs and growing with N;",
+                gathered / 1e6,
+                link.all_gather_s(gathered, n) * 1e6
+            );
+            println!(
+                "  sharded tables (all-to-all of pooled embeddings forward and their gradients backward) would move {:.1} MB per rank each way, {:.1} µs, about flat in N",
+                pooled / 1e6,
+                2.0 * link.all_to_all_s(pooled, n) * 1e6
+            );
+        }
+    }
+    println!(
+        "predicted step time on {} (simulator, graph dispatch):",
+        sim.device.name
+    );
+    let base = rows[0].1;
+    for (v, t, mem, busy) in &rows {
+        let qps = a.model.config(*v)?.batch as f64 / t;
+        let busy: Vec<String> = busy.iter().map(|b| format!("{:.0}", b * 1e6)).collect();
+        println!(
+            "  {:<9} {:8.1} µs  {:>9.0} ex/s  {:+6.1} % vs baseline   arena {:7.1} MiB   busy µs per stream [{}]",
+            v.as_str(),
+            t * 1e6,
+            qps,
+            (base / t - 1.0) * 100.0,
+            *mem as f64 / (1 << 20) as f64,
+            busy.join(", ")
+        );
+    }
+    if let Some(o) = erase_overlap {
+        println!(
+            "predicted overlap (erase): early backward {:.1} µs, of which {:.1} µs ({:.1} %) ran while forward work ran on another stream",
+            o.early_backward_us,
+            o.overlapped_us,
+            100.0 * o.fraction
+        );
+        let busy: Vec<String> = o
+            .streams
+            .iter()
+            .map(|b| format!("{} {:.0} %", b.name, 100.0 * b.busy_fraction))
+            .collect();
+        println!(
+            "  busy share of the {:.1} µs step per stream: {}",
+            o.span_us,
+            busy.join(", ")
+        );
+    }
+    Ok(())
+}
