@@ -144,6 +144,7 @@ fn strict_stops_at_the_first_malformed_line() {
     let opts = LoadOptions {
         strict: true,
         cache_dir: None,
+        ..Default::default()
     };
     let msg = err_text(load(&criteo(&path), &opts));
     assert_eq!(
@@ -241,6 +242,7 @@ fn glob_and_folder_paths() {
     let here = LoadOptions {
         strict: false,
         cache_dir: Some(dir.clone()),
+        ..Default::default()
     };
     let src = criteo(dir.to_str().unwrap());
     assert!(!load(&src, &here).unwrap().2.from_cache);
@@ -515,6 +517,7 @@ impl CacheCase {
             opts: LoadOptions {
                 strict: false,
                 cache_dir: Some(dir.join("cache")),
+                ..Default::default()
             },
         }
     }
@@ -679,6 +682,7 @@ fn cache_keeps_the_time_split() {
     let opts = LoadOptions {
         strict: false,
         cache_dir: Some(dir),
+        ..Default::default()
     };
     let (t1, e1, r1) = load(&src, &opts).unwrap();
     let (t2, e2, r2) = load(&src, &opts).unwrap();
@@ -733,6 +737,7 @@ fn movielens_1m_when_present() {
     let opts = LoadOptions {
         strict: false,
         cache_dir: Some(cache),
+        ..Default::default()
     };
     let split = DataSource::Tsv {
         path: path.to_string_lossy().into(),

@@ -192,7 +192,8 @@ impl Checksum {
     }
 }
 
-fn checksum(parts: &[&[u8]]) -> u64 {
+/// The checksum of `parts` read as one byte string (also the data's identity in checkpoints).
+pub(crate) fn checksum(parts: &[&[u8]]) -> u64 {
     let mut c = Checksum::new();
     for p in parts {
         c.update(p);
@@ -390,6 +391,12 @@ pub(crate) fn write(
     let nanos = std::time::SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
+    // the temporary files of writers that were killed (`<name>.tmp.<pid>.<nanos>`)
+    let stale = format!(
+        "{}.tmp.",
+        key.path.file_name().unwrap_or_default().to_string_lossy()
+    );
+    crate::checkpoint::remove_stale_temps(dir, &stale, &['.']);
     let mut tmp_name = key.path.file_name().unwrap_or_default().to_os_string();
     tmp_name.push(format!(".tmp.{}.{nanos}", std::process::id()));
     let tmp = dir.join(tmp_name);

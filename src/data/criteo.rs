@@ -9,6 +9,7 @@ pub const CRITEO_DENSE: usize = 13;
 pub const CRITEO_SPARSE: usize = 26;
 const FIELDS: usize = 1 + CRITEO_DENSE + CRITEO_SPARSE;
 
+#[derive(Clone)]
 pub(crate) struct CriteoParser;
 
 impl CriteoParser {
@@ -17,15 +18,33 @@ impl CriteoParser {
     }
 }
 
-/// A Criteo integer: optional sign and decimal digits, fitting in `i64`.
+/// A Criteo integer feature: decimal digits with an optional sign (`-1`, `260`), or the
+/// same value written as a float (`260.0`, `2.6e2`), as the samples exported through
+/// pandas write them. Surrounding spaces are allowed. A fraction, NaN or an infinity is
+/// not an integer.
 fn parse_int(f: &[u8]) -> Result<i64, &'static str> {
-    let s = std::str::from_utf8(f).map_err(|_| "is not an integer")?;
-    s.parse::<i64>().map_err(|e| match e.kind() {
-        std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
-            "does not fit in a 64-bit integer"
+    let s = std::str::from_utf8(f)
+        .map_err(|_| "is not an integer")?
+        .trim_matches(' ');
+    match s.parse::<i64>() {
+        Ok(x) => Ok(x),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow
+            ) =>
+        {
+            Err("does not fit in a 64-bit integer")
         }
-        _ => "is not an integer",
-    })
+        Err(_) => match s.parse::<f64>() {
+            // `s.parse::<f64>` also takes "inf" and "NaN": neither is a count
+            Ok(x) if !x.is_finite() => Err("is not a finite number"),
+            Ok(x) if x.fract() != 0.0 => Err("is not an integer (it has a fraction)"),
+            Ok(x) if x.abs() >= 9.2e18 => Err("does not fit in a 64-bit integer"),
+            Ok(x) => Ok(x as i64),
+            Err(_) => Err("is not an integer"),
+        },
+    }
 }
 
 /// A Criteo id: 1 to 8 hex digits.

@@ -3,6 +3,7 @@ pub mod synthetic;
 pub mod table;
 
 mod cache;
+pub(crate) use cache::checksum;
 mod criteo;
 mod tsv;
 

@@ -195,6 +195,9 @@ pub struct LoadOptions {
     pub strict: bool,
     /// Folder of the binary cache (created if absent); `None`: no cache.
     pub cache_dir: Option<PathBuf>,
+    /// Threads to parse on (`None` or 0: every core). Files, and pieces of a plain file,
+    /// are parsed in parallel; the examples keep the files' order either way.
+    pub threads: Option<usize>,
 }
 
 /// What a load did.
@@ -214,8 +217,21 @@ pub struct LoadReport {
     /// The cache file used or written, if any.
     pub cache_path: Option<PathBuf>,
     /// Things that did not stop the load: a stale or corrupt cache rebuilt, a cache
-    /// that could not be written.
+    /// that could not be written, entries of a data folder that are not files.
     pub warnings: Vec<String>,
+    /// Seconds spent reading and parsing the text (0 when loaded from the cache).
+    pub parse_secs: f64,
+    /// Bytes of text parsed (after decompression).
+    pub parse_bytes: u64,
+    /// Threads the text was parsed on.
+    pub parse_threads: usize,
+}
+
+impl LoadReport {
+    /// Data lines parsed per second, when the text was parsed.
+    pub fn lines_per_sec(&self) -> Option<f64> {
+        (self.parse_secs > 0.0 && !self.from_cache).then(|| self.lines as f64 / self.parse_secs)
+    }
 }
 
 impl fmt::Display for LoadReport {
@@ -237,6 +253,17 @@ impl fmt::Display for LoadReport {
             )?;
         }
         write!(f, ", {} malformed skipped", self.malformed)?;
+        if let Some(rate) = self.lines_per_sec() {
+            write!(
+                f,
+                "; parsed in {:.2} s on {} thread{} ({:.0}k lines/s, {:.0} MB/s)",
+                self.parse_secs,
+                self.parse_threads,
+                if self.parse_threads == 1 { "" } else { "s" },
+                rate / 1e3,
+                self.parse_bytes as f64 / self.parse_secs / 1e6
+            )?;
+        }
         if self.from_cache {
             if let Some(p) = &self.cache_path {
                 write!(f, " (from cache {})", p.display())?;
@@ -347,6 +374,30 @@ impl Columns {
         bit(&self.missing, i * self.num_sparse + j)
     }
 
+    /// Appends `other`'s examples after these.
+    pub fn append(&mut self, other: &Columns) {
+        let base = self.len * self.num_sparse;
+        self.dense.extend_from_slice(&other.dense);
+        self.ids.extend_from_slice(&other.ids);
+        self.labels.extend_from_slice(&other.labels);
+        self.len += other.len;
+        self.missing
+            .resize((self.len * self.num_sparse).div_ceil(8), 0);
+        if base.is_multiple_of(8) {
+            let at = base / 8;
+            self.missing[at..at + other.missing.len()].copy_from_slice(&other.missing);
+        } else {
+            for (k, &byte) in other.missing.iter().enumerate().filter(|(_, b)| **b != 0) {
+                for j in 0..8 {
+                    if byte >> j & 1 == 1 {
+                        let b = base + k * 8 + j;
+                        self.missing[b / 8] |= 1 << (b % 8);
+                    }
+                }
+            }
+        }
+    }
+
     /// The examples whose `keep` flag equals `which`, in order.
     fn select(&self, keep: &[bool], which: bool) -> Columns {
         let mut out = Columns::new(self.num_dense, self.num_sparse);
@@ -395,8 +446,9 @@ impl Row {
     }
 }
 
-/// A reader of one text format.
-pub(crate) trait LineParser {
+/// A reader of one text format. `Clone` gives each parsing thread its own, after the
+/// first file's header (and, without one, the field count) is known.
+pub(crate) trait LineParser: Clone + Send {
     fn num_dense(&self) -> usize;
     fn num_sparse(&self) -> usize;
     /// Whether the first line of every file is a header.
@@ -423,6 +475,8 @@ pub struct Examples {
     pub num_sparse: usize,
     len: usize,
     store: Store,
+    /// [`Examples::digest`], once computed.
+    digest: std::sync::OnceLock<u64>,
 }
 
 enum Store {
@@ -472,6 +526,7 @@ impl Examples {
             num_sparse: c.num_sparse,
             len: c.len,
             store: Store::Owned(c),
+            digest: Default::default(),
         }
     }
 
@@ -496,6 +551,7 @@ impl Examples {
                 missing,
                 labels,
             },
+            digest: Default::default(),
         }
     }
 
@@ -587,6 +643,25 @@ impl Examples {
     /// The id of field `j` of example `i`, `None` where missing.
     pub fn id(&self, i: usize, j: usize) -> Option<u32> {
         (!self.is_missing(i, j)).then(|| self.ids()[i * self.num_sparse + j])
+    }
+
+    /// A checksum of the examples' content (dense features, ids, missing flags, labels):
+    /// the same data gives the same value whatever its path, compression or cache.
+    pub fn digest(&self) -> u64 {
+        *self.digest.get_or_init(|| {
+            let shape = [
+                self.len as u64,
+                self.num_dense as u64,
+                self.num_sparse as u64,
+            ];
+            super::checksum(&[
+                bytemuck::cast_slice(&shape),
+                bytemuck::cast_slice(self.dense()),
+                bytemuck::cast_slice(self.ids()),
+                self.missing_bits(),
+                bytemuck::cast_slice(self.labels()),
+            ])
+        })
     }
 
     /// Share of examples with label 1.
@@ -699,16 +774,17 @@ pub fn load(
     src: &DataSource,
     opts: &LoadOptions,
 ) -> Result<(Examples, Option<Examples>, LoadReport)> {
-    let files = resolve_path(src.path())?;
-    let mut parser: Box<dyn LineParser> = match src {
-        DataSource::Criteo { .. } => Box::new(criteo::CriteoParser::new()),
+    let (files, skipped) = resolve_path_noted(src.path())?;
+    let mut parser = match src {
+        DataSource::Criteo { .. } => Parser::Criteo(criteo::CriteoParser::new()),
         DataSource::Tsv { schema, .. } => {
             schema.validate()?;
-            Box::new(tsv::TsvParser::new(schema.clone())?)
+            Parser::Tsv(Box::new(tsv::TsvParser::new(schema.clone())?))
         }
     };
     let mut report = LoadReport {
         files: files.len(),
+        warnings: skipped,
         ..Default::default()
     };
 
@@ -737,7 +813,9 @@ pub fn load(
         }
     }
 
-    let (cols, times) = read_files(&files, parser.as_mut(), opts.strict, &mut report)?;
+    let t0 = std::time::Instant::now();
+    let (cols, times) = read_files(&files, &mut parser, opts, &mut report)?;
+    report.parse_secs = t0.elapsed().as_secs_f64();
     if cols.len == 0 {
         let mut msg = format!("no examples in {}", src.path());
         if report.malformed > 0 {
@@ -799,88 +877,457 @@ fn latest_by_time(times: &[f64], fraction: f64) -> Vec<bool> {
     keep
 }
 
-/// Parses every line of `files` in order.
-fn read_files(
-    files: &[PathBuf],
-    parser: &mut dyn LineParser,
+/// The readers of the text formats, one type for every parsing thread.
+#[derive(Clone)]
+pub(crate) enum Parser {
+    Criteo(criteo::CriteoParser),
+    Tsv(Box<tsv::TsvParser>),
+}
+
+impl LineParser for Parser {
+    fn num_dense(&self) -> usize {
+        match self {
+            Parser::Criteo(p) => p.num_dense(),
+            Parser::Tsv(p) => p.num_dense(),
+        }
+    }
+    fn num_sparse(&self) -> usize {
+        match self {
+            Parser::Criteo(p) => p.num_sparse(),
+            Parser::Tsv(p) => p.num_sparse(),
+        }
+    }
+    fn has_header(&self) -> bool {
+        match self {
+            Parser::Criteo(p) => p.has_header(),
+            Parser::Tsv(p) => p.has_header(),
+        }
+    }
+    fn has_time(&self) -> bool {
+        match self {
+            Parser::Criteo(p) => p.has_time(),
+            Parser::Tsv(p) => p.has_time(),
+        }
+    }
+    fn header(&mut self, line: &[u8]) -> Result<()> {
+        match self {
+            Parser::Criteo(p) => p.header(line),
+            Parser::Tsv(p) => p.header(line),
+        }
+    }
+    fn parse(&mut self, line: &[u8], row: &mut Row) -> std::result::Result<(), String> {
+        match self {
+            Parser::Criteo(p) => p.parse(line, row),
+            Parser::Tsv(p) => p.parse(line, row),
+        }
+    }
+}
+
+/// Pieces of a plain file are about this large, so that every thread has work.
+const PIECE_BYTES: usize = 8 << 20;
+
+/// What one thread parsed: a whole file, or a piece of a plain one.
+struct Piece {
+    file: usize,
+    /// Line breaks before the piece in its file (so its first line is `lines_before + 1`);
+    /// known only once the pieces before it are counted.
+    lines_before: u64,
+    /// Line breaks in the piece.
+    newlines: u64,
+    cols: Columns,
+    times: Option<Vec<f64>>,
+    data_lines: u64,
+    bytes: u64,
+    malformed: u64,
+    /// (line within the piece, 1-based; message) of the first malformed lines.
+    errors: Vec<(u64, String)>,
+    /// Stop at the first malformed line.
     strict: bool,
-    report: &mut LoadReport,
-) -> Result<(Columns, Option<Vec<f64>>)> {
-    let mut cols = Columns::new(parser.num_dense(), parser.num_sparse());
-    let mut times = parser.has_time().then(Vec::new);
-    let mut row = Row::new(parser.num_dense(), parser.num_sparse());
-    let mut buf = Vec::with_capacity(1024);
-    for path in files {
-        let name = path.display().to_string();
-        let mut reader = open_text(path)?;
-        let mut lineno = 0u64;
+}
+
+/// A line of text with its line break (LF, CR LF) cut off.
+fn trim_eol(mut line: &[u8]) -> &[u8] {
+    if let Some(l) = line.strip_suffix(b"\n") {
+        line = l;
+    }
+    if let Some(l) = line.strip_suffix(b"\r") {
+        line = l;
+    }
+    line
+}
+
+impl Piece {
+    fn new(file: usize, parser: &Parser, strict: bool) -> Piece {
+        Piece {
+            file,
+            lines_before: 0,
+            newlines: 0,
+            cols: Columns::new(parser.num_dense(), parser.num_sparse()),
+            times: parser.has_time().then(Vec::new),
+            data_lines: 0,
+            bytes: 0,
+            malformed: 0,
+            errors: Vec::new(),
+            strict,
+        }
+    }
+
+    /// One line (without its break), the `k`-th of the piece (1-based); `first_of_file`:
+    /// it is the file's line 1 (a BOM and the header are handled there).
+    fn line(
+        &mut self,
+        parser: &mut Parser,
+        row: &mut Row,
+        mut line: &[u8],
+        k: u64,
+        first_of_file: bool,
+        name: &str,
+    ) -> Result<bool> {
+        if first_of_file {
+            if let Some(l) = line.strip_prefix(b"\xEF\xBB\xBF") {
+                line = l;
+            }
+            if parser.has_header() {
+                parser
+                    .header(line)
+                    .map_err(|e| anyhow!("{name}:1: header: {e:#}"))?;
+                return Ok(true);
+            }
+        }
+        if line.is_empty() {
+            return Ok(true);
+        }
+        self.data_lines += 1;
+        match parser.parse(line, row) {
+            Ok(()) => {
+                self.cols.push(row);
+                if let Some(t) = self.times.as_mut() {
+                    t.push(row.time);
+                }
+            }
+            Err(msg) => {
+                self.malformed += 1;
+                if self.errors.len() < MAX_REPORTED_ERRORS {
+                    self.errors.push((k, msg));
+                }
+                if self.strict {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Parses `text`, a run of whole lines of file `name` (the file's start when
+    /// `at_start`).
+    fn parse_text(
+        &mut self,
+        parser: &mut Parser,
+        text: &[u8],
+        at_start: bool,
+        name: &str,
+    ) -> Result<()> {
+        let mut row = Row::new(parser.num_dense(), parser.num_sparse());
+        self.bytes = text.len() as u64;
+        let mut k = 0u64;
+        for raw in text.split_inclusive(|&b| b == b'\n') {
+            k += 1;
+            if raw.last() == Some(&b'\n') {
+                self.newlines += 1;
+            }
+            if !self.line(parser, &mut row, trim_eol(raw), k, at_start && k == 1, name)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses a whole compressed file, streamed.
+    fn parse_stream(
+        &mut self,
+        parser: &mut Parser,
+        reader: &mut dyn BufRead,
+        name: &str,
+    ) -> Result<()> {
+        let mut row = Row::new(parser.num_dense(), parser.num_sparse());
+        let mut buf = Vec::with_capacity(1024);
+        let mut k = 0u64;
         loop {
             buf.clear();
             let n = reader
                 .read_until(b'\n', &mut buf)
-                .map_err(|e| anyhow!("{name}:{}: read error: {e}", lineno + 1))?;
+                .map_err(|e| anyhow!("{name}:{}: read error: {e}", k + 1))?;
             if n == 0 {
                 break;
             }
-            lineno += 1;
-            let mut line = buf.as_slice();
-            if let Some(l) = line.strip_suffix(b"\n") {
-                line = l;
+            k += 1;
+            self.bytes += n as u64;
+            if buf.last() == Some(&b'\n') {
+                self.newlines += 1;
             }
-            if let Some(l) = line.strip_suffix(b"\r") {
-                line = l;
+            if !self.line(parser, &mut row, trim_eol(&buf), k, k == 1, name)? {
+                break;
             }
-            if lineno == 1 {
-                if let Some(l) = line.strip_prefix(b"\xEF\xBB\xBF") {
-                    line = l;
+        }
+        Ok(())
+    }
+}
+
+/// A file's bytes as they are read: memory-mapped plain text, or a decompressing stream.
+enum Text {
+    Plain(Mmap),
+    Empty,
+    Stream(Box<dyn BufRead + Send>),
+}
+
+/// Opens `path`: plain text is mapped; gzip and zstd (told by their first bytes, not by
+/// the name) are decompressed as they are read; other compressions are refused by name.
+fn open_text(path: &Path) -> Result<Text> {
+    let file = File::open(path).map_err(|e| anyhow!("cannot open {}: {e}", path.display()))?;
+    let mut reader = BufReader::with_capacity(1 << 20, file);
+    let head = reader
+        .fill_buf()
+        .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?
+        .to_vec();
+    if head.starts_with(&[0x1f, 0x8b]) {
+        let gz = flate2::bufread::MultiGzDecoder::new(reader);
+        return Ok(Text::Stream(Box::new(BufReader::with_capacity(
+            1 << 20,
+            gz,
+        ))));
+    }
+    if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        let zs = zstd::stream::read::Decoder::with_buffer(reader)
+            .map_err(|e| anyhow!("{}: not a readable zstd stream: {e}", path.display()))?;
+        return Ok(Text::Stream(Box::new(BufReader::with_capacity(
+            1 << 20,
+            zs,
+        ))));
+    }
+    let unsupported = [
+        (&b"BZh"[..], "bzip2", "bunzip2 -k"),
+        (&[0xfd, b'7', b'z', b'X', b'Z', 0][..], "xz", "unxz -k"),
+        (&[0x04, 0x22, 0x4d, 0x18][..], "lz4", "lz4 -d"),
+        (&b"PK\x03\x04"[..], "a zip archive", "unzip"),
+        (
+            &[b'7', b'z', 0xbc, 0xaf, 0x27, 0x1c][..],
+            "a 7z archive",
+            "7z x",
+        ),
+    ];
+    for (magic, what, tool) in unsupported {
+        if head.starts_with(magic) {
+            bail!(
+                "{} is {what}, which is not supported: decompress it first ({tool}), or \
+                 recompress it with gzip or zstd, which are read as they are",
+                path.display()
+            );
+        }
+    }
+    drop(reader);
+    let file = File::open(path).map_err(|e| anyhow!("cannot open {}: {e}", path.display()))?;
+    if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
+        return Ok(Text::Empty);
+    }
+    // SAFETY: the map is read-only and lives only while this load parses it; a data file
+    // changed under a running load gives wrong values or malformed lines, never unsound
+    // reads of our own memory (the map is private to this process).
+    let map =
+        unsafe { Mmap::map(&file) }.map_err(|e| anyhow!("cannot map {}: {e}", path.display()))?;
+    Ok(Text::Plain(map))
+}
+
+/// The pieces of plain text `map`: ranges of whole lines, about [`PIECE_BYTES`] each.
+fn pieces_of(map: &[u8]) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < map.len() {
+        let mut end = (start + PIECE_BYTES).min(map.len());
+        if end < map.len() {
+            end = match map[end..].iter().position(|&b| b == b'\n') {
+                Some(k) => end + k + 1,
+                None => map.len(),
+            };
+        }
+        out.push(start..end);
+        start = end;
+    }
+    out
+}
+
+/// Parses every line of `files`, in parallel (files, and pieces of plain files), into
+/// one column store in the files' order.
+fn read_files(
+    files: &[PathBuf],
+    parser: &mut Parser,
+    opts: &LoadOptions,
+    report: &mut LoadReport,
+) -> Result<(Columns, Option<Vec<f64>>)> {
+    use rayon::prelude::*;
+    let strict = opts.strict;
+    let texts: Vec<Text> = files.iter().map(|f| open_text(f)).collect::<Result<_>>()?;
+    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+
+    // The first file's header names the columns every thread resolves; without a
+    // header, the first data line gives the field count every later line must have.
+    prime(parser, &texts, files)?;
+
+    // work items: (file, byte range) of plain text, or a whole stream
+    let mut work: Vec<(usize, Option<Range<usize>>)> = Vec::new();
+    let mut streams: Vec<Option<Box<dyn BufRead + Send>>> = Vec::new();
+    let mut maps: Vec<Option<&[u8]>> = Vec::new();
+    let mut texts = texts;
+    for (i, t) in texts.iter_mut().enumerate() {
+        match t {
+            Text::Plain(m) => {
+                for r in pieces_of(m) {
+                    work.push((i, Some(r)));
                 }
-                if parser.has_header() {
-                    parser
-                        .header(line)
-                        .map_err(|e| anyhow!("{name}:1: header: {e:#}"))?;
-                    continue;
-                }
+                streams.push(None);
             }
-            if line.is_empty() {
-                continue;
+            Text::Empty => streams.push(None),
+            Text::Stream(_) => {
+                let Text::Stream(s) = std::mem::replace(t, Text::Empty) else {
+                    unreachable!("matched a stream above")
+                };
+                work.push((i, None));
+                streams.push(Some(s));
             }
-            report.lines += 1;
-            match parser.parse(line, &mut row) {
-                Ok(()) => {
-                    cols.push(&row);
-                    if let Some(t) = times.as_mut() {
-                        t.push(row.time);
+        }
+    }
+    for t in &texts {
+        maps.push(match t {
+            Text::Plain(m) => Some(&m[..]),
+            _ => None,
+        });
+    }
+    let streams: Vec<std::sync::Mutex<Option<Box<dyn BufRead + Send>>>> =
+        streams.into_iter().map(std::sync::Mutex::new).collect();
+    let threads = match opts.threads {
+        Some(n) if n > 0 => n,
+        _ => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    report.parse_threads = threads.min(work.len().max(1));
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| anyhow!("cannot start {threads} parsing threads: {e}"))?;
+    let proto = parser.clone();
+    let mut pieces: Vec<Piece> = pool.install(|| {
+        work.par_iter()
+            .map(|(file, range)| -> Result<Piece> {
+                let mut p = proto.clone();
+                let mut piece = Piece::new(*file, &p, strict);
+                let name = &names[*file];
+                match (range, maps[*file]) {
+                    (Some(r), Some(map)) => {
+                        piece.parse_text(&mut p, &map[r.clone()], r.start == 0, name)?
+                    }
+                    _ => {
+                        let mut guard = streams[*file]
+                            .lock()
+                            .map_err(|_| anyhow!("{name}: a parsing thread failed"))?;
+                        let mut s = guard.take().ok_or_else(|| anyhow!("{name}: read twice"))?;
+                        piece.parse_stream(&mut p, s.as_mut(), name)?;
                     }
                 }
-                Err(msg) => {
-                    let e = format!("{name}:{lineno}: {msg}");
-                    if strict {
-                        bail!(e);
-                    }
-                    report.malformed += 1;
-                    if report.first_errors.len() < MAX_REPORTED_ERRORS {
-                        report.first_errors.push(e);
-                    }
-                }
+                Ok(piece)
+            })
+            .collect::<Result<Vec<Piece>>>()
+    })?;
+
+    // line numbers: each piece starts after the line breaks of the pieces before it
+    let mut before = 0u64;
+    for k in 0..pieces.len() {
+        if k > 0 && pieces[k].file != pieces[k - 1].file {
+            before = 0;
+        }
+        pieces[k].lines_before = before;
+        before += pieces[k].newlines;
+    }
+    let mut cols = Columns::new(parser.num_dense(), parser.num_sparse());
+    let mut times = parser.has_time().then(Vec::new);
+    for piece in &mut pieces {
+        report.lines += piece.data_lines;
+        report.parse_bytes += piece.bytes;
+        report.malformed += piece.malformed;
+        for (k, msg) in piece.errors.drain(..) {
+            let e = format!("{}:{}: {msg}", names[piece.file], piece.lines_before + k);
+            if strict {
+                bail!(e);
             }
+            if report.first_errors.len() < MAX_REPORTED_ERRORS {
+                report.first_errors.push(e);
+            }
+        }
+        cols.append(&piece.cols);
+        if let (Some(t), Some(pt)) = (times.as_mut(), piece.times.as_ref()) {
+            t.extend_from_slice(pt);
         }
     }
     Ok((cols, times))
 }
 
-/// A buffered reader of `path`, gunzipped when it starts with the gzip magic bytes.
-fn open_text(path: &Path) -> Result<Box<dyn BufRead>> {
-    let file = File::open(path).map_err(|e| anyhow!("cannot open {}: {e}", path.display()))?;
-    let mut reader = BufReader::with_capacity(1 << 20, file);
-    let head = reader
-        .fill_buf()
-        .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
-    if head.starts_with(&[0x1f, 0x8b]) {
-        let gz = flate2::bufread::MultiGzDecoder::new(reader);
-        Ok(Box::new(BufReader::with_capacity(1 << 20, gz)))
-    } else {
-        Ok(Box::new(reader))
+/// Gives `parser` what every thread must share before parsing starts: the first file's
+/// header, or (without a header) the field count of the first data line.
+fn prime(parser: &mut Parser, texts: &[Text], files: &[PathBuf]) -> Result<()> {
+    let Some((i, first)) = texts
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !matches!(t, Text::Empty))
+    else {
+        return Ok(());
+    };
+    let name = files[i].display().to_string();
+    let first_line = |want: usize| -> Result<Vec<Vec<u8>>> {
+        // the first `want` lines of the first file (streams are reopened for it)
+        let mut out = Vec::new();
+        match first {
+            Text::Plain(m) => {
+                for raw in m.split_inclusive(|&b| b == b'\n').take(want) {
+                    out.push(trim_eol(raw).to_vec());
+                }
+            }
+            _ => {
+                let mut r = match open_text(&files[i])? {
+                    Text::Stream(s) => s,
+                    _ => return Ok(out),
+                };
+                let mut buf = Vec::new();
+                for _ in 0..want {
+                    buf.clear();
+                    if r.read_until(b'\n', &mut buf)
+                        .map_err(|e| anyhow!("{name}: read error: {e}"))?
+                        == 0
+                    {
+                        break;
+                    }
+                    out.push(trim_eol(&buf).to_vec());
+                }
+            }
+        }
+        Ok(out)
+    };
+    if parser.has_header() {
+        if let Some(h) = first_line(1)?.first() {
+            let h = h.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(h);
+            parser
+                .header(h)
+                .map_err(|e| anyhow!("{name}:1: header: {e:#}"))?;
+        }
+    } else if let Parser::Tsv(_) = parser {
+        // the first non-empty line fixes the field count (its errors are reported when
+        // its thread parses it again)
+        for line in first_line(64)? {
+            let line = line.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&line);
+            if !line.is_empty() {
+                let mut row = Row::new(parser.num_dense(), parser.num_sparse());
+                let _ = parser.parse(line, &mut row);
+                break;
+            }
+        }
     }
+    Ok(())
 }
 
 /// Whether `name` matches `pattern` (`*`: any run of characters, `?`: one character).
@@ -912,6 +1359,12 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
 /// The files of a data path: a file, a folder's regular files (not starting with `.`),
 /// or a glob on the file-name part; sorted by name.
 pub fn resolve_path(path: &str) -> Result<Vec<PathBuf>> {
+    resolve_path_noted(path).map(|(files, _)| files)
+}
+
+/// As [`resolve_path`], with a note for each entry of a folder that is not read: a
+/// subfolder, a broken link, a FIFO or another special file.
+pub fn resolve_path_noted(path: &str) -> Result<(Vec<PathBuf>, Vec<String>)> {
     let p = Path::new(path);
     let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
     let is_glob = name
@@ -920,16 +1373,16 @@ pub fn resolve_path(path: &str) -> Result<Vec<PathBuf>> {
     if !is_glob {
         let meta = std::fs::metadata(p).map_err(|e| anyhow!("data path {path}: {e}"))?;
         if meta.is_file() {
-            return Ok(vec![p.to_path_buf()]);
+            return Ok((vec![p.to_path_buf()], Vec::new()));
         }
         if meta.is_dir() {
-            let files = list_dir(p, |n| !n.starts_with('.'))?;
+            let (files, notes) = list_dir(p, |n| !n.starts_with('.'))?;
             if files.is_empty() {
                 bail!("data folder {path} holds no files");
             }
-            return Ok(files);
+            return Ok((files, notes));
         }
-        bail!("data path {path} is neither a file nor a folder");
+        bail!("data path {path} is neither a file nor a folder (a FIFO or device cannot be read twice, as training needs)");
     }
     let pattern = name.unwrap_or_default();
     let dir = match p.parent() {
@@ -940,18 +1393,19 @@ pub fn resolve_path(path: &str) -> Result<Vec<PathBuf>> {
     if dir_text.contains('*') || dir_text.contains('?') {
         bail!("data path {path}: wildcards are allowed only in the file name");
     }
-    let files = list_dir(dir, |n| {
+    let (files, notes) = list_dir(dir, |n| {
         (pattern.starts_with('.') || !n.starts_with('.')) && glob_match(&pattern, n)
     })
     .map_err(|e| anyhow!("data path {path}: {e:#}"))?;
     if files.is_empty() {
         bail!("no files match {path}");
     }
-    Ok(files)
+    Ok((files, notes))
 }
 
-fn list_dir(dir: &Path, want: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>> {
+fn list_dir(dir: &Path, want: impl Fn(&str) -> bool) -> Result<(Vec<PathBuf>, Vec<String>)> {
     let mut out = Vec::new();
+    let mut notes = Vec::new();
     let entries =
         std::fs::read_dir(dir).map_err(|e| anyhow!("cannot list {}: {e}", dir.display()))?;
     for entry in entries {
@@ -962,12 +1416,22 @@ fn list_dir(dir: &Path, want: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>> {
         }
         let path = entry.path();
         // Follows symbolic links: a link to a regular file counts as one.
-        if std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
-            out.push(path);
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => out.push(path),
+            Ok(m) if m.is_dir() => notes.push(format!(
+                "skipped {}: a folder (data folders are not read recursively)",
+                path.display()
+            )),
+            Ok(_) => notes.push(format!(
+                "skipped {}: not a regular file (a FIFO, socket or device)",
+                path.display()
+            )),
+            Err(e) => notes.push(format!("skipped {}: {e} (a broken link?)", path.display())),
         }
     }
     out.sort();
-    Ok(out)
+    notes.sort();
+    Ok((out, notes))
 }
 
 /// A field for an error message: lossy UTF-8, cut to 40 characters.

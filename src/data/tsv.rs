@@ -4,6 +4,7 @@ use anyhow::{bail, Result};
 
 use super::table::{dense_transform, hash_category, show, LineParser, Row, TsvSchema};
 
+#[derive(Clone)]
 pub(crate) struct TsvParser {
     schema: TsvSchema,
     sep: u8,
@@ -43,10 +44,17 @@ impl TsvParser {
     /// Resolves the schema's columns against `names` (empty: no header, so indices).
     fn resolve(&mut self, names: &[String]) -> Result<()> {
         let find = |col: &str| -> Result<usize> {
-            if let Some(i) = names
-                .iter()
-                .position(|n| n == col || n.rsplit_once(':').is_some_and(|(base, _)| base == col))
-            {
+            let named =
+                |n: &String| n == col || n.rsplit_once(':').is_some_and(|(base, _)| base == col);
+            let hits: Vec<usize> = (0..names.len()).filter(|&i| named(&names[i])).collect();
+            if hits.len() > 1 {
+                bail!(
+                    "the header names column '{col}' {} times (columns {}); name it by its 0-based index instead",
+                    hits.len(),
+                    hits.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")
+                );
+            }
+            if let Some(&i) = hits.first() {
                 return Ok(i);
             }
             match col.parse::<usize>() {
@@ -75,6 +83,19 @@ impl TsvParser {
             .map(|c| find(c))
             .collect::<Result<_>>()?;
         self.time = self.schema.time.as_deref().map(find).transpose()?;
+        // one column under two names (a name and its index, or two spellings)
+        let mut used: Vec<(usize, &str)> = vec![(self.label, self.schema.label.as_str())];
+        for (&i, c) in self
+            .dense
+            .iter()
+            .zip(&self.schema.dense)
+            .chain(self.categorical.iter().zip(&self.schema.categorical))
+        {
+            if let Some((_, first)) = used.iter().find(|(j, _)| *j == i) {
+                bail!("'{first}' and '{c}' are the same column ({i}): each column is one feature");
+            }
+            used.push((i, c));
+        }
         Ok(())
     }
 
