@@ -2,7 +2,10 @@
 //! safetensors file, whose metadata holds a small JSON with the step, the data position
 //! and the configuration. Written atomically (a temporary file in the same folder,
 //! flushed to disk, then renamed over the old one), so a crash never leaves a half
-//! checkpoint under the real name; a truncated or foreign file is refused on load.
+//! checkpoint under the real name; the temporary files of writers that died are removed
+//! by the next write. The metadata holds a checksum of every tensor: a truncated,
+//! foreign or corrupted file (one flipped bit) is refused on load, and so is a
+//! parameter that is not finite, by the tensor's name.
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -36,11 +39,142 @@ pub struct CheckpointState {
     pub step: u64,
     /// Index of the next training example.
     pub next_example: u64,
-    /// The configuration that must match on resume (model sizes, variant, optimizer).
-    pub config: String,
+    /// The configuration that must match on resume (model sizes, variant, optimizer,
+    /// seeds, the data's content), as `(key, value)` pairs.
+    pub identity: Vec<(String, String)>,
 }
 
-const FORMAT: &str = "erase-checkpoint-1";
+impl CheckpointState {
+    /// The value of an identity key (`variant`, `model.rows`, ...).
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.identity
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+const FORMAT: &str = "erase-checkpoint-2";
+
+/// The checksum stored for each tensor (of its little-endian bytes).
+fn tensor_checksum(bytes: &[u8]) -> String {
+    format!("{:016x}", crate::data::checksum(&[bytes]))
+}
+
+/// Flattens a `Debug` rendering of plain data (`Name { a: 1, b: [2, 3], c: Inner { d: 4 } }`)
+/// into `(path, value)` pairs (`a = 1`, `b = [2, 3]`, `c.d = 4`), so that two
+/// configurations can be compared field by field. Text that is not a struct is one pair
+/// under `prefix`.
+pub fn flatten_debug(prefix: &str, text: &str) -> Vec<(String, String)> {
+    let text = text.trim();
+    let open = text.find('{');
+    let inner = match open {
+        Some(i) if text.ends_with('}') && !text[..i].contains(['[', '(', '"']) => {
+            &text[i + 1..text.len() - 1]
+        }
+        _ => return vec![(prefix.to_string(), text.to_string())],
+    };
+    // split on top-level commas
+    let (mut parts, mut depth, mut start, mut quoted) = (Vec::new(), 0i32, 0, false);
+    let bytes = inner.as_bytes();
+    for (i, &b) in bytes.iter().enumerate() {
+        match b {
+            b'"' if i == 0 || bytes[i - 1] != b'\\' => quoted = !quoted,
+            b'{' | b'[' | b'(' if !quoted => depth += 1,
+            b'}' | b']' | b')' if !quoted => depth -= 1,
+            b',' if depth == 0 && !quoted => {
+                parts.push(&inner[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&inner[start..]);
+    let mut out = Vec::new();
+    for part in parts.into_iter().map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once(": ") {
+            Some((k, v)) if !k.contains([' ', '{', '[', '"']) => {
+                let key = if prefix.is_empty() {
+                    k.to_string()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                out.extend(flatten_debug(&key, v));
+            }
+            _ => out.push((prefix.to_string(), part.to_string())),
+        }
+    }
+    out
+}
+
+/// Checks, before a run spends its steps, that a checkpoint can be written at `path`:
+/// not a folder, in a folder that exists and takes new files.
+pub fn check_writable(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        bail!(
+            "checkpoint {} is a folder; give a file name",
+            path.display()
+        );
+    }
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        bail!(
+            "checkpoint {}: the folder {} does not exist",
+            path.display(),
+            dir.display()
+        );
+    }
+    let probe = dir.join(format!(".erase-write-probe-{}", std::process::id()));
+    std::fs::File::create(&probe).with_context(|| {
+        format!(
+            "checkpoint {}: cannot create files in {}",
+            path.display(),
+            dir.display()
+        )
+    })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Whether process `pid` is alive on this host.
+pub(crate) fn process_alive(pid: u32) -> bool {
+    if pid == std::process::id() {
+        return true;
+    }
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Removes the files of `dir` whose names start with `prefix` followed by the id of a
+/// process that is no longer running (temporary files of writers that were killed).
+/// Returns how many it removed.
+pub(crate) fn remove_stale_temps(dir: &Path, prefix: &str, pid_end: &[char]) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(prefix) else {
+            continue;
+        };
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        let after = &rest[digits.len()..];
+        let ends_right = after.is_empty() || after.starts_with(pid_end);
+        let stale = ends_right && digits.parse::<u32>().is_ok_and(|pid| !process_alive(pid));
+        if stale && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
 
 fn st_dtype(d: DType) -> Dtype {
     match d {
@@ -94,11 +228,21 @@ pub fn save(
             Ok((name.clone(), view))
         })
         .collect::<Result<_>>()?;
+    let sums: serde_json::Map<String, serde_json::Value> = bufs
+        .iter()
+        .map(|(name, _, b)| (name.clone(), tensor_checksum(b.bytes()).into()))
+        .collect();
+    let identity: serde_json::Map<String, serde_json::Value> = state
+        .identity
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone().into()))
+        .collect();
     let meta = serde_json::json!({
         "format": FORMAT,
         "step": state.step,
         "next_example": state.next_example,
-        "config": state.config,
+        "identity": identity,
+        "checksums": sums,
     });
     let mut info = HashMap::new();
     info.insert("erase".to_string(), meta.to_string());
@@ -112,11 +256,9 @@ pub fn save(
     let file_name = path
         .file_name()
         .ok_or_else(|| anyhow!("checkpoint path {} has no file name", path.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
+    let tmp_prefix = format!(".{}.tmp-", file_name.to_string_lossy());
+    remove_stale_temps(dir, &tmp_prefix, &[]);
+    let tmp = dir.join(format!("{tmp_prefix}{}", std::process::id()));
     let write = || -> Result<()> {
         let mut f =
             std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
@@ -137,17 +279,11 @@ pub fn save(
     r.with_context(|| format!("writing checkpoint {}", path.display()))
 }
 
-/// Reads a checkpoint into `store`. Refuses a truncated or foreign file, a missing or
-/// misshapen tensor, and (when given) a configuration other than `expect_config`.
-pub fn load(
-    path: &Path,
-    g: &Graph,
-    store: &mut dyn TensorStore,
-    expect_config: Option<&str>,
-) -> Result<CheckpointState> {
+/// The metadata of a checkpoint file and its bytes, checked to be an Erase checkpoint.
+fn read_meta(path: &Path) -> Result<(Vec<u8>, CheckpointState, serde_json::Value)> {
     let bytes =
         std::fs::read(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+    safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
         anyhow!(
             "{} is not a complete checkpoint ({e}); was it truncated?",
             path.display()
@@ -169,18 +305,17 @@ pub fn load(
         .with_context(|| format!("{}: bad checkpoint metadata", path.display()))?;
     if v["format"] != FORMAT {
         bail!(
-            "{}: unknown checkpoint format {}",
+            "{}: checkpoint format {} (this build reads {FORMAT}, with a checksum per tensor)",
             path.display(),
             v["format"]
         );
     }
-    let config = v["config"].as_str().unwrap_or_default().to_string();
-    if let Some(expect) = expect_config.filter(|e| *e != config) {
-        bail!(
-            "{} was written with another configuration:\n  checkpoint: {config}\n  now:        {expect}",
-            path.display()
-        );
-    }
+    let identity = v["identity"]
+        .as_object()
+        .ok_or_else(|| anyhow!("{}: no identity in the metadata", path.display()))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+        .collect();
     let state = CheckpointState {
         step: v["step"]
             .as_u64()
@@ -188,24 +323,118 @@ pub fn load(
         next_example: v["next_example"]
             .as_u64()
             .ok_or_else(|| anyhow!("{}: no data position", path.display()))?,
-        config,
+        identity,
+    };
+    Ok((bytes, state, v))
+}
+
+/// What a checkpoint says besides its tensors, without loading them (to choose the
+/// model a checkpoint needs before building it).
+pub fn peek(path: &Path) -> Result<CheckpointState> {
+    read_meta(path).map(|(_, s, _)| s)
+}
+
+/// The keys whose values differ between a checkpoint's identity and a run's, as
+/// `key: checkpoint value, this run value` lines.
+pub fn identity_diff(ckpt: &[(String, String)], now: &[(String, String)]) -> Vec<String> {
+    let get = |v: &[(String, String)], k: &str| {
+        v.iter()
+            .find(|(key, _)| key == k)
+            .map_or("(not set)".to_string(), |(_, x)| x.clone())
+    };
+    let mut keys: Vec<&str> = ckpt.iter().map(|(k, _)| k.as_str()).collect();
+    for (k, _) in now {
+        if !keys.contains(&k.as_str()) {
+            keys.push(k);
+        }
+    }
+    keys.into_iter()
+        .filter_map(|k| {
+            let (a, b) = (get(ckpt, k), get(now, k));
+            (a != b).then(|| format!("{k}: the checkpoint has {a}, this run has {b}"))
+        })
+        .collect()
+}
+
+/// Reads a checkpoint into `store`. Refuses a truncated, foreign or corrupted file (every
+/// tensor's checksum is verified), a missing or misshapen tensor, a parameter that is
+/// not finite, and (when given) an identity other than `expect`, naming each key that
+/// differs.
+pub fn load(
+    path: &Path,
+    g: &Graph,
+    store: &mut dyn TensorStore,
+    expect: Option<&[(String, String)]>,
+) -> Result<CheckpointState> {
+    let (bytes, state, v) = read_meta(path)?;
+    if let Some(expect) = expect {
+        let diff = identity_diff(&state.identity, expect);
+        if !diff.is_empty() {
+            bail!(
+                "{} was written by another configuration; resume needs the same one:\n  {}",
+                path.display(),
+                diff.join("\n  ")
+            );
+        }
+    }
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let hint = || -> String {
+        let mut h = Vec::new();
+        if let Some(variant) = state.get("variant") {
+            h.push(format!("--variant {variant}"));
+        }
+        for (k, flag) in [("model.batch", "--batch"), ("model.rows", "--rows")] {
+            if let Some(x) = state.get(k) {
+                h.push(format!("{flag} {x}"));
+            }
+        }
+        if h.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (it was trained with {}: pass the same flags)",
+                h.join(" ")
+            )
+        }
     };
     for (name, t) in persistent(g)? {
         let view = st
             .tensor(&name)
-            .map_err(|_| anyhow!("{}: tensor '{name}' is missing", path.display()))?;
+            .map_err(|_| anyhow!("{}: tensor '{name}' is missing{}", path.display(), hint()))?;
         let want = g.shape(t).dims();
         if view.shape() != want || view.dtype() != st_dtype(g.dtype(t)) {
             bail!(
-                "{}: tensor '{name}' is {:?} {:?}, the model needs {:?} {}",
+                "{}: tensor '{name}' is {:?} {:?}, the model needs {:?} {}{}",
                 path.display(),
                 view.dtype(),
                 view.shape(),
                 want,
-                g.dtype(t)
+                g.dtype(t),
+                hint()
+            );
+        }
+        let stored = v["checksums"][name.as_str()]
+            .as_str()
+            .ok_or_else(|| anyhow!("{}: no checksum for tensor '{name}'", path.display()))?;
+        if tensor_checksum(view.data()) != stored {
+            bail!(
+                "{}: tensor '{name}' does not match its checksum: the file is corrupted",
+                path.display()
             );
         }
         let b = erase_runtime::cuda::buffer_from_bytes(g.dtype(t), view.data());
+        let bad = match &b {
+            Buffer::F32(x) => x.iter().position(|v| !v.is_finite()),
+            Buffer::F64(x) => x.iter().position(|v| !v.is_finite()),
+            _ => None,
+        };
+        if let Some(i) = bad {
+            bail!(
+                "{}: tensor '{name}' holds a value that is not finite (element {i}); the run that wrote it diverged",
+                path.display()
+            );
+        }
         store
             .write(t, b)
             .with_context(|| format!("restoring '{name}'"))?;

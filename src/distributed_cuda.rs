@@ -39,7 +39,7 @@ pub fn run_worker_cuda(
         opts.allreduce.as_str(),
         cfg.dispatch.as_str(),
         cfg.steps,
-        cfg.identity()
+        cfg.identity_text()
     );
     let rdv = rendezvous(env, &blob, &tag, opts.timeout)?;
     let id = rdv.blobs[0].clone();

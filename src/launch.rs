@@ -74,7 +74,7 @@ fn job_tag(cfg: &TrainConfig, backend: &str, opts: &WorkerOptions, world: usize)
         opts.allreduce.as_str(),
         cfg.dispatch.as_str(),
         cfg.steps,
-        cfg.identity()
+        cfg.identity_text()
     )
 }
 

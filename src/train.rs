@@ -257,19 +257,42 @@ impl TrainConfig {
         }
     }
 
-    /// What must match between a checkpoint and the run that resumes it.
-    pub fn identity(&self) -> String {
-        format!(
-            "model {:?}; optimizer {:?}; seed {}; data seed {}; data {}",
-            self.model,
-            self.optimizer,
-            self.seed,
-            self.data_seed,
+    /// What must match between a checkpoint and the run that resumes it, key by key:
+    /// the model's sizes and variant, the optimizer, the seeds, and the training data by
+    /// its content (a checksum of the parsed examples), not by its path.
+    pub fn identity(&self) -> Vec<(String, String)> {
+        let mut v = vec![("variant".to_string(), self.model.variant.to_string())];
+        v.extend(crate::checkpoint::flatten_debug(
+            "model",
+            &format!("{:?}", self.model),
+        ));
+        v.extend(crate::checkpoint::flatten_debug(
+            "optimizer",
+            &format!("{:?}", self.optimizer),
+        ));
+        v.push(("seed".into(), self.seed.to_string()));
+        v.push(("data_seed".into(), self.data_seed.to_string()));
+        v.push((
+            "data".into(),
             match &self.data {
                 Data::Synthetic => "synthetic".to_string(),
-                Data::Table { source, train, .. } => format!("{source} ({} examples)", train.len()),
-            }
-        )
+                Data::Table { train, .. } => format!(
+                    "{} training examples, content checksum {:016x}",
+                    train.len(),
+                    train.digest()
+                ),
+            },
+        ));
+        v
+    }
+
+    /// [`TrainConfig::identity`] as one line (`key = value; ...`), for rendezvous tags.
+    pub fn identity_text(&self) -> String {
+        self.identity()
+            .iter()
+            .map(|(k, v)| format!("{k} = {v}"))
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 }
 
@@ -523,6 +546,10 @@ pub fn train_on(
     dev: Option<&CudaDevice>,
     progress: &mut dyn Progress,
 ) -> Result<TrainReport> {
+    // a checkpoint that cannot be written must fail now, not after every step is trained
+    if let Some(p) = &cfg.checkpoint {
+        crate::checkpoint::check_writable(p).context("--checkpoint")?;
+    }
     // the CPU's GEMMs are f32: no bf16 copies of their operands there
     let sched = ScheduleOptions {
         bf16_copies: cfg.schedule.bf16_copies && dev.is_some(),
@@ -995,6 +1022,12 @@ impl<'a> Session<'a> {
             ys.extend(lab);
         }
         self.exec.restart_timing();
+        if let Some(class) = one_class(&ys) {
+            bail!(
+                "the {} held-out examples are all {class}: NE and AUC are undefined on one class (is the label right? a rating needs label_threshold in the schema)",
+                ys.len()
+            );
+        }
         Ok(Eval {
             step: self.step,
             ne: ne.ne().unwrap_or(f64::NAN),
@@ -1010,7 +1043,7 @@ impl<'a> Session<'a> {
         self.exec.write(t, b)
     }
 
-    pub fn save(&self, path: &std::path::Path, identity: &str) -> Result<()> {
+    pub fn save(&self, path: &std::path::Path, identity: &[(String, String)]) -> Result<()> {
         if !self.in_flight.is_empty() {
             bail!(
                 "save: {} steps in flight; drain them first",
@@ -1020,12 +1053,12 @@ impl<'a> Session<'a> {
         let st = crate::checkpoint::CheckpointState {
             step: self.step as u64,
             next_example: (self.step * self.plan.model.cfg.batch) as u64,
-            config: identity.to_string(),
+            identity: identity.to_vec(),
         };
         crate::checkpoint::save(path, &self.plan.model.graph, self.exec.as_ref(), &st)
     }
 
-    pub fn resume(&mut self, path: &std::path::Path, identity: &str) -> Result<()> {
+    pub fn resume(&mut self, path: &std::path::Path, identity: &[(String, String)]) -> Result<()> {
         self.drain()?;
         let st = crate::checkpoint::load(
             path,
@@ -1048,6 +1081,69 @@ impl<'a> Session<'a> {
     }
 }
 
+/// `Some("positive")` or `Some("negative")` when every label is of that class.
+pub fn one_class(labels: &[f64]) -> Option<&'static str> {
+    let pos = labels.iter().filter(|&&y| y > 0.5).count();
+    match pos {
+        0 => Some("negative (label 0)"),
+        n if n == labels.len() => Some("positive (label 1)"),
+        _ => None,
+    }
+}
+
+/// Bytes a step plan holds: its persistent tensors (parameters, embedding tables and
+/// their optimizer state) and its arena; and of those, the embedding tables'.
+pub fn plan_bytes(plan: &StepPlan) -> (u64, u64) {
+    let g = &plan.model.graph;
+    let tables = plan.model.table;
+    let (mut all, mut emb) = (plan.memory.arena_bytes as u64, 0u64);
+    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
+        let b = (g.shape(t).numel() * g.dtype(t).size_bytes()) as u64;
+        all += b;
+        // the tables and the row-wise state beside them (same rows)
+        if t == tables || g.shape(t).dims().first() == g.shape(tables).dims().first() {
+            emb += b;
+        }
+    }
+    (all, emb)
+}
+
+/// Memory this machine (`None`) or device has for a run, in bytes, if it can tell.
+fn available_memory(dev: Option<&CudaDevice>) -> Option<u64> {
+    match dev {
+        Some(d) => d.memory_info().ok().map(|(free, _)| free as u64),
+        None => {
+            let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kb * 1024)
+        }
+    }
+}
+
+/// Refuses, before anything is allocated, a plan larger than the memory there is.
+pub fn check_memory(plan: &StepPlan, dev: Option<&CudaDevice>) -> Result<()> {
+    let (need, tables) = plan_bytes(plan);
+    let Some(have) = available_memory(dev) else {
+        return Ok(());
+    };
+    if need > have {
+        let c = &plan.model.cfg;
+        let gb = |b: u64| b as f64 / 1e9;
+        bail!(
+            "the model needs {:.1} GB, of which the embedding tables ({} fields, {} rows in all, dim {}, with their optimizer state) take {:.1} GB, but {} has {:.1} GB free; use fewer rows per table (--rows, or per-field sizes)",
+            gb(need),
+            c.num_sparse,
+            c.field_rows().iter().sum::<usize>(),
+            c.dim,
+            gb(tables),
+            if dev.is_some() { "the GPU" } else { "this machine" },
+            gb(have)
+        );
+    }
+    Ok(())
+}
+
 fn run_training(
     cfg: &TrainConfig,
     plan: &StepPlan,
@@ -1055,6 +1151,7 @@ fn run_training(
     progress: &mut dyn Progress,
 ) -> Result<TrainReport> {
     erase_runtime::nvtx::name_os_thread("erase-main");
+    check_memory(plan, dev)?;
     let mut s = Session::with_dispatch(
         plan,
         dev,
@@ -1076,8 +1173,14 @@ fn run_training(
         kernel_table: None,
     };
     let mut qps = Vec::new();
+    // computed once: it reads every training example for the data's checksum
+    let identity = if cfg.resume.is_some() || cfg.checkpoint.is_some() {
+        cfg.identity()
+    } else {
+        Vec::new()
+    };
     if let Some(path) = &cfg.resume {
-        s.resume(path, &cfg.identity())?;
+        s.resume(path, &identity)?;
         if s.step >= cfg.steps {
             bail!(
                 "{} is already at step {}; ask for more --steps than that",
@@ -1137,7 +1240,7 @@ fn run_training(
         }
         if save {
             if let Some(path) = &cfg.checkpoint {
-                s.save(path, &cfg.identity())?;
+                s.save(path, &identity)?;
             }
         }
         if eval {
@@ -1161,6 +1264,8 @@ pub struct ConsoleProgress {
     pub terminal: bool,
     pub jsonl: Option<std::fs::File>,
     last_print: Option<Instant>,
+    /// The first failed write of the metrics file (warned about once, when it happened).
+    pub write_error: Option<std::io::Error>,
 }
 
 impl ConsoleProgress {
@@ -1170,15 +1275,29 @@ impl ConsoleProgress {
             terminal: std::io::stderr().is_terminal(),
             jsonl,
             last_print: None,
+            write_error: None,
+        }
+    }
+
+    /// Writes one line of the metrics file; the first failure is warned about and kept
+    /// (later lines are not tried: the file is incomplete from there).
+    fn metric(&mut self, line: std::fmt::Arguments) {
+        let Some(f) = &mut self.jsonl else { return };
+        if self.write_error.is_some() {
+            return;
+        }
+        if let Err(e) = writeln!(f, "{line}") {
+            eprintln!("erase-ctr: warning: --metrics: a write failed ({e}); the file is incomplete from here");
+            self.write_error = Some(e);
         }
     }
 }
 
 impl Progress for ConsoleProgress {
     fn step(&mut self, step: usize, steps: usize, loss: f64, qps: f64) {
-        if let Some(f) = &mut self.jsonl {
-            let _ = writeln!(f, "{{\"step\":{step},\"loss\":{loss},\"qps\":{qps:.1}}}");
-        }
+        self.metric(format_args!(
+            "{{\"step\":{step},\"loss\":{loss},\"qps\":{qps:.1}}}"
+        ));
         let due = self
             .last_print
             .is_none_or(|t| t.elapsed().as_millis() >= if self.terminal { 100 } else { 2000 });
@@ -1200,13 +1319,10 @@ impl Progress for ConsoleProgress {
     }
 
     fn eval(&mut self, e: &Eval) {
-        if let Some(f) = &mut self.jsonl {
-            let _ = writeln!(
-                f,
-                "{{\"eval_step\":{},\"ne\":{},\"auc\":{},\"examples\":{}}}",
-                e.step, e.ne, e.auc, e.examples
-            );
-        }
+        self.metric(format_args!(
+            "{{\"eval_step\":{},\"ne\":{},\"auc\":{},\"examples\":{}}}",
+            e.step, e.ne, e.auc, e.examples
+        ));
         if self.terminal {
             eprint!("\r\x1b[K");
         }

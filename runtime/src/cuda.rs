@@ -350,6 +350,12 @@ impl CudaDevice {
             .map_err(|e| driver_err("binding the context", e))
     }
 
+    /// (free, total) bytes of device memory now.
+    pub fn memory_info(&self) -> Result<(usize, usize), RuntimeError> {
+        self.bind()?;
+        cudarc::driver::result::mem_get_info().map_err(|e| driver_err("asking for free memory", e))
+    }
+
     pub fn function(&self, name: &str) -> Result<sys::CUfunction, RuntimeError> {
         self.functions.get(name).copied().ok_or_else(|| {
             RuntimeError::Device(format!("kernel '{name}' is not in this build's PTX"))

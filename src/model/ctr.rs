@@ -103,12 +103,16 @@ impl FromStr for Variant {
 #[derive(Clone, Debug, PartialEq)]
 pub struct CtrConfig {
     pub batch: usize,
-    /// Dense features per example (13).
+    /// Dense features per example (13). 0: the data has none (Avazu, say); then there is
+    /// no bottom MLP, `E` is the `num_sparse` embeddings alone and the top reads the five
+    /// other blocks.
     pub num_dense: usize,
     /// Categorical fields, one table each (26).
     pub num_sparse: usize,
-    /// Rows per embedding table.
+    /// Rows per embedding table, where `table_rows` is empty.
     pub rows: usize,
+    /// Rows of each field's table, in field order; empty: every table has `rows`.
+    pub table_rows: Vec<usize>,
     /// Ids per field (multi-hot bag size, sum-pooled).
     pub hot: usize,
     /// Embedding width `D`, also the width of every block output `o_k`.
@@ -139,6 +143,7 @@ impl Default for CtrConfig {
             num_dense: 13,
             num_sparse: 26,
             rows: 100_000,
+            table_rows: Vec::new(),
             hot: 1,
             dim: 64,
             bottom: vec![256, 128],
@@ -166,6 +171,7 @@ impl CtrConfig {
             num_dense: 13,
             num_sparse: 26,
             rows: 1000,
+            table_rows: Vec::new(),
             hot: 1,
             dim: 16,
             bottom: vec![64, 32],
@@ -189,14 +195,41 @@ impl CtrConfig {
         self
     }
 
-    /// Fields of `E`: the embeddings plus `b`.
+    /// Fields of `E`: the embeddings plus `b` (when there are dense features).
     pub fn num_fields(&self) -> usize {
-        self.num_sparse + 1
+        self.num_sparse + usize::from(self.has_dense())
     }
 
-    /// Rows of each field's table (all `rows`).
+    /// Columns of the `dense` input: `num_dense`, or 1 for the placeholder without dense
+    /// features (see [`CtrInputs::dense`]).
+    pub fn dense_width(&self) -> usize {
+        self.num_dense.max(1)
+    }
+
+    /// Whether the examples have dense features (and so the model a bottom MLP).
+    pub fn has_dense(&self) -> bool {
+        self.num_dense > 0
+    }
+
+    /// Rows of each field's table: `table_rows`, or `rows` for every field.
     pub fn field_rows(&self) -> Vec<usize> {
-        vec![self.rows; self.num_sparse]
+        if self.table_rows.is_empty() {
+            vec![self.rows; self.num_sparse]
+        } else {
+            self.table_rows.clone()
+        }
+    }
+
+    /// Bytes of the embedding tables in f32 and of their row-wise Adagrad state.
+    pub fn table_bytes(&self) -> (u64, u64) {
+        let rows: u64 = self.field_rows().iter().map(|&r| r as u64).sum();
+        (rows * self.dim as u64 * 4, rows * 4)
+    }
+
+    /// The blocks the model has, by index into [`BLOCKS`]: all six, or five without
+    /// dense features (no bottom MLP).
+    pub fn blocks(&self) -> Vec<usize> {
+        (usize::from(!self.has_dense())..BLOCKS.len()).collect()
     }
 
     /// Ids per batch: `batch · num_sparse · hot`.
@@ -208,7 +241,6 @@ impl CtrConfig {
     pub fn validate(&self) -> Result<()> {
         let positive = [
             ("batch", self.batch),
-            ("num_dense", self.num_dense),
             ("num_sparse", self.num_sparse),
             ("rows", self.rows),
             ("hot", self.hot),
@@ -243,6 +275,20 @@ impl CtrConfig {
             "ctr config: rows = {} does not fit the i32 ids of the lookup (at most {i32_max})",
             self.rows
         );
+        if !self.table_rows.is_empty() {
+            ensure!(
+                self.table_rows.len() == self.num_sparse,
+                "ctr config: table_rows gives {} sizes for {} categorical fields",
+                self.table_rows.len(),
+                self.num_sparse
+            );
+            if let Some(j) = self.table_rows.iter().position(|&r| r == 0 || r > i32_max) {
+                bail!(
+                    "ctr config: table_rows[{j}] = {} must be 1 to {i32_max}",
+                    self.table_rows[j]
+                );
+            }
+        }
         self.batch
             .checked_mul(self.num_sparse)
             .and_then(|n| n.checked_mul(self.hot))
@@ -255,14 +301,13 @@ impl CtrConfig {
                     self.hot
                 )
             })?;
-        self.num_sparse
-            .checked_mul(self.rows)
-            .and_then(|n| n.checked_mul(self.dim))
+        let total: usize = self.field_rows().iter().sum();
+        total
+            .checked_mul(self.dim)
+            .filter(|&n| n <= i32_max.saturating_mul(64))
             .ok_or_else(|| {
                 anyhow!(
-                    "ctr config: the table of {}·{} rows of width {} is too large",
-                    self.num_sparse,
-                    self.rows,
+                    "ctr config: the tables of {total} rows in all of width {} are too large",
                     self.dim
                 )
             })?;
@@ -273,7 +318,8 @@ impl CtrConfig {
 /// The inputs fed each step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CtrInputs {
-    /// Float `[B, num_dense]`.
+    /// Float `[B, num_dense]`. Without dense features a `[B, 1]` placeholder of zeros
+    /// that no op reads, so that every model is fed the same four inputs.
     pub dense: Tensor,
     /// I32 `[B·num_sparse·hot]`: rows local to each field's table, bag by bag
     /// (example-major, then field, then the bag's ids).
@@ -446,7 +492,7 @@ struct AllParams {
     deep: Vec<Lin>,
     masknet: MaskNetParams,
     top: Vec<Lin>,
-    heads: Vec<Lin>,
+    heads: Vec<Option<Lin>>,
 }
 
 /// Every dense parameter, in PyTorch's `model.parameters()` order: blocks 0..5, the
@@ -463,14 +509,18 @@ fn make_params(
     let pairs = f * (f - 1) / 2;
     let hw = cfg.heads * cfg.head_dim;
 
-    let bottom = g.scoped(BLOCKS[0], |g| {
-        p.mlp(
-            g,
-            "mlp.",
-            "blocks.0.mlp.",
-            &dims(cfg.num_dense, &cfg.bottom, d),
-        )
-    })?;
+    let bottom = if cfg.has_dense() {
+        g.scoped(BLOCKS[0], |g| {
+            p.mlp(
+                g,
+                "mlp.",
+                "blocks.0.mlp.",
+                &dims(cfg.num_dense, &cfg.bottom, d),
+            )
+        })?
+    } else {
+        Vec::new()
+    };
     let interaction = g.scoped(BLOCKS[1], |g| {
         p.mlp(
             g,
@@ -549,14 +599,22 @@ fn make_params(
             out: p.linear(g, "out", "blocks.5.out", hid, d, true)?,
         })
     })?;
-    let top = g.scoped("top", |g| p.mlp(g, "", "top.", &dims(6 * d, &cfg.top, 1)))?;
+    let blocks = cfg.blocks();
+    let top = g.scoped("top", |g| {
+        p.mlp(g, "", "top.", &dims(blocks.len() * d, &cfg.top, 1))
+    })?;
+    // by block index; a block the model lacks (the bottom, without dense features) has none
     let mut heads = Vec::new();
     if cfg.variant.is_detached() {
         for (k, block) in BLOCKS.iter().enumerate() {
+            if !blocks.contains(&k) {
+                heads.push(None);
+                continue;
+            }
             let h = g.scoped(&format!("{block}_head"), |g| {
                 p.linear(g, "linear", &format!("heads.{k}"), d, 1, true)
             })?;
-            heads.push(h);
+            heads.push(Some(h));
         }
     }
     Ok(AllParams {
@@ -660,7 +718,7 @@ pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> 
     let detached = cfg.variant.is_detached();
 
     let inputs = CtrInputs {
-        dense: g.input("dense", &[b, cfg.num_dense], float)?,
+        dense: g.input("dense", &[b, cfg.dense_width()], float)?,
         ids: g.input("ids", &[cfg.ids_per_batch()], DType::I32)?,
         offsets: g.input("offsets", &[b * ns + 1], DType::I32)?,
         label: g.input("label", &[b], float)?,
@@ -682,26 +740,30 @@ pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> 
     let mut outs: Vec<(String, Tensor)> = Vec::with_capacity(6);
     let mut aux_losses = Vec::new();
     let mut head = |g: &mut Graph, k: usize, o: Tensor| -> Result<()> {
-        if detached {
+        if let (true, Some(Some(h))) = (detached, p.heads.get(k)) {
             let name = BLOCKS[k];
             let l = g.scoped(&format!("{name}_head"), |g| {
-                aux_head(g, o, p.heads[k], inputs.label, b)
+                aux_head(g, o, *h, inputs.label, b)
             })?;
             aux_losses.push((name.to_string(), l));
         }
         Ok(())
     };
 
-    // block 0: b, the 27th field of E
-    let bottom = g.scoped(BLOCKS[0], |g| mlp(g, inputs.dense, &p.bottom, true))?;
-    head(&mut g, 0, bottom)?;
-    outs.push((BLOCKS[0].to_string(), bottom));
-
-    let e = g.scoped("embedding", |g| -> Result<Tensor> {
-        let b_in = if detached { g.detach(bottom)? } else { bottom };
-        let b_field = g.reshape(b_in, &[b, 1, d])?;
-        Ok(g.concat(&[pooled, b_field], 1)?)
-    })?;
+    // block 0: b, the 27th field of E (absent without dense features)
+    let e = match cfg.has_dense().then_some(inputs.dense) {
+        Some(dense) => {
+            let bottom = g.scoped(BLOCKS[0], |g| mlp(g, dense, &p.bottom, true))?;
+            head(&mut g, 0, bottom)?;
+            outs.push((BLOCKS[0].to_string(), bottom));
+            g.scoped("embedding", |g| -> Result<Tensor> {
+                let b_in = if detached { g.detach(bottom)? } else { bottom };
+                let b_field = g.reshape(b_in, &[b, 1, d])?;
+                Ok(g.concat(&[pooled, b_field], 1)?)
+            })?
+        }
+        None => pooled,
+    };
 
     // blocks 1-5 are independent given E; they are built (hence run forward, and ready
     // their early backward) in FORWARD_ORDER, and `outs` keeps block order for the top
@@ -730,9 +792,11 @@ pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> 
     outs.extend(built.into_iter().map(|x| x.1));
 
     let (logit, main_loss) = g.scoped("top", |g| -> Result<(Tensor, Tensor)> {
-        // concat(o_2 .. o_6, b), each detached in the detached variants
+        // concat(o_2 .. o_6, b), each detached in the detached variants (b last; no b
+        // without dense features)
+        let first = usize::from(cfg.has_dense());
         let mut parts = Vec::with_capacity(6);
-        for &(_, o) in outs[1..].iter().chain(&outs[..1]) {
+        for &(_, o) in outs[first..].iter().chain(&outs[..first]) {
             parts.push(if detached { g.detach(o)? } else { o });
         }
         let x = g.concat(&parts, 1)?;
@@ -803,15 +867,24 @@ pub fn batch_buffers(
         labels.len(),
         cfg.batch
     );
-    if let Some(i) = rows.iter().position(|&r| r as usize >= cfg.rows) {
+    let field_rows = cfg.field_rows();
+    let field_of = |i: usize| (i / cfg.hot) % cfg.num_sparse;
+    if let Some(i) = (0..rows.len()).find(|&i| rows[i] as usize >= field_rows[field_of(i)]) {
         bail!(
             "ctr batch: id {i} (example {}, field {}) is row {} of a table of {} rows",
             i / (cfg.num_sparse * cfg.hot),
-            (i / cfg.hot) % cfg.num_sparse,
+            field_of(i),
             rows[i],
-            cfg.rows
+            field_rows[field_of(i)]
         );
     }
+    let placeholder;
+    let dense = if cfg.has_dense() {
+        dense
+    } else {
+        placeholder = vec![0f32; cfg.batch];
+        &placeholder[..]
+    };
     let floats = |v: &[f32]| -> Result<Buffer> {
         Ok(match float {
             DType::F32 => Buffer::F32(v.to_vec()),
