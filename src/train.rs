@@ -586,16 +586,27 @@ fn shuffled(n: usize, seed: u64) -> Vec<usize> {
 /// (stream 1) or of the held-out data (stream 2).
 fn fill_from(
     src: &mut Source,
-    (batch, rows_per_table): (usize, usize),
+    (batch, field_rows, slots): (usize, &[usize], &[usize]),
     stream: u64,
     first: u64,
     (dense, rows, labels): (&mut [f32], &mut [u32], &mut [f32]),
 ) {
     let b = batch;
     match src {
-        Source::Synthetic(gen) => gen.fill_batch(stream, first, b, dense, rows, labels),
+        Source::Synthetic(gen) => {
+            gen.fill_batch(stream, first, b, dense, rows, labels);
+            // per-field sizes smaller than the generator's `rows`: field j's row mod its size
+            let ns = field_rows.len();
+            if field_rows.iter().any(|&r| r != gen.rows()) && ns > 0 {
+                let hot = rows.len() / (b * ns).max(1);
+                for (i, r) in rows.iter_mut().enumerate() {
+                    *r %= field_rows[(i / hot) % ns] as u32;
+                }
+            }
+        }
         Source::Table { eval, .. } if stream == 2 => {
-            eval.fill_batch(first, b, rows_per_table, dense, rows, labels)
+            let slots = eval.is_multi_hot().then_some(slots);
+            eval.fill_batch_rows(first, b, field_rows, slots, dense, rows, labels)
         }
         Source::Table {
             train,
@@ -612,9 +623,10 @@ fn fill_from(
                 *order = shuffled(train.len(), seed.wrapping_add(e as u64));
                 *epoch = e;
             }
-            train.fill_batch_indices(
+            train.fill_batch_indices_rows(
                 &order[i * b..(i + 1) * b],
-                rows_per_table,
+                field_rows,
+                train.is_multi_hot().then_some(slots),
                 dense,
                 rows,
                 labels,
@@ -756,17 +768,19 @@ impl<'a> Session<'a> {
                 .map_err(|e| anyhow::anyhow!("synthetic data: {e}"))?,
             ),
             Data::Table { train, eval, .. } => {
+                let one_hot = mc.bag_slots().iter().all(|&h| h == 1);
                 if train.num_dense != mc.num_dense
                     || train.num_sparse != mc.num_sparse
-                    || mc.hot != 1
+                    || (!train.is_multi_hot() && !one_hot)
                 {
                     bail!(
-                        "the data has {} dense and {} categorical fields (one id each); the model expects {} and {} (hot {})",
+                        "the data has {} dense and {} categorical fields ({}); the model expects {} and {} (bag slots {:?})",
                         train.num_dense,
                         train.num_sparse,
+                        if train.is_multi_hot() { "multi-hot" } else { "one id each" },
                         mc.num_dense,
                         mc.num_sparse,
-                        mc.hot
+                        mc.bag_slots()
                     );
                 }
                 if train.len() < mc.batch || eval.len() < mc.batch {
@@ -823,10 +837,11 @@ impl<'a> Session<'a> {
             vec![0u32; cfg.ids_per_batch()],
             vec![0f32; cfg.batch],
         );
+        let (field_rows, bag_slots) = (cfg.field_rows(), cfg.bag_slots());
         let fill = move |k: u64, out: &mut [u8]| -> Result<()> {
             fill_from(
                 &mut src,
-                (cfg.batch, cfg.rows),
+                (cfg.batch, &field_rows, &bag_slots),
                 1,
                 k * cfg.batch as u64,
                 (&mut dense, &mut rows, &mut labels),
@@ -856,7 +871,7 @@ impl<'a> Session<'a> {
         let m = &self.plan.model;
         fill_from(
             &mut self.src,
-            (m.cfg.batch, m.cfg.rows),
+            (m.cfg.batch, &m.cfg.field_rows(), &m.cfg.bag_slots()),
             stream,
             first,
             (&mut self.dense, &mut self.rows, &mut self.labels),

@@ -68,7 +68,7 @@ fn requires_grad(g: &Graph) -> Vec<bool> {
             Op::Leaf(_) | Op::Detach => false,
             // labels are data, not differentiable operands
             Op::BceWithLogits | Op::SoftmaxCrossEntropy => req[node.inputs[0].index()],
-            Op::EmbeddingBag { .. } => req[node.inputs[0].index()],
+            Op::EmbeddingBag { .. } | Op::BagMean { .. } => req[node.inputs[0].index()],
             _ => node.inputs.iter().any(|t| req[t.index()]),
         };
         for &o in &node.outputs {
@@ -861,6 +861,17 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             }
             Op::EmbeddingBag { .. } => {
                 b.sparse.entry(ins[0]).or_default().push((id, dy));
+            }
+            Op::BagMean { mean } => {
+                // z = y ⊙ s with s fixed by the ids: dy = dz ⊙ s, the same op
+                let dx = b.add1(
+                    Op::BagMean { mean: mean.clone() },
+                    vec![dy, ins[1], ins[2]],
+                    shape_of(&b, 0),
+                    format!("{nm}.dy"),
+                    id,
+                );
+                b.contribute(ins[0], dx);
             }
             Op::BceWithLogits => {
                 let dx = b.add1(

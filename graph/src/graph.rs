@@ -1164,6 +1164,44 @@ impl Graph {
 
     /// Sum-pooled embedding bags: `table [Σ rows, D]`, `ids` i32 `[nnz]` (local rows of
     /// each field's table), `offsets` i32 `[B·F + 1]`, giving `[B, F, D]`.
+    /// Mean pooling of the bags of the fields with `mean[f]` (see [`Op::BagMean`]): `y` is
+    /// the `[B, F, D]` output of [`Graph::embedding_bag`] over the same `ids` and `offsets`.
+    pub fn bag_mean(
+        &mut self,
+        y: Tensor,
+        ids: Tensor,
+        offsets: Tensor,
+        mean: &[bool],
+    ) -> Result<Tensor> {
+        let op = "bag_mean";
+        let dt = self.expect_float(op, &[y])?;
+        self.expect_dtype(op, ids, DType::I32, "ids")?;
+        self.expect_dtype(op, offsets, DType::I32, "offsets")?;
+        self.expect_rank(op, y, 3, "y")?;
+        let dims = self.shape(y).dims().to_vec();
+        let (b, f) = (dims[0], dims[1]);
+        if f != mean.len() || self.shape(offsets).numel() != b * f + 1 {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "y {} must be [B, F, D] with F = {} fields and offsets {} B·F + 1 entries",
+                    self.desc(y),
+                    mean.len(),
+                    self.desc(offsets)
+                ),
+            ));
+        }
+        let s = self.shape(y).clone();
+        Ok(self.add1(
+            Op::BagMean {
+                mean: mean.to_vec(),
+            },
+            vec![y, ids, offsets],
+            s,
+            dt,
+        ))
+    }
+
     pub fn embedding_bag(
         &mut self,
         table: Tensor,

@@ -122,6 +122,14 @@ pub enum Op {
     EmbeddingBag {
         field_rows: Vec<usize>,
     },
+    /// `[y, ids, offsets] -> [z]`: the mean pooling of bags that `EmbeddingBag` summed.
+    /// `y` is `[B, F, D]` (its bags in the layout of `ids` and `offsets`); bag `b` of a
+    /// field `f` with `mean[f]` is divided by its count of ids (padding ids, -1, not
+    /// counted; an empty bag stays 0), the other fields' bags pass through. Its gradient
+    /// is the same op on `dz`: a diagonal scaling.
+    BagMean {
+        mean: Vec<bool>,
+    },
     /// `[logit, label] -> [loss]`: mean binary cross-entropy with logits.
     BceWithLogits,
     /// `[logits, labels] -> [loss]`: mean softmax cross-entropy, labels are i32 classes.
@@ -282,6 +290,7 @@ impl Op {
             Op::PairwiseDot => "pairwise_dot",
             Op::Attention { .. } => "attention",
             Op::EmbeddingBag { .. } => "embedding_bag",
+            Op::BagMean { .. } => "bag_mean",
             Op::BceWithLogits => "bce_with_logits",
             Op::SoftmaxCrossEntropy => "softmax_cross_entropy",
             Op::Sum => "sum",

@@ -113,8 +113,15 @@ pub struct CtrConfig {
     pub rows: usize,
     /// Rows of each field's table, in field order; empty: every table has `rows`.
     pub table_rows: Vec<usize>,
-    /// Ids per field (multi-hot bag size, sum-pooled).
+    /// Ids per field (multi-hot bag size, sum-pooled), where `field_hot` is empty.
     pub hot: usize,
+    /// Slots of each field's bag, in field order (variable-length multi-hot data: a bag
+    /// holds up to this many ids, the rest of its slots padding); empty: `hot` for every
+    /// field.
+    pub field_hot: Vec<usize>,
+    /// Fields pooled by the mean of their bag's ids instead of the sum, in field order;
+    /// empty: every field sum-pooled.
+    pub mean_fields: Vec<bool>,
     /// Embedding width `D`, also the width of every block output `o_k`.
     pub dim: usize,
     /// Bottom MLP hidden widths: `num_dense -> bottom.. -> dim`.
@@ -145,6 +152,8 @@ impl Default for CtrConfig {
             rows: 100_000,
             table_rows: Vec::new(),
             hot: 1,
+            field_hot: Vec::new(),
+            mean_fields: Vec::new(),
             dim: 64,
             bottom: vec![256, 128],
             interaction: vec![256],
@@ -173,6 +182,8 @@ impl CtrConfig {
             rows: 1000,
             table_rows: Vec::new(),
             hot: 1,
+            field_hot: Vec::new(),
+            mean_fields: Vec::new(),
             dim: 16,
             bottom: vec![64, 32],
             interaction: vec![64],
@@ -232,9 +243,23 @@ impl CtrConfig {
         (usize::from(!self.has_dense())..BLOCKS.len()).collect()
     }
 
-    /// Ids per batch: `batch · num_sparse · hot`.
+    /// Slots of each field's bag: `field_hot`, or `hot` for every field.
+    pub fn bag_slots(&self) -> Vec<usize> {
+        if self.field_hot.is_empty() {
+            vec![self.hot; self.num_sparse]
+        } else {
+            self.field_hot.clone()
+        }
+    }
+
+    /// Id slots of one example: the sum of the fields' bag slots.
+    pub fn slots_per_example(&self) -> usize {
+        self.bag_slots().iter().sum()
+    }
+
+    /// Ids per batch: `batch · Σ bag slots` (`batch · num_sparse · hot` with one size).
     pub fn ids_per_batch(&self) -> usize {
-        self.batch * self.num_sparse * self.hot
+        self.batch * self.slots_per_example()
     }
 
     /// Checks every size, with a message naming the field.
@@ -275,6 +300,23 @@ impl CtrConfig {
             "ctr config: rows = {} does not fit the i32 ids of the lookup (at most {i32_max})",
             self.rows
         );
+        if !self.field_hot.is_empty() {
+            ensure!(
+                self.field_hot.len() == self.num_sparse,
+                "ctr config: field_hot gives {} bag sizes for {} categorical fields",
+                self.field_hot.len(),
+                self.num_sparse
+            );
+            if let Some(j) = self.field_hot.iter().position(|&h| h == 0) {
+                bail!("ctr config: field_hot[{j}] is 0 (a bag has at least one slot)");
+            }
+        }
+        ensure!(
+            self.mean_fields.is_empty() || self.mean_fields.len() == self.num_sparse,
+            "ctr config: mean_fields gives {} flags for {} categorical fields",
+            self.mean_fields.len(),
+            self.num_sparse
+        );
         if !self.table_rows.is_empty() {
             ensure!(
                 self.table_rows.len() == self.num_sparse,
@@ -290,8 +332,7 @@ impl CtrConfig {
             }
         }
         self.batch
-            .checked_mul(self.num_sparse)
-            .and_then(|n| n.checked_mul(self.hot))
+            .checked_mul(self.bag_slots().iter().sum::<usize>())
             .filter(|&n| n <= i32_max)
             .ok_or_else(|| {
                 anyhow!(
@@ -302,15 +343,12 @@ impl CtrConfig {
                 )
             })?;
         let total: usize = self.field_rows().iter().sum();
-        total
-            .checked_mul(self.dim)
-            .filter(|&n| n <= i32_max.saturating_mul(64))
-            .ok_or_else(|| {
-                anyhow!(
-                    "ctr config: the tables of {total} rows in all of width {} are too large",
-                    self.dim
-                )
-            })?;
+        total.checked_mul(self.dim).ok_or_else(|| {
+            anyhow!(
+                "ctr config: the tables of {total} rows in all of width {} are too large",
+                self.dim
+            )
+        })?;
         Ok(())
     }
 }
@@ -733,8 +771,13 @@ pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> 
     let mut params = Vec::new();
     let p = make_params(&mut g, cfg, &mut params).context("ctr model: parameters")?;
 
-    let pooled = g.scoped("embedding", |g| {
-        g.embedding_bag(table, inputs.ids, inputs.offsets, &field_rows)
+    let pooled = g.scoped("embedding", |g| -> Result<Tensor> {
+        let sum = g.embedding_bag(table, inputs.ids, inputs.offsets, &field_rows)?;
+        if cfg.mean_fields.iter().any(|&m| m) {
+            Ok(g.bag_mean(sum, inputs.ids, inputs.offsets, &cfg.mean_fields)?)
+        } else {
+            Ok(sum)
+        }
     })?;
 
     let mut outs: Vec<(String, Tensor)> = Vec::with_capacity(6);
@@ -829,16 +872,31 @@ pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> 
 
 // ---- feeding ------------------------------------------------------------------------------
 
-/// Offsets of fixed-size bags: `0, hot, 2·hot, .., batch·num_sparse·hot`.
+/// The row of a padding slot in `rows` (an empty slot of a bag shorter than its field's
+/// [`CtrConfig::bag_slots`]); it is fed as the lookup's padding id, -1.
+pub const PAD_ROW: u32 = u32::MAX;
+
+/// Offsets of the bags, each as many slots as its field has: `0, hot, 2·hot, ..,
+/// batch·num_sparse·hot` with one size.
 pub fn offsets(cfg: &CtrConfig) -> Vec<i32> {
-    (0..=cfg.batch * cfg.num_sparse)
-        .map(|i| (i * cfg.hot) as i32)
-        .collect()
+    let slots = cfg.bag_slots();
+    let mut out = Vec::with_capacity(cfg.batch * cfg.num_sparse + 1);
+    let mut at = 0i32;
+    out.push(0);
+    for _ in 0..cfg.batch {
+        for &h in &slots {
+            at += h as i32;
+            out.push(at);
+        }
+    }
+    out
 }
 
 /// The four input buffers of one batch (`dense`, `ids`, `offsets`, `label`), floats in
 /// `float`. `dense` is `[batch, num_dense]`, `rows` `[batch, num_sparse, hot]` rows local
-/// to each field's table (as `SyntheticCtr::fill_batch` makes them), `labels` `[batch]`.
+/// to each field's table (as `SyntheticCtr::fill_batch` makes them; with per-field bag
+/// slots, each example's fields one after the other, empty slots [`PAD_ROW`]), `labels`
+/// `[batch]`.
 pub fn batch_buffers(
     cfg: &CtrConfig,
     float: DType,
@@ -855,11 +913,10 @@ pub fn batch_buffers(
     );
     ensure!(
         rows.len() == cfg.ids_per_batch(),
-        "ctr batch: rows has {} ids, expected batch·num_sparse·hot = {}·{}·{}",
+        "ctr batch: rows has {} ids, expected batch·slots = {}·{}",
         rows.len(),
         cfg.batch,
-        cfg.num_sparse,
-        cfg.hot
+        cfg.slots_per_example()
     );
     ensure!(
         labels.len() == cfg.batch,
@@ -868,14 +925,23 @@ pub fn batch_buffers(
         cfg.batch
     );
     let field_rows = cfg.field_rows();
-    let field_of = |i: usize| (i / cfg.hot) % cfg.num_sparse;
-    if let Some(i) = (0..rows.len()).find(|&i| rows[i] as usize >= field_rows[field_of(i)]) {
+    // the field of each slot of one example
+    let slot_field: Vec<usize> = cfg
+        .bag_slots()
+        .iter()
+        .enumerate()
+        .flat_map(|(j, &h)| std::iter::repeat_n(j, h))
+        .collect();
+    let per = slot_field.len().max(1);
+    let bad = (0..rows.len())
+        .find(|&i| rows[i] != PAD_ROW && rows[i] as usize >= field_rows[slot_field[i % per]]);
+    if let Some(i) = bad {
+        let j = slot_field[i % per];
         bail!(
-            "ctr batch: id {i} (example {}, field {}) is row {} of a table of {} rows",
-            i / (cfg.num_sparse * cfg.hot),
-            field_of(i),
+            "ctr batch: id {i} (example {}, field {j}) is row {} of a table of {} rows",
+            i / per,
             rows[i],
-            field_rows[field_of(i)]
+            field_rows[j]
         );
     }
     let placeholder;
@@ -892,6 +958,7 @@ pub fn batch_buffers(
             other => bail!("ctr batch: float type must be f32 or f64, got {other}"),
         })
     };
+    // PAD_ROW (u32::MAX) becomes the lookup's padding id -1
     let ids = Buffer::I32(rows.iter().map(|&r| r as i32).collect());
     Ok((
         floats(dense)?,

@@ -1,6 +1,12 @@
 //! Embedding bags over several tables stacked in one parameter, their dense gradient and
 //! the row-wise Adagrad update. Ids come from data, so they are validated here and a bad
-//! one is an error naming the bag, not a panic.
+//! one is an error naming the bag, not a panic. An id of [`PAD`] fills a slot of a bag
+//! shorter than its field's capacity (multi-hot fields of variable length in a static
+//! shape): it has no row, adds nothing and gets no gradient, as the CUDA kernels skip
+//! ids outside their table.
+
+/// The id of an empty slot of a bag.
+pub const PAD: i32 = -1;
 
 use super::kernels::for_rows;
 use super::real::Real;
@@ -61,7 +67,7 @@ impl<'a> Bags<'a> {
         for bag in 0..offsets.len() - 1 {
             let fi = bag % f;
             for &id in bags.bag_ids(bag) {
-                if id < 0 || id as usize >= field_rows[fi] {
+                if id != PAD && (id < 0 || id as usize >= field_rows[fi]) {
                     return Err(format!(
                         "id {id} in bag {bag} (example {}, field {fi}) is out of range for that field's table of {} rows",
                         bag / f,
@@ -91,11 +97,29 @@ impl<'a> Bags<'a> {
 pub fn embedding_bag<T: Real>(table: &[T], bags: &Bags, y: &mut [T], d: usize) {
     for_rows(y, d, |bag, out| {
         out.iter_mut().for_each(|v| *v = T::ZERO);
-        for &id in bags.bag_ids(bag) {
+        for &id in bags.bag_ids(bag).iter().filter(|&&id| id != PAD) {
             let r = bags.row(bag, id);
             for (o, &t) in out.iter_mut().zip(&table[r * d..(r + 1) * d]) {
                 *o += t;
             }
+        }
+    });
+}
+
+/// `z[bag] = y[bag] / n` for the bags of fields with `mean[f]`, `n` the bag's ids other
+/// than padding (an empty bag stays as it is), `z[bag] = y[bag]` for the others.
+pub fn bag_mean<T: Real>(y: &[T], bags: &Bags, mean: &[bool], z: &mut [T], d: usize) {
+    let f = mean.len();
+    for_rows(z, d, |bag, out| {
+        let src = &y[bag * d..(bag + 1) * d];
+        let n = bags.bag_ids(bag).iter().filter(|&&id| id != PAD).count();
+        if mean[bag % f] && n > 0 {
+            let inv = T::from_f64(1.0 / n as f64);
+            for (o, &v) in out.iter_mut().zip(src) {
+                *o = v * inv;
+            }
+        } else {
+            out.copy_from_slice(src);
         }
     });
 }
@@ -105,7 +129,7 @@ pub fn embedding_bag<T: Real>(table: &[T], bags: &Bags, y: &mut [T], d: usize) {
 pub fn embedding_bag_grad_dense<T: Real>(dy: &[T], bags: &Bags, dtable: &mut [T], d: usize) {
     dtable.iter_mut().for_each(|v| *v = T::ZERO);
     for bag in 0..bags.num_bags() {
-        for &id in bags.bag_ids(bag) {
+        for &id in bags.bag_ids(bag).iter().filter(|&&id| id != PAD) {
             let r = bags.row(bag, id);
             for c in 0..d {
                 dtable[r * d + c] += dy[bag * d + c];
@@ -114,16 +138,32 @@ pub fn embedding_bag_grad_dense<T: Real>(dy: &[T], bags: &Bags, dtable: &mut [T]
     }
 }
 
-/// (global row, bag) for every occurrence, in id order, then stably sorted by row.
+/// (global row, bag) for every occurrence, in id order, then stably sorted by row;
+/// padding slots are not occurrences.
 pub fn sorted_occurrences(bags: &Bags) -> Vec<(usize, usize)> {
     let mut occ: Vec<(usize, usize)> = Vec::with_capacity(bags.ids.len());
     for bag in 0..bags.num_bags() {
-        for &id in bags.bag_ids(bag) {
+        for &id in bags.bag_ids(bag).iter().filter(|&&id| id != PAD) {
             occ.push((bags.row(bag, id), bag));
         }
     }
     occ.sort_by_key(|o| o.0);
     occ
+}
+
+/// The bag of every slot of `ids`, in slot order (for the sentinel entries of a sort).
+pub fn slot_bags(bags: &Bags) -> Vec<usize> {
+    let mut out = vec![0; bags.ids.len()];
+    for bag in 0..bags.num_bags() {
+        let (a, b) = (bags.offsets[bag] as usize, bags.offsets[bag + 1] as usize);
+        out[a..b].iter_mut().for_each(|x| *x = bag);
+    }
+    out
+}
+
+/// The row the sort gives a padding slot: one past the last row, so it sorts last.
+pub fn sentinel_row(bags: &Bags) -> usize {
+    bags.field_rows.iter().sum()
 }
 
 /// The occurrences as an `EmbeddingSort` of the same ids gave them, without sorting
@@ -144,9 +184,13 @@ pub fn presorted_occurrences(
         ));
     }
     let f = bags.field_rows.len();
+    let sentinel = sentinel_row(bags);
     let mut occ: Vec<(usize, usize)> = Vec::with_capacity(n);
     for (k, (&r, &b)) in rows.iter().zip(bag).enumerate() {
         let (r, b) = (r as usize, b as usize);
+        if r == sentinel {
+            continue; // a padding slot, sorted after every row
+        }
         let inside = b < bags.num_bags() && {
             let base = bags.bases[b % f];
             r >= base && r < base + bags.field_rows[b % f]

@@ -293,17 +293,26 @@ fn embedding_sort(
         get_i32(ins[1], "offsets")?,
         field_rows,
     )?;
-    let occ = embedding::sorted_occurrences(&bags);
+    let mut occ = embedding::sorted_occurrences(&bags);
     let [Buffer::I32(rows), Buffer::I32(bag)] = outs else {
         return Err("expected two i32 outputs: rows and bags".into());
     };
-    if rows.len() != occ.len() || bag.len() != occ.len() {
+    let n = bags.ids.len();
+    if rows.len() != n || bag.len() != n {
         return Err(format!(
-            "{} occurrences into outputs of {} and {}",
-            occ.len(),
+            "{n} occurrences into outputs of {} and {}",
             rows.len(),
             bag.len()
         ));
+    }
+    // padding slots last, in slot order, under the sentinel row (as the CUDA sort has them)
+    if occ.len() < n {
+        let (sentinel, slot_bag) = (embedding::sentinel_row(&bags), embedding::slot_bags(&bags));
+        for (k, &id) in bags.ids.iter().enumerate() {
+            if id == embedding::PAD {
+                occ.push((sentinel, slot_bag[k]));
+            }
+        }
     }
     for (k, &(r, b)) in occ.iter().enumerate() {
         rows[k] = i32::try_from(r).map_err(|_| format!("row {r} does not fit an i32"))?;
@@ -744,6 +753,17 @@ fn exec_inner<T: Elem>(
             )?;
             let d = ish(0).dims()[1];
             embedding::embedding_bag(get::<T>(ins[0], "table")?, &bags, out(&mut outs[0])?, d);
+        }
+        Op::BagMean { mean } => {
+            // the ids' tables are not needed: any row count admits every id
+            let any_rows = vec![usize::MAX / (mean.len() + 1); mean.len()];
+            let bags = Bags::new(
+                get_i32(ins[1], "ids")?,
+                get_i32(ins[2], "offsets")?,
+                &any_rows,
+            )?;
+            let d = ish(0).dims()[2];
+            embedding::bag_mean(get::<T>(ins[0], "y")?, &bags, mean, out(&mut outs[0])?, d);
         }
         Op::EmbeddingBagGradDense { field_rows } => {
             let bags = Bags::new(
