@@ -431,6 +431,8 @@ fn tsv_recbole_header_crlf_and_time_split() {
         categorical: vec!["0".into(), "1".into()],
         time: None,
         eval_fraction: 0.1,
+        list_separator: None,
+        mean: vec![],
     };
     let (ex, eval, rep) = load_plain(&DataSource::Tsv {
         path: csv.to_string_lossy().into(),
@@ -660,6 +662,8 @@ fn cache_is_invalidated_by_changed_sources() {
         categorical: vec!["14".into()],
         time: None,
         eval_fraction: 0.1,
+        list_separator: None,
+        mean: vec![],
     };
     let tsv = DataSource::Tsv {
         path: case.data.to_string_lossy().into(),
@@ -714,6 +718,8 @@ fn movielens_1m_when_present() {
         categorical: vec!["user_id".into(), "item_id".into()],
         time: None,
         eval_fraction: 0.1,
+        list_separator: None,
+        mean: vec![],
     };
     let src = DataSource::Tsv {
         path: path.to_string_lossy().into(),

@@ -54,6 +54,12 @@ fn flag_args(arg: &Arg, flag: &str, value: &toml::Value, at: &str) -> Result<Vec
             .map(|i| i.as_str().map_or_else(|| i.to_string(), str::to_string))
             .collect::<Vec<_>>()
             .join(","),
+        // `[model.table_rows]`: NAME = ROWS pairs
+        toml::Value::Table(t) => t
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(","),
         other => bail!("{at} = {other} is not a flag value"),
     };
     // the value must parse as the flag's: parse it with that flag alone

@@ -5,6 +5,7 @@
 
 mod bench;
 mod config;
+mod data;
 mod eval;
 mod plan;
 mod train;
@@ -20,6 +21,7 @@ use crate::runtime::trace::Trace;
 use crate::train::{Dispatch, ScheduleOptions};
 
 use bench::BenchArgs;
+use data::DataArgs;
 use eval::EvalArgs;
 use plan::PlanArgs;
 use train::TrainArgs;
@@ -76,6 +78,9 @@ enum Cmd {
     /// Run baseline, detached and erase side by side (interleaved) and print QPS
     /// p50/p90, the gain over baseline, NE, AUC and the NE gap.
     Bench(BenchArgs),
+    /// Inspect a data source: how fast it parses on 1, 2 and all cores, its fields, and
+    /// (--counts) each field's distinct ids; or write a Criteo-layout file of any size.
+    Data(DataArgs),
     /// Print the step program (streams, events and why), peak memory, the
     /// happens-before check, and the simulator's predicted step time per variant.
     Plan(PlanArgs),
@@ -201,6 +206,129 @@ struct ModelArgs {
     /// each GEMM: the same values in fewer passes. CUDA only (the CPU's GEMMs are f32).
     #[arg(long, value_enum, default_value = "on")]
     bf16_copies: OnOff,
+    /// Rows of each categorical field's table, instead of --rows for all: a list in field
+    /// order (`3,1000,100000,..`), `NAME=ROWS` pairs by column name (`C1=3,C7=1000`; the
+    /// other fields keep --rows; Criteo's fields are C1..C26), or `auto`: each field's
+    /// distinct ids in the training data, at most --rows-cap. In a config, a list or a
+    /// `[model.table_rows]` table of NAME = ROWS.
+    #[arg(long, value_name = "LIST|auto")]
+    table_rows: Option<String>,
+    /// With --table-rows auto: the most rows one table gets (default: --rows).
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    rows_cap: Option<usize>,
+}
+
+/// The table sizes `spec` (--table-rows) gives fields named `names`, where every other
+/// field has `rows`; `counts` (distinct ids per field) are asked for only by `auto`.
+fn table_rows(
+    spec: &str,
+    names: &[String],
+    rows: usize,
+    cap: usize,
+    counts: impl FnOnce() -> Result<Vec<usize>>,
+) -> Result<Vec<usize>> {
+    if spec.trim() == "auto" {
+        return Ok(counts()?.into_iter().map(|n| n.clamp(1, cap)).collect());
+    }
+    let parts: Vec<&str> = spec.split(',').map(str::trim).collect();
+    if parts.iter().all(|p| !p.contains('=')) {
+        let sizes: Vec<usize> = parts
+            .iter()
+            .map(|p| at_least_one(p).map_err(|e| anyhow::anyhow!("--table-rows: '{p}' {e}")))
+            .collect::<Result<_>>()?;
+        if sizes.len() != names.len() {
+            bail!(
+                "--table-rows gives {} sizes, the data has {} categorical fields ({}); give one per field, or NAME=ROWS pairs",
+                sizes.len(),
+                names.len(),
+                names.join(", ")
+            );
+        }
+        return Ok(sizes);
+    }
+    let mut sizes = vec![rows; names.len()];
+    for p in parts {
+        let Some((name, n)) = p.split_once('=') else {
+            bail!("--table-rows: '{p}' is not NAME=ROWS (a list cannot mix both forms)");
+        };
+        let (name, n) = (name.trim(), n.trim());
+        let j = names.iter().position(|c| c == name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--table-rows: '{name}' is not a categorical field (fields: {})",
+                names.join(", ")
+            )
+        })?;
+        sizes[j] = at_least_one(n).map_err(|e| anyhow::anyhow!("--table-rows: {name}={n}: {e}"))?;
+    }
+    Ok(sizes)
+}
+
+/// Prints the embedding tables' sizes and memory.
+fn print_tables(model: &CtrConfig, how: &str, names: &[String]) {
+    let rows = model.field_rows();
+    let (w, acc) = model.table_bytes();
+    let shown: Vec<String> = names
+        .iter()
+        .zip(&rows)
+        .take(8)
+        .map(|(n, r)| format!("{n} {r}"))
+        .collect();
+    let detail = if shown.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " ({how}{}{})",
+            shown.join(", "),
+            if rows.len() > 8 { ", .." } else { "" }
+        )
+    };
+    eprintln!(
+        "tables: {} fields, {} rows in all{detail}, dim {}: {:.1} MB, {:.1} MB with the Adagrad state",
+        rows.len(),
+        rows.iter().sum::<usize>(),
+        model.dim,
+        w as f64 / 1e6,
+        (w + acc) as f64 / 1e6
+    );
+}
+
+/// Distinct ids per field of `train`, from the sidecar of the data cache when it was
+/// counted for the same content before (`<cache>.counts`), else counted and kept there.
+fn distinct_counts(
+    train: &crate::data::Examples,
+    cache: Option<&std::path::Path>,
+) -> Result<Vec<usize>> {
+    let sidecar = cache.map(|c| {
+        let mut p = c.as_os_str().to_os_string();
+        p.push(".counts");
+        std::path::PathBuf::from(p)
+    });
+    let digest = format!("{:016x}", train.digest());
+    if let Some(text) = sidecar
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+    {
+        let mut lines = text.lines();
+        if lines.next() == Some(digest.as_str()) {
+            let counts: Vec<usize> = lines.filter_map(|l| l.trim().parse().ok()).collect();
+            if counts.len() == train.num_sparse {
+                return Ok(counts);
+            }
+        }
+    }
+    let counts = train.distinct_ids();
+    if let Some(p) = &sidecar {
+        let text = std::iter::once(digest)
+            .chain(counts.iter().map(|c| c.to_string()))
+            .collect::<Vec<_>>()
+            .join("\n");
+        // a cache that cannot be written costs a recount next time, nothing more
+        let tmp = p.with_extension(format!("counts.tmp.{}", std::process::id()));
+        if std::fs::write(&tmp, text + "\n").is_ok() && std::fs::rename(&tmp, p).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+    Ok(counts)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -281,6 +409,15 @@ fn model_and_data(
     }
     let mut model = m.config(variant)?;
     let Some(src) = source else {
+        if let Some(spec) = &m.table_rows {
+            if spec.trim() == "auto" {
+                bail!("--table-rows auto counts ids in the data; synthetic data has none to count (give sizes, or --data)");
+            }
+            let names: Vec<String> = (1..=model.num_sparse).map(|j| format!("C{j}")).collect();
+            model.table_rows = table_rows(spec, &names, model.rows, model.rows, || Ok(vec![]))?;
+            model.validate().context("--table-rows")?;
+            print_tables(&model, "given: ", &names);
+        }
         return Ok((model, crate::train::Data::Synthetic));
     };
     let opts = crate::data::LoadOptions {
@@ -324,6 +461,50 @@ fn model_and_data(
     model.num_dense = train.num_dense;
     model.num_sparse = train.num_sparse;
     model.hot = 1;
+    if let crate::data::DataSource::Tsv { schema, .. } = &src {
+        if !schema.mean.is_empty() {
+            model.mean_fields = schema
+                .categorical
+                .iter()
+                .map(|c| schema.mean.contains(c))
+                .collect();
+        }
+    }
+    if train.is_multi_hot() {
+        // each field's bag gets as many slots as its longest list, train or held-out
+        let (a, b) = (train.max_bag_lens(), eval.max_bag_lens());
+        model.field_hot = a.iter().zip(&b).map(|(&x, &y)| x.max(y)).collect();
+        eprintln!(
+            "multi-hot fields: bag slots per field {:?} ({} id slots an example)",
+            model.field_hot,
+            model.field_hot.iter().sum::<usize>()
+        );
+    }
+    let names: Vec<String> = match &src {
+        crate::data::DataSource::Tsv { schema, .. } => schema.categorical.clone(),
+        crate::data::DataSource::Criteo { .. } => {
+            (1..=model.num_sparse).map(|j| format!("C{j}")).collect()
+        }
+    };
+    if let Some(spec) = &m.table_rows {
+        let cap = m.rows_cap.unwrap_or(model.rows);
+        let t0 = std::time::Instant::now();
+        model.table_rows = table_rows(spec, &names, model.rows, cap, || {
+            distinct_counts(&train, report.cache_path.as_deref())
+        })?;
+        let how = if spec.trim() == "auto" {
+            format!(
+                "counted in {:.1} s, at most {cap}: ",
+                t0.elapsed().as_secs_f64()
+            )
+        } else {
+            "given: ".to_string()
+        };
+        model.validate().context("--table-rows")?;
+        print_tables(&model, &how, &names);
+    } else {
+        print_tables(&model, "", &[]);
+    }
     model.validate().context("the model for this data")?;
     eprintln!(
         "data: {} train / {} held-out examples, {} dense and {} categorical fields, {:.2} % positive",
@@ -427,6 +608,7 @@ pub fn main() -> ExitCode {
         Cmd::Plan(a) => plan::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Eval(a) => eval::run(a),
+        Cmd::Data(a) => data::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

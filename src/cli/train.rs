@@ -237,8 +237,15 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         None => format!("the CPU ({threads} threads)"),
     };
     eprintln!(
-        "erase-ctr: training '{variant}' on {where_}: batch {}, {} tables x {} rows x dim {}, {} steps, data {} (seed {})",
-        model.batch, model.num_sparse, model.rows, model.dim, a.steps, a.data, a.data_seed
+        "erase-ctr: training '{variant}' on {where_}: batch {}, {} tables of {} rows in all, dim {}, {} dense features, {} steps, data {} (seed {})",
+        model.batch,
+        model.num_sparse,
+        model.field_rows().iter().sum::<usize>(),
+        model.dim,
+        model.num_dense,
+        a.steps,
+        a.data,
+        a.data_seed
     );
     if let Some(n) = a.cpu_ranks {
         if !matches!(cfg.data, crate::train::Data::Synthetic) {

@@ -6,8 +6,8 @@
 //!
 //! ```text
 //!   0  [u8; 8]  magic "ERASEDS\0"
-//!   8  u32      format version (1)
-//!  12  u32      0 (reserved)
+//!   8  u32      format version (2)
+//!  12  u32      flags: bit 0 set = multi-hot (fields hold bags of any length)
 //!  16  u64      header_len: where the payload starts (a multiple of 8)
 //!  24  u64      total_len: the file's exact length
 //!  32  u64      num_dense
@@ -25,9 +25,11 @@
 //!               size and mtime (ns)
 //!      errors   the report's first errors, separated by NUL; zero padding to 8
 //! header_len:   the train split, then the eval split, each as
-//!               dense f32[n*num_dense], ids u32[n*num_sparse],
-//!               missing bits u8[ceil(n*num_sparse/8)] (bit k of byte k/8, LSB first),
-//!               labels f32[n]; every section zero-padded to a multiple of 8 bytes.
+//!               dense f32[n*num_dense], (multi-hot only) bag ends u64[n*num_sparse]
+//!               (the end in ids of each bag), ids u32[n*num_sparse, or the last bag
+//!               end], missing bits u8[ceil(n*num_sparse/8)] (bit k of byte k/8, LSB
+//!               first), labels f32[n]; every section zero-padded to a multiple of 8
+//!               bytes.
 //! ```
 //!
 //! A load uses the file only if the magic, version, header checksum, key (so the
@@ -47,7 +49,7 @@ use memmap2::Mmap;
 use super::table::{Columns, DataSource, Examples, LoadReport};
 
 const MAGIC: [u8; 8] = *b"ERASEDS\0";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const FIXED: usize = 120;
 const SUFFIX: &str = ".erase-cache";
 
@@ -205,22 +207,49 @@ fn pad8(n: usize) -> Option<usize> {
     n.checked_add(7).map(|x| x & !7)
 }
 
-/// Byte ranges of one split's sections starting at `at`, and the end.
-fn layout(at: usize, n: usize, nd: usize, ns: usize) -> Option<([Range<usize>; 4], usize)> {
-    let sizes = [
-        n.checked_mul(nd)?.checked_mul(4)?,
-        n.checked_mul(ns)?.checked_mul(4)?,
-        n.checked_mul(ns)?.div_ceil(8),
-        n.checked_mul(4)?,
-    ];
+/// One split's sections: [dense, ids, missing, labels], the bag ends of multi-hot data.
+type Sections = ([Range<usize>; 4], Option<Range<usize>>);
+
+/// Byte ranges of one split's sections starting at `at`, and the end. `ids`: how many ids
+/// (for multi-hot data, read from the bag ends: `ids_of(ends)`).
+fn layout(
+    at: usize,
+    n: usize,
+    nd: usize,
+    ns: usize,
+    multi: bool,
+    ids_of: impl FnOnce(Range<usize>) -> Option<usize>,
+) -> Option<(Sections, usize)> {
     let mut pos = at;
-    let mut out: [Range<usize>; 4] = Default::default();
-    for (r, s) in out.iter_mut().zip(sizes) {
-        let end = pos.checked_add(s)?;
-        *r = pos..end;
+    let mut take = |bytes: usize| -> Option<Range<usize>> {
+        let end = pos.checked_add(bytes)?;
+        let r = pos..end;
         pos = pad8(end)?;
+        Some(r)
+    };
+    let dense = take(n.checked_mul(nd)?.checked_mul(4)?)?;
+    let (ends, n_ids) = if multi {
+        let ends = take(n.checked_mul(ns)?.checked_mul(8)?)?;
+        let n_ids = ids_of(ends.clone())?;
+        (Some(ends), n_ids)
+    } else {
+        (None, n.checked_mul(ns)?)
+    };
+    let ids = take(n_ids.checked_mul(4)?)?;
+    let missing = take(n.checked_mul(ns)?.div_ceil(8))?;
+    let labels = take(n.checked_mul(4)?)?;
+    Some((([dense, ids, missing, labels], ends), pos))
+}
+
+/// The ids of a multi-hot split: its last bag end (0 without bags), read from `b`.
+fn last_end(b: &[u8], ends: Range<usize>) -> Option<usize> {
+    if ends.is_empty() {
+        return Some(0);
     }
-    Some((out, pos))
+    if ends.end > b.len() {
+        return None;
+    }
+    usize::try_from(u64_at(b, ends.end - 8)).ok()
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
@@ -290,10 +319,11 @@ pub(crate) fn open(key: &CacheKey) -> Result<Option<Hit>> {
     let ns = usize_at(b, 40, "num_sparse")?;
     let n_train = usize_at(b, 48, "train examples")?;
     let n_eval = usize_at(b, 56, "eval examples")?;
-    let (train_sec, mid) =
-        layout(header_len, n_train, nd, ns).ok_or_else(|| anyhow!("corrupt header: counts"))?;
-    let (eval_sec, end) =
-        layout(mid, n_eval, nd, ns).ok_or_else(|| anyhow!("corrupt header: counts"))?;
+    let multi = u32::from_le_bytes([b[12], b[13], b[14], b[15]]) & 1 == 1;
+    let (train_sec, mid) = layout(header_len, n_train, nd, ns, multi, |r| last_end(b, r))
+        .ok_or_else(|| anyhow!("corrupt header: counts"))?;
+    let (eval_sec, end) = layout(mid, n_eval, nd, ns, multi, |r| last_end(b, r))
+        .ok_or_else(|| anyhow!("corrupt header: counts"))?;
     if end as u64 != len {
         bail!("corrupt: {len} bytes, the counts need {end}");
     }
@@ -322,8 +352,8 @@ pub(crate) fn open(key: &CacheKey) -> Result<Option<Hit>> {
         ..Default::default()
     };
     let map = Arc::new(map);
-    let train = Examples::mapped(map.clone(), nd, ns, n_train, train_sec);
-    let eval = (n_eval > 0).then(|| Examples::mapped(map, nd, ns, n_eval, eval_sec));
+    let train = Examples::mapped(map.clone(), nd, ns, n_train, train_sec.0, train_sec.1);
+    let eval = (n_eval > 0).then(|| Examples::mapped(map, nd, ns, n_eval, eval_sec.0, eval_sec.1));
     Ok(Some(Hit {
         train,
         eval,
@@ -365,6 +395,13 @@ impl<W: Write> Hashing<W> {
 
     fn split(&mut self, c: &Columns) -> std::io::Result<()> {
         self.words(&c.dense, f32::to_le_bytes)?;
+        if let Some(ends) = &c.ends {
+            for chunk in ends.chunks(4096) {
+                let bytes: Vec<u8> = chunk.iter().flat_map(|e| e.to_le_bytes()).collect();
+                self.put(&bytes)?;
+            }
+            self.pad()?;
+        }
         self.words(&c.ids, u32::to_le_bytes)?;
         let bits = (c.len * c.num_sparse).div_ceil(8);
         self.put(&c.missing[..bits])?;
@@ -416,19 +453,39 @@ fn write_to(
     eval: Option<&Columns>,
     report: &LoadReport,
 ) -> Result<()> {
-    let empty = Columns::new(train.num_dense, train.num_sparse);
+    let empty = match train.ends {
+        Some(_) => Columns::new_multi(train.num_dense, train.num_sparse),
+        None => Columns::new(train.num_dense, train.num_sparse),
+    };
     let eval = eval.unwrap_or(&empty);
+    let multi = train.ends.is_some();
+    let n_ids = |c: &Columns| c.ids.len();
     let errors = report.first_errors.join("\0");
     let text_end = FIXED + key.key.len() + errors.len();
     let header_len = pad8(text_end).ok_or_else(|| anyhow!("header too large"))?;
-    let (_, mid) = layout(header_len, train.len, train.num_dense, train.num_sparse)
-        .ok_or_else(|| anyhow!("too large"))?;
-    let (_, total) = layout(mid, eval.len, eval.num_dense, eval.num_sparse)
-        .ok_or_else(|| anyhow!("too large"))?;
+    let (_, mid) = layout(
+        header_len,
+        train.len,
+        train.num_dense,
+        train.num_sparse,
+        multi,
+        |_| Some(n_ids(train)),
+    )
+    .ok_or_else(|| anyhow!("too large"))?;
+    let (_, total) = layout(
+        mid,
+        eval.len,
+        eval.num_dense,
+        eval.num_sparse,
+        multi,
+        |_| Some(n_ids(eval)),
+    )
+    .ok_or_else(|| anyhow!("too large"))?;
 
     let mut header = vec![0u8; header_len];
     header[0..8].copy_from_slice(&MAGIC);
     header[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    header[12..16].copy_from_slice(&u32::from(multi).to_le_bytes());
     let fields = [
         header_len as u64,
         total as u64,

@@ -65,6 +65,8 @@ impl DataSource {
 /// categorical = ["user_id", "item_id"]  # any text, hashed to u32; empty = missing
 /// time = "timestamp"          # optional: eval = the latest `eval_fraction` by time
 /// eval_fraction = 0.1
+/// list_separator = "|"        # optional: a categorical field holds a list ("12|7|99")
+/// mean = ["genres"]           # optional: these lists are mean-pooled (default: sum)
 /// ```
 ///
 /// A column is found by its header name, where a RecBole-style `name:type` header also
@@ -89,6 +91,14 @@ pub struct TsvSchema {
     pub categorical: Vec<String>,
     #[serde(default, deserialize_with = "opt_name_or_index")]
     pub time: Option<String>,
+    /// Separates the values of one categorical field (`"12|7|99"`): every categorical
+    /// field is then a bag of any number of ids (multi-hot), sum-pooled; none: one value
+    /// a field.
+    #[serde(default)]
+    pub list_separator: Option<char>,
+    /// Categorical columns pooled by the mean of their bag instead of the sum.
+    #[serde(default, deserialize_with = "names_or_indices")]
+    pub mean: Vec<String>,
     /// Share of examples, latest by `time`, held out for evaluation (default 0.1; used
     /// only with `time`).
     #[serde(default = "default_eval_fraction")]
@@ -158,8 +168,15 @@ impl TsvSchema {
                 self.separator
             );
         }
-        if self.dense.is_empty() && self.categorical.is_empty() {
-            bail!("schema: no dense and no categorical columns");
+        if let Some(c) = self.mean.iter().find(|c| !self.categorical.contains(c)) {
+            bail!("schema: mean lists '{c}', which is not a categorical column");
+        }
+        if let Some(c) = self.list_separator {
+            if !c.is_ascii() || c == self.separator || matches!(c, '\n' | '\r') {
+                bail!(
+                    "schema: list_separator {c:?} must be one ASCII character other than the separator and a line break"
+                );
+            }
         }
         if let Some(t) = self.label_threshold {
             if !t.is_finite() {
@@ -183,6 +200,9 @@ impl TsvSchema {
             if !seen.insert(c) {
                 bail!("schema: column '{c}' is listed twice among dense and categorical");
             }
+        }
+        if self.categorical.is_empty() {
+            bail!("schema: no categorical columns; the model embeds at least one field (dense columns may be none)");
         }
         Ok(())
     }
@@ -341,9 +361,14 @@ pub(crate) struct Columns {
     pub len: usize,
     pub dense: Vec<f32>,
     pub ids: Vec<u32>,
-    /// Bit `i*num_sparse + j` set: field `j` of example `i` is missing.
+    /// Bit `i*num_sparse + j` set: field `j` of example `i` is missing (for multi-hot
+    /// data: its bag is empty).
     pub missing: Vec<u8>,
     pub labels: Vec<f32>,
+    /// Multi-hot data: the end in `ids` of bag `i*num_sparse + j` (its start is the end
+    /// of the bag before, or 0), so a field holds any number of ids; `None`: one id per
+    /// field, `ids[i*num_sparse + j]`.
+    pub ends: Option<Vec<u64>>,
 }
 
 impl Columns {
@@ -355,10 +380,42 @@ impl Columns {
         }
     }
 
+    /// Columns of multi-hot examples (see [`Columns::ends`]).
+    pub fn new_multi(num_dense: usize, num_sparse: usize) -> Self {
+        Columns {
+            ends: Some(Vec::new()),
+            ..Columns::new(num_dense, num_sparse)
+        }
+    }
+
+    /// Empty columns of the same kind (single or multi-hot).
+    fn like(&self) -> Self {
+        Columns {
+            ends: self.ends.as_ref().map(|_| Vec::new()),
+            ..Columns::new(self.num_dense, self.num_sparse)
+        }
+    }
+
     pub fn push(&mut self, row: &Row) {
         self.dense.extend_from_slice(&row.dense);
         let base = self.len * self.num_sparse;
         self.missing.resize((base + self.num_sparse).div_ceil(8), 0);
+        if let Some(ends) = self.ends.as_mut() {
+            let mut at = 0usize;
+            for (j, &n) in row.lens.iter().enumerate() {
+                let n = n as usize;
+                self.ids.extend_from_slice(&row.multi[at..at + n]);
+                at += n;
+                ends.push(self.ids.len() as u64);
+                if n == 0 {
+                    let bit = base + j;
+                    self.missing[bit / 8] |= 1 << (bit % 8);
+                }
+            }
+            self.labels.push(row.label);
+            self.len += 1;
+            return;
+        }
         for (j, (&id, &miss)) in row.ids.iter().zip(&row.missing).enumerate() {
             self.ids.push(if miss { 0 } else { id });
             if miss {
@@ -377,6 +434,10 @@ impl Columns {
     /// Appends `other`'s examples after these.
     pub fn append(&mut self, other: &Columns) {
         let base = self.len * self.num_sparse;
+        if let (Some(ends), Some(theirs)) = (self.ends.as_mut(), other.ends.as_ref()) {
+            let shift = self.ids.len() as u64;
+            ends.extend(theirs.iter().map(|&e| e + shift));
+        }
         self.dense.extend_from_slice(&other.dense);
         self.ids.extend_from_slice(&other.ids);
         self.labels.extend_from_slice(&other.labels);
@@ -399,8 +460,20 @@ impl Columns {
     }
 
     /// The examples whose `keep` flag equals `which`, in order.
+    /// The ids of bag `(i, j)`.
+    fn bag(&self, i: usize, j: usize) -> &[u32] {
+        let k = i * self.num_sparse + j;
+        match &self.ends {
+            Some(ends) => {
+                let start = if k == 0 { 0 } else { ends[k - 1] as usize };
+                &self.ids[start..ends[k] as usize]
+            }
+            None => &self.ids[k..k + 1],
+        }
+    }
+
     fn select(&self, keep: &[bool], which: bool) -> Columns {
-        let mut out = Columns::new(self.num_dense, self.num_sparse);
+        let mut out = self.like();
         let mut row = Row::new(self.num_dense, self.num_sparse);
         for (i, &k) in keep.iter().enumerate() {
             if k != which {
@@ -408,9 +481,17 @@ impl Columns {
             }
             row.dense
                 .copy_from_slice(&self.dense[i * self.num_dense..(i + 1) * self.num_dense]);
+            row.multi.clear();
+            row.lens.clear();
             for j in 0..self.num_sparse {
-                row.ids[j] = self.ids[i * self.num_sparse + j];
                 row.missing[j] = self.is_missing(i, j);
+                if self.ends.is_some() {
+                    let bag = self.bag(i, j);
+                    row.multi.extend_from_slice(bag);
+                    row.lens.push(bag.len() as u32);
+                } else {
+                    row.ids[j] = self.ids[i * self.num_sparse + j];
+                }
             }
             row.label = self.labels[i];
             out.push(&row);
@@ -432,6 +513,10 @@ pub(crate) struct Row {
     pub missing: Vec<bool>,
     pub label: f32,
     pub time: f64,
+    /// Multi-hot rows: every field's ids, field after field ...
+    pub multi: Vec<u32>,
+    /// ... and how many each field has (0: missing).
+    pub lens: Vec<u32>,
 }
 
 impl Row {
@@ -442,6 +527,8 @@ impl Row {
             missing: vec![false; num_sparse],
             label: 0.0,
             time: 0.0,
+            multi: Vec::new(),
+            lens: Vec::new(),
         }
     }
 }
@@ -458,6 +545,18 @@ pub(crate) trait LineParser: Clone + Send {
     /// Whether [`Row::time`] is set (the examples get a time split).
     fn has_time(&self) -> bool {
         false
+    }
+    /// Whether a field may hold several ids ([`Row::multi`] and [`Row::lens`] are set).
+    fn is_multi(&self) -> bool {
+        false
+    }
+    /// Empty columns for this reader's rows.
+    fn columns(&self) -> Columns {
+        if self.is_multi() {
+            Columns::new_multi(self.num_dense(), self.num_sparse())
+        } else {
+            Columns::new(self.num_dense(), self.num_sparse())
+        }
     }
     /// The header line of a file (CR/LF and a UTF-8 BOM stripped).
     fn header(&mut self, _line: &[u8]) -> Result<()> {
@@ -487,6 +586,8 @@ enum Store {
         ids: Range<usize>,
         missing: Range<usize>,
         labels: Range<usize>,
+        /// Multi-hot data: the bags' ends (u64).
+        ends: Option<Range<usize>>,
     },
 }
 
@@ -518,6 +619,7 @@ fn cast<T: Plain>(bytes: &[u8]) -> &[T] {
 pub(crate) trait Plain: Copy {}
 impl Plain for f32 {}
 impl Plain for u32 {}
+impl Plain for u64 {}
 
 impl Examples {
     pub(crate) fn from_columns(c: Columns) -> Examples {
@@ -538,6 +640,7 @@ impl Examples {
         num_sparse: usize,
         len: usize,
         sections: [Range<usize>; 4],
+        ends: Option<Range<usize>>,
     ) -> Examples {
         let [dense, ids, missing, labels] = sections;
         Examples {
@@ -550,6 +653,7 @@ impl Examples {
                 ids,
                 missing,
                 labels,
+                ends,
             },
             digest: Default::default(),
         }
@@ -592,6 +696,47 @@ impl Examples {
         }
     }
 
+    /// Multi-hot data: the end in [`Examples::ids`] of each bag `i*num_sparse + j`.
+    pub fn bag_ends(&self) -> Option<&[u64]> {
+        match &self.store {
+            Store::Owned(c) => c.ends.as_deref(),
+            Store::Mapped { map, ends, .. } => ends.as_ref().map(|r| cast(&map[r.clone()])),
+        }
+    }
+
+    /// Whether a field may hold several ids (the schema has a `list_separator`).
+    pub fn is_multi_hot(&self) -> bool {
+        self.bag_ends().is_some()
+    }
+
+    /// The ids of field `j` of example `i` (empty where missing; one id for one-hot data).
+    pub fn bag(&self, i: usize, j: usize) -> &[u32] {
+        let k = i * self.num_sparse + j;
+        match self.bag_ends() {
+            Some(ends) => {
+                let start = if k == 0 { 0 } else { ends[k - 1] as usize };
+                &self.ids()[start..ends[k] as usize]
+            }
+            None if self.is_missing(i, j) => &[],
+            None => &self.ids()[k..k + 1],
+        }
+    }
+
+    /// The longest bag of each field: the slots a model needs for it (1 for one-hot data).
+    pub fn max_bag_lens(&self) -> Vec<usize> {
+        let ns = self.num_sparse;
+        let Some(ends) = self.bag_ends() else {
+            return vec![1; ns];
+        };
+        let mut out = vec![0; ns];
+        let mut prev = 0u64;
+        for (k, &e) in ends.iter().enumerate() {
+            out[k % ns] = out[k % ns].max((e - prev) as usize);
+            prev = e;
+        }
+        out.iter().map(|&n| n.max(1)).collect()
+    }
+
     fn missing_bits(&self) -> &[u8] {
         match &self.store {
             Store::Owned(c) => &c.missing,
@@ -613,21 +758,29 @@ impl Examples {
             );
         }
         let part = |range: std::ops::Range<usize>| {
-            let mut c = Columns::new(self.num_dense, self.num_sparse);
-            c.len = range.len();
-            c.dense =
-                self.dense()[range.start * self.num_dense..range.end * self.num_dense].to_vec();
-            c.ids = self.ids()[range.start * self.num_sparse..range.end * self.num_sparse].to_vec();
-            c.labels = self.labels()[range.clone()].to_vec();
-            let bits = range.len() * self.num_sparse;
-            c.missing = vec![0u8; bits.div_ceil(8)];
-            for (k, i) in range.enumerate() {
-                for j in 0..self.num_sparse {
-                    if self.is_missing(i, j) {
-                        let b = k * self.num_sparse + j;
-                        c.missing[b / 8] |= 1 << (b % 8);
+            let mut c = match self.bag_ends() {
+                Some(_) => Columns::new_multi(self.num_dense, self.num_sparse),
+                None => Columns::new(self.num_dense, self.num_sparse),
+            };
+            let mut row = Row::new(self.num_dense, self.num_sparse);
+            let (nd, ns) = (self.num_dense, self.num_sparse);
+            for i in range {
+                row.dense
+                    .copy_from_slice(&self.dense()[i * nd..(i + 1) * nd]);
+                row.multi.clear();
+                row.lens.clear();
+                for j in 0..ns {
+                    row.missing[j] = self.is_missing(i, j);
+                    if self.is_multi_hot() {
+                        let bag = self.bag(i, j);
+                        row.multi.extend_from_slice(bag);
+                        row.lens.push(bag.len() as u32);
+                    } else {
+                        row.ids[j] = self.ids()[i * ns + j];
                     }
                 }
+                row.label = self.labels()[i];
+                c.push(&row);
             }
             Examples::from_columns(c)
         };
@@ -660,6 +813,7 @@ impl Examples {
                 bytemuck::cast_slice(self.ids()),
                 self.missing_bits(),
                 bytemuck::cast_slice(self.labels()),
+                bytemuck::cast_slice(self.bag_ends().unwrap_or(&[])),
             ])
         })
     }
@@ -689,13 +843,33 @@ impl Examples {
         rows: &mut [u32],
         labels: &mut [f32],
     ) {
+        let field_rows = vec![rows_per_table; self.num_sparse];
+        self.fill_batch_rows(first, batch, &field_rows, None, dense, rows, labels);
+    }
+
+    /// As [`Examples::fill_batch`], with field `j`'s ids taken `mod field_rows[j]`, and
+    /// (multi-hot data) each example's field `j` in `slots[j]` entries of `rows`, the
+    /// bag's ids first and [`crate::model::ctr::PAD_ROW`] after them; `rows` is then
+    /// `[batch, Σ slots]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fill_batch_rows(
+        &self,
+        first: u64,
+        batch: usize,
+        field_rows: &[usize],
+        slots: Option<&[usize]>,
+        dense: &mut [f32],
+        rows: &mut [u32],
+        labels: &mut [f32],
+    ) {
         assert!(self.len > 0, "fill_batch: no examples");
         let start = (first % self.len as u64) as usize;
         let n = self.len;
         self.fill(
             (0..batch).map(|k| (start + k) % n),
             batch,
-            rows_per_table,
+            field_rows,
+            slots,
             dense,
             rows,
             labels,
@@ -712,6 +886,21 @@ impl Examples {
         rows: &mut [u32],
         labels: &mut [f32],
     ) {
+        let field_rows = vec![rows_per_table; self.num_sparse];
+        self.fill_batch_indices_rows(indices, &field_rows, None, dense, rows, labels);
+    }
+
+    /// As [`Examples::fill_batch_indices`], with one table size and (multi-hot data) one
+    /// bag size a field, as [`Examples::fill_batch_rows`].
+    pub fn fill_batch_indices_rows(
+        &self,
+        indices: &[usize],
+        field_rows: &[usize],
+        slots: Option<&[usize]>,
+        dense: &mut [f32],
+        rows: &mut [u32],
+        labels: &mut [f32],
+    ) {
         assert!(
             indices.iter().all(|&i| i < self.len),
             "fill_batch_indices: index out of range"
@@ -719,24 +908,35 @@ impl Examples {
         self.fill(
             indices.iter().copied(),
             indices.len(),
-            rows_per_table,
+            field_rows,
+            slots,
             dense,
             rows,
             labels,
         );
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn fill(
         &self,
         indices: impl Iterator<Item = usize>,
         batch: usize,
-        rows_per_table: usize,
+        field_rows: &[usize],
+        slots: Option<&[usize]>,
         dense: &mut [f32],
         rows: &mut [u32],
         labels: &mut [f32],
     ) {
         let (nd, ns) = (self.num_dense, self.num_sparse);
-        assert!(rows_per_table > 0, "fill_batch: rows_per_table is 0");
+        assert_eq!(field_rows.len(), ns, "fill_batch: one table size per field");
+        assert!(
+            field_rows.iter().all(|&r| r > 0),
+            "fill_batch: a table of 0 rows"
+        );
+        let ones = vec![1; ns];
+        let slots = slots.unwrap_or(&ones);
+        assert_eq!(slots.len(), ns, "fill_batch: one bag size per field");
+        let per: usize = slots.iter().sum();
         assert_eq!(
             dense.len(),
             batch * nd,
@@ -744,26 +944,55 @@ impl Examples {
         );
         assert_eq!(
             rows.len(),
-            batch * ns,
-            "fill_batch: rows must be [batch, num_sparse] (one id per field)"
+            batch * per,
+            "fill_batch: rows must be [batch, slots of a batch's example]"
         );
         assert_eq!(labels.len(), batch, "fill_batch: labels must be [batch]");
         let (src_dense, src_ids, src_labels, bits) =
             (self.dense(), self.ids(), self.labels(), self.missing_bits());
-        let rpt = rows_per_table as u32;
-        let rpt = if rows_per_table > u32::MAX as usize {
-            u32::MAX
-        } else {
-            rpt
-        };
+        let rpt: Vec<u32> = field_rows
+            .iter()
+            .map(|&r| u32::try_from(r).unwrap_or(u32::MAX))
+            .collect();
+        let multi = self.is_multi_hot() || slots.iter().any(|&h| h != 1);
         for (k, i) in indices.enumerate() {
             dense[k * nd..(k + 1) * nd].copy_from_slice(&src_dense[i * nd..(i + 1) * nd]);
-            for j in 0..ns {
-                let g = i * ns + j;
-                rows[k * ns + j] = if bit(bits, g) { 0 } else { src_ids[g] % rpt };
+            if multi {
+                // each field's bag in its slots, the rest padding
+                let mut at = k * per;
+                for j in 0..ns {
+                    let bag = self.bag(i, j);
+                    let n = bag.len().min(slots[j]);
+                    for (slot, &id) in rows[at..at + n].iter_mut().zip(bag) {
+                        *slot = id % rpt[j];
+                    }
+                    rows[at + n..at + slots[j]].fill(crate::model::ctr::PAD_ROW);
+                    at += slots[j];
+                }
+            } else {
+                for j in 0..ns {
+                    let g = i * ns + j;
+                    rows[k * ns + j] = if bit(bits, g) { 0 } else { src_ids[g] % rpt[j] };
+                }
             }
             labels[k] = src_labels[i];
         }
+    }
+
+    /// Distinct ids of each field (missing values not counted), counted in parallel.
+    pub fn distinct_ids(&self) -> Vec<usize> {
+        use rayon::prelude::*;
+        let ns = self.num_sparse;
+        (0..ns)
+            .into_par_iter()
+            .map(|j| {
+                let mut seen = std::collections::HashSet::new();
+                for i in 0..self.len {
+                    seen.extend(self.bag(i, j).iter().copied());
+                }
+                seen.len()
+            })
+            .collect()
     }
 }
 
@@ -909,6 +1138,12 @@ impl LineParser for Parser {
             Parser::Tsv(p) => p.has_time(),
         }
     }
+    fn is_multi(&self) -> bool {
+        match self {
+            Parser::Criteo(p) => p.is_multi(),
+            Parser::Tsv(p) => p.is_multi(),
+        }
+    }
     fn header(&mut self, line: &[u8]) -> Result<()> {
         match self {
             Parser::Criteo(p) => p.header(line),
@@ -962,7 +1197,7 @@ impl Piece {
             file,
             lines_before: 0,
             newlines: 0,
-            cols: Columns::new(parser.num_dense(), parser.num_sparse()),
+            cols: parser.columns(),
             times: parser.has_time().then(Vec::new),
             data_lines: 0,
             bytes: 0,
@@ -1245,7 +1480,7 @@ fn read_files(
         pieces[k].lines_before = before;
         before += pieces[k].newlines;
     }
-    let mut cols = Columns::new(parser.num_dense(), parser.num_sparse());
+    let mut cols = parser.columns();
     let mut times = parser.has_time().then(Vec::new);
     for piece in &mut pieces {
         report.lines += piece.data_lines;

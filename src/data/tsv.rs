@@ -132,6 +132,9 @@ impl LineParser for TsvParser {
     fn has_time(&self) -> bool {
         self.schema.time.is_some()
     }
+    fn is_multi(&self) -> bool {
+        self.schema.list_separator.is_some()
+    }
 
     fn header(&mut self, line: &[u8]) -> Result<()> {
         if line.is_empty() {
@@ -215,10 +218,28 @@ impl LineParser for TsvParser {
                 dense_transform(x)
             };
         }
-        for (k, &i) in self.categorical.iter().enumerate() {
-            let f = field(i);
-            row.missing[k] = f.is_empty();
-            row.ids[k] = if f.is_empty() { 0 } else { hash_category(f) };
+        if let Some(sep) = s.list_separator {
+            // multi-hot: each non-empty value of the list one id; no value: missing
+            row.multi.clear();
+            row.lens.clear();
+            for (k, &i) in self.categorical.iter().enumerate() {
+                let before = row.multi.len();
+                for v in field(i).split(|&b| b == sep as u8) {
+                    let v = v.trim_ascii();
+                    if !v.is_empty() {
+                        row.multi.push(hash_category(v));
+                    }
+                }
+                let n = row.multi.len() - before;
+                row.lens.push(n as u32);
+                row.missing[k] = n == 0;
+            }
+        } else {
+            for (k, &i) in self.categorical.iter().enumerate() {
+                let f = field(i);
+                row.missing[k] = f.is_empty();
+                row.ids[k] = if f.is_empty() { 0 } else { hash_category(f) };
+            }
         }
         if let Some(i) = self.time {
             let name = s.time.as_deref().unwrap_or_default();

@@ -1,0 +1,212 @@
+//! `erase-ctr data`: what a data source holds and how fast it parses; and a writer of
+//! Criteo-layout files of any size, for benchmarks and tests.
+
+use std::io::Write as _;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use crate::data::{load, parse_data_arg, LoadOptions, TsvSchema};
+
+#[derive(Args)]
+pub(crate) struct DataArgs {
+    /// The data: `criteo:PATH` or `tsv:PATH` (with `[data.schema]` in --config), as for
+    /// train.
+    #[arg(long, required_unless_present = "write_criteo")]
+    data: Option<String>,
+    /// A TOML file whose `[data.schema]` describes `tsv:` data.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
+    /// Parse the data once per thread count in this list (`all`: every core), without the
+    /// cache, and print lines/s and MB/s of each.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,all")]
+    threads: Vec<String>,
+    /// Also count the distinct ids of each field (what `--table-rows auto` gives).
+    #[arg(long)]
+    counts: bool,
+    /// Write the parse rates as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<std::path::PathBuf>,
+    /// Instead: write a Criteo-layout file of --lines random lines here (plain text;
+    /// integers, some written as floats and some missing; 8-hex-digit ids of skewed
+    /// frequency; a label of about 25 % positives), then stop.
+    #[arg(long, value_name = "PATH")]
+    write_criteo: Option<std::path::PathBuf>,
+    /// Lines of --write-criteo.
+    #[arg(long, default_value_t = 1_000_000)]
+    lines: u64,
+    /// Seed of --write-criteo.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn schema_of(config: Option<&std::path::Path>) -> Result<Option<TsvSchema>> {
+    let Some(p) = config else { return Ok(None) };
+    let text = std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?;
+    let table: toml::Table = text
+        .parse()
+        .with_context(|| format!("{} is not valid TOML", p.display()))?;
+    if table.get("data").and_then(|d| d.get("schema")).is_none() {
+        return Ok(None);
+    }
+    Ok(Some(TsvSchema::from_toml(&text).with_context(|| {
+        format!("{}: [data.schema]", p.display())
+    })?))
+}
+
+pub(super) fn run(a: &DataArgs) -> Result<()> {
+    if let Some(path) = &a.write_criteo {
+        return write_criteo(path, a.lines, a.seed);
+    }
+    let data = a.data.as_deref().unwrap_or_default();
+    let schema = schema_of(a.config.as_deref())?;
+    let Some(src) = parse_data_arg(data, schema.as_ref()).context("--data")? else {
+        bail!("--data synthetic has nothing to parse; give criteo:PATH or tsv:PATH");
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut counts = Vec::new();
+    for t in &a.threads {
+        let n = match t.trim() {
+            "all" => cores,
+            s => super::at_least_one(s).map_err(|e| anyhow::anyhow!("--threads {s}: {e}"))?,
+        };
+        if !counts.contains(&n) {
+            counts.push(n);
+        }
+    }
+    let mut rows = Vec::new();
+    let mut last = None;
+    for &n in &counts {
+        let opts = LoadOptions {
+            threads: Some(n),
+            ..Default::default()
+        };
+        let t0 = std::time::Instant::now();
+        let (train, eval, report) = load(&src, &opts)?;
+        let secs = t0.elapsed().as_secs_f64();
+        let lines_s = report.lines as f64 / secs;
+        println!(
+            "{n:>3} thread{}: {} lines in {secs:.2} s: {:.0}k lines/s, {:.0} MB/s ({} malformed)",
+            if n == 1 { " " } else { "s" },
+            report.lines,
+            lines_s / 1e3,
+            report.parse_bytes as f64 / secs / 1e6,
+            report.malformed
+        );
+        rows.push(format!(
+            "{{\"threads\":{n},\"lines\":{},\"bytes\":{},\"secs\":{secs:.4},\"lines_per_s\":{lines_s:.0}}}",
+            report.lines, report.parse_bytes
+        ));
+        last = Some((train, eval, report));
+    }
+    if let Some((train, eval, report)) = &last {
+        println!("{report}");
+        println!(
+            "{} training examples, {} held out; {} dense and {} categorical fields{}, {:.2} % positive",
+            train.len(),
+            eval.as_ref().map_or(0, |e| e.len()),
+            train.num_dense,
+            train.num_sparse,
+            if train.is_multi_hot() {
+                format!(" (multi-hot, longest bags {:?})", train.max_bag_lens())
+            } else {
+                String::new()
+            },
+            100.0 * train.positive_rate()
+        );
+        if a.counts {
+            println!("distinct ids per field: {:?}", train.distinct_ids());
+        }
+    }
+    if let Some(p) = &a.json {
+        let text = format!(
+            "{{\"data\":{:?},\"cores\":{cores},\"runs\":[{}]}}\n",
+            data,
+            rows.join(",")
+        );
+        std::fs::write(p, text).with_context(|| format!("--json {}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Writes `lines` random Criteo-layout lines to `path` (atomically: a temporary file
+/// beside it, then a rename), printing progress every tenth.
+fn write_criteo(path: &std::path::Path, lines: u64, seed: u64) -> Result<()> {
+    use crate::data::synthetic::splitmix64;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ));
+    let file = std::fs::File::create(&tmp)
+        .with_context(|| format!("--write-criteo: cannot create {}", tmp.display()))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 22, file);
+    let mut line = String::with_capacity(512);
+    let t0 = std::time::Instant::now();
+    let mut state = seed ^ 0x5EED_C817_E000_0000;
+    let mut next = || {
+        state = splitmix64(state);
+        state
+    };
+    let result = (|| -> Result<()> {
+        for i in 0..lines {
+            use std::fmt::Write as _;
+            line.clear();
+            let r = next();
+            let label = u8::from(r % 4 == 0);
+            let _ = write!(line, "{label}");
+            for k in 0..13u64 {
+                let r = next();
+                line.push('\t');
+                match r % 16 {
+                    0 | 1 => {}               // missing
+                    2 => line.push_str("-1"), // Criteo's -1
+                    3 => {
+                        let _ = write!(line, "{}.0", (r >> 8) % (10 << k.min(10)));
+                    }
+                    _ => {
+                        let _ = write!(line, "{}", (r >> 8) % (10 << k.min(10)));
+                    }
+                }
+            }
+            for j in 0..26u64 {
+                let r = next();
+                line.push('\t');
+                if r % 20 == 0 {
+                    continue; // missing
+                }
+                // skewed: most ids from a small set of the field's values
+                let v = (r >> 8) % (1 + ((r >> 40) % 64).pow(3) * (j + 1));
+                let _ = write!(line, "{:08x}", splitmix64(v ^ (j << 56)) as u32);
+            }
+            line.push('\n');
+            w.write_all(line.as_bytes())?;
+            if lines >= 10 && (i + 1) % (lines / 10) == 0 {
+                eprintln!(
+                    "  {} of {lines} lines ({:.1} s)",
+                    i + 1,
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+        }
+        w.flush()?;
+        w.get_ref().sync_all()?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("--write-criteo {}", path.display()));
+    }
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("--write-criteo: renaming into {}", path.display()))?;
+    eprintln!(
+        "wrote {lines} Criteo-layout lines to {} in {:.1} s",
+        path.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
