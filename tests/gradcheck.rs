@@ -332,6 +332,40 @@ fn embedding_bag() {
     }
 }
 
+#[test]
+fn padded_bags_and_bag_mean() {
+    // bags with padding slots (-1) and a mean over some fields: the gradient reaches
+    // only the ids, each scaled by 1/n of its bag
+    for t in 0..TRIALS {
+        check("bag_mean", 170 + t, |g, r| {
+            let f = r.range(1, 4);
+            let field_rows: Vec<usize> = (0..f).map(|_| r.range(1, 5)).collect();
+            let mean: Vec<bool> = (0..f).map(|_| r.range(0, 2) == 1).collect();
+            let (b, d) = (r.range(1, 4), r.range(1, 4));
+            let total: usize = field_rows.iter().sum();
+            let table = param(g, r, "table", &[total, d], 1.0);
+            let (mut ids, mut offsets) = (Vec::new(), vec![0.0]);
+            for _ in 0..b {
+                for &rows in &field_rows {
+                    let used = r.range(0, 4);
+                    for k in 0..3 {
+                        ids.push(if k < used {
+                            r.range(0, rows - 1) as f64
+                        } else {
+                            -1.0
+                        });
+                    }
+                    offsets.push(ids.len() as f64);
+                }
+            }
+            let ids_t = int_const(g, "ids", ids);
+            let off_t = int_const(g, "offsets", offsets);
+            let y = g.embedding_bag(table, ids_t, off_t, &field_rows).unwrap();
+            g.bag_mean(y, ids_t, off_t, &mean).unwrap()
+        });
+    }
+}
+
 fn int_const(g: &mut Graph, name: &str, v: Vec<f64>) -> Tensor {
     let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
     g.constant_i32(name, &[v.len()], &v).unwrap()

@@ -1042,7 +1042,9 @@ fn max_occurrences(ids: &[i32], offsets: &[i32], field_rows: &[usize]) -> usize 
     let mut count = std::collections::HashMap::new();
     for bag in 0..offsets.len() - 1 {
         for &id in &ids[offsets[bag] as usize..offsets[bag + 1] as usize] {
-            *count.entry(bases[bag % f] + id as usize).or_insert(0usize) += 1;
+            if id >= 0 {
+                *count.entry(bases[bag % f] + id as usize).or_insert(0usize) += 1;
+            }
         }
     }
     count.values().copied().max().unwrap_or(0)
@@ -1166,6 +1168,158 @@ fn rowwise_adagrad_matches_cpu_with_a_hot_row() {
                 "{what}: untouched row {r} moved"
             );
         }
+    }
+}
+
+/// Bags of fixed per-field slots, the unused ones padding (-1), as the trainer feeds
+/// variable-length multi-hot fields: `slots[f]` slots for field f, 0..=slots ids used.
+fn padded_bags(
+    seed: u64,
+    batch: usize,
+    field_rows: &[usize],
+    slots: &[usize],
+) -> (Vec<i32>, Vec<i32>) {
+    let per: usize = slots.iter().sum();
+    let u = rand_f32(seed, batch * per * 2 + batch * slots.len(), 0.0, 1.0);
+    let mut k = 0;
+    let mut take = || {
+        k += 1;
+        u[k - 1]
+    };
+    let (mut ids, mut offsets) = (Vec::new(), vec![0i32]);
+    for _ in 0..batch {
+        for (f, &h) in slots.iter().enumerate() {
+            let used = ((take() * (h + 1) as f32) as usize).min(h);
+            for j in 0..h {
+                ids.push(if j < used {
+                    ((take() * field_rows[f] as f32) as i32).min(field_rows[f] as i32 - 1)
+                } else {
+                    -1
+                });
+            }
+            offsets.push(ids.len() as i32);
+        }
+    }
+    (ids, offsets)
+}
+
+#[test]
+fn padded_multi_hot_bags_and_bag_mean_match_cpu() {
+    let Some(dev) = device("padded_multi_hot_bags_and_bag_mean_match_cpu") else {
+        return;
+    };
+    // (batch, tables of mixed sizes, slots per field, D, mean fields)
+    for (batch, field_rows, slots, d, mean) in [
+        (
+            64usize,
+            vec![3usize, 1000, 100_000],
+            vec![1usize, 1, 5],
+            16usize,
+            vec![false, false, true],
+        ),
+        (
+            4096,
+            vec![3, 1000, 100_000, 17],
+            vec![1, 4, 1, 7],
+            64,
+            vec![false, true, false, true],
+        ),
+        (7, vec![5, 9], vec![3, 2], 130, vec![true, true]),
+    ] {
+        let seed = 12_000 + batch as u64;
+        let (ids, offsets) = padded_bags(seed, batch, &field_rows, &slots);
+        let f = field_rows.len();
+        let total: usize = field_rows.iter().sum();
+        let what = format!("padded bags B={batch} tables {field_rows:?} slots {slots:?} D={d}");
+        let (idsa, offa) = (
+            arg(&[ids.len()], Buffer::I32(ids.clone())),
+            arg(&[offsets.len()], Buffer::I32(offsets.clone())),
+        );
+        let table = rand_arg(&[total, d], seed + 1);
+        let op = Op::EmbeddingBag {
+            field_rows: field_rows.clone(),
+        };
+        // padding adds nothing and the rest is summed in order: bit-identical
+        let pooled = compare(
+            dev,
+            &format!("{what} embedding_bag"),
+            &op,
+            &[table, dup(&idsa), dup(&offa)],
+            &[(&[batch, f, d], F32)],
+            &[EXACT],
+        );
+        // the mean: 1/n rounded once and multiplied, as the reference: bit-identical, and
+        // its own gradient
+        let mop = Op::BagMean { mean: mean.clone() };
+        let y = arg(&[batch, f, d], pooled[0].clone());
+        compare(
+            dev,
+            &format!("{what} bag_mean"),
+            &mop,
+            &[y, dup(&idsa), dup(&offa)],
+            &[(&[batch, f, d], F32)],
+            &[EXACT],
+        );
+        let dz = rand_arg(&[batch, f, d], seed + 2);
+        compare(
+            dev,
+            &format!("{what} bag_mean (gradient)"),
+            &mop,
+            &[dz, dup(&idsa), dup(&offa)],
+            &[(&[batch, f, d], F32)],
+            &[EXACT],
+        );
+        // the backward: padding sorts last under the sentinel row and moves no row
+        let n = [ids.len()];
+        compare(
+            dev,
+            &format!("{what} embedding_sort"),
+            &Op::EmbeddingSort {
+                field_rows: field_rows.clone(),
+            },
+            &[dup(&idsa), dup(&offa)],
+            &[(&n, DType::I32), (&n, DType::I32)],
+            &[EXACT, EXACT],
+        );
+        let dy = rand_arg(&[batch, f, d], seed + 3);
+        let most = max_occurrences(&ids, &offsets, &field_rows);
+        compare(
+            dev,
+            &format!("{what} grad_dense"),
+            &Op::EmbeddingBagGradDense {
+                field_rows: field_rows.clone(),
+            },
+            &[dup(&dy), dup(&idsa), dup(&offa)],
+            &[(&[total, d], F32)],
+            &[(1e-5, sum_atol(most, 1.0))],
+        );
+        let aop = Op::RowwiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+            field_rows: field_rows.clone(),
+        };
+        let ins = [dup(&idsa), dup(&offa), dy];
+        let table0 = rand_arg(&[total, d], seed + 4);
+        let acc0 = f32_arg(&[total], rand_f32(seed + 5, total, 0.01, 1.0));
+        let mut ug = [dup(&table0), dup(&acc0)];
+        let mut uc = [dup(&table0), dup(&acc0)];
+        run_gpu(dev, &aop, &ins, &[], &mut ug);
+        run_cpu(&aop, &ins, &[], &mut uc);
+        let step_tol = sum_atol(most, 1.0) * 0.05 * (d as f64).sqrt();
+        assert_close(
+            &format!("{what} adagrad table"),
+            &ug[0].value.to_f64(),
+            &uc[0].value.to_f64(),
+            1e-6,
+            step_tol,
+        );
+        assert_close(
+            &format!("{what} adagrad acc"),
+            &ug[1].value.to_f64(),
+            &uc[1].value.to_f64(),
+            1e-5 + sum_atol(most, 2.0),
+            0.0,
+        );
     }
 }
 

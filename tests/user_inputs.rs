@@ -1,0 +1,520 @@
+//! The data and state users have, through the `erase-ctr` binary as they run it: real
+//! layouts (Criteo with float-written integers, Avazu with no dense features, multi-hot
+//! lists, per-field table sizes, zstd) train, and bad input or state is refused with a
+//! message that names the problem and where, before any work is lost.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const EXE: &str = env!("CARGO_BIN_EXE_erase-ctr");
+
+fn fixture(p: &str) -> String {
+    format!("{}/tests/data/{p}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("erase-user-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `erase-ctr ARGS` on the CPU with a small model.
+fn run(args: &[&str]) -> Output {
+    Command::new(EXE).args(args).output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A run that must fail with each of `parts` in its message.
+fn fails_with(o: &Output, parts: &[&str]) {
+    let t = text(o);
+    assert!(!o.status.success(), "expected a failure, got success:\n{t}");
+    for p in parts {
+        assert!(t.contains(p), "the message lacks '{p}':\n{t}");
+    }
+}
+
+fn ok(o: &Output) -> String {
+    let t = text(o);
+    assert!(o.status.success(), "failed:\n{t}");
+    t
+}
+
+/// The final NE a `train` run printed.
+fn final_ne(out: &str) -> f64 {
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("NE  final"))
+        .unwrap_or_else(|| panic!("no final NE in:\n{out}"));
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+const SMALL: [&str; 12] = [
+    "--device",
+    "cpu",
+    "--batch",
+    "64",
+    "--rows",
+    "2000",
+    "--eval-every",
+    "0",
+    "--eval-examples",
+    "1000",
+    "--threads",
+    "2",
+];
+
+fn train(extra: &[&str]) -> Output {
+    let mut a = vec!["train"];
+    a.extend(SMALL);
+    a.extend(extra);
+    run(&a)
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+const AVAZU_SCHEMA: &str = r#"[data.schema]
+separator = ","
+label = "click"
+dense = []
+categorical = ["hour", "C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id",
+  "app_domain", "app_category", "device_id", "device_ip", "device_model", "device_type",
+  "device_conn_type", "C14", "C15", "C16", "C17", "C18", "C19", "C20", "C21"]
+"#;
+
+const MULTIHOT_SCHEMA: &str = r#"[data.schema]
+label = "label"
+dense = ["price"]
+categorical = ["user", "item", "genres"]
+list_separator = "|"
+"#;
+
+#[test]
+fn real_layouts_train_and_learn() {
+    let dir = tmpdir("layouts");
+    // Criteo with integers written as floats: every line is an example
+    let out = ok(&train(&[
+        "--steps",
+        "40",
+        "--data",
+        &format!("criteo:{}", fixture("criteo_floats.tsv")),
+    ]));
+    assert!(out.contains("1500 examples, 0 malformed"), "{out}");
+    let ne = final_ne(&out);
+    assert!(ne < 0.99, "Criteo floats: NE {ne} after 40 steps\n{out}");
+
+    // Avazu: no dense features, so no bottom MLP
+    let cfg = write(&dir, "avazu.toml", AVAZU_SCHEMA);
+    let out = ok(&train(&[
+        "--steps",
+        "40",
+        "--config",
+        &cfg,
+        "--data",
+        &format!("tsv:{}", fixture("avazu_sample.csv")),
+    ]));
+    assert!(out.contains("0 dense and 22 categorical fields"), "{out}");
+    let ne = final_ne(&out);
+    assert!(ne < 0.99, "Avazu: NE {ne} after 40 steps\n{out}");
+
+    // multi-hot lists of any length, sum-pooled
+    let cfg = write(&dir, "multi.toml", MULTIHOT_SCHEMA);
+    let data = format!("tsv:{}", fixture("multihot_sample.tsv"));
+    let cache = dir.join("cache");
+    let args = [
+        "--steps",
+        "40",
+        "--config",
+        &cfg,
+        "--data",
+        &data,
+        "--cache-dir",
+        cache.to_str().unwrap(),
+    ];
+    let out = ok(&train(&args));
+    assert!(out.contains("bag slots per field [1, 1, 5]"), "{out}");
+    let ne = final_ne(&out);
+    assert!(ne < 0.99, "multi-hot: NE {ne} after 40 steps\n{out}");
+    // the multi-hot cache gives the same examples, so the same bits
+    let again = ok(&train(&args));
+    assert!(again.contains("from cache"), "{again}");
+    assert_eq!(final_ne(&again), ne);
+}
+
+#[test]
+fn float_integers_with_a_fraction_nan_or_inf_are_errors_naming_file_and_line() {
+    let dir = tmpdir("floats");
+    let good: String = std::fs::read_to_string(fixture("criteo_floats.tsv"))
+        .unwrap()
+        .lines()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join("\n");
+    for (bad, why) in [
+        ("2.5", "has a fraction"),
+        ("nan", "not a finite number"),
+        ("inf", "not a finite number"),
+    ] {
+        let mut lines: Vec<String> = good.lines().map(str::to_string).collect();
+        let mut f: Vec<&str> = lines[1].split('\t').collect();
+        f[3] = bad;
+        lines[1] = f.join("\t");
+        let p = write(&dir, "bad.tsv", &(lines.join("\n") + "\n"));
+        let o = train(&["--steps", "1", "--strict", "--data", &format!("criteo:{p}")]);
+        fails_with(&o, &["bad.tsv:2:", "I3", why]);
+    }
+}
+
+#[test]
+fn zstd_is_read_and_other_compressions_are_refused_by_name() {
+    let dir = tmpdir("zstd");
+    let plain = std::fs::read(fixture("criteo_floats.tsv")).unwrap();
+    let zst = dir.join("day.tsv.zst");
+    std::fs::write(&zst, zstd::encode_all(&plain[..], 3).unwrap()).unwrap();
+    let a = ok(&train(&[
+        "--steps",
+        "3",
+        "--data",
+        &format!("criteo:{}", fixture("criteo_floats.tsv")),
+    ]));
+    let b = ok(&train(&[
+        "--steps",
+        "3",
+        "--data",
+        &format!("criteo:{}", zst.display()),
+    ]));
+    assert!(b.contains("1500 examples, 0 malformed"), "{b}");
+    assert_eq!(final_ne(&a), final_ne(&b));
+    for (magic, name) in [
+        (&b"BZh91AY&SY"[..], "bzip2"),
+        (&[0xfd, b'7', b'z', b'X', b'Z', 0, 0][..], "xz"),
+    ] {
+        let p = dir.join(format!("day.{name}"));
+        std::fs::write(&p, magic).unwrap();
+        let o = train(&["--steps", "1", "--data", &format!("criteo:{}", p.display())]);
+        fails_with(&o, &[&format!("is {name}, which is not supported")]);
+    }
+}
+
+#[test]
+fn per_field_table_sizes_given_or_counted_train_and_resume() {
+    let dir = tmpdir("sizes");
+    let data = format!("criteo:{}", fixture("criteo_floats.tsv"));
+    // mixed sizes by name: 3, 1000 and the rest 100000
+    let ck = dir.join("mixed.st");
+    let base = [
+        "--rows",
+        "100000",
+        "--table-rows",
+        "C1=3,C2=1000",
+        "--data",
+        &data,
+    ];
+    let whole = ok(&train(&[&base[..], &["--steps", "6"]].concat()));
+    assert!(
+        whole.contains("rows in all (given: C1 3, C2 1000, C3 100000"),
+        "{whole}"
+    );
+    let ckp = ck.to_str().unwrap();
+    ok(&train(
+        &[&base[..], &["--steps", "3", "--checkpoint", ckp]].concat(),
+    ));
+    let resumed = ok(&train(
+        &[&base[..], &["--steps", "6", "--resume", ckp]].concat(),
+    ));
+    assert_eq!(final_ne(&resumed), final_ne(&whole));
+    // a list of the wrong length names both counts
+    let o = train(&["--steps", "1", "--table-rows", "3,4", "--data", &data]);
+    fails_with(&o, &["--table-rows gives 2 sizes", "26 categorical fields"]);
+    // counted from the data, capped, kept beside the cache
+    let cache = dir.join("cache");
+    let auto = [
+        "--steps",
+        "2",
+        "--table-rows",
+        "auto",
+        "--rows-cap",
+        "64",
+        "--data",
+        &data,
+        "--cache-dir",
+        cache.to_str().unwrap(),
+    ];
+    let out = ok(&train(&auto));
+    assert!(out.contains("at most 64: C1 "), "{out}");
+    assert!(std::fs::read_dir(&cache).unwrap().any(|e| e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .ends_with(".counts")));
+}
+
+#[test]
+fn one_config_file_serves_every_subcommand_and_type_errors_name_file_table_and_key() {
+    let dir = tmpdir("config");
+    let cfg = write(
+        &dir,
+        "run.toml",
+        "[model]\nbatch = 64\nrows = 500\n[train]\nsteps = 2\neval_every = 0\n[data]\n",
+    );
+    let ck = dir.join("run.st");
+    let ckp = ck.to_str().unwrap();
+    ok(&run(&[
+        "train",
+        "--device",
+        "cpu",
+        "--config",
+        &cfg,
+        "--checkpoint",
+        ckp,
+    ]));
+    // eval takes [model] and leaves [train]'s eval_every to train
+    let out = ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--config",
+        &cfg,
+        "--checkpoint",
+        ckp,
+        "--eval-examples",
+        "128",
+    ]));
+    assert!(out.contains("step 2, NE"), "{out}");
+
+    for (body, parts) in [
+        (
+            "[train]\nsteps = -20\n",
+            &["[train] steps = -20", "invalid value"][..],
+        ),
+        (
+            "[train]\nstrict = \"yes\"\n",
+            &["[train] strict", "switch"][..],
+        ),
+        (
+            "[model]\nbogus = 1\n",
+            &["[model] bogus is not a setting"][..],
+        ),
+        ("[trian]\nsteps = 1\n", &["[trian] is not a table"][..]),
+    ] {
+        let p = write(&dir, "bad.toml", body);
+        let o = run(&["train", "--device", "cpu", "--config", &p]);
+        let mut want = vec!["bad.toml"];
+        want.extend(parts);
+        fails_with(&o, &want);
+    }
+}
+
+#[test]
+fn checkpoints_are_verified_and_resume_identifies_data_by_content() {
+    let dir = tmpdir("ckpt");
+    let ck = dir.join("k.st");
+    let ckp = ck.to_str().unwrap();
+    let d = dir.join("d");
+    std::fs::create_dir_all(&d).unwrap();
+    let src = std::fs::read(fixture("criteo_floats.tsv")).unwrap();
+    std::fs::write(d.join("big.tsv"), &src).unwrap();
+    let rel = format!("criteo:{}", d.join("big.tsv").display());
+    ok(&train(&[
+        "--variant",
+        "baseline",
+        "--steps",
+        "3",
+        "--data",
+        &rel,
+        "--checkpoint",
+        ckp,
+    ]));
+
+    // eval takes the variant and sizes the checkpoint records
+    let mut e = vec!["eval", "--device", "cpu", "--checkpoint", ckp];
+    e.extend(["--data", &rel, "--eval-examples", "128"]);
+    assert!(ok(&run(&e)).contains("step 3, NE"));
+    // the wrong variant says which flags the checkpoint was trained with
+    let mut w = e.clone();
+    w.extend(["--variant", "erase"]);
+    fails_with(
+        &run(&w),
+        &["is missing", "--variant baseline", "--rows 2000"],
+    );
+
+    // the same data spelled another way (the gzip copy, with ./) resumes
+    let gz = d.join("big.tsv.gz");
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut enc, &src).unwrap();
+    std::fs::write(&gz, enc.finish().unwrap()).unwrap();
+    let spelled = format!("criteo:{}/./big.tsv.gz", d.display());
+    let resume = |data: &str| {
+        train(&[
+            "--variant",
+            "baseline",
+            "--steps",
+            "5",
+            "--data",
+            data,
+            "--resume",
+            ckp,
+        ])
+    };
+    ok(&resume(&spelled));
+    // other data of the same size at the same path is refused, naming the key
+    let mut lines: Vec<&str> = std::str::from_utf8(&src).unwrap().lines().collect();
+    lines.swap(0, 1);
+    std::fs::write(d.join("big.tsv"), lines.join("\n") + "\n").unwrap();
+    fails_with(
+        &resume(&rel),
+        &["another configuration", "data: the checkpoint has 1350"],
+    );
+
+    // one flipped bit is refused naming the tensor
+    let mut bytes = std::fs::read(&ck).unwrap();
+    let n = bytes.len();
+    bytes[n - 40] ^= 0x10;
+    let flipped = dir.join("flipped.st");
+    std::fs::write(&flipped, &bytes).unwrap();
+    let mut f = vec!["eval", "--device", "cpu", "--variant", "baseline"];
+    f.extend(["--rows", "2000", "--batch", "64", "--eval-examples", "64"]);
+    f.extend(["--checkpoint", flipped.to_str().unwrap()]);
+    fails_with(&run(&f), &["does not match its checksum", "corrupted"]);
+}
+
+#[test]
+fn bad_targets_fail_before_training_and_stale_temp_files_are_removed() {
+    let dir = tmpdir("targets");
+    let missing = dir.join("no/such/folder/k.st");
+    let o = train(&["--steps", "50", "--checkpoint", missing.to_str().unwrap()]);
+    fails_with(&o, &["does not exist"]);
+    assert!(
+        !text(&o).contains("step 1/"),
+        "it trained first:\n{}",
+        text(&o)
+    );
+    let o = train(&["--steps", "50", "--checkpoint", dir.to_str().unwrap()]);
+    fails_with(&o, &["is a folder"]);
+
+    // a writer killed mid-write left its temporary file (pid 4194305: never a live pid)
+    let stale = dir.join(".k.st.tmp-4194305");
+    std::fs::write(&stale, b"half a checkpoint").unwrap();
+    let live = dir.join(format!(".k.st.tmp-{}", std::process::id()));
+    std::fs::write(&live, b"a live writer's").unwrap();
+    ok(&train(&[
+        "--steps",
+        "1",
+        "--checkpoint",
+        dir.join("k.st").to_str().unwrap(),
+    ]));
+    assert!(!stale.exists(), "the stale temporary file is still there");
+    assert!(live.exists(), "a live process's temporary file was removed");
+
+    // a metrics file that cannot be written is an error, not silence
+    if Path::new("/dev/full").exists() {
+        let o = train(&["--steps", "2", "--metrics", "/dev/full"]);
+        fails_with(&o, &["--metrics /dev/full", "a write failed"]);
+    }
+}
+
+#[test]
+fn tables_larger_than_memory_are_refused_before_allocation() {
+    let o = run(&[
+        "train",
+        "--device",
+        "cpu",
+        "--batch",
+        "16",
+        "--rows",
+        "200000000",
+        "--steps",
+        "1",
+    ]);
+    fails_with(&o, &["the model needs", "embedding tables", "GB free"]);
+}
+
+#[test]
+fn one_class_data_and_bad_counts_are_errors() {
+    let dir = tmpdir("oneclass");
+    let mut lines = vec!["user\titem\trating".to_string()];
+    for i in 0..300 {
+        lines.push(format!("u{}\ti{}\t{}", i % 17, i % 31, 1 + i % 5));
+    }
+    let data = write(&dir, "ratings.tsv", &(lines.join("\n") + "\n"));
+    let cfg = write(
+        &dir,
+        "r.toml",
+        "[data.schema]\nlabel = \"rating\"\ncategorical = [\"user\", \"item\"]\n",
+    );
+    let o = train(&[
+        "--steps",
+        "2",
+        "--config",
+        &cfg,
+        "--data",
+        &format!("tsv:{data}"),
+    ]);
+    fails_with(&o, &["all", "positive", "label_threshold"]);
+
+    fails_with(&train(&["--threads", "0"]), &["--threads", "at least 1"]);
+    fails_with(&run(&["bench", "--chunk", "0"]), &["--chunk", "at least 1"]);
+    fails_with(
+        &run(&["plan", "--side-streams", "1000"]),
+        &["--side-streams", "at most 32"],
+    );
+    // a schema with criteo: data is a mistake, not ignored
+    let s = write(
+        &dir,
+        "s.toml",
+        "[data.schema]\nlabel = 0\ncategorical = [1]\n",
+    );
+    let o = train(&[
+        "--config",
+        &s,
+        "--data",
+        &format!("criteo:{}", fixture("criteo_small.tsv")),
+    ]);
+    fails_with(&o, &["[data.schema] describes the columns of tsv: data"]);
+}
+
+#[test]
+fn schema_columns_named_twice_and_folders_with_other_entries() {
+    let dir = tmpdir("columns");
+    let data = write(&dir, "d.tsv", "a\tb\ta\tlabel\n1\tx\t2\t1\n3\ty\t4\t0\n");
+    let twice = write(
+        &dir,
+        "twice.toml",
+        "[data.schema]\nlabel = \"label\"\ncategorical = [\"a\", \"b\"]\n",
+    );
+    fails_with(
+        &train(&["--config", &twice, "--data", &format!("tsv:{data}")]),
+        &["names column 'a' 2 times"],
+    );
+    let same = write(
+        &dir,
+        "same.toml",
+        "[data.schema]\nlabel = \"label\"\ncategorical = [\"b\", 1]\n",
+    );
+    fails_with(
+        &train(&["--config", &same, "--data", &format!("tsv:{data}")]),
+        &["'b' and '1' are the same column"],
+    );
+    // a data folder with a subfolder: the subfolder is noted, the file read
+    let folder = dir.join("folder");
+    std::fs::create_dir_all(folder.join("sub")).unwrap();
+    std::fs::copy(fixture("criteo_floats.tsv"), folder.join("day0.tsv")).unwrap();
+    let out = ok(&train(&[
+        "--steps",
+        "1",
+        "--data",
+        &format!("criteo:{}", folder.display()),
+    ]));
+    assert!(out.contains("skipped") && out.contains("a folder"), "{out}");
+}
