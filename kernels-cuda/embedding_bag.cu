@@ -610,3 +610,40 @@ ERASE_KERNEL void emb_adagrad_apply(const int* __restrict__ srow, const float* _
         }
     }
 }
+
+// ---- mean pooling ----------------------------------------------------------------------
+
+// z[bag, :] = y[bag, :] · (1/n) for the bags of fields whose bit is set in `mean_mask`, n
+// the bag's ids in [offsets[bag], offsets[bag+1]) other than padding (-1); an empty bag
+// and the other fields' bags are copied. The same op is its own gradient (dz -> dy). A
+// warp per bag (grid-strided): the lanes count the bag's ids, then stride its columns.
+// 1/n is rounded once (IEEE division) and multiplied, as the CPU reference does: the same
+// bits. Bound: memory, y read and z written once (plus the ids of mean fields).
+ERASE_KERNEL void emb_bag_mean(const float* __restrict__ y, const int* __restrict__ ids,
+                               const int* __restrict__ offsets, float* __restrict__ z, long long n_ids,
+                               long long n_offsets, long long n_bags, int nf, int d, long long mean_mask) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long bag = erase_gtid() >> 5; bag < n_bags; bag += warps) {
+        const int f = (int)(bag % nf);
+        float scale = 1.0f;
+        bool scaled = false;
+        if ((mean_mask >> f) & 1LL) {
+            long long start = bag < n_offsets ? __ldg(offsets + bag) : 0;
+            long long end = bag + 1 < n_offsets ? __ldg(offsets + bag + 1) : start;
+            start = min(max(start, 0LL), n_ids);
+            end = min(max(end, start), n_ids);
+            int n = 0;
+            for (long long k = start + lane; k < end; k += 32) n += __ldg(ids + k) != -1 ? 1 : 0;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
+            if (n > 0) {
+                scale = erase_div(1.0f, (float)n);
+                scaled = true;
+            }
+        }
+        const float* yr = y + bag * d;
+        float* zr = z + bag * d;
+        for (int c = lane; c < d; c += 32) zr[c] = scaled ? erase_mul(__ldg(yr + c), scale) : __ldg(yr + c);
+    }
+}

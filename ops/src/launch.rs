@@ -180,6 +180,12 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
             tensor_core: false,
             copies: false,
         },
+        // reads y and the offsets and ids once, writes z
+        Op::BagMean { .. } => elementwise(
+            "emb_bag_mean",
+            out0,
+            2.0 * out_bytes + (ins[1].numel() + ins[2].numel()) as f64 * 4.0,
+        ),
         Op::EmbeddingSort { field_rows } => {
             // the keys, then one 8-bit LSD pass per byte the row keys use, each reading
             // and writing keys and bags

@@ -83,6 +83,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "emb_seg_chunks",
     "emb_seg_tails",
     "emb_adagrad_apply",
+    "emb_bag_mean",
 ];
 
 /// Threads of a 1-D elementwise CTA.
@@ -258,6 +259,7 @@ pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
         Op::PairwiseDot => pairwise_dot(op, o, false),
         Op::PairwiseDotGrad => pairwise_dot(op, o, true),
         Op::EmbeddingBag { field_rows } => embedding_bag(op, o, field_rows),
+        Op::BagMean { mean } => bag_mean(op, o, mean),
         Op::EmbeddingBagGradDense { field_rows } => embedding_bag_grad_dense(op, o, field_rows),
         Op::EmbeddingSort { field_rows } => embedding_sort(op, o, field_rows),
         Op::RowwiseAdagrad {
@@ -1611,6 +1613,45 @@ fn emb_table_width(op: &Op, what: &str, table: &Shape, total: usize) -> Result<u
         )),
         _ => Err(format!("{}: {what} {table} must be [rows, D]", op.name())),
     }
+}
+
+/// `emb_bag_mean`: a warp per bag counts its ids and scales its row (see the kernel).
+fn bag_mean(op: &Op, o: &Operands, mean: &[bool]) -> Result<CudaPlan, String> {
+    expect(op, o, &[F, I, I], &[F])?;
+    let dims = o.ins[0].dims();
+    let (n_ids, n_off) = emb_ids(op, o.ins[1], o.ins[2])?;
+    let d = dims.last().copied().unwrap_or(0);
+    let n_bags = o.outs[0].numel() / d.max(1);
+    if d == 0 || n_bags == 0 {
+        return Ok(plan_of(vec![], vec![]));
+    }
+    if mean.len() > 64 {
+        return Err(format!(
+            "{}: at most 64 fields (the mask of mean fields is one 64-bit argument), got {}",
+            op.name(),
+            mean.len()
+        ));
+    }
+    let mask = mean
+        .iter()
+        .enumerate()
+        .fold(0u64, |m, (f, &on)| if on { m | 1 << f } else { m });
+    let args = vec![
+        KArg::In(0),
+        KArg::In(1),
+        KArg::In(2),
+        Out(0),
+        n64(n_ids),
+        n64(n_off),
+        n64(n_bags),
+        I32(i32_of(mean.len(), "fields")?),
+        I32(i32_of(d, "embedding dim")?),
+        I64(mask as i64),
+    ];
+    Ok(plan_of(
+        vec![warp_rows("emb_bag_mean", n_bags, args)],
+        vec![],
+    ))
 }
 
 fn embedding_bag(op: &Op, o: &Operands, field_rows: &[usize]) -> Result<CudaPlan, String> {
