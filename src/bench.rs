@@ -45,6 +45,21 @@ pub struct BenchRow {
     pub trace: Option<erase_runtime::trace::Trace>,
     /// Where the traced steps' time went (see [`crate::profile`]).
     pub kernel_table: Option<String>,
+    /// The step's floating-point operations per example (its plan's, see
+    /// [`crate::train::step_flops`]), for the MFU column.
+    pub flops_per_example: Option<f64>,
+}
+
+/// The bf16 matrix rate MFU is quoted against: what a large GEMM reaches on an H200
+/// (788-798 TFLOP/s measured on random data), not the datasheet's 989.
+pub const MFU_PEAK_FLOPS: f64 = 790e12;
+
+impl BenchRow {
+    /// Model FLOPs utilisation at the p90 rate, against [`MFU_PEAK_FLOPS`].
+    pub fn mfu(&self) -> Option<f64> {
+        self.flops_per_example
+            .map(|f| f * self.qps.p90 / MFU_PEAK_FLOPS)
+    }
 }
 
 /// Runs the benchmark; `progress` hears about every finished chunk.
@@ -123,6 +138,7 @@ pub fn bench(
             final_loss: last_loss[i],
             trace: None,
             kernel_table: None,
+            flops_per_example: None,
         });
     }
     Ok(rows)
@@ -139,7 +155,7 @@ pub fn render(rows: &[BenchRow], device: &str, batch: usize) -> String {
     let _ = writeln!(s, "device: {device}, batch {batch}");
     let _ = writeln!(
         s,
-        "{:<10} {:<9} {:>12} {:>12} {:>12} {:>10} {:>8} {:>8} {:>9}",
+        "{:<10} {:<9} {:>12} {:>12} {:>12} {:>10} {:>8} {:>8} {:>9} {:>7}",
         "variant",
         "dispatch",
         "p50 ex/s",
@@ -148,7 +164,8 @@ pub fn render(rows: &[BenchRow], device: &str, batch: usize) -> String {
         "p90 gain",
         "NE",
         "AUC",
-        "NE gap"
+        "NE gap",
+        "MFU"
     );
     for r in rows {
         let (gain, gap) = match base_of(r.dispatch).or_else(|| base_of("blocking")) {
@@ -160,7 +177,7 @@ pub fn render(rows: &[BenchRow], device: &str, batch: usize) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<10} {:<9} {:>12.0} {:>12.0} {:>12.0} {:>10} {:>8.4} {:>8.4} {:>9}",
+            "{:<10} {:<9} {:>12.0} {:>12.0} {:>12.0} {:>10} {:>8.4} {:>8.4} {:>9} {:>7}",
             r.variant.as_str(),
             r.dispatch,
             r.qps.p50,
@@ -169,7 +186,17 @@ pub fn render(rows: &[BenchRow], device: &str, batch: usize) -> String {
             gain,
             r.ne,
             r.auc,
-            gap
+            gap,
+            r.mfu()
+                .map_or_else(|| "-".to_string(), |m| format!("{:.1} %", m * 100.0))
+        );
+    }
+    if let Some(f) = rows.iter().find_map(|r| r.flops_per_example) {
+        let _ = writeln!(
+            s,
+            "MFU: the plan's {:.1} MFLOP an example (erase) at the p90 rate, of {:.0} TFLOP/s (the bf16 rate a large GEMM reaches on an H200)",
+            f / 1e6,
+            MFU_PEAK_FLOPS / 1e12
         );
     }
     let traced: Vec<&BenchRow> = rows.iter().filter(|r| r.trace.is_some()).collect();
@@ -216,6 +243,7 @@ pub fn to_json(rows: &[BenchRow]) -> String {
                 "variant": r.variant.as_str(), "dispatch": r.dispatch,
                 "qps_p50": r.qps.p50, "qps_p90": r.qps.p90, "qps_mean": r.qps.mean, "steps": r.qps.steps,
                 "ne": r.ne, "auc": r.auc, "final_loss": r.final_loss,
+                "flops_per_example": r.flops_per_example, "mfu_p90": r.mfu(),
                 "overlap_fraction": r.trace.as_ref().map(|t| t.overlap().fraction),
             })
         })
@@ -358,6 +386,7 @@ fn bench_cuda(
             auc: auc(&scores, &ys).unwrap_or(f64::NAN),
             final_loss,
             kernel_table: None,
+            flops_per_example: None,
             trace: None,
         });
     }

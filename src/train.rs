@@ -1096,6 +1096,17 @@ impl<'a> Session<'a> {
     }
 }
 
+/// Floating-point operations of one training step of `plan`: the sum over its launches
+/// of their cost estimates' FLOPs (forward, backward and updates), the count MFU is
+/// quoted with.
+pub fn step_flops(plan: &StepPlan) -> f64 {
+    plan.program
+        .launches
+        .iter()
+        .filter_map(|l| l.spec.as_ref().map(|s| s.flops))
+        .sum()
+}
+
 /// `Some("positive")` or `Some("negative")` when every label is of that class.
 pub fn one_class(labels: &[f64]) -> Option<&'static str> {
     let pos = labels.iter().filter(|&&y| y > 0.5).count();

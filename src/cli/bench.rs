@@ -23,8 +23,9 @@ pub(crate) struct BenchArgs {
     /// Where to run (as for train).
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
-    /// Dispatch modes to measure, comma separated (graph needs a CUDA device).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "blocking")]
+    /// Dispatch modes to measure, comma separated (graph and threaded need a CUDA
+    /// device; default: graph on a CUDA device, blocking on the CPU).
+    #[arg(long, value_enum, value_delimiter = ',')]
     dispatch: Vec<DispatchArg>,
     /// Held-out examples for NE and AUC at the end.
     #[arg(long, default_value_t = 20_000)]
@@ -69,7 +70,16 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         threads,
         schedule: a.model.schedule(),
         optimizer: OptimizerConfig::default(),
-        dispatch: a.dispatch.iter().map(|&d| d.into()).collect(),
+        dispatch: if a.dispatch.is_empty() {
+            // the fastest measured mode on a CUDA device; the CPU backend's only one
+            vec![if dev.is_some() {
+                crate::train::Dispatch::Graph
+            } else {
+                crate::train::Dispatch::Blocking
+            }]
+        } else {
+            a.dispatch.iter().map(|&d| d.into()).collect()
+        },
         trace_steps: if dev.is_some() { a.trace_steps } else { 0 },
         kernels: a.kernels,
     };
@@ -77,7 +87,20 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         .as_ref()
         .map_or_else(|| format!("CPU ({threads} threads)"), |d| d.name.clone());
     eprintln!("erase-ctr bench on {name}: {} warm-up + {} timed steps per variant, interleaved in chunks of {}", a.warmup, a.steps, a.chunk);
-    let rows = crate::bench::bench(&cfg, dev.as_ref(), &mut |m| eprintln!("  {m}"))?;
+    let mut rows = crate::bench::bench(&cfg, dev.as_ref(), &mut |m| eprintln!("  {m}"))?;
+    // each variant's FLOPs from its own plan (the detached heads are work too)
+    for v in Variant::ALL {
+        let plan = crate::train::plan_step(
+            &model.clone().with_variant(v),
+            crate::graph::DType::F32,
+            &OptimizerConfig::default(),
+            &cfg.schedule,
+        )?;
+        let per = crate::train::step_flops(&plan) / model.batch as f64;
+        for r in rows.iter_mut().filter(|r| r.variant == v) {
+            r.flops_per_example = Some(per);
+        }
+    }
     print!("{}", crate::bench::render(&rows, &name, model.batch));
     if let Some(p) = &a.json {
         std::fs::write(p, crate::bench::to_json(&rows))

@@ -302,7 +302,13 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         if a.gpus.is_some() {
             dp.push((v, data_parallel_inputs(&p, &r)));
         }
-        rows.push((v, r.step_s, p.memory.arena_bytes, r.busy_s));
+        rows.push((
+            v,
+            r.step_s,
+            p.memory.arena_bytes,
+            r.busy_s,
+            crate::train::step_flops(&p),
+        ));
     }
     if let Some(max) = a.sweep_side_streams {
         let cfg = a.model.config(Variant::Erase)?;
@@ -399,15 +405,18 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         sim.device.name
     );
     let base = rows[0].1;
-    for (v, t, mem, busy) in &rows {
-        let qps = a.model.config(*v)?.batch as f64 / t;
+    for (v, t, mem, busy, flops) in &rows {
+        let batch = a.model.config(*v)?.batch as f64;
+        let qps = batch / t;
         let busy: Vec<String> = busy.iter().map(|b| format!("{:.0}", b * 1e6)).collect();
         println!(
-            "  {:<9} {:8.1} µs  {:>9.0} ex/s  {:+6.1} % vs baseline   arena {:7.1} MiB   busy µs per stream [{}]",
+            "  {:<9} {:8.1} µs  {:>9.0} ex/s  {:+6.1} % vs baseline   {:.1} MFLOP/example, MFU {:.1} %   arena {:7.1} MiB   busy µs per stream [{}]",
             v.as_str(),
             t * 1e6,
             qps,
             (base / t - 1.0) * 100.0,
+            flops / batch / 1e6,
+            100.0 * flops / t / crate::bench::MFU_PEAK_FLOPS,
             *mem as f64 / (1 << 20) as f64,
             busy.join(", ")
         );

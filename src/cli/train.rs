@@ -21,9 +21,12 @@ pub(crate) struct TrainArgs {
     /// Training steps.
     #[arg(long, default_value_t = 300)]
     steps: usize,
-    /// How launches are issued on a CUDA device.
-    #[arg(long, value_enum, default_value = "blocking")]
-    dispatch: DispatchArg,
+    /// How launches are issued: on a CUDA device the whole step as one CUDA graph (graph,
+    /// the default there: the fastest measured), a dispatcher thread for the pool streams
+    /// (threaded) or one host thread (blocking, the only mode of the CPU backend and the
+    /// CPU's default).
+    #[arg(long, value_enum)]
+    dispatch: Option<DispatchArg>,
     /// Where to train: the CUDA device when there is one (auto), or insist.
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
@@ -129,7 +132,9 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
     let rank_env = crate::runtime::rendezvous::RankEnv::from_env().map_err(anyhow::Error::msg)?;
     if let (None, Some(n)) = (&rank_env, a.gpus) {
         // refuse what every worker would refuse, once, before starting them
-        if matches!(a.device, DeviceArg::Cpu) && !matches!(a.dispatch, DispatchArg::Blocking) {
+        if matches!(a.device, DeviceArg::Cpu)
+            && a.dispatch.is_some_and(|d| d != DispatchArg::Blocking)
+        {
             bail!("--gpus {n} --device cpu runs CPU ranks, which dispatch blocking; drop --dispatch or use --device cuda");
         }
         if a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some() {
@@ -145,6 +150,16 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         Some(_) => None, // the worker opens device LOCAL_RANK
         None => open(a.device)?,
     };
+    // graph dispatch where the run has a CUDA device (a worker: where its device opens)
+    let dispatch = a.dispatch.unwrap_or(match (&rank_env, &dev) {
+        (None, Some(_)) => DispatchArg::Graph,
+        (None, None) => DispatchArg::Blocking,
+        (Some(env), _) => match a.device {
+            DeviceArg::Cpu => DispatchArg::Blocking,
+            _ if crate::gpu::open_device_ordinal(env.local_rank).is_ok() => DispatchArg::Graph,
+            _ => DispatchArg::Blocking,
+        },
+    });
     let variant = Variant::from(a.variant);
     let (model, data) = model_and_data(
         &a.model,
@@ -179,7 +194,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         checkpoint: a.checkpoint.clone(),
         checkpoint_every: a.checkpoint_every,
         resume: a.resume.clone(),
-        dispatch: a.dispatch.into(),
+        dispatch: dispatch.into(),
         data,
         trace: (a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some()).then(|| {
             crate::train::TraceWindow {
@@ -232,7 +247,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         Some(d) => format!(
             "{} ({} dispatch)",
             d.name,
-            Dispatch::from(a.dispatch).as_str()
+            Dispatch::from(dispatch).as_str()
         ),
         None => format!("the CPU ({threads} threads)"),
     };
