@@ -25,7 +25,12 @@ cargo build --release -j2 --example mlp30 --example nanochat
 cp target/release/examples/mlp30 target/release/examples/nanochat "$dest/"
 strip "$dest/erase-ctr" "$dest/gpu-tests" "$dest/kernels-bench" "$dest/mlp30" "$dest/nanochat" 2>/dev/null || true
 cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/nvtx-check.sh scripts/ctr-compare.sh scripts/examples-compare.sh \
-  scripts/torch_kernels.py README.md "$dest/"
+  scripts/data-check.sh scripts/torch_kernels.py README.md "$dest/"
+# the data samples and configs data-check.sh trains, and the build's name
+mkdir -p "$dest/testdata" "$dest/configs"
+cp tests/data/criteo_floats.tsv tests/data/avazu_sample.csv tests/data/multihot_sample.tsv "$dest/testdata/"
+cp configs/*.toml "$dest/configs/"
+git rev-parse --short HEAD > "$dest/BUILD" 2>/dev/null || true
 for f in torch_ctr.py torch_mlp30.py; do
   if [ -f "../shared/anchors/$f" ]; then cp "../shared/anchors/$f" "$dest/"; fi
 done

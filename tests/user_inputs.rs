@@ -84,15 +84,6 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
     p.to_str().unwrap().to_string()
 }
 
-const AVAZU_SCHEMA: &str = r#"[data.schema]
-separator = ","
-label = "click"
-dense = []
-categorical = ["hour", "C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id",
-  "app_domain", "app_category", "device_id", "device_ip", "device_model", "device_type",
-  "device_conn_type", "C14", "C15", "C16", "C17", "C18", "C19", "C20", "C21"]
-"#;
-
 const MULTIHOT_SCHEMA: &str = r#"[data.schema]
 label = "label"
 dense = ["price"]
@@ -115,7 +106,7 @@ fn real_layouts_train_and_learn() {
     assert!(ne < 0.99, "Criteo floats: NE {ne} after 40 steps\n{out}");
 
     // Avazu: no dense features, so no bottom MLP
-    let cfg = write(&dir, "avazu.toml", AVAZU_SCHEMA);
+    let cfg = format!("{}/configs/avazu.toml", env!("CARGO_MANIFEST_DIR"));
     let out = ok(&train(&[
         "--steps",
         "40",
@@ -150,6 +141,14 @@ fn real_layouts_train_and_learn() {
     let again = ok(&train(&args));
     assert!(again.contains("from cache"), "{again}");
     assert_eq!(final_ne(&again), ne);
+    // the same lists mean-pooled (configs/multihot.toml)
+    let mean = format!("{}/configs/multihot.toml", env!("CARGO_MANIFEST_DIR"));
+    let out = ok(&train(&["--config", &mean, "--data", &data]));
+    let ne_mean = final_ne(&out);
+    assert!(
+        ne_mean < 1.0 && ne_mean != ne,
+        "mean pooling: NE {ne_mean}\n{out}"
+    );
 }
 
 #[test]
