@@ -30,7 +30,7 @@ cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/nvtx-check.sh scripts/ctr-
 mkdir -p "$dest/testdata" "$dest/configs"
 cp tests/data/criteo_floats.tsv tests/data/avazu_sample.csv tests/data/multihot_sample.tsv "$dest/testdata/"
 cp configs/*.toml "$dest/configs/"
-git rev-parse --short HEAD > "$dest/BUILD" 2>/dev/null || true
+git describe --always --dirty > "$dest/BUILD" 2>/dev/null || true
 for f in torch_ctr.py torch_mlp30.py; do
   if [ -f "../shared/anchors/$f" ]; then cp "../shared/anchors/$f" "$dest/"; fi
 done
