@@ -56,8 +56,9 @@ impl CheckpointState {
 
 const FORMAT: &str = "erase-checkpoint-2";
 
-/// The checksum stored for each tensor (of its little-endian bytes).
-fn tensor_checksum(bytes: &[u8]) -> String {
+/// The checksum stored for each tensor in the metadata's `checksums` (of its
+/// little-endian bytes, as 16 hex digits).
+pub fn tensor_checksum(bytes: &[u8]) -> String {
     format!("{:016x}", crate::data::checksum(&[bytes]))
 }
 

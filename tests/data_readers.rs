@@ -777,3 +777,78 @@ fn movielens_1m_when_present() {
         eval.positive_rate() * 100.0,
     );
 }
+
+/// Every bag and row a model would be fed, for equality checks across storages.
+fn fed(e: &Examples) -> (Vec<Vec<u32>>, Vec<u32>, Vec<u32>) {
+    let bags = (0..e.len())
+        .flat_map(|i| (0..e.num_sparse).map(move |j| (i, j)))
+        .map(|(i, j)| e.bag(i, j).to_vec())
+        .collect();
+    (
+        bags,
+        e.dense().iter().map(|x| x.to_bits()).collect(),
+        e.labels().iter().map(|x| x.to_bits()).collect(),
+    )
+}
+
+#[test]
+fn data_streamed_into_the_cache_equals_data_parsed_in_memory_and_splits_as_views() {
+    let dir = scratch("stream");
+    let multi = TsvSchema::from_toml(
+        "label = \"label\"\ndense = [\"price\"]\ncategorical = [\"user\", \"item\", \"genres\"]\nlist_separator = \"|\"\n",
+    )
+    .unwrap();
+    let sources = [
+        criteo(&fixture("tests/data/criteo_floats.tsv")),
+        DataSource::Tsv {
+            path: fixture("tests/data/multihot_sample.tsv"),
+            schema: multi,
+        },
+    ];
+    for (k, src) in sources.iter().enumerate() {
+        let (mem, _, rm) = load_plain(src);
+        let opts = LoadOptions {
+            cache_dir: Some(dir.join(format!("cache{k}"))),
+            stream: Some(true),
+            threads: Some(2),
+            ..Default::default()
+        };
+        let (streamed, eval, rs) = load(src, &opts).unwrap();
+        // parsed once, straight into the file that training maps
+        assert!(
+            streamed.is_mapped() && eval.is_none() && !rs.from_cache,
+            "{rs}"
+        );
+        assert_eq!(
+            (rs.lines, rs.examples, rs.malformed),
+            (rm.lines, rm.examples, rm.malformed)
+        );
+        assert_eq!(streamed.digest(), mem.digest());
+        assert_eq!(fed(&streamed), fed(&mem));
+        assert_eq!(streamed.max_bag_lens(), mem.max_bag_lens());
+        // the held-out tail of a mapped file is a view with the same content as the
+        // in-memory split's
+        let (t1, e1) = streamed.split_tail(0.1).unwrap();
+        let (t2, e2) = mem.split_tail(0.1).unwrap();
+        assert!(t1.is_mapped() && e1.is_mapped());
+        assert_eq!((t1.len(), e1.len()), (t2.len(), e2.len()));
+        assert_eq!(fed(&t1), fed(&t2));
+        assert_eq!(fed(&e1), fed(&e2));
+        assert_eq!((t1.digest(), e1.digest()), (t2.digest(), e2.digest()));
+        let n = 7;
+        let (ns, nd) = (mem.num_sparse, mem.num_dense);
+        let rows = vec![97usize; ns];
+        let slots = e1.max_bag_lens();
+        let per: usize = slots.iter().sum();
+        let fill = |e: &Examples| {
+            let (mut d, mut r, mut l) = (vec![0f32; n * nd], vec![0u32; n * per], vec![0f32; n]);
+            let slots = e.is_multi_hot().then_some(&slots[..]);
+            e.fill_batch_rows(3, n, &rows, slots, &mut d, &mut r, &mut l);
+            (d.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), r, l)
+        };
+        assert_eq!(fill(&e1), fill(&e2));
+        // and a second load maps the same file again
+        let (again, _, r3) = load(src, &opts).unwrap();
+        assert!(r3.from_cache && again.digest() == mem.digest());
+    }
+}

@@ -517,3 +517,88 @@ fn schema_columns_named_twice_and_folders_with_other_entries() {
     ]));
     assert!(out.contains("skipped") && out.contains("a folder"), "{out}");
 }
+
+#[test]
+fn a_checkpoint_with_a_non_finite_parameter_is_refused_naming_it() {
+    let dir = tmpdir("nan");
+    let ck = dir.join("k.st");
+    ok(&train(&[
+        "--steps",
+        "2",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+    ]));
+    // a parameter set to NaN with a matching checksum: only the value check can see it
+    let bytes = std::fs::read(&ck).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let mut json: serde_json::Value =
+        serde_json::from_str(&meta.metadata().as_ref().unwrap()["erase"]).unwrap();
+    let target = "top/layers.0.weight";
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    let t = tensors.iter_mut().find(|t| t.0 == target).unwrap();
+    t.3[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+    json["checksums"][target] = erase::checkpoint::tensor_checksum(&t.3).into();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let mut info = std::collections::HashMap::new();
+    info.insert("erase".to_string(), json.to_string());
+    let nan = dir.join("nan.st");
+    std::fs::write(&nan, safetensors::serialize(views, Some(info)).unwrap()).unwrap();
+    let o = run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--eval-examples",
+        "64",
+        "--checkpoint",
+        nan.to_str().unwrap(),
+    ]);
+    fails_with(&o, &[target, "not finite"]);
+}
+
+#[test]
+fn spaces_around_criteo_integers_and_stale_cache_temporaries() {
+    let dir = tmpdir("spaces");
+    let src = std::fs::read_to_string(fixture("criteo_floats.tsv")).unwrap();
+    let mut lines: Vec<String> = src.lines().take(800).map(str::to_string).collect();
+    let mut f: Vec<String> = lines[0].split('\t').map(str::to_string).collect();
+    f[1] = " 12".into();
+    lines[0] = f.join("\t");
+    let data = write(&dir, "spaced.tsv", &(lines.join("\n") + "\n"));
+    let cache = dir.join("cache");
+    let args = [
+        "--steps",
+        "1",
+        "--strict",
+        "--data",
+        &format!("criteo:{data}"),
+        "--cache-dir",
+        cache.to_str().unwrap(),
+    ];
+    let out = ok(&train(&args));
+    assert!(out.contains("800 examples, 0 malformed"), "{out}");
+    // a cache writer killed mid-write left its temporary file; the next write removes it
+    let name = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .find(|n| n.ends_with(".erase-cache"))
+        .unwrap();
+    std::fs::remove_file(cache.join(&name)).unwrap();
+    let stale = cache.join(format!("{name}.tmp.4194305.1"));
+    std::fs::write(&stale, b"half a cache").unwrap();
+    ok(&train(&args));
+    assert!(!stale.exists(), "the stale cache temporary is still there");
+    assert!(cache.join(&name).exists());
+}

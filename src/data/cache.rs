@@ -446,6 +446,62 @@ pub(crate) fn write(
     result
 }
 
+/// The header of a cache of these splits (its checksums still to fill), where its
+/// text ends, and the file's total length.
+fn build_header(
+    key: &CacheKey,
+    report: &LoadReport,
+    (nd, ns, multi): (usize, usize, bool),
+    train: (usize, usize),
+    eval: (usize, usize),
+) -> Result<(Vec<u8>, usize, usize)> {
+    let errors = report.first_errors.join("\0");
+    let text_end = FIXED + key.key.len() + errors.len();
+    let header_len = pad8(text_end).ok_or_else(|| anyhow!("header too large"))?;
+    let (_, mid) = layout(header_len, train.0, nd, ns, multi, |_| Some(train.1))
+        .ok_or_else(|| anyhow!("too large"))?;
+    let (_, total) =
+        layout(mid, eval.0, nd, ns, multi, |_| Some(eval.1)).ok_or_else(|| anyhow!("too large"))?;
+    let mut header = vec![0u8; header_len];
+    header[0..8].copy_from_slice(&MAGIC);
+    header[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    header[12..16].copy_from_slice(&u32::from(multi).to_le_bytes());
+    let fields = [
+        header_len as u64,
+        total as u64,
+        nd as u64,
+        ns as u64,
+        train.0 as u64,
+        eval.0 as u64,
+        report.files as u64,
+        report.lines,
+        report.malformed,
+        key.key.len() as u64,
+        errors.len() as u64,
+    ];
+    for (k, v) in fields.iter().enumerate() {
+        header[16 + 8 * k..24 + 8 * k].copy_from_slice(&v.to_le_bytes());
+    }
+    header[FIXED..FIXED + key.key.len()].copy_from_slice(key.key.as_bytes());
+    header[FIXED + key.key.len()..text_end].copy_from_slice(errors.as_bytes());
+    Ok((header, text_end, total))
+}
+
+/// Fills in the payload and header checksums and writes the header over the start.
+fn seal(
+    file: &mut File,
+    header: &mut [u8],
+    text_end: usize,
+    payload_sum: u64,
+) -> std::io::Result<()> {
+    header[104..112].copy_from_slice(&payload_sum.to_le_bytes());
+    let header_sum = checksum(&[&header[..112], &header[FIXED..text_end]]);
+    header[112..120].copy_from_slice(&header_sum.to_le_bytes());
+    file.seek(SeekFrom::Start(0))?;
+    file.write_all(&header[..FIXED])?;
+    file.sync_all()
+}
+
 fn write_to(
     tmp: &Path,
     key: &CacheKey,
@@ -459,52 +515,14 @@ fn write_to(
     };
     let eval = eval.unwrap_or(&empty);
     let multi = train.ends.is_some();
-    let n_ids = |c: &Columns| c.ids.len();
-    let errors = report.first_errors.join("\0");
-    let text_end = FIXED + key.key.len() + errors.len();
-    let header_len = pad8(text_end).ok_or_else(|| anyhow!("header too large"))?;
-    let (_, mid) = layout(
-        header_len,
-        train.len,
-        train.num_dense,
-        train.num_sparse,
-        multi,
-        |_| Some(n_ids(train)),
-    )
-    .ok_or_else(|| anyhow!("too large"))?;
-    let (_, total) = layout(
-        mid,
-        eval.len,
-        eval.num_dense,
-        eval.num_sparse,
-        multi,
-        |_| Some(n_ids(eval)),
-    )
-    .ok_or_else(|| anyhow!("too large"))?;
-
-    let mut header = vec![0u8; header_len];
-    header[0..8].copy_from_slice(&MAGIC);
-    header[8..12].copy_from_slice(&VERSION.to_le_bytes());
-    header[12..16].copy_from_slice(&u32::from(multi).to_le_bytes());
-    let fields = [
-        header_len as u64,
-        total as u64,
-        train.num_dense as u64,
-        train.num_sparse as u64,
-        train.len as u64,
-        eval.len as u64,
-        report.files as u64,
-        report.lines,
-        report.malformed,
-        key.key.len() as u64,
-        errors.len() as u64,
-    ];
-    for (k, v) in fields.iter().enumerate() {
-        header[16 + 8 * k..24 + 8 * k].copy_from_slice(&v.to_le_bytes());
-    }
-    header[FIXED..FIXED + key.key.len()].copy_from_slice(key.key.as_bytes());
-    header[FIXED + key.key.len()..text_end].copy_from_slice(errors.as_bytes());
-
+    let (mut header, text_end, total) = build_header(
+        key,
+        report,
+        (train.num_dense, train.num_sparse, multi),
+        (train.len, train.ids.len()),
+        (eval.len, eval.ids.len()),
+    )?;
+    let header_len = header.len();
     let file = File::create(tmp).map_err(|e| anyhow!("cannot create {}: {e}", tmp.display()))?;
     let io = |e: std::io::Error| anyhow!("cannot write {}: {e}", tmp.display());
     let mut w = Hashing {
@@ -520,11 +538,195 @@ fn write_to(
     }
     let payload_sum = w.sum.finish();
     let mut file = w.inner.into_inner().map_err(|e| io(e.into_error()))?;
-    header[104..112].copy_from_slice(&payload_sum.to_le_bytes());
-    let header_sum = checksum(&[&header[..112], &header[FIXED..text_end]]);
-    header[112..120].copy_from_slice(&header_sum.to_le_bytes());
-    file.seek(SeekFrom::Start(0)).map_err(io)?;
-    file.write_all(&header[..FIXED]).map_err(io)?;
-    file.sync_all().map_err(io)?;
+    seal(&mut file, &mut header, text_end, payload_sum).map_err(io)?;
     Ok(())
+}
+
+/// A cache written as examples are parsed, so that a data set larger than memory is
+/// parsed once into a file that training then maps: each section goes to a temporary
+/// file of its own beside the cache, and `finish` joins them behind the header. No
+/// split by time (that needs every example at once); the held-out part is the tail.
+pub(crate) struct StreamWriter {
+    key_path: PathBuf,
+    parts: Vec<(PathBuf, std::io::BufWriter<File>)>,
+    nd: usize,
+    ns: usize,
+    multi: bool,
+    n: usize,
+    n_ids: u64,
+    /// Missing bits not yet written: a partial byte and how many of its bits are used.
+    bits: (u8, u32),
+}
+
+impl StreamWriter {
+    /// Section files `<cache>.tmp.<pid>.<nanos>.<k>` (stale ones of killed writers are
+    /// removed, as for the cache itself).
+    pub fn new(key: &CacheKey, nd: usize, ns: usize, multi: bool) -> Result<StreamWriter> {
+        let dir = key
+            .path
+            .parent()
+            .ok_or_else(|| anyhow!("no cache folder"))?
+            .to_path_buf();
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| anyhow!("cannot create {}: {e}", dir.display()))?;
+        let name = key
+            .path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        crate::checkpoint::remove_stale_temps(&dir, &format!("{name}.tmp."), &['.']);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let mut parts = Vec::new();
+        for k in 0..5 {
+            let p = dir.join(format!("{name}.tmp.{}.{nanos}.{k}", std::process::id()));
+            let f = File::create(&p).map_err(|e| anyhow!("cannot create {}: {e}", p.display()))?;
+            parts.push((p, std::io::BufWriter::with_capacity(1 << 20, f)));
+        }
+        Ok(StreamWriter {
+            key_path: key.path.clone(),
+            parts,
+            nd,
+            ns,
+            multi,
+            n: 0,
+            n_ids: 0,
+            bits: (0, 0),
+        })
+    }
+
+    /// Appends parsed examples: dense, bag ends, ids, missing bits, labels.
+    pub fn push(&mut self, c: &Columns) -> Result<()> {
+        let io = |e: std::io::Error| anyhow!("writing the cache: {e}");
+        let le = |xs: &[u32]| -> Vec<u8> { xs.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let dense: Vec<u8> = c.dense.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.parts[0].1.write_all(&dense).map_err(io)?;
+        if let Some(ends) = &c.ends {
+            let shifted: Vec<u8> = ends
+                .iter()
+                .flat_map(|e| (e + self.n_ids).to_le_bytes())
+                .collect();
+            self.parts[1].1.write_all(&shifted).map_err(io)?;
+        }
+        self.parts[2].1.write_all(&le(&c.ids)).map_err(io)?;
+        // the missing bits continue where the last push stopped, LSB first
+        let nbits = c.len * c.num_sparse;
+        let mut out = Vec::with_capacity(nbits / 8 + 1);
+        let (mut byte, mut used) = self.bits;
+        for k in 0..nbits {
+            if c.missing[k / 8] >> (k % 8) & 1 == 1 {
+                byte |= 1 << used;
+            }
+            used += 1;
+            if used == 8 {
+                out.push(byte);
+                (byte, used) = (0, 0);
+            }
+        }
+        self.bits = (byte, used);
+        self.parts[3].1.write_all(&out).map_err(io)?;
+        let labels: Vec<u8> = c.labels.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.parts[4].1.write_all(&labels).map_err(io)?;
+        self.n += c.len;
+        self.n_ids += c.ids.len() as u64;
+        Ok(())
+    }
+
+    /// Examples written so far.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// Joins the sections into the cache file (atomically) and removes them.
+    pub fn finish(mut self, key: &CacheKey, report: &LoadReport) -> Result<()> {
+        let result = self.join(key, report);
+        for (p, _) in &self.parts {
+            let _ = std::fs::remove_file(p);
+        }
+        result
+    }
+
+    fn join(&mut self, key: &CacheKey, report: &LoadReport) -> Result<()> {
+        let io = |e: std::io::Error| anyhow!("writing the cache: {e}");
+        if self.bits.1 > 0 {
+            let b = [self.bits.0];
+            self.parts[3].1.write_all(&b).map_err(io)?;
+        }
+        for (_, w) in &mut self.parts {
+            w.flush().map_err(io)?;
+        }
+        let n_ids = usize::try_from(self.n_ids).map_err(|_| anyhow!("too many ids"))?;
+        let (mut header, text_end, total) = build_header(
+            key,
+            report,
+            (self.nd, self.ns, self.multi),
+            (self.n, n_ids),
+            (0, 0),
+        )?;
+        let name = self
+            .key_path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        let tmp = self
+            .key_path
+            .with_file_name(format!("{name}.tmp.{}.joined", std::process::id()));
+        let file =
+            File::create(&tmp).map_err(|e| anyhow!("cannot create {}: {e}", tmp.display()))?;
+        let mut w = Hashing {
+            inner: std::io::BufWriter::with_capacity(1 << 20, file),
+            sum: Checksum::new(),
+            written: header.len(),
+        };
+        let parts = &self.parts;
+        let multi = self.multi;
+        let tmp_path = &tmp;
+        let r = (move || -> Result<()> {
+            w.inner.write_all(&header).map_err(io)?;
+            // dense, (ends), ids, missing, labels: each padded to 8 bytes
+            let order: &[usize] = if multi {
+                &[0, 1, 2, 3, 4]
+            } else {
+                &[0, 2, 3, 4]
+            };
+            let mut buf = vec![0u8; 1 << 20];
+            for &k in order {
+                let mut f = File::open(&parts[k].0).map_err(io)?;
+                loop {
+                    let n = std::io::Read::read(&mut f, &mut buf).map_err(io)?;
+                    if n == 0 {
+                        break;
+                    }
+                    w.put(&buf[..n]).map_err(io)?;
+                }
+                w.pad().map_err(io)?;
+            }
+            let Hashing {
+                inner,
+                sum,
+                written,
+            } = w;
+            if written != total {
+                bail!("wrote {written} bytes, expected {total}");
+            }
+            let payload_sum = sum.finish();
+            let mut file = inner.into_inner().map_err(|e| io(e.into_error()))?;
+            seal(&mut file, &mut header, text_end, payload_sum).map_err(io)?;
+            std::fs::rename(tmp_path, &key.path)
+                .map_err(|e| anyhow!("cannot rename into place: {e}"))
+        })();
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r
+    }
+}
+
+impl super::table::Sink for StreamWriter {
+    fn add(&mut self, cols: &Columns, _times: Option<&[f64]>) -> Result<()> {
+        self.push(cols)
+    }
 }

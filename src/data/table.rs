@@ -218,6 +218,43 @@ pub struct LoadOptions {
     /// Threads to parse on (`None` or 0: every core). Files, and pieces of a plain file,
     /// are parsed in parallel; the examples keep the files' order either way.
     pub threads: Option<usize>,
+    /// Parse straight into the cache (which needs `cache_dir`), holding only the pieces
+    /// being parsed in memory, and train from the mapped file: for data larger than
+    /// memory. `None`: when the text is more than half the memory available. Not for a
+    /// split by time, which needs every example at once.
+    pub stream: Option<bool>,
+}
+
+/// Whether `files` would take more than half the available memory once parsed (a
+/// parsed example is about as large as its text; compressed files count four times).
+fn larger_than_memory(files: &[PathBuf]) -> bool {
+    let text: u64 = files
+        .iter()
+        .map(|f| {
+            let len = std::fs::metadata(f).map_or(0, |m| m.len());
+            let compressed = std::fs::File::open(f)
+                .and_then(|mut h| {
+                    let mut m = [0u8; 4];
+                    std::io::Read::read(&mut h, &mut m).map(|n| {
+                        n >= 2 && (m[..2] == [0x1f, 0x8b] || m == [0x28, 0xb5, 0x2f, 0xfd])
+                    })
+                })
+                .unwrap_or(false);
+            if compressed {
+                len * 4
+            } else {
+                len
+            }
+        })
+        .sum();
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+        let line = t
+            .lines()
+            .find(|l| l.starts_with("MemAvailable:"))?
+            .to_string();
+        line.split_whitespace().nth(1)?.parse::<u64>().ok()
+    });
+    available.is_some_and(|kb| text > kb * 1024 / 2)
 }
 
 /// What a load did.
@@ -576,6 +613,9 @@ pub struct Examples {
     store: Store,
     /// [`Examples::digest`], once computed.
     digest: std::sync::OnceLock<u64>,
+    /// Mapped examples: where this view starts among the file's examples (0 for the
+    /// whole file; the held-out tail of a mapped cache is a view, not a copy).
+    first: usize,
 }
 
 enum Store {
@@ -629,6 +669,7 @@ impl Examples {
             len: c.len,
             store: Store::Owned(c),
             digest: Default::default(),
+            first: 0,
         }
     }
 
@@ -656,6 +697,7 @@ impl Examples {
                 ends,
             },
             digest: Default::default(),
+            first: 0,
         }
     }
 
@@ -676,7 +718,10 @@ impl Examples {
     pub fn dense(&self) -> &[f32] {
         match &self.store {
             Store::Owned(c) => &c.dense,
-            Store::Mapped { map, dense, .. } => cast(&map[dense.clone()]),
+            Store::Mapped { map, dense, .. } => {
+                let nd = self.num_dense;
+                &cast(&map[dense.clone()])[self.first * nd..(self.first + self.len) * nd]
+            }
         }
     }
 
@@ -684,7 +729,17 @@ impl Examples {
     pub fn ids(&self) -> &[u32] {
         match &self.store {
             Store::Owned(c) => &c.ids,
-            Store::Mapped { map, ids, .. } => cast(&map[ids.clone()]),
+            Store::Mapped { map, ids, ends, .. } => {
+                let all: &[u32] = cast(&map[ids.clone()]);
+                match ends {
+                    // multi-hot: the bag ends index the whole section
+                    Some(_) => all,
+                    None => {
+                        let ns = self.num_sparse;
+                        &all[self.first * ns..(self.first + self.len) * ns]
+                    }
+                }
+            }
         }
     }
 
@@ -692,7 +747,9 @@ impl Examples {
     pub fn labels(&self) -> &[f32] {
         match &self.store {
             Store::Owned(c) => &c.labels,
-            Store::Mapped { map, labels, .. } => cast(&map[labels.clone()]),
+            Store::Mapped { map, labels, .. } => {
+                &cast(&map[labels.clone()])[self.first..self.first + self.len]
+            }
         }
     }
 
@@ -700,8 +757,29 @@ impl Examples {
     pub fn bag_ends(&self) -> Option<&[u64]> {
         match &self.store {
             Store::Owned(c) => c.ends.as_deref(),
-            Store::Mapped { map, ends, .. } => ends.as_ref().map(|r| cast(&map[r.clone()])),
+            Store::Mapped { map, ends, .. } => ends.as_ref().map(|r| {
+                let ns = self.num_sparse;
+                &cast(&map[r.clone()])[self.first * ns..(self.first + self.len) * ns]
+            }),
         }
+    }
+
+    /// Where in [`Examples::ids`] this view's first bag starts (0 but for a mapped tail).
+    fn ends_before(&self) -> u64 {
+        match &self.store {
+            Store::Mapped {
+                map, ends: Some(r), ..
+            } if self.first > 0 => {
+                let all: &[u64] = cast(&map[r.clone()]);
+                all[self.first * self.num_sparse - 1]
+            }
+            _ => 0,
+        }
+    }
+
+    /// The index in [`Examples::missing_bits`] of this view's first bit.
+    fn bit_base(&self) -> usize {
+        self.first * self.num_sparse
     }
 
     /// Whether a field may hold several ids (the schema has a `list_separator`).
@@ -714,7 +792,11 @@ impl Examples {
         let k = i * self.num_sparse + j;
         match self.bag_ends() {
             Some(ends) => {
-                let start = if k == 0 { 0 } else { ends[k - 1] as usize };
+                let start = if k == 0 {
+                    self.ends_before() as usize
+                } else {
+                    ends[k - 1] as usize
+                };
                 &self.ids()[start..ends[k] as usize]
             }
             None if self.is_missing(i, j) => &[],
@@ -729,7 +811,7 @@ impl Examples {
             return vec![1; ns];
         };
         let mut out = vec![0; ns];
-        let mut prev = 0u64;
+        let mut prev = self.ends_before();
         for (k, &e) in ends.iter().enumerate() {
             out[k % ns] = out[k % ns].max((e - prev) as usize);
             prev = e;
@@ -756,6 +838,33 @@ impl Examples {
                 "{} examples are too few to hold out {fraction} of them",
                 self.len
             );
+        }
+        if let Store::Mapped {
+            map,
+            dense,
+            ids,
+            missing,
+            labels,
+            ends,
+        } = &self.store
+        {
+            // views of the mapped file: a data set larger than memory stays on disk
+            let view = |first: usize, len: usize| Examples {
+                num_dense: self.num_dense,
+                num_sparse: self.num_sparse,
+                len,
+                store: Store::Mapped {
+                    map: map.clone(),
+                    dense: dense.clone(),
+                    ids: ids.clone(),
+                    missing: missing.clone(),
+                    labels: labels.clone(),
+                    ends: ends.clone(),
+                },
+                digest: Default::default(),
+                first: self.first + first,
+            };
+            return Ok((view(0, cut), view(cut, self.len - cut)));
         }
         let part = |range: std::ops::Range<usize>| {
             let mut c = match self.bag_ends() {
@@ -790,7 +899,10 @@ impl Examples {
     /// Whether field `j` of example `i` is missing.
     pub fn is_missing(&self, i: usize, j: usize) -> bool {
         assert!(i < self.len && j < self.num_sparse, "index out of range");
-        bit(self.missing_bits(), i * self.num_sparse + j)
+        bit(
+            self.missing_bits(),
+            self.bit_base() + i * self.num_sparse + j,
+        )
     }
 
     /// The id of field `j` of example `i`, `None` where missing.
@@ -807,13 +919,43 @@ impl Examples {
                 self.num_dense as u64,
                 self.num_sparse as u64,
             ];
+            let base = self.bit_base();
+            let all = self.missing_bits();
+            let bits: Vec<u8> = if base == 0 {
+                all.to_vec()
+            } else {
+                let n = self.len * self.num_sparse;
+                let mut v = vec![0u8; n.div_ceil(8)];
+                for k in (0..n).filter(|&k| bit(all, base + k)) {
+                    v[k / 8] |= 1 << (k % 8);
+                }
+                v
+            };
+            let n_bits = (self.len * self.num_sparse).div_ceil(8);
+            let (bag_lens, ids): (Vec<u64>, &[u32]) = match self.bag_ends() {
+                // the view's own bags: lengths and ids, wherever they sit in the file
+                Some(ends) => {
+                    let mut prev = self.ends_before();
+                    let lens = ends
+                        .iter()
+                        .map(|&e| {
+                            let l = e - prev;
+                            prev = e;
+                            l
+                        })
+                        .collect();
+                    let (a, b) = (self.ends_before() as usize, prev as usize);
+                    (lens, &self.ids()[a..b])
+                }
+                None => (Vec::new(), self.ids()),
+            };
             super::checksum(&[
                 bytemuck::cast_slice(&shape),
                 bytemuck::cast_slice(self.dense()),
-                bytemuck::cast_slice(self.ids()),
-                self.missing_bits(),
+                bytemuck::cast_slice(ids),
+                &bits[..n_bits],
                 bytemuck::cast_slice(self.labels()),
-                bytemuck::cast_slice(self.bag_ends().unwrap_or(&[])),
+                bytemuck::cast_slice(&bag_lens),
             ])
         })
     }
@@ -950,6 +1092,7 @@ impl Examples {
         assert_eq!(labels.len(), batch, "fill_batch: labels must be [batch]");
         let (src_dense, src_ids, src_labels, bits) =
             (self.dense(), self.ids(), self.labels(), self.missing_bits());
+        let base = self.bit_base();
         let rpt: Vec<u32> = field_rows
             .iter()
             .map(|&r| u32::try_from(r).unwrap_or(u32::MAX))
@@ -972,7 +1115,11 @@ impl Examples {
             } else {
                 for j in 0..ns {
                     let g = i * ns + j;
-                    rows[k * ns + j] = if bit(bits, g) { 0 } else { src_ids[g] % rpt[j] };
+                    rows[k * ns + j] = if bit(bits, base + g) {
+                        0
+                    } else {
+                        src_ids[g] % rpt[j]
+                    };
                 }
             }
             labels[k] = src_labels[i];
@@ -1043,22 +1190,39 @@ pub fn load(
     }
 
     let t0 = std::time::Instant::now();
-    let (cols, times) = read_files(&files, &mut parser, opts, &mut report)?;
+    if let Some(key) = key.as_ref().filter(|_| !parser.has_time()) {
+        if opts.stream.unwrap_or_else(|| larger_than_memory(&files)) {
+            let mut w = cache::StreamWriter::new(
+                key,
+                parser.num_dense(),
+                parser.num_sparse(),
+                parser.is_multi(),
+            )?;
+            let parsed = read_files(&files, &mut parser, opts, &mut report, &mut w);
+            report.parse_secs = t0.elapsed().as_secs_f64();
+            report.examples = w.len() as u64;
+            let n = w.len();
+            let joined = parsed.and_then(|()| {
+                if n == 0 {
+                    bail!("{}", no_examples(src, &report));
+                }
+                w.finish(key, &report)
+            });
+            joined?;
+            let hit = cache::open(key)?
+                .ok_or_else(|| anyhow!("the cache {} just written is gone", key.path.display()))?;
+            return Ok((hit.train, hit.eval, report));
+        }
+    }
+    let mut sink = InMemory {
+        cols: parser.columns(),
+        times: parser.has_time().then(Vec::new),
+    };
+    read_files(&files, &mut parser, opts, &mut report, &mut sink)?;
+    let (cols, times) = (sink.cols, sink.times);
     report.parse_secs = t0.elapsed().as_secs_f64();
     if cols.len == 0 {
-        let mut msg = format!("no examples in {}", src.path());
-        if report.malformed > 0 {
-            msg += &format!(
-                " ({} malformed lines skipped; first: {})",
-                report.malformed,
-                report
-                    .first_errors
-                    .first()
-                    .map(String::as_str)
-                    .unwrap_or("")
-            );
-        }
-        bail!(msg);
+        bail!("{}", no_examples(src, &report));
     }
     report.examples = cols.len as u64;
     let (train, eval) = match (src, times) {
@@ -1085,6 +1249,23 @@ pub fn load(
         eval.filter(|e| e.len > 0).map(Examples::from_columns),
         report,
     ))
+}
+
+/// The error of a load that found no examples.
+fn no_examples(src: &DataSource, report: &LoadReport) -> String {
+    let mut msg = format!("no examples in {}", src.path());
+    if report.malformed > 0 {
+        msg += &format!(
+            " ({} malformed lines skipped; first: {})",
+            report.malformed,
+            report
+                .first_errors
+                .first()
+                .map(String::as_str)
+                .unwrap_or("")
+        );
+    }
+    msg
 }
 
 /// `true` for the latest `round(n * fraction)` examples by time (ties by position), at
@@ -1276,36 +1457,6 @@ impl Piece {
         }
         Ok(())
     }
-
-    /// Parses a whole compressed file, streamed.
-    fn parse_stream(
-        &mut self,
-        parser: &mut Parser,
-        reader: &mut dyn BufRead,
-        name: &str,
-    ) -> Result<()> {
-        let mut row = Row::new(parser.num_dense(), parser.num_sparse());
-        let mut buf = Vec::with_capacity(1024);
-        let mut k = 0u64;
-        loop {
-            buf.clear();
-            let n = reader
-                .read_until(b'\n', &mut buf)
-                .map_err(|e| anyhow!("{name}:{}: read error: {e}", k + 1))?;
-            if n == 0 {
-                break;
-            }
-            k += 1;
-            self.bytes += n as u64;
-            if buf.last() == Some(&b'\n') {
-                self.newlines += 1;
-            }
-            if !self.line(parser, &mut row, trim_eol(&buf), k, k == 1, name)? {
-                break;
-            }
-        }
-        Ok(())
-    }
 }
 
 /// A file's bytes as they are read: memory-mapped plain text, or a decompressing stream.
@@ -1390,117 +1541,220 @@ fn pieces_of(map: &[u8]) -> Vec<Range<usize>> {
     out
 }
 
-/// Parses every line of `files`, in parallel (files, and pieces of plain files), into
-/// one column store in the files' order.
+/// Where parsed pieces go, in the files' order.
+pub(crate) trait Sink {
+    fn add(&mut self, cols: &Columns, times: Option<&[f64]>) -> Result<()>;
+}
+
+/// Every example in memory (and the times, for a split by time).
+pub(crate) struct InMemory {
+    pub cols: Columns,
+    pub times: Option<Vec<f64>>,
+}
+
+impl Sink for InMemory {
+    fn add(&mut self, cols: &Columns, times: Option<&[f64]>) -> Result<()> {
+        self.cols.append(cols);
+        if let (Some(t), Some(pt)) = (self.times.as_mut(), times) {
+            t.extend_from_slice(pt);
+        }
+        Ok(())
+    }
+}
+
+/// A run of whole lines of one file, to parse on one thread: a slice of a mapped plain
+/// file, or a block read from a decompressing stream.
+struct Chunk<'a> {
+    file: usize,
+    /// The file's start (its line 1 is in this chunk).
+    at_start: bool,
+    text: std::borrow::Cow<'a, [u8]>,
+}
+
+/// The chunks of `files` in order, each about [`PIECE_BYTES`]: mapped files are cut at
+/// line breaks without copying; streams are read a block at a time.
+struct Chunks<'a> {
+    /// Each file's map (plain text), or `None`.
+    maps: Vec<Option<&'a [u8]>>,
+    /// Each file's decompressing stream, or `None`.
+    streams: Vec<Option<Box<dyn BufRead + Send>>>,
+    names: &'a [String],
+    file: usize,
+    /// Pieces of the current mapped file still to hand out.
+    pieces: std::vec::IntoIter<Range<usize>>,
+    /// The current stream's unfinished last line, and whether its start was handed out.
+    carry: Vec<u8>,
+    started: bool,
+}
+
+impl<'a> Chunks<'a> {
+    fn new(texts: &'a mut [Text], names: &'a [String]) -> Self {
+        let mut streams = Vec::new();
+        for t in texts.iter_mut() {
+            match std::mem::replace(t, Text::Empty) {
+                Text::Stream(s) => streams.push(Some(s)),
+                other => {
+                    *t = other;
+                    streams.push(None);
+                }
+            }
+        }
+        let texts: &'a [Text] = texts;
+        let maps = texts
+            .iter()
+            .map(|t| match t {
+                Text::Plain(map) => Some(&map[..]),
+                _ => None,
+            })
+            .collect();
+        Chunks {
+            maps,
+            streams,
+            names,
+            file: 0,
+            pieces: Vec::new().into_iter(),
+            carry: Vec::new(),
+            started: false,
+        }
+    }
+
+    /// The next chunk, or `None` after the last file.
+    fn next_chunk(&mut self) -> Result<Option<Chunk<'a>>> {
+        while self.file < self.maps.len() {
+            let f = self.file;
+            if let Some(map) = self.maps[f] {
+                if !self.started {
+                    self.pieces = pieces_of(map).into_iter();
+                    self.started = true;
+                }
+                if let Some(r) = self.pieces.next() {
+                    return Ok(Some(Chunk {
+                        file: f,
+                        at_start: r.start == 0,
+                        text: std::borrow::Cow::Borrowed(&map[r]),
+                    }));
+                }
+            } else if let Some(s) = self.streams[f].as_mut() {
+                let mut buf = std::mem::take(&mut self.carry);
+                let name = &self.names[f];
+                // at least a piece's worth of text and a line break in it, or the end
+                let mut eof = false;
+                while buf.len() < PIECE_BYTES
+                    || !buf[buf.len().saturating_sub(PIECE_BYTES)..].contains(&b'\n')
+                {
+                    let got = s
+                        .fill_buf()
+                        .map_err(|e| anyhow!("{name}: read error: {e}"))?;
+                    if got.is_empty() {
+                        eof = true;
+                        break;
+                    }
+                    let n = got.len();
+                    buf.extend_from_slice(got);
+                    s.consume(n);
+                }
+                if !buf.is_empty() {
+                    let cut = match buf.iter().rposition(|&b| b == b'\n') {
+                        Some(k) if !eof => k + 1,
+                        _ => buf.len(),
+                    };
+                    self.carry = buf.split_off(cut);
+                    let at_start = !self.started;
+                    self.started = true;
+                    return Ok(Some(Chunk {
+                        file: f,
+                        at_start,
+                        text: std::borrow::Cow::Owned(buf),
+                    }));
+                }
+            }
+            self.file += 1;
+            self.started = false;
+        }
+        Ok(None)
+    }
+}
+
+/// Parses every line of `files`, in parallel (pieces of plain files, blocks of streamed
+/// ones), into `sink` in the files' order. At most a few pieces per thread are held at
+/// once, so a sink that writes to disk bounds the memory a load takes.
 fn read_files(
     files: &[PathBuf],
     parser: &mut Parser,
     opts: &LoadOptions,
     report: &mut LoadReport,
-) -> Result<(Columns, Option<Vec<f64>>)> {
+    sink: &mut dyn Sink,
+) -> Result<()> {
     use rayon::prelude::*;
     let strict = opts.strict;
-    let texts: Vec<Text> = files.iter().map(|f| open_text(f)).collect::<Result<_>>()?;
+    let mut texts: Vec<Text> = files.iter().map(|f| open_text(f)).collect::<Result<_>>()?;
     let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
 
     // The first file's header names the columns every thread resolves; without a
     // header, the first data line gives the field count every later line must have.
     prime(parser, &texts, files)?;
 
-    // work items: (file, byte range) of plain text, or a whole stream
-    let mut work: Vec<(usize, Option<Range<usize>>)> = Vec::new();
-    let mut streams: Vec<Option<Box<dyn BufRead + Send>>> = Vec::new();
-    let mut maps: Vec<Option<&[u8]>> = Vec::new();
-    let mut texts = texts;
-    for (i, t) in texts.iter_mut().enumerate() {
-        match t {
-            Text::Plain(m) => {
-                for r in pieces_of(m) {
-                    work.push((i, Some(r)));
-                }
-                streams.push(None);
-            }
-            Text::Empty => streams.push(None),
-            Text::Stream(_) => {
-                let Text::Stream(s) = std::mem::replace(t, Text::Empty) else {
-                    unreachable!("matched a stream above")
-                };
-                work.push((i, None));
-                streams.push(Some(s));
-            }
-        }
-    }
-    for t in &texts {
-        maps.push(match t {
-            Text::Plain(m) => Some(&m[..]),
-            _ => None,
-        });
-    }
-    let streams: Vec<std::sync::Mutex<Option<Box<dyn BufRead + Send>>>> =
-        streams.into_iter().map(std::sync::Mutex::new).collect();
     let threads = match opts.threads {
         Some(n) if n > 0 => n,
         _ => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
-    report.parse_threads = threads.min(work.len().max(1));
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .map_err(|e| anyhow!("cannot start {threads} parsing threads: {e}"))?;
     let proto = parser.clone();
-    let mut pieces: Vec<Piece> = pool.install(|| {
-        work.par_iter()
-            .map(|(file, range)| -> Result<Piece> {
-                let mut p = proto.clone();
-                let mut piece = Piece::new(*file, &p, strict);
-                let name = &names[*file];
-                match (range, maps[*file]) {
-                    (Some(r), Some(map)) => {
-                        piece.parse_text(&mut p, &map[r.clone()], r.start == 0, name)?
-                    }
-                    _ => {
-                        let mut guard = streams[*file]
-                            .lock()
-                            .map_err(|_| anyhow!("{name}: a parsing thread failed"))?;
-                        let mut s = guard.take().ok_or_else(|| anyhow!("{name}: read twice"))?;
-                        piece.parse_stream(&mut p, s.as_mut(), name)?;
-                    }
+    let window = threads * 3;
+    let mut chunks = Chunks::new(&mut texts, &names);
+    // line breaks before the next piece of its file
+    let (mut before, mut last_file) = (0u64, usize::MAX);
+    let mut pieces_done = 0usize;
+    loop {
+        let mut batch = Vec::with_capacity(window);
+        while batch.len() < window {
+            match chunks.next_chunk()? {
+                Some(c) => batch.push(c),
+                None => break,
+            }
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let parsed: Vec<Piece> = pool.install(|| {
+            batch
+                .par_iter()
+                .map(|c| -> Result<Piece> {
+                    let mut p = proto.clone();
+                    let mut piece = Piece::new(c.file, &p, strict);
+                    piece.parse_text(&mut p, &c.text, c.at_start, &names[c.file])?;
+                    Ok(piece)
+                })
+                .collect::<Result<Vec<Piece>>>()
+        })?;
+        pieces_done += parsed.len();
+        for mut piece in parsed {
+            if piece.file != last_file {
+                before = 0;
+                last_file = piece.file;
+            }
+            piece.lines_before = before;
+            before += piece.newlines;
+            report.lines += piece.data_lines;
+            report.parse_bytes += piece.bytes;
+            report.malformed += piece.malformed;
+            for (k, msg) in piece.errors.drain(..) {
+                let e = format!("{}:{}: {msg}", names[piece.file], piece.lines_before + k);
+                if strict {
+                    bail!(e);
                 }
-                Ok(piece)
-            })
-            .collect::<Result<Vec<Piece>>>()
-    })?;
-
-    // line numbers: each piece starts after the line breaks of the pieces before it
-    let mut before = 0u64;
-    for k in 0..pieces.len() {
-        if k > 0 && pieces[k].file != pieces[k - 1].file {
-            before = 0;
-        }
-        pieces[k].lines_before = before;
-        before += pieces[k].newlines;
-    }
-    let mut cols = parser.columns();
-    let mut times = parser.has_time().then(Vec::new);
-    for piece in &mut pieces {
-        report.lines += piece.data_lines;
-        report.parse_bytes += piece.bytes;
-        report.malformed += piece.malformed;
-        for (k, msg) in piece.errors.drain(..) {
-            let e = format!("{}:{}: {msg}", names[piece.file], piece.lines_before + k);
-            if strict {
-                bail!(e);
+                if report.first_errors.len() < MAX_REPORTED_ERRORS {
+                    report.first_errors.push(e);
+                }
             }
-            if report.first_errors.len() < MAX_REPORTED_ERRORS {
-                report.first_errors.push(e);
-            }
-        }
-        cols.append(&piece.cols);
-        if let (Some(t), Some(pt)) = (times.as_mut(), piece.times.as_ref()) {
-            t.extend_from_slice(pt);
+            sink.add(&piece.cols, piece.times.as_deref())?;
         }
     }
-    Ok((cols, times))
+    report.parse_threads = threads.min(pieces_done.max(1));
+    Ok(())
 }
 
 /// Gives `parser` what every thread must share before parsing starts: the first file's
