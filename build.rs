@@ -1,6 +1,8 @@
 //! Compiles `kernels-cuda/*.cu` to PTX with nvcc, for sm_90a (Hopper: wgmma allowed) and
 //! sm_80 (A100-class, and a fallback the H200 can run), and embeds it with each kernel's
-//! registers, shared memory and spills as ptxas reports them for sm_90a.
+//! registers, shared memory and spills as ptxas reports them for sm_90a, and its
+//! parameter list as the PTX declares it (which a CPU test checks every launch plan
+//! against: a wrong argument list fails without a GPU).
 //!
 //! nvcc is found through `$NVCC`, `$CUDA_HOME/bin/nvcc`, `PATH`, or the project's own
 //! pinned install (`scripts/install-nvcc.sh` puts it in `.tools/cuda`). Without nvcc the
@@ -94,6 +96,46 @@ const MEASURED_SPILLS: &[(&str, u32)] = &[
     ("attn_bwd_dq_st_d64", 4),
 ];
 
+/// Each `.entry`'s parameter types in a PTX text, in order (`NAME -> "u64,u32,f32"`).
+fn parse_params(ptx: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut cur: Option<(String, Vec<String>)> = None;
+    for line in ptx.lines() {
+        let t = line.trim();
+        if let Some(rest) = t.split(".entry ").nth(1) {
+            let name = rest.split('(').next().unwrap_or("").trim().to_string();
+            cur = Some((name, Vec::new()));
+            if t.ends_with("()") {
+                if let Some((n, p)) = cur.take() {
+                    out.push((n, p.join(",")));
+                }
+            }
+            continue;
+        }
+        if let Some((_, params)) = cur.as_mut() {
+            if t.starts_with(".param") {
+                // `.param .u64 name,` or `.param .align 8 .b8 name[16]`
+                let words: Vec<&str> = t.split_whitespace().collect();
+                let ty = if words.get(1) == Some(&".align") {
+                    format!("{}[]", words.get(3).unwrap_or(&"").trim_start_matches('.'))
+                } else {
+                    words
+                        .get(1)
+                        .unwrap_or(&"")
+                        .trim_start_matches('.')
+                        .to_string()
+                };
+                params.push(ty);
+            } else if t.starts_with(')') {
+                if let Some((n, p)) = cur.take() {
+                    out.push((n, p.join(",")));
+                }
+            }
+        }
+    }
+    out
+}
+
 fn run(cmd: &mut Command, what: &str) -> String {
     let out = cmd
         .output()
@@ -185,7 +227,9 @@ fn main() {
                 .arg("-o")
                 .arg(out_dir.join(format!("{stem}.sm90a.cubin")));
                 report.push_str(&run(&mut c, &format!("{} (ptxas report)", f.display())));
-                (stem, report)
+                let ptx = fs::read_to_string(out_dir.join(format!("{stem}.sm90a.ptx")))
+                    .unwrap_or_default();
+                (stem, report, parse_params(&ptx))
             })
         })
         .collect();
@@ -193,8 +237,18 @@ fn main() {
     let mut kernels = Vec::new();
     let mut summary = String::new();
     for j in jobs {
-        let (stem, report) = j.join().expect("nvcc job panicked");
+        let (stem, report, params) = j.join().expect("nvcc job panicked");
         for r in parse_ptxas(&report) {
+            let p = params
+                .iter()
+                .find(|(n, _)| *n == r.name)
+                .map(|(_, p)| p.clone())
+                .unwrap_or_else(|| {
+                    panic!(
+                        "erase build: no .entry for kernel {} in {stem}'s PTX",
+                        r.name
+                    )
+                });
             let _ = writeln!(
                 summary,
                 "{stem}: {} regs {} smem {} spill {}",
@@ -210,7 +264,7 @@ fn main() {
                     r.name, r.spill
                 );
             }
-            kernels.push((stem.clone(), r));
+            kernels.push((stem.clone(), r, p));
         }
         modules.push(stem);
     }
@@ -223,10 +277,10 @@ fn main() {
         );
     }
     gen.push_str("];\npub static KERNELS: &[KernelInfo] = &[\n");
-    for (m, r) in &kernels {
+    for (m, r, p) in &kernels {
         let _ = writeln!(
             gen,
-            "    KernelInfo {{ name: {:?}, file: {m:?}, regs: {}, smem: {}, spill: {} }},",
+            "    KernelInfo {{ name: {:?}, file: {m:?}, regs: {}, smem: {}, spill: {}, params: {p:?} }},",
             r.name, r.regs, r.smem, r.spill
         );
     }

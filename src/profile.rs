@@ -9,9 +9,11 @@ use erase_runtime::occupancy::DeviceModel;
 use erase_runtime::schedule::StepProgram;
 use erase_runtime::trace::{Trace, TraceKind};
 
-/// The CUDA kernels a node's launch runs, in order, joined by `+` (e.g.
-/// `gemm_to_bf16_pair+gemm_bf16p_128x128+gemm_splitk_reduce`).
-pub fn kernels_of(g: &Graph, node: erase_graph::NodeId) -> String {
+/// The CUDA launch plan of node `node` of `g` (pure data: no device needed).
+pub fn node_plan(
+    g: &Graph,
+    node: erase_graph::NodeId,
+) -> Result<erase_ops::cuda::CudaPlan, String> {
     let n = g.node(node);
     let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
     let ind: Vec<_> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
@@ -25,7 +27,13 @@ pub fn kernels_of(g: &Graph, node: erase_graph::NodeId) -> String {
         out_dtypes: &outd,
         upd: &upd,
     };
-    match erase_ops::cuda::cuda_plan(&n.op, &o) {
+    erase_ops::cuda::cuda_plan(&n.op, &o)
+}
+
+/// The CUDA kernels a node's launch runs, in order, joined by `+` (e.g.
+/// `gemm_to_bf16_pair+gemm_bf16p_128x128+gemm_splitk_reduce`).
+pub fn kernels_of(g: &Graph, node: erase_graph::NodeId) -> String {
+    match node_plan(g, node) {
         Ok(p) => p
             .calls
             .iter()

@@ -1,0 +1,168 @@
+//! The typed kernel ABI, checked without a GPU: every launch that the plans of the CTR
+//! model, mlp30 and nanochat make (at several sizes and in every variant) passes its
+//! kernel exactly the parameters the kernel's PTX declares, in count, width and kind;
+//! and the kernel exists. A wrong argument list fails here, not on a GPU machine.
+
+use erase::graph::{DType, OptimizerConfig};
+use erase::model::ctr::{CtrConfig, Variant};
+use erase::ops::cuda::{KArg, KernelCall};
+use erase::runtime::cuda::check_call;
+use erase::runtime::schedule::ScheduleKind;
+use erase::train::{plan_step, ScheduleOptions};
+
+/// The kernel library, or `None` (after saying so) in a build without nvcc.
+fn library() -> Option<erase::runtime::cuda::KernelLibrary> {
+    let lib = erase::kernels::library();
+    if lib.modules.is_empty() {
+        println!("skipped: this build has no kernels (nvcc was not found at build time)");
+        assert!(
+            std::env::var("CI").map_or(true, |v| v != "true"),
+            "CI installs nvcc: a build without kernels there is a broken build"
+        );
+        return None;
+    }
+    Some(lib)
+}
+
+/// Checks every launch of a graph's program; returns how many calls it checked.
+fn check_program(
+    what: &str,
+    lib: &erase::runtime::cuda::KernelLibrary,
+    g: &erase::graph::Graph,
+    launches: impl Iterator<Item = erase::graph::NodeId>,
+) -> usize {
+    let mut calls = 0;
+    for node in launches {
+        let plan = match erase::profile::node_plan(g, node) {
+            Ok(p) => p,
+            Err(e) => panic!("{what}: node '{}' has no plan: {e}", g.node(node).name),
+        };
+        for c in &plan.calls {
+            let k = lib
+                .find(c.kernel)
+                .unwrap_or_else(|| panic!("{what}: kernel '{}' is not in the PTX", c.kernel));
+            if let Err(e) = check_call(c, k.params) {
+                panic!("{what}: node '{}': {e}", g.node(node).name);
+            }
+            calls += 1;
+        }
+    }
+    calls
+}
+
+#[test]
+fn every_plan_of_the_ctr_model_mlp30_and_nanochat_matches_its_kernels_parameters() {
+    let Some(lib) = library() else { return };
+    let mut total = 0;
+    let opt = OptimizerConfig::default();
+    let spec_multi = CtrConfig {
+        table_rows: (0..26).map(|j| 3 + j * 4000).collect(),
+        field_hot: (0..26).map(|j| 1 + j % 3).collect(),
+        mean_fields: (0..26).map(|j| j % 4 == 0).collect(),
+        ..Default::default()
+    };
+    let mut no_dense = CtrConfig::small();
+    no_dense.num_dense = 0;
+    let sizes = [
+        ("small", CtrConfig::small()),
+        ("spec", CtrConfig::default()),
+        (
+            "spec batch 16384",
+            CtrConfig {
+                batch: 16384,
+                ..Default::default()
+            },
+        ),
+        ("spec multi-hot, mixed tables", spec_multi),
+        ("no dense features", no_dense),
+    ];
+    for (name, cfg) in sizes {
+        for v in Variant::ALL {
+            // the CUDA schedule: bf16 copies of the GEMM operands on
+            let sched = ScheduleOptions::default();
+            let plan = plan_step(&cfg.clone().with_variant(v), DType::F32, &opt, &sched)
+                .unwrap_or_else(|e| panic!("{name} {v}: {e:#}"));
+            let g = &plan.model.graph;
+            total += check_program(
+                &format!("ctr {name} {v}"),
+                &lib,
+                g,
+                plan.program.launches.iter().map(|l| l.node),
+            );
+        }
+    }
+    for (width, layers, batch) in [(256usize, 30usize, 256usize), (1024, 30, 256), (64, 4, 7)] {
+        for mode in [
+            erase::model::mlp30::Mode::Conventional,
+            erase::model::mlp30::Mode::Erase,
+        ] {
+            let cfg = erase::model::mlp30::Mlp30Config {
+                width,
+                layers,
+                batch,
+                mode,
+                ..Default::default()
+            };
+            let p = erase::model::mlp30::plan(&cfg, &opt, 4).unwrap();
+            total += check_program(
+                &format!("mlp30 {width}x{layers} batch {batch}"),
+                &lib,
+                &p.plan.graph,
+                p.plan.program.launches.iter().map(|l| l.node),
+            );
+        }
+    }
+    for cfg in [
+        erase::model::nanochat::NanoConfig::default(),
+        erase::model::nanochat::NanoConfig {
+            seq: 1024,
+            width: 512,
+            heads: 8,
+            layers: 6,
+            batch: 16,
+            aux_weight: 1.0,
+        },
+    ] {
+        for kind in [ScheduleKind::Serial, ScheduleKind::Early] {
+            let p = erase::model::nanochat::plan(&cfg, &opt, kind, 2).unwrap();
+            total += check_program(
+                &format!("nanochat seq {} width {}", cfg.seq, cfg.width),
+                &lib,
+                &p.plan.graph,
+                p.plan.program.launches.iter().map(|l| l.node),
+            );
+        }
+    }
+    println!("{total} kernel calls match their kernels' parameters");
+    assert!(total > 1000, "only {total} calls checked");
+}
+
+#[test]
+fn a_wrong_argument_list_fails_the_check() {
+    let Some(lib) = library() else { return };
+    let k = lib.find("ew_scale").expect("ew_scale is a kernel");
+    // ew_scale(x, y, n, factor)
+    let good = KernelCall {
+        kernel: "ew_scale",
+        grid: [1, 1, 1],
+        block: [256, 1, 1],
+        smem: 0,
+        args: vec![KArg::In(0), KArg::Out(0), KArg::I64(4), KArg::F32(2.0)],
+    };
+    assert_eq!(check_call(&good, k.params), Ok(()));
+    let mut short = good.clone();
+    short.args.pop();
+    let e = check_call(&short, k.params).unwrap_err();
+    assert!(
+        e.contains("takes 4 parameters") && e.contains("passes 3"),
+        "{e}"
+    );
+    let mut narrow = good.clone();
+    narrow.args[2] = KArg::I32(4);
+    let e = check_call(&narrow, k.params).unwrap_err();
+    assert!(e.contains("parameter 2 is .u64"), "{e}");
+    let mut kind = good;
+    kind.args[3] = KArg::I32(2);
+    let e = check_call(&kind, k.params).unwrap_err();
+    assert!(e.contains("parameter 3 is .f32"), "{e}");
+}
