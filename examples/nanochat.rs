@@ -16,6 +16,7 @@ use erase::model::mlp30::median;
 use erase::model::mlp30::StepSchedule;
 use erase::model::nanochat::{load_text, plan_with, NanoConfig, NanoTrainer};
 use erase::runtime::schedule::ScheduleKind;
+use erase::train::Occupancy;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Sched {
@@ -97,11 +98,12 @@ struct Args {
     /// cross-stream waits) and exit without training.
     #[arg(long)]
     plan: bool,
-    /// The occupancy rule: a launch that fills every SM for long (the fused attention
-    /// backward at long sequences) is not overlapped with other work; the early backward
-    /// of the cut-off segments still overlaps the rest.
-    #[arg(long, value_enum, default_value = "on")]
-    occupancy: OnOff,
+    /// The occupancy rule for launches that fill every SM for long (the fused attention
+    /// backward at long sequences): `auto` orders one against the other streams only
+    /// where the simulator predicts the step shorter for it; `on` orders every such
+    /// launch; `off` never.
+    #[arg(long, value_enum, default_value = "auto")]
+    occupancy: OccupancyArg,
     /// Measure the last step's kernels (CUDA) and draw them: SVG, or PNG by the extension.
     #[arg(long, value_name = "FILE")]
     timeline: Option<PathBuf>,
@@ -111,7 +113,8 @@ struct Args {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum OnOff {
+enum OccupancyArg {
+    Auto,
     On,
     Off,
 }
@@ -146,7 +149,11 @@ fn main() -> Result<()> {
         &StepSchedule {
             kind,
             side_streams: a.side_streams,
-            occupancy: a.occupancy == OnOff::On,
+            occupancy: match a.occupancy {
+                OccupancyArg::Auto => Occupancy::Auto,
+                OccupancyArg::On => Occupancy::On,
+                OccupancyArg::Off => Occupancy::Off,
+            },
         },
     )?;
     if a.plan {

@@ -25,11 +25,70 @@ use erase_runtime::program::ProgramRunner;
 use erase_runtime::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram};
 use erase_runtime::trace::Trace;
 
+/// The occupancy rule: whether a device-filling launch is ordered against the other
+/// streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Occupancy {
+    /// No ordering for occupancy: streams overlap wherever the data allows.
+    Off,
+    /// Every launch that fills a wave and runs long runs alone (the blunt rule).
+    On,
+    /// The occupancy model decides: such a launch runs alone only where the simulator
+    /// predicts the step shorter for it (`simulate::choose_exclusive`).
+    #[default]
+    Auto,
+}
+
+impl Occupancy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Occupancy::Off => "off",
+            Occupancy::On => "on",
+            Occupancy::Auto => "auto",
+        }
+    }
+}
+
+/// Schedules `part` of `g` with the occupancy rule as `mode` says; with `Auto`, the
+/// configuration and choice of [`erase_runtime::simulate::choose_exclusive`], predicted
+/// with the kernels' measured rates on the device (graph dispatch: no host time).
+pub fn schedule_with_occupancy(
+    g: &erase_graph::Graph,
+    part: &Partition,
+    mut scfg: ScheduleConfig,
+    mode: Occupancy,
+) -> (
+    StepProgram,
+    Option<erase_runtime::simulate::OccupancyChoice>,
+) {
+    scfg.exclusive_only = None;
+    match mode {
+        Occupancy::Off | Occupancy::On => {
+            scfg.occupancy = mode == Occupancy::On;
+            (schedule(g, part, &scfg), None)
+        }
+        Occupancy::Auto => {
+            // on an H200, the rates Erase's kernels reach there (what `plan` predicts with)
+            let device = if scfg.device == DeviceModel::h200() {
+                DeviceModel::h200_measured()
+            } else {
+                scfg.device.clone()
+            };
+            let sim = erase_runtime::simulate::SimConfig {
+                device,
+                host_per_launch_s: 0.0,
+            };
+            let (chosen, choice) = erase_runtime::simulate::choose_exclusive(g, part, &scfg, &sim);
+            (schedule(g, part, &chosen), Some(choice))
+        }
+    }
+}
+
 /// How the step is scheduled.
 #[derive(Clone, Debug)]
 pub struct ScheduleOptions {
     pub side_streams: usize,
-    pub occupancy: bool,
+    pub occupancy: Occupancy,
     pub device: DeviceModel,
     /// Each early block's dense parameters updated right after its backward, on its
     /// stream, instead of in the single update after the whole backward.
@@ -61,7 +120,7 @@ impl Default for ScheduleOptions {
     fn default() -> Self {
         ScheduleOptions {
             side_streams: 5,
-            occupancy: false,
+            occupancy: Occupancy::Auto,
             device: DeviceModel::h200(),
             early_updates: false,
             late_stream: true,
@@ -80,6 +139,8 @@ pub struct StepPlan {
     pub partition: Partition,
     pub program: StepProgram,
     pub memory: MemoryPlan,
+    /// What the occupancy model chose (with `--occupancy auto`).
+    pub occupancy: Option<erase_runtime::simulate::OccupancyChoice>,
 }
 
 /// The schedule kind of a variant: `erase` starts backward programs early.
@@ -132,14 +193,16 @@ pub fn plan_step(
     let scfg = ScheduleConfig {
         kind: schedule_kind(cfg.variant),
         side_streams: sched.side_streams.max(1),
-        occupancy: sched.occupancy,
+        occupancy: sched.occupancy == Occupancy::On,
+        exclusive_only: None,
         device: sched.device.clone(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
         late_stream: sched.late_stream,
         weight_grad_streams: sched.weight_grad_streams,
         updates_by_data: sched.updates_by_data,
     };
-    let program = schedule(&model.graph, &partition, &scfg);
+    let (program, occupancy) =
+        schedule_with_occupancy(&model.graph, &partition, scfg, sched.occupancy);
     let mut keep = vec![model.logit, model.main_loss];
     keep.extend(model.aux_losses.iter().map(|a| a.1));
     let memory = plan_memory(&model.graph, &program, &keep);
@@ -156,6 +219,7 @@ pub fn plan_step(
         partition,
         program,
         memory,
+        occupancy,
     })
 }
 

@@ -482,7 +482,7 @@ fn nanochat_attention_backward_runs_alone_under_the_occupancy_rule() {
         aux_weight: 1.0,
     };
     let mut alone = Vec::new();
-    for occupancy in [true, false] {
+    for occupancy in [erase::train::Occupancy::On, erase::train::Occupancy::Off] {
         let p = nanochat::plan_with(
             &gpu_sized,
             &chat_opt(),

@@ -114,6 +114,7 @@ fn cfg(kind: ScheduleKind, side: usize) -> ScheduleConfig {
         kind,
         side_streams: side,
         occupancy: false,
+        exclusive_only: None,
         device: DeviceModel::h200(),
         kernels: None,
         late_stream: false,
@@ -161,7 +162,24 @@ fn random_graphs_plan_safely_and_fuzz_bit_identically() {
         c.late_stream = seed % 2 == 0;
         c.weight_grad_streams = seed % 3 == 1;
         c.updates_by_data = seed % 4 >= 2;
+        if seed % 3 == 2 {
+            // every constraint the occupancy model can add: a one-SM, one-CTA device on
+            // which every launch fills a wave and none is short, under the rule
+            c.occupancy = true;
+            c.device = DeviceModel {
+                sms: 1,
+                max_ctas_per_sm: 1,
+                exclusive_threshold_s: 0.0,
+                ..DeviceModel::h200()
+            };
+        }
         let prog: StepProgram = schedule(&m.g, &part, &c);
+        if c.occupancy {
+            assert!(
+                prog.launches.iter().any(|l| l.exclusive),
+                "seed {seed}: the rule ordered nothing"
+            );
+        }
         let plan = plan_memory(&m.g, &prog, &m.losses);
         let hazards = check(&m.g, &prog, &plan);
         assert!(

@@ -63,6 +63,10 @@ pub struct ScheduleConfig {
     pub side_streams: usize,
     /// Apply the occupancy rule.
     pub occupancy: bool,
+    /// With the rule on, the launches (by node) it applies to; `None`: every launch the
+    /// rule names. The occupancy model's choice (`simulate::choose_exclusive`) keeps only
+    /// those whose ordering the simulator predicts to shorten the step.
+    pub exclusive_only: Option<Vec<NodeId>>,
     pub device: DeviceModel,
     /// The build's kernels: when present, each launch's footprint comes from the kernel
     /// its CUDA plan really launches (grid, block, ptxas's registers and shared memory)
@@ -351,7 +355,12 @@ impl Builder<'_> {
         let exclusive = self.cfg.occupancy
             && spec
                 .as_ref()
-                .is_some_and(|sp| self.cfg.device.is_exclusive(sp));
+                .is_some_and(|sp| self.cfg.device.is_exclusive(sp))
+            && self
+                .cfg
+                .exclusive_only
+                .as_ref()
+                .is_none_or(|only| only.contains(&node));
         let mut c = self.clock[s].clone();
         let mut waits = Vec::new();
         let me = format!("{label} '{}'", n.name);

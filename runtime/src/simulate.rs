@@ -5,7 +5,8 @@
 //! how we plan past the machines we have: more streams, other devices.
 
 use crate::occupancy::DeviceModel;
-use crate::schedule::StepProgram;
+use crate::schedule::{schedule, ScheduleConfig, StepProgram};
+use erase_graph::{Graph, NodeId, Partition};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
@@ -294,4 +295,110 @@ mod dp_tests {
         let a8 = link.all_reduce_s(1e9, 8);
         assert!(a2 < a8 && a8 < 2.0 * 1e9 / link.bus_bw + 14.0 * link.latency_s + 1e-12);
     }
+}
+
+/// One ordering constraint the occupancy model kept: the device-filling launch of
+/// `node` runs alone, and the step is predicted `gain_s` shorter for it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeptConstraint {
+    pub node: NodeId,
+    pub label: String,
+    pub gain_s: f64,
+}
+
+/// What the occupancy model decided for a schedule.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OccupancyChoice {
+    /// Launches the rule would order against the other streams.
+    pub candidates: usize,
+    pub kept: Vec<KeptConstraint>,
+    /// Predicted step without any constraint, and with the kept ones.
+    pub off_s: f64,
+    pub chosen_s: f64,
+}
+
+/// Least predicted gain, as a share of the step, for which a constraint is kept: below
+/// it the model's error is larger than what it would buy.
+pub const MIN_GAIN: f64 = 1e-3;
+
+/// The occupancy model deciding, not forbidding: starting from the schedule without
+/// the rule, each launch the rule names (in issue order) is tried as device-filling,
+/// i.e. ordered against the other streams, and kept only where the simulator (`sim`,
+/// with the kernels' footprints and shared-device progress) predicts the step at least
+/// [`MIN_GAIN`] shorter with it than with the constraints kept before. Deterministic:
+/// the same graph and configuration give the same choice, so every rank the same
+/// program. Returns the configuration to schedule with and the choice.
+pub fn choose_exclusive(
+    g: &Graph,
+    part: &Partition,
+    cfg: &ScheduleConfig,
+    sim: &SimConfig,
+) -> (ScheduleConfig, OccupancyChoice) {
+    let off = ScheduleConfig {
+        occupancy: false,
+        exclusive_only: None,
+        ..cfg.clone()
+    };
+    let on = ScheduleConfig {
+        occupancy: true,
+        exclusive_only: None,
+        ..cfg.clone()
+    };
+    let off_s = simulate(&schedule(g, part, &off), sim).step_s;
+    let candidates: Vec<(NodeId, String)> = schedule(g, part, &on)
+        .launches
+        .iter()
+        .filter(|l| l.exclusive)
+        .map(|l| (l.node, format!("{} '{}'", l.label, g.node(l.node).name)))
+        .collect();
+    let (nodes, kept, best) = greedy_constraints(&candidates, off_s, |trial| {
+        let c = ScheduleConfig {
+            exclusive_only: Some(trial.to_vec()),
+            ..on.clone()
+        };
+        simulate(&schedule(g, part, &c), sim).step_s
+    });
+    let chosen = if nodes.is_empty() {
+        off
+    } else {
+        ScheduleConfig {
+            exclusive_only: Some(nodes),
+            ..on
+        }
+    };
+    (
+        chosen,
+        OccupancyChoice {
+            candidates: candidates.len(),
+            kept,
+            off_s,
+            chosen_s: best,
+        },
+    )
+}
+
+/// The greedy choice of [`choose_exclusive`] over any predictor: `candidates` in order,
+/// each kept when `predict(kept so far + it)` is at least [`MIN_GAIN`] shorter than the
+/// best so far (`base` without any). Returns the kept nodes, their gains and the best.
+pub fn greedy_constraints(
+    candidates: &[(NodeId, String)],
+    base: f64,
+    mut predict: impl FnMut(&[NodeId]) -> f64,
+) -> (Vec<NodeId>, Vec<KeptConstraint>, f64) {
+    let (mut nodes, mut kept, mut best) = (Vec::new(), Vec::new(), base);
+    for (node, label) in candidates {
+        let mut trial = nodes.clone();
+        trial.push(*node);
+        let t = predict(&trial);
+        if t < best * (1.0 - MIN_GAIN) {
+            kept.push(KeptConstraint {
+                node: *node,
+                label: label.clone(),
+                gain_s: best - t,
+            });
+            nodes = trial;
+            best = t;
+        }
+    }
+    (nodes, kept, best)
 }

@@ -172,11 +172,13 @@ struct ModelArgs {
     /// H200, see BENCHMARKS.md).
     #[arg(long, default_value_t = 5, value_parser = side_stream_count)]
     side_streams: usize,
-    /// The occupancy rule: a launch that fills the device for long is not overlapped.
-    /// Off by default: on an H200 the CTR model's erase step measured 17 % faster
-    /// without it (see BENCHMARKS.md).
-    #[arg(long, value_enum, default_value = "off")]
-    occupancy: OnOff,
+    /// The occupancy rule for launches that fill the device for long: `auto` (the
+    /// default) orders one against the other streams only where the simulator predicts
+    /// the step shorter for it (`plan` lists each constraint it kept and the predicted
+    /// gain); `on` orders every such launch (the blunt rule: 17 % slower on the CTR
+    /// model on an H200); `off` never.
+    #[arg(long, value_enum, default_value = "auto")]
+    occupancy: OccupancyArg,
     /// When the dense parameters are updated: `end`, one update of all of them after the
     /// whole backward; `early`, each early block's right after its backward, on its side
     /// stream (the remainder's at the end). Same bits either way.
@@ -332,6 +334,13 @@ fn distinct_counts(
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OccupancyArg {
+    Auto,
+    On,
+    Off,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum UpdateArg {
     End,
     Early,
@@ -358,7 +367,11 @@ impl ModelArgs {
     fn schedule(&self) -> ScheduleOptions {
         ScheduleOptions {
             side_streams: self.side_streams,
-            occupancy: self.occupancy == OnOff::On,
+            occupancy: match self.occupancy {
+                OccupancyArg::Off => crate::train::Occupancy::Off,
+                OccupancyArg::On => crate::train::Occupancy::On,
+                OccupancyArg::Auto => crate::train::Occupancy::Auto,
+            },
             device: DeviceModel::h200(),
             early_updates: self.optimizer_update == UpdateArg::Early,
             late_stream: self.late_stream == OnOff::On,

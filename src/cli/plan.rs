@@ -164,11 +164,27 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         let g = &p.model.graph;
         if v == shown {
             println!(
-                "== {v}: batch {}, {} side stream(s), occupancy rule {} ==",
+                "== {v}: batch {}, {} side stream(s), occupancy {} ==",
                 cfg.batch,
                 sched.side_streams,
-                if sched.occupancy { "on" } else { "off" }
+                sched.occupancy.as_str()
             );
+            if let Some(c) = &p.occupancy {
+                println!(
+                    "occupancy model: {} of {} device-filling launches ordered against the other streams (predicted step {:.1} µs without, {:.1} µs with)",
+                    c.kept.len(),
+                    c.candidates,
+                    c.off_s * 1e6,
+                    c.chosen_s * 1e6
+                );
+                for k in &c.kept {
+                    println!(
+                        "  runs alone: {} (predicted {:.1} µs shorter)",
+                        k.label,
+                        k.gain_s * 1e6
+                    );
+                }
+            }
             let early: Vec<_> = p.partition.programs.iter().filter(|x| x.early).collect();
             println!(
                 "backward programs: {} early, {} remainder",
@@ -314,7 +330,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         let cfg = a.model.config(Variant::Erase)?;
         println!(
             "erase step by side streams (occupancy rule {}), {}:",
-            if sched.occupancy { "on" } else { "off" },
+            sched.occupancy.as_str(),
             if measured.is_some() {
                 "measured kernel times"
             } else {

@@ -43,7 +43,7 @@ use erase_runtime::hb;
 use erase_runtime::memory::{plan_memory, MemoryPlan};
 use erase_runtime::occupancy::DeviceModel;
 use erase_runtime::program::ProgramRunner;
-use erase_runtime::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram, StreamId};
+use erase_runtime::schedule::{ScheduleConfig, ScheduleKind, StepProgram, StreamId};
 use erase_runtime::trace::Trace;
 
 use crate::data::mnist::{self, Mnist, CLASSES, PIXELS};
@@ -296,8 +296,8 @@ pub struct StepSchedule {
     pub kind: ScheduleKind,
     /// Side streams of the pool (for [`ScheduleKind::Early`]).
     pub side_streams: usize,
-    /// The occupancy rule: a launch that fills the device for long is not overlapped.
-    pub occupancy: bool,
+    /// The occupancy rule (off, on, or the occupancy model's choice).
+    pub occupancy: crate::train::Occupancy,
 }
 
 /// Makes `graph` (a forward graph with its losses) trainable and plans its step as
@@ -314,14 +314,16 @@ pub fn plan_graph(
     let scfg = ScheduleConfig {
         kind: sched.kind,
         side_streams: sched.side_streams.max(1),
-        occupancy: sched.occupancy,
+        occupancy: false,
+        exclusive_only: None,
         device: DeviceModel::h200(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
         late_stream: false,
         weight_grad_streams: false,
         updates_by_data: false,
     };
-    let program = schedule(&graph, &partition, &scfg);
+    let (program, _) =
+        crate::train::schedule_with_occupancy(&graph, &partition, scfg, sched.occupancy);
     let memory = plan_memory(&graph, &program, keep);
     let hazards = hb::check(&graph, &program, &memory);
     if let Some(h) = hazards.first() {
@@ -632,7 +634,7 @@ pub fn plan(cfg: &Mlp30Config, opt: &OptimizerConfig, side_streams: usize) -> Re
     let sched = StepSchedule {
         kind: cfg.mode.schedule_kind(),
         side_streams,
-        occupancy: false,
+        occupancy: crate::train::Occupancy::Auto,
     };
     let plan = plan_graph(m.graph, opt, &sched, &keep)?;
     Ok(Mlp30Plan {

@@ -228,7 +228,7 @@ pub fn plan(
         &StepSchedule {
             kind,
             side_streams,
-            occupancy: false,
+            occupancy: crate::train::Occupancy::Auto,
         },
     )
 }

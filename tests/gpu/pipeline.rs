@@ -17,7 +17,11 @@ fn small_plan(variant: Variant, occupancy: bool) -> StepPlan {
         DType::F32,
         &OptimizerConfig::default(),
         &ScheduleOptions {
-            occupancy,
+            occupancy: if occupancy {
+                erase::train::Occupancy::On
+            } else {
+                erase::train::Occupancy::Off
+            },
             ..ScheduleOptions::default()
         },
     )
