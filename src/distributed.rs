@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use crate::train::{plan_step_data_parallel, StepPlan, TrainConfig};
 use erase_graph::{DType, Grad, Op, Phase, Tensor};
 use erase_ops::{Buffer, NodeCall};
@@ -119,13 +118,15 @@ impl AllReduce {
     }
 }
 
-/// One rank's share of each global batch of the synthetic stream: examples `rank`,
-/// `rank + world`, `rank + 2 world`, ... of it, so that the ranks together train on the
-/// global batch.
+/// One rank's share of each global batch (of the synthetic stream or of the loaded
+/// examples, in the order one process would train them): examples `rank`, `rank +
+/// world`, `rank + 2 world`, ... of it, so that the ranks together train on the global
+/// batch.
 pub(crate) struct Shard {
     rank: usize,
     world: usize,
-    global: usize,
+    /// The model at the global batch (what the global batch is filled for).
+    global_cfg: crate::model::ctr::CtrConfig,
     /// Dense features and ids per example.
     per: (usize, usize),
     all: (Vec<f32>, Vec<u32>, Vec<f32>),
@@ -140,11 +141,15 @@ impl Shard {
         rank: usize,
         world: usize,
     ) -> Shard {
-        let (nd, ns, b) = (local.num_dense, local.num_sparse * local.hot, local.batch);
+        let (nd, ns, b) = (local.num_dense, local.slots_per_example(), local.batch);
+        let global_cfg = crate::model::ctr::CtrConfig {
+            batch: global,
+            ..local.clone()
+        };
         Shard {
             rank,
             world,
-            global,
+            global_cfg,
             per: (nd, ns),
             all: (
                 vec![0.0; global * nd],
@@ -156,10 +161,14 @@ impl Shard {
     }
 
     /// This rank's examples of global batch `step`: (dense, rows, labels).
-    pub(crate) fn fill(&mut self, gen: &SyntheticCtr, step: usize) -> (&[f32], &[u32], &[f32]) {
-        let ((nd, ns), g) = (self.per, self.global);
+    pub(crate) fn fill(
+        &mut self,
+        src: &mut crate::train::BatchSource,
+        step: usize,
+    ) -> (&[f32], &[u32], &[f32]) {
+        let ((nd, ns), g) = (self.per, self.global_cfg.batch);
         let (gd, gr, gy) = &mut self.all;
-        gen.fill_batch(1, (step * g) as u64, g, gd, gr, gy);
+        src.fill(&self.global_cfg, step, (gd, gr, gy));
         let (d, r, y) = &mut self.mine;
         for (j, i) in (self.rank..g).step_by(self.world).enumerate() {
             d[j * nd..(j + 1) * nd].copy_from_slice(&gd[i * nd..(i + 1) * nd]);
@@ -170,8 +179,9 @@ impl Shard {
     }
 }
 
-/// Trains `cfg` (its `model.batch` is the global batch) on `world` CPU ranks with
-/// synthetic data. Returns each rank's result or its error.
+/// Trains `cfg` (its `model.batch` is the global batch) on `world` CPU ranks, on its
+/// data (synthetic or loaded), with its checkpoints and resume. Returns each rank's
+/// result or its error.
 pub fn train_data_parallel_cpu(
     cfg: &TrainConfig,
     world: usize,
@@ -259,12 +269,26 @@ pub fn run_rank<C: Collective>(
     let m = &plan.model;
     let g = &m.graph;
     let mut runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
-    let gen = SyntheticCtr::try_new(SyntheticConfig {
-        seed: cfg.data_seed,
-        rows: local.rows,
-        hot: local.hot,
-    })
-    .map_err(|e| anyhow!("synthetic data: {e}"))?;
+    let mut src = crate::train::BatchSource::new(&cfg.data, &cfg.model, cfg.data_seed)?;
+    // the identity a checkpoint carries is the run's at the global batch: every rank
+    // holds the same replica, so it resumes on any rank count
+    let identity = if cfg.resume.is_some() || cfg.checkpoint.is_some() {
+        cfg.identity()
+    } else {
+        Vec::new()
+    };
+    let mut first = 0;
+    if let Some(path) = &cfg.resume {
+        let st = crate::checkpoint::load(path, g, &mut runner, Some(&identity))
+            .with_context(|| format!("rank {rank}: resuming"))?;
+        first = st.step as usize;
+        if first >= cfg.steps {
+            bail!(
+                "{} is already at step {first}; ask for more --steps than that",
+                path.display()
+            );
+        }
+    }
     // launches before the optimizer, and the dense optimizer's (row-wise Adagrad is
     // applied below, on the gathered sparse gradients)
     let mut before = Vec::new();
@@ -283,11 +307,11 @@ pub fn run_rank<C: Collective>(
     let scale = 1.0 / world as f32;
     let mut losses = Vec::with_capacity(cfg.steps);
     let mut step_secs = Vec::with_capacity(cfg.steps);
-    for step in 0..cfg.steps {
+    for step in first..cfg.steps {
         FailAt::check(fail, rank, step)?;
         let t0 = std::time::Instant::now();
         // this rank's shard of the global batch
-        let (d, r, y) = shard.fill(&gen, step);
+        let (d, r, y) = shard.fill(&mut src, step);
         let (bd, bi, bo, bl) = m.batch_buffers(d, r, y)?;
         runner.feed(m.inputs.dense, bd)?;
         runner.feed(m.inputs.ids, bi)?;
@@ -380,6 +404,19 @@ pub fn run_rank<C: Collective>(
             .run_order(&dense_opt)
             .with_context(|| format!("rank {rank}, step {step}: optimizer"))?;
         step_secs.push(t0.elapsed().as_secs_f64());
+        // rank 0 writes the (common) replica; the others go on
+        let done = step + 1;
+        let due =
+            done == cfg.steps || (cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0);
+        if let (0, true, Some(path)) = (rank, due, &cfg.checkpoint) {
+            let st = crate::checkpoint::CheckpointState {
+                step: done as u64,
+                next_example: (done * cfg.model.batch) as u64,
+                identity: identity.clone(),
+            };
+            crate::checkpoint::save(path, g, &runner, &st)
+                .with_context(|| format!("rank 0, step {done}: checkpoint"))?;
+        }
     }
     comm.barrier("end of training")?;
     let (state, layout) = persistent_state(g, |t| {
@@ -441,8 +478,15 @@ pub fn evaluate_replica(
     };
     let plan = plan_step_data_parallel(&cfg.model, DType::F32, &cfg.optimizer, &sched)?;
     let g = &plan.model.graph;
-    let mut session =
-        crate::train::Session::new(&plan, dev, cfg.seed, cfg.data_seed, cfg.threads.max(1))?;
+    let mut session = crate::train::Session::with_dispatch(
+        &plan,
+        dev,
+        crate::train::Dispatch::Blocking,
+        &cfg.data,
+        cfg.seed,
+        cfg.data_seed,
+        cfg.threads.max(1),
+    )?;
     for t in g.tensors().filter(|&t| g.is_persistent(t)) {
         let name = g.name(t);
         let &(dtype, n, bytes) = tensors

@@ -5,9 +5,8 @@
 //! the rendezvous connections stay open as a control channel, over which the ranks
 //! compare their replicas and collective logs at the end.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 
-use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use crate::distributed::{AllReduce, FailAt, RankResult, Shard};
 use crate::launch::{report, WorkerOptions};
 use crate::train::{plan_step_data_parallel, Dispatch, TrainConfig};
@@ -98,19 +97,14 @@ fn train(
         prog.capture_data_parallel(&dp, comm)?;
         wd.leave();
     }
-    let gen = SyntheticCtr::try_new(SyntheticConfig {
-        seed: cfg.data_seed,
-        rows: local.rows,
-        hot: local.hot,
-    })
-    .map_err(|e| anyhow!("synthetic data: {e}"))?;
+    let mut src = crate::train::BatchSource::new(&cfg.data, &cfg.model, cfg.data_seed)?;
     let mut shard = Shard::new(&local, cfg.model.batch, rank, world);
     let mut losses = Vec::with_capacity(cfg.steps);
     let mut step_secs = Vec::with_capacity(cfg.steps);
     let mut log: Vec<CollectiveRecord> = Vec::new();
     for step in 0..cfg.steps {
         FailAt::check(fail, rank, step)?;
-        let (d, r, y) = shard.fill(&gen, step);
+        let (d, r, y) = shard.fill(&mut src, step);
         let (bd, bi, bo, bl) = m.batch_buffers(d, r, y)?;
         wd.enter(format!("step {step}: feeding the batch"));
         prog.feed(m.inputs.dense, &bd)?;

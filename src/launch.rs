@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::distributed::{run_rank, AllReduce, FailAt, RankResult};
-use crate::train::{Data, TrainConfig};
+use crate::train::TrainConfig;
 use erase_runtime::collective::{Collective, CollectiveRecord};
 use erase_runtime::rendezvous::{free_port, rendezvous, RankEnv};
 use erase_runtime::tcp_collective::TcpCollective;
@@ -91,9 +91,7 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
             cfg.model.batch
         );
     }
-    if !matches!(cfg.data, Data::Synthetic) {
-        bail!("data parallelism: only synthetic data for now");
-    }
+
     // NVLink multicast is forbidden on our GPU machines and reduces in no fixed order;
     // set before any thread starts, so that NCCL (loaded later) reads it
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
@@ -108,6 +106,9 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
         WorkerDevice::Auto => crate::gpu::open_device_ordinal(env.local_rank).is_ok(),
     };
     if use_cuda {
+        if cfg.checkpoint.is_some() || cfg.resume.is_some() {
+            bail!("--checkpoint and --resume with --gpus on CUDA devices are not supported yet: the CPU ranks (--device cpu, or --cpu-ranks) and one GPU write and resume checkpoints");
+        }
         return crate::distributed_cuda::run_worker_cuda(cfg, env, opts, fail);
     }
     if cfg.dispatch != crate::train::Dispatch::Blocking {

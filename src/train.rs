@@ -635,6 +635,87 @@ enum Source {
     },
 }
 
+/// Where a run's batches come from: the spec's generator, or loaded examples (checked
+/// against the model `mc`: its fields, its bags, at least one batch of each split).
+fn source_of(data: &Data, mc: &CtrConfig, data_seed: u64) -> Result<Source> {
+    Ok(match data {
+        Data::Synthetic => Source::Synthetic(
+            SyntheticCtr::try_new(SyntheticConfig {
+                seed: data_seed,
+                rows: mc.rows,
+                hot: mc.hot,
+            })
+            .map_err(|e| anyhow::anyhow!("synthetic data: {e}"))?,
+        ),
+        Data::Table { train, eval, .. } => {
+            let one_hot = mc.bag_slots().iter().all(|&h| h == 1);
+            if train.num_dense != mc.num_dense
+                || train.num_sparse != mc.num_sparse
+                || (!train.is_multi_hot() && !one_hot)
+            {
+                bail!(
+                    "the data has {} dense and {} categorical fields ({}); the model expects {} and {} (bag slots {:?})",
+                    train.num_dense,
+                    train.num_sparse,
+                    if train.is_multi_hot() { "multi-hot" } else { "one id each" },
+                    mc.num_dense,
+                    mc.num_sparse,
+                    mc.bag_slots()
+                );
+            }
+            if train.len() < mc.batch || eval.len() < mc.batch {
+                bail!(
+                    "{} training and {} held-out examples: both need at least one batch of {}",
+                    train.len(),
+                    eval.len(),
+                    mc.batch
+                );
+            }
+            Source::Table {
+                train: train.clone(),
+                eval: eval.clone(),
+                seed: data_seed,
+                epoch: usize::MAX,
+                order: Vec::new(),
+            }
+        }
+    })
+}
+
+/// The batches of a run, as the single-process trainer takes them: global batch `k` of
+/// the training data is examples `k·B ..` of the spec's stream 1, or of this epoch's
+/// shuffled order of the loaded examples. Data-parallel ranks take their shards of it.
+pub struct BatchSource {
+    src: Source,
+}
+
+impl BatchSource {
+    /// The batches of `data` for the model `global` (its batch the global batch).
+    pub fn new(data: &Data, global: &CtrConfig, data_seed: u64) -> Result<BatchSource> {
+        Ok(BatchSource {
+            src: source_of(data, global, data_seed)?,
+        })
+    }
+
+    /// Training batch `step` of `cfg.batch` examples into row-major buffers (as
+    /// `CtrModel::batch_buffers` takes them).
+    pub fn fill(
+        &mut self,
+        cfg: &CtrConfig,
+        step: usize,
+        (dense, rows, labels): (&mut [f32], &mut [u32], &mut [f32]),
+    ) {
+        let (fr, slots) = (cfg.field_rows(), cfg.bag_slots());
+        fill_from(
+            &mut self.src,
+            (cfg.batch, &fr, &slots),
+            1,
+            (step * cfg.batch) as u64,
+            (dense, rows, labels),
+        );
+    }
+}
+
 /// A permutation of `0..n` (Fisher-Yates on a counter-based generator).
 fn shuffled(n: usize, seed: u64) -> Vec<usize> {
     let mut v: Vec<usize> = (0..n).collect();
@@ -822,48 +903,7 @@ impl<'a> Session<'a> {
                 (Box::new(p), 2)
             }
         };
-        let src = match data {
-            Data::Synthetic => Source::Synthetic(
-                SyntheticCtr::try_new(SyntheticConfig {
-                    seed: data_seed,
-                    rows: mc.rows,
-                    hot: mc.hot,
-                })
-                .map_err(|e| anyhow::anyhow!("synthetic data: {e}"))?,
-            ),
-            Data::Table { train, eval, .. } => {
-                let one_hot = mc.bag_slots().iter().all(|&h| h == 1);
-                if train.num_dense != mc.num_dense
-                    || train.num_sparse != mc.num_sparse
-                    || (!train.is_multi_hot() && !one_hot)
-                {
-                    bail!(
-                        "the data has {} dense and {} categorical fields ({}); the model expects {} and {} (bag slots {:?})",
-                        train.num_dense,
-                        train.num_sparse,
-                        if train.is_multi_hot() { "multi-hot" } else { "one id each" },
-                        mc.num_dense,
-                        mc.num_sparse,
-                        mc.bag_slots()
-                    );
-                }
-                if train.len() < mc.batch || eval.len() < mc.batch {
-                    bail!(
-                        "{} training and {} held-out examples: both need at least one batch of {}",
-                        train.len(),
-                        eval.len(),
-                        mc.batch
-                    );
-                }
-                Source::Table {
-                    train: train.clone(),
-                    eval: eval.clone(),
-                    seed: data_seed,
-                    epoch: usize::MAX,
-                    order: Vec::new(),
-                }
-            }
-        };
+        let src = source_of(data, mc, data_seed)?;
         let forward = plan
             .program
             .launches

@@ -93,8 +93,9 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     resume: Option<std::path::PathBuf>,
     /// Data parallelism on this many CPU ranks (threads): --batch is the global batch,
-    /// split evenly; gradients are all-reduced and the replicas stay bit-identical.
-    /// Synthetic data only for now.
+    /// split evenly (rank k takes examples i with i mod N = k of each); gradients are
+    /// all-reduced and the replicas stay bit-identical. Any --data; --checkpoint (rank 0
+    /// writes the common replica) and --resume, on any rank count.
     #[arg(long, value_name = "N")]
     cpu_ranks: Option<usize>,
     /// Data parallelism over N worker processes on this host, one per GPU (NCCL); with
@@ -263,9 +264,6 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         a.data_seed
     );
     if let Some(n) = a.cpu_ranks {
-        if !matches!(cfg.data, crate::train::Data::Synthetic) {
-            bail!("--cpu-ranks: only synthetic data for now");
-        }
         let t0 = std::time::Instant::now();
         let results = crate::distributed::train_data_parallel_cpu(
             &cfg,

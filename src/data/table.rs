@@ -1294,48 +1294,37 @@ pub(crate) enum Parser {
     Tsv(Box<tsv::TsvParser>),
 }
 
+/// `$e` with `$p` bound to whichever reader `$s` is.
+macro_rules! each_parser {
+    ($s:expr, $p:ident => $e:expr) => {
+        match $s {
+            Parser::Criteo($p) => $e,
+            Parser::Tsv($p) => $e,
+        }
+    };
+}
+
 impl LineParser for Parser {
     fn num_dense(&self) -> usize {
-        match self {
-            Parser::Criteo(p) => p.num_dense(),
-            Parser::Tsv(p) => p.num_dense(),
-        }
+        each_parser!(self, p => p.num_dense())
     }
     fn num_sparse(&self) -> usize {
-        match self {
-            Parser::Criteo(p) => p.num_sparse(),
-            Parser::Tsv(p) => p.num_sparse(),
-        }
+        each_parser!(self, p => p.num_sparse())
     }
     fn has_header(&self) -> bool {
-        match self {
-            Parser::Criteo(p) => p.has_header(),
-            Parser::Tsv(p) => p.has_header(),
-        }
+        each_parser!(self, p => p.has_header())
     }
     fn has_time(&self) -> bool {
-        match self {
-            Parser::Criteo(p) => p.has_time(),
-            Parser::Tsv(p) => p.has_time(),
-        }
+        each_parser!(self, p => p.has_time())
     }
     fn is_multi(&self) -> bool {
-        match self {
-            Parser::Criteo(p) => p.is_multi(),
-            Parser::Tsv(p) => p.is_multi(),
-        }
+        each_parser!(self, p => p.is_multi())
     }
     fn header(&mut self, line: &[u8]) -> Result<()> {
-        match self {
-            Parser::Criteo(p) => p.header(line),
-            Parser::Tsv(p) => p.header(line),
-        }
+        each_parser!(self, p => p.header(line))
     }
     fn parse(&mut self, line: &[u8], row: &mut Row) -> std::result::Result<(), String> {
-        match self {
-            Parser::Criteo(p) => p.parse(line, row),
-            Parser::Tsv(p) => p.parse(line, row),
-        }
+        each_parser!(self, p => p.parse(line, row))
     }
 }
 
