@@ -233,6 +233,19 @@ fn per_field_table_sizes_given_or_counted_train_and_resume() {
         &[&base[..], &["--steps", "6", "--resume", ckp]].concat(),
     ));
     assert_eq!(final_ne(&resumed), final_ne(&whole));
+    // eval takes the per-field sizes the checkpoint records
+    let e = ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--eval-examples",
+        "128",
+        "--data",
+        &data,
+        "--checkpoint",
+        ckp,
+    ]));
+    assert!(e.contains("step 3, NE"), "{e}");
     // a list of the wrong length names both counts
     let o = train(&["--steps", "1", "--table-rows", "3,4", "--data", &data]);
     fails_with(&o, &["--table-rows gives 2 sizes", "26 categorical fields"]);

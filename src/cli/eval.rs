@@ -56,6 +56,13 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
     let recorded_size = |key: &str| recorded.get(key).and_then(|v| v.parse::<usize>().ok());
     m.batch = m.batch.or_else(|| recorded_size("model.batch"));
     m.rows = m.rows.or_else(|| recorded_size("model.rows"));
+    // per-field table sizes as recorded (`[3, 1000, ..]`), where none are given
+    if m.table_rows.is_none() {
+        m.table_rows = recorded
+            .get("model.table_rows")
+            .map(|v| v.trim_matches(|c| c == '[' || c == ']').replace(' ', ""))
+            .filter(|v| !v.is_empty());
+    }
     let (model, data) = model_and_data(
         &m,
         variant,
