@@ -366,6 +366,41 @@ fn padded_bags_and_bag_mean() {
     }
 }
 
+#[test]
+fn zoo_models() {
+    // each zoo model's dense part on tiny sizes, its fields and dense features parameters
+    for (k, name) in ["dlrm", "dcnv2", "deepfm"].iter().enumerate() {
+        check(&format!("zoo {name}"), 300 + k as u64, |g, r| {
+            let cfg = erase::model::ctr::CtrConfig {
+                model: name.to_string(),
+                batch: 3,
+                num_dense: 2,
+                num_sparse: 3,
+                dim: 4,
+                bottom: vec![5],
+                top: vec![6],
+                deep: vec![5],
+                cross_rank: 3,
+                cross_layers: 2,
+                ..erase::model::ctr::CtrConfig::small()
+            };
+            let dense = param(g, r, "dense", &[3, 2], 1.0);
+            let fields = param(g, r, "fields", &[3, 3, 4], 1.0);
+            let label = g.constant("label", &[3], vec![1.0, 0.0, 1.0]).unwrap();
+            let x = erase::model::api::ModelInputs {
+                dense: Some(dense),
+                fields,
+                label,
+                batch: 3,
+                dim: 4,
+            };
+            let mut blocks = erase::model::api::Blocks::new(false, label, 3);
+            let m = erase::model::api::find(name).unwrap();
+            m.build(g, &x, &cfg, &mut blocks).unwrap()
+        });
+    }
+}
+
 fn int_const(g: &mut Graph, name: &str, v: Vec<f64>) -> Tensor {
     let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
     g.constant_i32(name, &[v.len()], &v).unwrap()

@@ -158,6 +158,10 @@ struct ModelArgs {
     /// line win. `[data.schema]` describes the columns of `--data tsv:PATH`.
     #[arg(long, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
+    /// The model: `spec` (the spec's six-block CTR model), `dlrm`, `dcnv2` (MLPerf's
+    /// DLRM-DCNv2 shape), `deepfm`, or one of your own (see `erase::cli::main_with`).
+    #[arg(long, value_name = "NAME")]
+    model: Option<String>,
     /// Model sizes to start from; the flags below override single sizes.
     #[arg(long, value_enum, default_value = "small")]
     preset: Preset,
@@ -353,6 +357,16 @@ impl ModelArgs {
             Preset::Spec => CtrConfig::default(),
         };
         c.variant = variant;
+        let name = self
+            .model
+            .clone()
+            .or_else(|| DEFAULT_MODEL.get().cloned())
+            .unwrap_or_else(|| "spec".to_string());
+        if name != "spec" {
+            let m = crate::model::api::find(&name).context("--model")?;
+            c = m.sizes(c, self.preset == Preset::Spec);
+            c.model = name;
+        }
         if let Some(b) = self.batch {
             c.batch = b;
         }
@@ -606,6 +620,33 @@ fn print_overlap(what: &str, o: &crate::runtime::trace::Overlap) {
     }
 }
 
+/// The model `--model` defaults to (set by [`main_with`]).
+static DEFAULT_MODEL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The whole `erase-ctr` command line (train, eval, bench, plan, data) for a model of
+/// your own: it is registered under its name and is the default `--model`.
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # struct MyModel;
+/// # impl erase::model::api::Model for MyModel {
+/// #     fn name(&self) -> &str { "mine" }
+/// #     fn build(&self, g: &mut erase::graph::Graph, x: &erase::model::api::ModelInputs,
+/// #              _: &erase::model::ctr::CtrConfig, _: &mut erase::model::api::Blocks)
+/// #              -> anyhow::Result<erase::graph::Tensor> {
+/// #         let f = g.flatten(x.fields)?; let y = g.linear(f, 1)?; Ok(g.reshape(y, &[x.batch])?)
+/// #     }
+/// # }
+/// fn main() -> std::process::ExitCode {
+///     erase::cli::main_with(Arc::new(MyModel))
+/// }
+/// ```
+pub fn main_with(model: std::sync::Arc<dyn crate::model::api::Model>) -> ExitCode {
+    let _ = DEFAULT_MODEL.set(model.name().to_string());
+    crate::model::api::register(model);
+    main()
+}
+
 /// The `erase-ctr` program: parses the command line (after `--config` expansion) and
 /// runs the subcommand; errors are printed, and make the exit code 1.
 pub fn main() -> ExitCode {
@@ -616,19 +657,31 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // clap prints --help, --version and usage errors itself (and exits)
     let cli = Cli::parse_from(args);
-    let r = match &cli.cmd {
-        Cmd::Train(a) => train::run(a),
-        Cmd::Plan(a) => plan::run(a),
-        Cmd::Bench(a) => bench::run(a),
-        Cmd::Eval(a) => eval::run(a),
-        Cmd::Data(a) => data::run(a),
-    };
-    match r {
+    match dispatch(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("erase-ctr: error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The program on `args` (the program name first), as a value: what [`main`] does, with
+/// usage errors returned instead of printed (for tests and embedding).
+pub fn run(args: Vec<std::ffi::OsString>) -> Result<()> {
+    let args = config::expand_config(args)?;
+    let cli = Cli::try_parse_from(args).map_err(|e| anyhow::anyhow!("{e}"))?;
+    dispatch(&cli)
+}
+
+fn dispatch(cli: &Cli) -> Result<()> {
+    match &cli.cmd {
+        Cmd::Train(a) => train::run(a),
+        Cmd::Plan(a) => plan::run(a),
+        Cmd::Bench(a) => bench::run(a),
+        Cmd::Eval(a) => eval::run(a),
+        Cmd::Data(a) => data::run(a),
     }
 }

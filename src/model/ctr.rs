@@ -102,6 +102,9 @@ impl FromStr for Variant {
 /// field. Hidden-width lists exclude the block's input and its `dim`-wide output.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CtrConfig {
+    /// Which model: `spec` (this file's, the default) or a name of the model API's
+    /// registry (`dlrm`, `dcnv2`, `deepfm`, or one registered by the user).
+    pub model: String,
     pub batch: usize,
     /// Dense features per example (13). 0: the data has none (Avazu, say); then there is
     /// no bottom MLP, `E` is the `num_sparse` embeddings alone and the top reads the five
@@ -146,6 +149,7 @@ pub struct CtrConfig {
 impl Default for CtrConfig {
     fn default() -> Self {
         CtrConfig {
+            model: "spec".to_string(),
             batch: 4096,
             num_dense: 13,
             num_sparse: 26,
@@ -176,6 +180,7 @@ impl CtrConfig {
     /// dense features): batch 256, 1000 rows per table, dim 16, widths scaled down.
     pub fn small() -> Self {
         CtrConfig {
+            model: "spec".to_string(),
             batch: 256,
             num_dense: 13,
             num_sparse: 26,
@@ -746,6 +751,10 @@ pub fn build(cfg: &CtrConfig, float: DType) -> Result<CtrModel> {
 /// FLOPs (see `Graph::set_bf16_copies`).
 pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> Result<CtrModel> {
     cfg.validate()?;
+    if cfg.model != "spec" {
+        let m = super::api::find(&cfg.model)?;
+        return build_api(m.as_ref(), cfg, float, bf16_copies);
+    }
     ensure!(
         matches!(float, DType::F32 | DType::F64),
         "ctr model: float type must be f32 or f64, got {float}"
@@ -865,6 +874,76 @@ pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> 
         aux_losses,
         params,
         block_outputs: outs,
+        cfg: cfg.clone(),
+        float,
+    })
+}
+
+/// A model of the model API on the trainer's inputs: the same four inputs, tables and
+/// lookup as the spec model, the model's dense part, its main loss and the aux losses of
+/// the blocks it marked (detached variants).
+fn build_api(
+    model: &dyn super::api::Model,
+    cfg: &CtrConfig,
+    float: DType,
+    bf16_copies: Option<usize>,
+) -> Result<CtrModel> {
+    ensure!(
+        matches!(float, DType::F32 | DType::F64),
+        "ctr model: float type must be f32 or f64, got {float}"
+    );
+    let mut g = Graph::new(float);
+    g.set_bf16_copies(bf16_copies);
+    let (b, d, ns) = (cfg.batch, cfg.dim, cfg.num_sparse);
+    let inputs = CtrInputs {
+        dense: g.input("dense", &[b, cfg.dense_width()], float)?,
+        ids: g.input("ids", &[cfg.ids_per_batch()], DType::I32)?,
+        offsets: g.input("offsets", &[b * ns + 1], DType::I32)?,
+        label: g.input("label", &[b], float)?,
+    };
+    let field_rows = cfg.field_rows();
+    let table = g.scoped("embedding", |g| {
+        g.embedding_tables("tables", &field_rows, d)
+    })?;
+    let pooled = g.scoped("embedding", |g| -> Result<Tensor> {
+        let sum = g.embedding_bag(table, inputs.ids, inputs.offsets, &field_rows)?;
+        if cfg.mean_fields.iter().any(|&m| m) {
+            Ok(g.bag_mean(sum, inputs.ids, inputs.offsets, &cfg.mean_fields)?)
+        } else {
+            Ok(sum)
+        }
+    })?;
+    let x = super::api::ModelInputs {
+        dense: cfg.has_dense().then_some(inputs.dense),
+        fields: pooled,
+        label: inputs.label,
+        batch: b,
+        dim: d,
+    };
+    let mut blocks = super::api::Blocks::new(cfg.variant.is_detached(), inputs.label, b);
+    let logit = model
+        .build(&mut g, &x, cfg, &mut blocks)
+        .with_context(|| format!("building model '{}'", model.name()))?;
+    ensure!(
+        g.shape(logit).dims() == [b],
+        "model '{}' returned a logit of shape {:?}; it must be [batch] = [{b}]",
+        model.name(),
+        g.shape(logit).dims()
+    );
+    let main_loss = g.scoped("top", |g| g.bce_with_logits(logit, inputs.label))?;
+    g.loss(main_loss, 1.0)?;
+    for &(_, l) in &blocks.aux_losses {
+        g.loss(l, cfg.aux_weight)?;
+    }
+    Ok(CtrModel {
+        graph: g,
+        inputs,
+        table,
+        logit,
+        main_loss,
+        aux_losses: blocks.aux_losses,
+        params: Vec::new(),
+        block_outputs: blocks.outputs,
         cfg: cfg.clone(),
         float,
     })

@@ -1,5 +1,9 @@
-//! Models built on the graph DSL.
+//! Models built on the graph DSL: the spec's CTR model (`ctr`), the model API any CTR
+//! model implements to be trained by `erase-ctr` (`api`), the field's standard models on it
+//! (`zoo`), and the paper's other experiments (`mlp30`, `nanochat`).
 
+pub mod api;
 pub mod ctr;
 pub mod mlp30;
 pub mod nanochat;
+pub mod zoo;
