@@ -1504,9 +1504,11 @@ fn open_text(path: &Path) -> Result<Text> {
     if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
         return Ok(Text::Empty);
     }
-    // SAFETY: the map is read-only and lives only while this load parses it; a data file
-    // changed under a running load gives wrong values or malformed lines, never unsound
-    // reads of our own memory (the map is private to this process).
+    // SAFETY: the map is read-only and lives only while this load parses it, and the
+    // parser reads it only as bytes (any value is valid). What could still go wrong: a
+    // program truncating the data file while it is mapped (reads past the end raise
+    // SIGBUS, as for the cache) or rewriting it (the load then sees wrong values or
+    // malformed lines).
     let map =
         unsafe { Mmap::map(&file) }.map_err(|e| anyhow!("cannot map {}: {e}", path.display()))?;
     Ok(Text::Plain(map))
