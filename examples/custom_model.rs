@@ -14,19 +14,9 @@ use std::sync::Arc;
 use erase::graph::{Graph, Tensor};
 use erase::model::api::{Blocks, Model, ModelInputs};
 use erase::model::ctr::CtrConfig;
+use erase::model::zoo::mlp;
 
 pub struct TwoTower;
-
-/// Linear layers of `widths`, ReLU between them.
-fn tower(g: &mut Graph, mut x: Tensor, widths: &[usize]) -> anyhow::Result<Tensor> {
-    for (i, &w) in widths.iter().enumerate() {
-        x = g.linear(x, w)?;
-        if i + 1 < widths.len() {
-            x = g.relu(x)?;
-        }
-    }
-    Ok(x)
-}
 
 impl Model for TwoTower {
     fn name(&self) -> &str {
@@ -49,9 +39,9 @@ impl Model for TwoTower {
             user_in = g.concat(&[user_in, d], 1)?;
         }
         let item_in = g.flatten(item_fields)?;
-        let user = g.scoped("user", |g| tower(g, user_in, &[256, x.dim]))?;
+        let user = g.scoped("user", |g| mlp(g, user_in, &[256, x.dim], false))?;
         let user = blocks.mark(g, "user", user)?;
-        let item = g.scoped("item", |g| tower(g, item_in, &[256, x.dim]))?;
+        let item = g.scoped("item", |g| mlp(g, item_in, &[256, x.dim], false))?;
         let item = blocks.mark(g, "item", item)?;
         g.scoped("top", |g| -> anyhow::Result<Tensor> {
             // the score: <user, item>, as one pairwise dot of the two towers

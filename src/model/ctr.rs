@@ -755,39 +755,16 @@ pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> 
         let m = super::api::find(&cfg.model)?;
         return build_api(m.as_ref(), cfg, float, bf16_copies);
     }
-    ensure!(
-        matches!(float, DType::F32 | DType::F64),
-        "ctr model: float type must be f32 or f64, got {float}"
-    );
-    let mut g = Graph::new(float);
-    g.set_bf16_copies(bf16_copies);
-    let (b, d, ns) = (cfg.batch, cfg.dim, cfg.num_sparse);
+    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies)?;
+    let (b, d) = (cfg.batch, cfg.dim);
     let detached = cfg.variant.is_detached();
-
-    let inputs = CtrInputs {
-        dense: g.input("dense", &[b, cfg.dense_width()], float)?,
-        ids: g.input("ids", &[cfg.ids_per_batch()], DType::I32)?,
-        offsets: g.input("offsets", &[b * ns + 1], DType::I32)?,
-        label: g.input("label", &[b], float)?,
-    };
 
     // The table first and the heads last, so that every variant gives each shared
     // parameter the same position (and so the same default init) in the graph.
-    let field_rows = cfg.field_rows();
-    let table = g.scoped("embedding", |g| {
-        g.embedding_tables("tables", &field_rows, d)
-    })?;
     let mut params = Vec::new();
     let p = make_params(&mut g, cfg, &mut params).context("ctr model: parameters")?;
 
-    let pooled = g.scoped("embedding", |g| -> Result<Tensor> {
-        let sum = g.embedding_bag(table, inputs.ids, inputs.offsets, &field_rows)?;
-        if cfg.mean_fields.iter().any(|&m| m) {
-            Ok(g.bag_mean(sum, inputs.ids, inputs.offsets, &cfg.mean_fields)?)
-        } else {
-            Ok(sum)
-        }
-    })?;
+    let pooled = pool(&mut g, cfg, &inputs, table)?;
 
     let mut outs: Vec<(String, Tensor)> = Vec::with_capacity(6);
     let mut aux_losses = Vec::new();
@@ -879,6 +856,47 @@ pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> 
     })
 }
 
+/// A graph with the trainer's four inputs and the stacked embedding tables, what every
+/// CTR model starts from.
+fn graph_inputs_and_table(
+    cfg: &CtrConfig,
+    float: DType,
+    bf16_copies: Option<usize>,
+) -> Result<(Graph, CtrInputs, Tensor)> {
+    ensure!(
+        matches!(float, DType::F32 | DType::F64),
+        "ctr model: float type must be f32 or f64, got {float}"
+    );
+    let mut g = Graph::new(float);
+    g.set_bf16_copies(bf16_copies);
+    let (b, ns) = (cfg.batch, cfg.num_sparse);
+    let inputs = CtrInputs {
+        dense: g.input("dense", &[b, cfg.dense_width()], float)?,
+        ids: g.input("ids", &[cfg.ids_per_batch()], DType::I32)?,
+        offsets: g.input("offsets", &[b * ns + 1], DType::I32)?,
+        label: g.input("label", &[b], float)?,
+    };
+    let field_rows = cfg.field_rows();
+    let table = g.scoped("embedding", |g| {
+        g.embedding_tables("tables", &field_rows, cfg.dim)
+    })?;
+    Ok((g, inputs, table))
+}
+
+/// The fields' pooled embeddings `[B, F, D]`: each bag summed, or mean-pooled for the
+/// fields of `cfg.mean_fields`.
+fn pool(g: &mut Graph, cfg: &CtrConfig, inputs: &CtrInputs, table: Tensor) -> Result<Tensor> {
+    let field_rows = cfg.field_rows();
+    g.scoped("embedding", |g| -> Result<Tensor> {
+        let sum = g.embedding_bag(table, inputs.ids, inputs.offsets, &field_rows)?;
+        if cfg.mean_fields.iter().any(|&m| m) {
+            Ok(g.bag_mean(sum, inputs.ids, inputs.offsets, &cfg.mean_fields)?)
+        } else {
+            Ok(sum)
+        }
+    })
+}
+
 /// A model of the model API on the trainer's inputs: the same four inputs, tables and
 /// lookup as the spec model, the model's dense part, its main loss and the aux losses of
 /// the blocks it marked (detached variants).
@@ -888,31 +906,9 @@ fn build_api(
     float: DType,
     bf16_copies: Option<usize>,
 ) -> Result<CtrModel> {
-    ensure!(
-        matches!(float, DType::F32 | DType::F64),
-        "ctr model: float type must be f32 or f64, got {float}"
-    );
-    let mut g = Graph::new(float);
-    g.set_bf16_copies(bf16_copies);
-    let (b, d, ns) = (cfg.batch, cfg.dim, cfg.num_sparse);
-    let inputs = CtrInputs {
-        dense: g.input("dense", &[b, cfg.dense_width()], float)?,
-        ids: g.input("ids", &[cfg.ids_per_batch()], DType::I32)?,
-        offsets: g.input("offsets", &[b * ns + 1], DType::I32)?,
-        label: g.input("label", &[b], float)?,
-    };
-    let field_rows = cfg.field_rows();
-    let table = g.scoped("embedding", |g| {
-        g.embedding_tables("tables", &field_rows, d)
-    })?;
-    let pooled = g.scoped("embedding", |g| -> Result<Tensor> {
-        let sum = g.embedding_bag(table, inputs.ids, inputs.offsets, &field_rows)?;
-        if cfg.mean_fields.iter().any(|&m| m) {
-            Ok(g.bag_mean(sum, inputs.ids, inputs.offsets, &cfg.mean_fields)?)
-        } else {
-            Ok(sum)
-        }
-    })?;
+    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies)?;
+    let (b, d) = (cfg.batch, cfg.dim);
+    let pooled = pool(&mut g, cfg, &inputs, table)?;
     let x = super::api::ModelInputs {
         dense: cfg.has_dense().then_some(inputs.dense),
         fields: pooled,

@@ -22,8 +22,9 @@ pub(crate) fn models() -> Vec<Arc<dyn Model>> {
     vec![Arc::new(Dlrm), Arc::new(DcnV2), Arc::new(DeepFm)]
 }
 
-/// Linear layers of the `widths`, ReLU after each (after the last too when `last_relu`).
-fn mlp(g: &mut Graph, mut x: Tensor, widths: &[usize], last_relu: bool) -> Result<Tensor> {
+/// Linear layers of the `widths`, ReLU after each (after the last too when `last_relu`):
+/// the MLP the zoo's models are made of, for models of one's own too.
+pub fn mlp(g: &mut Graph, mut x: Tensor, widths: &[usize], last_relu: bool) -> Result<Tensor> {
     for (i, &w) in widths.iter().enumerate() {
         x = g.linear(x, w)?;
         if last_relu || i + 1 < widths.len() {
