@@ -849,20 +849,18 @@ impl Examples {
         } = &self.store
         {
             // views of the mapped file: a data set larger than memory stays on disk
-            let view = |first: usize, len: usize| Examples {
-                num_dense: self.num_dense,
-                num_sparse: self.num_sparse,
-                len,
-                store: Store::Mapped {
-                    map: map.clone(),
-                    dense: dense.clone(),
-                    ids: ids.clone(),
-                    missing: missing.clone(),
-                    labels: labels.clone(),
-                    ends: ends.clone(),
-                },
-                digest: Default::default(),
-                first: self.first + first,
+            let view = |first: usize, len: usize| {
+                let sections = [dense.clone(), ids.clone(), missing.clone(), labels.clone()];
+                let mut v = Examples::mapped(
+                    map.clone(),
+                    self.num_dense,
+                    self.num_sparse,
+                    len,
+                    sections,
+                    ends.clone(),
+                );
+                v.first = self.first + first;
+                v
             };
             return Ok((view(0, cut), view(cut, self.len - cut)));
         }
