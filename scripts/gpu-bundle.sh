@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds everything the GPU checks need and puts it in one folder (default .device/):
 # the erase-ctr binary, the GPU test binary, the kernel benchmark, the scripts, and the
-# PyTorch anchor if ../shared has it. Copy the folder to a machine with an NVIDIA GPU
+# PyTorch anchors (scripts/torch_ctr.py and the zoo's twins). Copy the folder to a machine with an NVIDIA GPU
 # (no Rust needed there) and run `bash <folder>/gpu-check.sh <folder>`.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -25,12 +25,14 @@ cargo build --release -j2 --example mlp30 --example nanochat
 cp target/release/examples/mlp30 target/release/examples/nanochat "$dest/"
 strip "$dest/erase-ctr" "$dest/gpu-tests" "$dest/kernels-bench" "$dest/mlp30" "$dest/nanochat" 2>/dev/null || true
 cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/nvtx-check.sh scripts/ctr-compare.sh scripts/examples-compare.sh \
-  scripts/data-check.sh scripts/torch_kernels.py README.md "$dest/"
+  scripts/data-check.sh scripts/zoo-compare.sh scripts/torch_kernels.py scripts/torch_ctr.py scripts/torch_zoo.py \
+  README.md "$dest/"
 # the data samples and configs data-check.sh trains, and the build's name
 mkdir -p "$dest/testdata" "$dest/configs"
 cp tests/data/criteo_floats.tsv tests/data/avazu_sample.csv tests/data/multihot_sample.tsv "$dest/testdata/"
 cp configs/*.toml "$dest/configs/"
 git describe --always --dirty > "$dest/BUILD" 2>/dev/null || true
+# the spec's anchors as ../shared has them, when this checkout has it beside it
 for f in torch_ctr.py torch_mlp30.py; do
   if [ -f "../shared/anchors/$f" ]; then cp "../shared/anchors/$f" "$dest/"; fi
 done
