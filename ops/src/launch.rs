@@ -303,7 +303,27 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
         Op::SliceSum { .. } => {
             elementwise("ew_slice_sum", out0, (ins.len() + 1) as f64 * out_bytes)
         }
-        _ => elementwise("elementwise", out0, moved),
+        // every operand read or written once, as a map
+        Op::Add
+        | Op::Mul
+        | Op::MulAdd
+        | Op::Scale { .. }
+        | Op::Relu
+        | Op::Gelu
+        | Op::Sigmoid
+        | Op::Concat { .. }
+        | Op::Slice { .. }
+        | Op::Split { .. }
+        | Op::Cast { .. }
+        | Op::ReluGrad
+        | Op::GeluGrad
+        | Op::MulGrad
+        | Op::SigmoidGrad
+        | Op::Pad { .. }
+        | Op::BceWithLogitsGrad
+        | Op::SoftmaxCrossEntropyGrad
+        | Op::Broadcast { .. }
+        | Op::GradSum => elementwise("elementwise", out0, moved),
     };
     // a GEMM whose operands are bf16 (the copies it reads in place)
     spec.copies = dt == DType::Bf16

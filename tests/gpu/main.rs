@@ -5,7 +5,7 @@
 //! Each test that ran on the GPU prints `gpu test ran: NAME`.
 
 mod dense;
-mod misc;
+mod families;
 mod pipeline;
 mod runtime;
 mod sanitize;

@@ -1,4 +1,4 @@
-//! GEMM-shaped ops (linear and its gradients, matmul) and fused attention.
+//! GEMM-shaped ops: linear and its gradients, matmul, and the bf16 operand copies.
 //!
 //! GEMMs of at least 2^31 FLOPs with K ≥ 64 take the pipelined path: `gemm_to_bf16_pair`
 //! rounds A and B to bf16 into K-major, zero-padded scratch in one launch (transposing an
@@ -22,10 +22,10 @@
 //! A bf16 dy beside an f32 operand (AutoInt's dqkv, which its attention gradient writes
 //! in bf16) is read as it is: by the pipelined kernels where they take it, else by the
 //! tall kernels' and the single-launch kernels' `_a16` forms.
-//! Attention runs the FlashAttention-2 kernels of kernels-cuda/attention.cu.
 
+use super::common::i32_of;
 use super::{blocks, CudaPlan, KArg, KernelCall, Operands, SMS};
-use erase_graph::{DType, Op, Shape};
+use erase_graph::{DType, Shape};
 
 /// Kernels these plans launch.
 pub(crate) const KERNELS: &[&str] = &[
@@ -75,33 +75,6 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_to_bf16_t",
     "gemm_to_bf16_pair",
     "gemm_splitk_reduce",
-    "attn_fwd_d32",
-    "attn_fwd_d64",
-    "attn_stage_bf16",
-    "attn_fwd_st_d32",
-    "attn_fwd_st_d64",
-    "attn_bwd_dkdv_st_d32",
-    "attn_bwd_dkdv_st_d64",
-    "attn_bwd_dq_st_d32",
-    "attn_bwd_dq_st_d64",
-    "attn_bwd_small_d32",
-    "attn_bwd_small_d64",
-    "attn_fwd_packed_d32",
-    "attn_fwd_packed_d64",
-    "attn_bwd_small_packed_d32",
-    "attn_bwd_small_packed_d64",
-    "attn_fwd_tiny_d32",
-    "attn_fwd_tiny_d64",
-    "attn_bwd_tiny_d32",
-    "attn_bwd_tiny_d64",
-    "attn_fwd_tiny_packed_d32",
-    "attn_fwd_tiny_packed_d64",
-    "attn_bwd_tiny_packed_d32",
-    "attn_bwd_tiny_packed_d64",
-    "attn_bwd_small_packed_bo_d32",
-    "attn_bwd_small_packed_bo_d64",
-    "attn_bwd_tiny_packed_bo_d32",
-    "attn_bwd_tiny_packed_bo_d64",
     "gemm_bf16_nn_128x128_a16",
     "gemm_bf16_nn_64x64_a16",
     "gemm_bf16_tn_128x128_a16",
@@ -112,43 +85,12 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemm_tall_n256_c_a16",
 ];
 
-/// Sequences up to this long use the attention kernels of 32-row tiles, two heads a CTA
-/// (`attn_*_tiny_*`): half the padding of the 64-row tile and twice the heads an SM.
-const ATTN_TINY_S: usize = 32;
-/// Longer sequences than this (more than one 64-row tile) use the staged kernels
-/// (`attn_*_st_*`): q, k, v (and do) rounded to bf16 once into head-major scratch, tiles
-/// streamed through a cp.async ring, 128 rows a CTA.
-const ATTN_STAGED_S: usize = 64;
-
 /// The GEMM kernels' k step; a split's K range is a multiple of it.
 const BK: usize = 32;
 /// Fewest k a split-K part gets.
 const MIN_K_PER_SPLIT: usize = 256;
 /// Grid dimensions y and z are limited to this.
-const GRID_YZ: usize = 65_535;
-
-pub(crate) fn plan(op: &Op, o: &Operands) -> Option<Result<CudaPlan, String>> {
-    let p = match op {
-        Op::Linear { bias, relu } => linear(o, *bias, *relu, false),
-        Op::LinearAdd { bias } => linear(o, *bias, false, true),
-        Op::LinearGradInput { relu_mask } => linear_grad_input(o, *relu_mask),
-        Op::LinearGradWeight { bias } => linear_grad_weight(o, *bias),
-        Op::MatMul { ta, tb } => matmul(o, *ta, *tb),
-        Op::RoundBf16 { col_sums } => round_bf16(o, *col_sums),
-        Op::Attention {
-            heads,
-            causal,
-            packed,
-        } => attention(o, *heads, *causal, *packed),
-        Op::AttentionGrad {
-            heads,
-            causal,
-            packed,
-        } => attention_grad(o, *heads, *causal, *packed),
-        _ => return None,
-    };
-    Some(p.map_err(|e| format!("{}: {e}", op.name())))
-}
+pub(super) const GRID_YZ: usize = 65_535;
 
 /// [`check_f32`], except that the inputs in `bf16_ok` may also be bf16 (RoundBf16 copies
 /// of GEMM operands). Returns which inputs are.
@@ -189,7 +131,7 @@ fn check_gemm_operands(
     Ok(bf16)
 }
 
-fn check_f32(o: &Operands, ins: usize, outs: usize) -> Result<(), String> {
+pub(super) fn check_f32(o: &Operands, ins: usize, outs: usize) -> Result<(), String> {
     if o.ins.len() != ins || o.outs.len() != outs {
         return Err(format!(
             "expected {ins} inputs and {outs} outputs, got {} and {}",
@@ -206,10 +148,6 @@ fn check_f32(o: &Operands, ins: usize, outs: usize) -> Result<(), String> {
         Some(d) => Err(format!("the CUDA kernel computes f32 tensors, not {d}")),
         None => Ok(()),
     }
-}
-
-fn i32_of(v: usize, what: &str) -> Result<i32, String> {
-    i32::try_from(v).map_err(|_| format!("{what} = {v} is too large for the kernel"))
 }
 
 fn i64_of(v: usize) -> KArg {
@@ -320,7 +258,7 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
                 }
             }
             plan.calls
-                .push(super::misc::add_call(tmp, r, KArg::Out(0), count));
+                .push(super::elementwise::add_call(tmp, r, KArg::Out(0), count));
         }
     }
     // C's bf16 copy: the pipelined kernels write it in their epilogue (one split, or a
@@ -329,7 +267,7 @@ fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         // (only a launch that writes the copy names it)
         let written = plan.calls.iter().any(|c| c.args.contains(&copy));
         if !written {
-            plan.calls.push(super::misc::cast_f32_bf16_call(
+            plan.calls.push(super::elementwise::cast_f32_bf16_call(
                 KArg::Out(0),
                 copy,
                 g.batch * g.m * g.n,
@@ -515,7 +453,7 @@ const TALL_KERNELS: [(usize, usize, [&str; 3]); 4] = [
 ];
 /// Shared memory of the coalesced store: [16][40] f32 for each of the 8 warps (and the
 /// bias, NMAX f32, after them).
-const TALL_STAGE_SMEM: usize = 8 * 16 * 40 * 4;
+pub(super) const TALL_STAGE_SMEM: usize = 8 * 16 * 40 * 4;
 
 /// `gemm_tall_n*` for a tall GEMM (batch 1, A not transposed, many rows, N ≤ 256 and K
 /// small enough for two CTAs an SM, each with two 64-row blocks of A, f32 or bf16, and
@@ -953,7 +891,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     if let Some(p) = part_at {
         calls.push(reduce_call(g, KArg::Scratch(p), splits, row_sums));
     } else if let Some((part, out, slices)) = row_sums {
-        calls.push(super::misc::colsum_final_call(part, out, slices, m));
+        calls.push(super::reduce::colsum_final_call(part, out, slices, m));
     }
     Ok(CudaPlan { calls, scratch })
 }
@@ -962,7 +900,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
 /// operand rounding of the pipelined GEMMs, `gemm_to_bf16`), and with `col_sums` x's
 /// sums over its rows from the same pass (`gemm_round_colsum`: partials of 256 rows,
 /// then colsum_final in order).
-fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, String> {
+pub(super) fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, String> {
     let outs = 1 + usize::from(col_sums);
     if o.ins.len() != 1 || o.outs.len() != outs {
         return Err(format!(
@@ -1014,7 +952,7 @@ fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, String> {
             scratch: vec![],
         });
     }
-    let (col_blocks, iters, slices) = super::misc::colsum_geometry(rows, cols);
+    let (col_blocks, iters, slices) = super::common::colsum_geometry(rows, cols);
     Ok(CudaPlan {
         calls: vec![
             KernelCall {
@@ -1031,7 +969,7 @@ fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, String> {
                     KArg::I32(iters as i32),
                 ],
             },
-            super::misc::colsum_final_call(KArg::Scratch(0), KArg::Out(1), slices, cols),
+            super::reduce::colsum_final_call(KArg::Scratch(0), KArg::Out(1), slices, cols),
         ],
         scratch: vec![slices * cols * 4],
     })
@@ -1103,7 +1041,12 @@ fn matrix(s: &Shape, what: &str) -> Result<(usize, usize), String> {
 
 /// `[x, w, b?] -> [y]`: y[M,N] = x[M,K]·w[N,K]ᵀ (+ b); with `residual` (LinearAdd),
 /// `[x, w, b?, r] -> [y]`: y = x·wᵀ (+ b) + r, f32 operands.
-fn linear(o: &Operands, bias: bool, relu: bool, residual: bool) -> Result<CudaPlan, String> {
+pub(super) fn linear(
+    o: &Operands,
+    bias: bool,
+    relu: bool,
+    residual: bool,
+) -> Result<CudaPlan, String> {
     let nb = usize::from(bias);
     // `[y]`, or `[y, bf16(y)]`: the copy a later GEMM reads, from the same epilogue
     let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
@@ -1157,7 +1100,7 @@ fn linear(o: &Operands, bias: bool, relu: bool, residual: bool) -> Result<CudaPl
 
 /// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K]; with `relu_mask`, `[dy, w, y] -> [dx]`,
 /// dx zeroed where y (of dx's shape) is not > 0.
-fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> {
+pub(super) fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> {
     // `[dx]`, or `[dx, bf16(dx)]`: dx is the dy of a layer with copies (the one below),
     // and its copy comes from the same epilogue
     let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
@@ -1202,7 +1145,7 @@ fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> 
 }
 
 /// `[dy, x] -> [dw]`: dw[N,K] = dy[M,N]ᵀ·x[M,K], K-dimension of the GEMM = the M rows.
-fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
+pub(super) fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
     let bf16 = check_gemm_operands(o, 2, 1 + usize::from(bias), &[0, 1])?;
     let (n, k) = matrix(o.outs[0], "the weight gradient")?;
     let rows = o.ins[0].rows();
@@ -1256,7 +1199,7 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
     }
     let mut plan = gemm(g)?;
     if bias && !fused {
-        super::misc::append_column_sums(
+        super::reduce::append_column_sums(
             &mut plan.calls,
             &mut plan.scratch,
             KArg::In(0),
@@ -1270,7 +1213,7 @@ fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
 
 /// `[a, b] -> [c]`: c = op(a)·op(b) over the last two dims, with an optional equal
 /// leading batch dim.
-fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
+pub(super) fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
     check_f32(o, 2, 1)?;
     let (da, db) = (o.ins[0].dims(), o.ins[1].dims());
     let (batch, (ra, ca), (rb, cb)) = match (da, db) {
@@ -1312,1029 +1255,4 @@ fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, String> {
         copy: None,
         residual: None,
     })
-}
-
-/// The backward's extra operands of `attn_stage_bf16`: do and o (f32 `[B, S, H·Dh]`),
-/// lse, and where D and lse·log2(e) go.
-struct StageGrad {
-    d_o: KArg,
-    o: KArg,
-    lse: KArg,
-    d: KArg,
-    lb: KArg,
-}
-
-/// Geometry of an attention node: `[B, S, H·Dh]`.
-struct Attn {
-    b: usize,
-    s: usize,
-    heads: usize,
-    dh: usize,
-    packed: bool,
-}
-
-impl Attn {
-    /// From q's shape `[B, S, H·Dh]`, or packed q, k, v's `[B, S, 3·H·Dh]`.
-    fn new(x: &Shape, heads: usize, packed: bool) -> Result<Self, String> {
-        let [b, s, w] = *x.dims() else {
-            return Err(format!("q must be [B, S, H·Dh], got {x}"));
-        };
-        let w = if packed {
-            if w % 3 != 0 {
-                return Err(format!("packed q, k, v {x}: last dim is not 3 widths"));
-            }
-            w / 3
-        } else {
-            w
-        };
-        if heads == 0 || w % heads != 0 {
-            return Err(format!("width {w} is not a multiple of {heads} heads"));
-        }
-        let dh = w / heads;
-        if dh != 32 && dh != 64 {
-            return Err(format!("head dim {dh} has no CUDA kernel (32 and 64 do)"));
-        }
-        if heads > GRID_YZ || b > GRID_YZ {
-            return Err(format!(
-                "{b} batches of {heads} heads need more CTAs than a grid holds"
-            ));
-        }
-        i32_of(3 * s * heads * dh, "3·S·H·Dh")?;
-        i32_of(b * heads * s, "B·H·S")?;
-        Ok(Attn {
-            b,
-            s,
-            heads,
-            dh,
-            packed,
-        })
-    }
-
-    fn empty(&self) -> bool {
-        self.b * self.s == 0
-    }
-
-    fn tiny(&self) -> bool {
-        self.s <= ATTN_TINY_S
-    }
-
-    fn staged(&self) -> bool {
-        self.s > ATTN_STAGED_S
-    }
-
-    /// Query tiles (of 128 rows for the staged kernels, 64 otherwise), heads (two a CTA
-    /// for the tiny kernels), batch.
-    fn grid(&self) -> [u32; 3] {
-        if self.tiny() {
-            [1, blocks(self.heads, 2), self.b as u32]
-        } else if self.staged() {
-            [blocks(self.s, 128), self.heads as u32, self.b as u32]
-        } else {
-            [blocks(self.s, 64), self.heads as u32, self.b as u32]
-        }
-    }
-
-    /// Bytes of one bf16 head-major copy `[B, H, S, Dh]` of q, k, v or do.
-    fn bf16_bytes(&self) -> usize {
-        self.b * self.heads * self.s * self.dh * 2
-    }
-
-    /// `attn_stage_bf16` of q, k, v (the node's operands from `qkv`, see [`Attn::three`])
-    /// into scratch buffers `first ..`; with `grad`, also do into the next one, and the
-    /// backward's D and lse·log2(e) where `grad` says.
-    fn stage(&self, qkv: [KArg; 3], grad: Option<StageGrad>, first: usize) -> KernelCall {
-        let n = self.b * self.s * self.heads * self.dh;
-        let tensors = if grad.is_some() { 4 } else { 3 };
-        let [q, k, v] = qkv;
-        // the forward's stage reads and writes nothing of the fourth tensor's arguments:
-        // they repeat q and its copy
-        let g = grad.unwrap_or(StageGrad {
-            d_o: q,
-            o: q,
-            lse: q,
-            d: KArg::Scratch(first),
-            lb: KArg::Scratch(first),
-        });
-        let mut args = vec![q, k, v, g.d_o];
-        args.extend((0..tensors).map(|i| KArg::Scratch(first + i)));
-        if tensors == 3 {
-            args.push(KArg::Scratch(first));
-        }
-        args.extend([
-            g.o,
-            g.lse,
-            g.d,
-            g.lb,
-            // q, k and v's rows are as far apart as the gradients'
-            self.ldo(),
-            KArg::I32(self.b as i32),
-            KArg::I32(self.s as i32),
-            KArg::I32(self.heads as i32),
-            KArg::I32(self.dh as i32),
-        ]);
-        KernelCall {
-            kernel: "attn_stage_bf16",
-            grid: [blocks(n.div_ceil(4), 256), tensors as u32, 1],
-            block: [256, 1, 1],
-            smem: 0,
-            args,
-        }
-    }
-
-    /// The staged kernels' output stride (and the stage's input stride): H·Dh, or 3·H·Dh
-    /// into a packed tensor.
-    fn ldo(&self) -> KArg {
-        let w = self.heads * self.dh;
-        KArg::I32((if self.packed { 3 * w } else { w }) as i32)
-    }
-
-    /// The kernels' trailing arguments: S, H, causal, scale.
-    fn tail(&self, causal: bool) -> [KArg; 4] {
-        [
-            KArg::I32(self.s as i32),
-            KArg::I32(self.heads as i32),
-            KArg::I32(i32::from(causal)),
-            KArg::F32((1.0 / (self.dh as f64).sqrt()) as f32),
-        ]
-    }
-
-    /// q, k and v (or dq, dk, dv) for the kernels: three tensors from operand `first` on,
-    /// or pointers 0, H·Dh and 2·H·Dh floats into the one packed operand `first`.
-    fn three(&self, arg: fn(usize) -> KArg, at: fn(usize, u64) -> KArg, first: usize) -> [KArg; 3] {
-        self.three_of(arg, at, first, 4)
-    }
-
-    /// [`Attn::three`] for elements of `size` bytes.
-    fn three_of(
-        &self,
-        arg: fn(usize) -> KArg,
-        at: fn(usize, u64) -> KArg,
-        first: usize,
-        size: usize,
-    ) -> [KArg; 3] {
-        if self.packed {
-            let w = (self.heads * self.dh * size) as u64;
-            [arg(first), at(first, w), at(first, 2 * w)]
-        } else {
-            [arg(first), arg(first + 1), arg(first + 2)]
-        }
-    }
-
-    /// The kernel `{stem}[_packed]_d{Dh}`.
-    fn kernel(&self, stem: &str) -> Result<&'static str, String> {
-        self.kernel_d(&format!(
-            "{stem}{}",
-            if self.packed { "_packed" } else { "" }
-        ))
-    }
-
-    /// The kernel `{stem}_d{Dh}` (the staged kernels: one form for packed and not).
-    fn kernel_d(&self, stem: &str) -> Result<&'static str, String> {
-        let name = format!("{stem}_d{}", self.dh);
-        KERNELS
-            .iter()
-            .copied()
-            .find(|k| *k == name)
-            .ok_or_else(|| format!("no attention kernel {name}"))
-    }
-
-    /// A launch of the staged kernel `{stem}_d{Dh}`: 256 threads, grid [`Attn::grid`].
-    fn staged_call(&self, stem: &str, args: Vec<KArg>) -> Result<KernelCall, String> {
-        Ok(KernelCall {
-            kernel: self.kernel_d(stem)?,
-            grid: self.grid(),
-            block: [256, 1, 1],
-            smem: 0,
-            args,
-        })
-    }
-}
-
-fn same_shapes(o: &Operands, idx: &[usize], what: &str) -> Result<(), String> {
-    let first = o.ins[idx[0]];
-    match idx.iter().find(|&&i| o.ins[i] != first) {
-        Some(&i) => Err(format!(
-            "{what}: input {i} is {}, input {} is {first}",
-            o.ins[i], idx[0]
-        )),
-        None => Ok(()),
-    }
-}
-
-/// `[q, k, v] -> [o, lse]`, or packed `[qkv] -> [o, lse]`.
-fn attention(o: &Operands, heads: usize, causal: bool, packed: bool) -> Result<CudaPlan, String> {
-    if packed {
-        check_f32(o, 1, 2)?;
-    } else {
-        check_f32(o, 3, 2)?;
-        same_shapes(o, &[0, 1, 2], "q, k and v differ")?;
-    }
-    let a = Attn::new(o.ins[0], heads, packed)?;
-    if a.empty() {
-        return Ok(CudaPlan::default());
-    }
-    if a.staged() {
-        let mut args: Vec<KArg> = (0..3).map(KArg::Scratch).collect();
-        args.extend([KArg::Out(0), KArg::Out(1)]);
-        args.extend(a.tail(causal));
-        return Ok(CudaPlan {
-            calls: vec![
-                a.stage(a.three(KArg::In, KArg::InAt, 0), None, 0),
-                a.staged_call("attn_fwd_st", args)?,
-            ],
-            scratch: vec![a.bf16_bytes(); 3],
-        });
-    }
-    let mut args = a.three(KArg::In, KArg::InAt, 0).to_vec();
-    args.extend([KArg::Out(0), KArg::Out(1)]);
-    args.extend(a.tail(causal));
-    let kernel = a.kernel(if a.tiny() {
-        "attn_fwd_tiny"
-    } else {
-        "attn_fwd"
-    })?;
-    Ok(CudaPlan {
-        calls: vec![KernelCall {
-            kernel,
-            grid: a.grid(),
-            block: [128, 1, 1],
-            smem: 0,
-            args,
-        }],
-        scratch: vec![],
-    })
-}
-
-/// `[do, q, k, v, o, lse] -> [dq, dk, dv]` (packed: `[do, qkv, o, lse] -> [dqkv]`, dqkv
-/// f32 or bf16): for S ≤ 64 one fused kernel; else `attn_stage_bf16` (q, k, v, do to bf16
-/// scratch, with D = rowsum(bf16(do)∘o)), then dk/dv by key tile and dq by query tile (a
-/// bf16 dqkv: into f32 scratch, then cast).
-fn attention_grad(
-    o: &Operands,
-    heads: usize,
-    causal: bool,
-    packed: bool,
-) -> Result<CudaPlan, String> {
-    // a packed dqkv in bf16: the projection's GEMMs read it (see the autodiff rule)
-    let bf16_out = packed && o.out_dtypes == [DType::Bf16];
-    // input positions of o and lse
-    let (io, il) = if packed {
-        if bf16_out {
-            check_f32(
-                &Operands {
-                    out_dtypes: &[DType::F32],
-                    ..*o
-                },
-                4,
-                1,
-            )?;
-        } else {
-            check_f32(o, 4, 1)?;
-        }
-        if o.ins[0] != o.ins[2] {
-            return Err(format!("do {} and o {} differ", o.ins[0], o.ins[2]));
-        }
-        (2, 3)
-    } else {
-        check_f32(o, 6, 3)?;
-        same_shapes(o, &[0, 1, 2, 3, 4], "do, q, k, v and o differ")?;
-        (4, 5)
-    };
-    let a = Attn::new(o.ins[1], heads, packed)?;
-    if o.ins[il].numel() != a.b * a.heads * a.s {
-        return Err(format!(
-            "lse {} is not [B, H, S] = [{}, {}, {}]",
-            o.ins[il], a.b, a.heads, a.s
-        ));
-    }
-    if a.empty() {
-        return Ok(CudaPlan::default());
-    }
-    let qkv = a.three(KArg::In, KArg::InAt, 1);
-    if !a.staged() {
-        // one tile of queries and keys: D, dk, dv and dq in one CTA per (batch, head)
-        let [dq, dk, dv] = a.three_of(KArg::Out, KArg::OutAt, 0, if bf16_out { 2 } else { 4 });
-        let mut args = vec![KArg::In(0)];
-        args.extend(qkv);
-        args.extend([KArg::In(io), KArg::In(il), dq, dk, dv]);
-        args.extend(a.tail(causal));
-        let stem = if a.tiny() {
-            "attn_bwd_tiny"
-        } else {
-            "attn_bwd_small"
-        };
-        let kernel = if bf16_out {
-            a.kernel_d(&format!("{stem}_packed_bo"))?
-        } else {
-            a.kernel(stem)?
-        };
-        return Ok(CudaPlan {
-            calls: vec![KernelCall {
-                kernel,
-                grid: a.grid(),
-                block: [128, 1, 1],
-                smem: 0,
-                args,
-            }],
-            scratch: vec![],
-        });
-    }
-    // S > 64: bf16 head-major copies of q, k, v and do into scratch 2 ..= 5, with
-    // D = rowsum(bf16(do)∘o) into scratch 0 and lse·log2(e) into scratch 1; then dk, dv
-    // by key tiles and dq by query tiles
-    let rows = a.b * a.heads * a.s;
-    let stage = a.stage(
-        qkv,
-        Some(StageGrad {
-            d_o: KArg::In(0),
-            o: KArg::In(io),
-            lse: KArg::In(il),
-            d: KArg::Scratch(0),
-            lb: KArg::Scratch(1),
-        }),
-        2,
-    );
-    // do, q, k, v (bf16), lse·log2(e), D
-    let ins = [
-        KArg::Scratch(5),
-        KArg::Scratch(2),
-        KArg::Scratch(3),
-        KArg::Scratch(4),
-        KArg::Scratch(1),
-        KArg::Scratch(0),
-    ];
-    // dq, dk, dv: the output, or for a bf16 dqkv f32 scratch 6 (the compute dwarfs the
-    // cast after it at these lengths)
-    let [dq, dk, dv] = if bf16_out {
-        a.three(KArg::Scratch, KArg::ScratchAt, 6)
-    } else {
-        a.three(KArg::Out, KArg::OutAt, 0)
-    };
-    let mut dkdv_args = ins.to_vec();
-    dkdv_args.extend([dk, dv, a.ldo()]);
-    dkdv_args.extend(a.tail(causal));
-    let mut dq_args = ins.to_vec();
-    dq_args.extend([dq, a.ldo()]);
-    dq_args.extend(a.tail(causal));
-    let mut scratch = vec![rows * 4; 2];
-    scratch.extend([a.bf16_bytes(); 4]);
-    let mut calls = vec![
-        stage,
-        a.staged_call("attn_bwd_dkdv_st", dkdv_args)?,
-        a.staged_call("attn_bwd_dq_st", dq_args)?,
-    ];
-    if bf16_out {
-        let n = o.outs[0].numel();
-        scratch.push(n * 4);
-        calls.push(super::misc::cast_f32_bf16_call(
-            KArg::Scratch(6),
-            KArg::Out(0),
-            n,
-        ));
-    }
-    Ok(CudaPlan { calls, scratch })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn plan_of(op: &Op, ins: &[&[usize]], outs: &[&[usize]]) -> Result<CudaPlan, String> {
-        let ins: Vec<Shape> = ins.iter().map(|d| Shape::new(d)).collect();
-        let outs: Vec<Shape> = outs.iter().map(|d| Shape::new(d)).collect();
-        let (ir, or): (Vec<&Shape>, Vec<&Shape>) = (ins.iter().collect(), outs.iter().collect());
-        let (idt, odt) = (vec![DType::F32; ir.len()], vec![DType::F32; or.len()]);
-        let o = Operands {
-            ins: &ir,
-            in_dtypes: &idt,
-            outs: &or,
-            out_dtypes: &odt,
-            upd: &[],
-        };
-        plan(op, &o).expect("a dense op")
-    }
-
-    fn attention_grad_plan(s: usize) -> Result<CudaPlan, String> {
-        let x: &[usize] = &[1, s, 64];
-        let op = Op::AttentionGrad {
-            heads: 1,
-            causal: false,
-            packed: false,
-        };
-        plan_of(&op, &[x, x, x, x, x, &[1, 1, s]], &[x, x, x])
-    }
-
-    #[test]
-    fn long_attention_stages_its_operands_to_bf16_once() {
-        // S = 65 is past one 64-row tile: the staged kernels, 128 rows a CTA
-        let fwd = plan_of(
-            &Op::Attention {
-                heads: 2,
-                causal: true,
-                packed: true,
-            },
-            &[&[3, 65, 192]],
-            &[&[3, 65, 64], &[3, 2, 65]],
-        )
-        .expect("plan");
-        let names: Vec<_> = fwd.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names, ["attn_stage_bf16", "attn_fwd_st_d32"]);
-        assert_eq!(fwd.calls[0].grid[1], 3, "q, k and v");
-        assert_eq!(fwd.calls[1].grid, [1, 2, 3]);
-        assert_eq!(fwd.scratch, vec![3 * 2 * 65 * 32 * 2; 3]);
-        // packed: the stage reads rows 3·H·Dh floats apart
-        assert!(fwd.calls[0].args.contains(&KArg::I32(192)));
-
-        let grad = attention_grad_plan(300).expect("plan");
-        let names: Vec<_> = grad.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(
-            names,
-            [
-                "attn_stage_bf16",
-                "attn_bwd_dkdv_st_d64",
-                "attn_bwd_dq_st_d64"
-            ]
-        );
-        assert_eq!(grad.calls[0].grid[1], 4, "q, k, v and do");
-        assert_eq!(grad.calls[1].grid, [3, 1, 1]);
-        let copy = 300 * 64 * 2;
-        assert_eq!(grad.scratch, vec![300 * 4, 300 * 4, copy, copy, copy, copy]);
-        // S = 64 stays on the one-tile kernels
-        let short = attention_grad_plan(64).expect("plan");
-        assert_eq!(short.calls.len(), 1);
-    }
-
-    #[test]
-    fn every_plan_names_a_listed_kernel() {
-        let plans = [
-            plan_of(
-                &Op::Linear {
-                    bias: true,
-                    relu: false,
-                },
-                &[&[4096, 27, 13], &[64, 13], &[64]],
-                &[&[4096, 27, 64]],
-            ),
-            plan_of(
-                &Op::LinearGradWeight { bias: false },
-                &[&[110_592, 1], &[110_592, 351]],
-                &[&[1, 351]],
-            ),
-            plan_of(
-                &Op::MatMul { ta: true, tb: true },
-                &[&[3, 5, 7], &[3, 9, 5]],
-                &[&[3, 7, 9]],
-            ),
-            plan_of(
-                &Op::Attention {
-                    heads: 2,
-                    causal: true,
-                    packed: false,
-                },
-                &[&[3, 27, 64], &[3, 27, 64], &[3, 27, 64]],
-                &[&[3, 27, 64], &[3, 2, 27]],
-            ),
-            attention_grad_plan(27),
-            attention_grad_plan(100),
-            plan_of(
-                &Op::Attention {
-                    heads: 2,
-                    causal: false,
-                    packed: true,
-                },
-                &[&[3, 100, 192]],
-                &[&[3, 100, 64], &[3, 2, 100]],
-            ),
-        ];
-        for p in plans {
-            let p = p.expect("plan");
-            for c in &p.calls {
-                assert!(KERNELS.contains(&c.kernel), "{} is not listed", c.kernel);
-            }
-        }
-    }
-
-    #[test]
-    fn long_reductions_split_k_in_a_fixed_number_of_parts() {
-        let p = plan_of(
-            &Op::LinearGradWeight { bias: false },
-            &[&[110_592, 1], &[110_592, 351]],
-            &[&[1, 351]],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 2);
-        assert_eq!(p.calls[1].kernel, "gemm_splitk_reduce");
-        let KArg::I32(splits) = p.calls[1].args[5] else {
-            panic!("splits")
-        };
-        assert!(splits > 1);
-        assert_eq!(p.scratch, vec![splits as usize * 351 * 4]);
-        assert_eq!(p.calls[0].grid[2], splits as u32);
-        // a square GEMM that fills the GPU needs no split
-        let p = plan_of(
-            &Op::Linear {
-                bias: false,
-                relu: false,
-            },
-            &[&[4096, 1024], &[1024, 1024]],
-            &[&[4096, 1024]],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 2);
-        assert!(p.calls[1].kernel.starts_with("gemm_bf16p_"));
-        assert_eq!(p.calls[1].grid[2], 1);
-        // a GEMM under 2^31 FLOPs stays one launch
-        let p = plan_of(
-            &Op::Linear {
-                bias: false,
-                relu: false,
-            },
-            &[&[4096, 192], &[1024, 192]],
-            &[&[4096, 1024]],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        assert_eq!(p.calls[0].kernel, "gemm_bf16_nt_128x128");
-        // with K of at most 128 (a few k steps) on the 64x64 tile
-        let p = plan_of(
-            &Op::Linear {
-                bias: false,
-                relu: false,
-            },
-            &[&[4096, 128], &[1024, 128]],
-            &[&[4096, 1024]],
-        )
-        .unwrap();
-        assert_eq!(p.calls[0].kernel, "gemm_bf16_nt_64x64");
-    }
-
-    #[test]
-    fn tall_gemms_take_the_persistent_kernels() {
-        // AutoInt's QKV projection over 4096 x 27 rows: one launch of the N <= 192
-        // kernel, two CTAs an SM, shared memory for two f32 blocks of A and bf16 op(B)
-        let p = plan_of(
-            &Op::Linear {
-                bias: true,
-                relu: false,
-            },
-            &[&[4096, 27, 64], &[192, 64], &[192]],
-            &[&[4096, 27, 192]],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        let c = &p.calls[0];
-        assert_eq!(c.kernel, "gemm_tall_n192_c");
-        assert_eq!(c.grid, [2 * SMS as u32, 1, 1]);
-        assert_eq!(
-            c.smem as usize,
-            2 * 64 * 72 * 4 + 192 * 72 * 2 + TALL_STAGE_SMEM + 192 * 4
-        );
-        // its output projection's data gradient: three CTAs an SM; the QKV projection's
-        // (K = 192) would leave room for one, so it takes the general kernels
-        let p = plan_of(
-            &Op::LinearGradInput { relu_mask: false },
-            &[&[110_592, 64], &[64, 64]],
-            &[&[110_592, 64]],
-        )
-        .unwrap();
-        assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c");
-        assert_eq!(p.calls[0].grid, [3 * SMS as u32, 1, 1]);
-        let p = plan_of(
-            &Op::LinearGradInput { relu_mask: false },
-            &[&[110_592, 192], &[192, 64]],
-            &[&[110_592, 64]],
-        )
-        .unwrap();
-        assert!(!p.calls[0].kernel.starts_with("gemm_tall"));
-        // 4096 rows are too few, and a weight gradient (transposed A) is not tall
-        let p = plan_of(
-            &Op::Linear {
-                bias: false,
-                relu: false,
-            },
-            &[&[4096, 64], &[192, 64]],
-            &[&[4096, 192]],
-        )
-        .unwrap();
-        assert!(!p.calls[0].kernel.starts_with("gemm_tall"));
-        let p = plan_of(
-            &Op::LinearGradWeight { bias: false },
-            &[&[110_592, 192], &[110_592, 64]],
-            &[&[192, 64]],
-        )
-        .unwrap();
-        assert!(p.calls.iter().all(|c| !c.kernel.starts_with("gemm_tall")));
-    }
-
-    /// LinearAdd: the tall kernel adds the residual as it stores (flag 16, the residual
-    /// its last argument); a GEMM on any other path writes to scratch and an add launch
-    /// sums it with the residual into the output.
-    #[test]
-    fn a_residual_is_added_by_the_tall_store_or_a_launch_after() {
-        let op = Op::LinearAdd { bias: true };
-        let p = plan_of(
-            &op,
-            &[&[4096, 27, 64], &[64, 64], &[64], &[4096, 27, 64]],
-            &[&[4096, 27, 64]],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        let c = &p.calls[0];
-        assert_eq!(c.kernel, "gemm_tall_n64_c");
-        assert_eq!(c.args[11], KArg::I32(1 | 16));
-        assert_eq!(c.args[12], KArg::In(3));
-        assert_eq!(c.args[2], KArg::Out(0));
-        let p = plan_of(
-            &op,
-            &[&[300, 64], &[64, 64], &[64], &[300, 64]],
-            &[&[300, 64]],
-        )
-        .unwrap();
-        let last = p.calls.last().unwrap();
-        assert_eq!(last.kernel, "ew_add");
-        assert_eq!(
-            last.args[..3],
-            [KArg::Scratch(0), KArg::In(3), KArg::Out(0)]
-        );
-        assert_eq!(p.scratch, [300 * 64 * 4]);
-        assert!(p.calls[..p.calls.len() - 1]
-            .iter()
-            .all(|c| !c.args.contains(&KArg::Out(0))));
-        // a residual of another shape is refused
-        let e = plan_of(
-            &op,
-            &[&[300, 64], &[64, 64], &[64], &[300, 32]],
-            &[&[300, 64]],
-        )
-        .unwrap_err();
-        assert!(e.contains("residual"), "{e}");
-    }
-
-    /// AutoInt's dqkv in bf16: its attention gradient writes it with the `_bo` kernels
-    /// (pointers 2 bytes an element apart), the QKV data gradient reads it in the tall
-    /// kernel (K = 192 now fits two CTAs an SM), the weight gradient in the single-launch
-    /// kernel that sums the bias gradient; a long sequence's gradient is cast from f32.
-    #[test]
-    fn a_bf16_dqkv_is_written_and_read_in_bf16() {
-        const F: DType = DType::F32;
-        const B: DType = DType::Bf16;
-        let op = Op::AttentionGrad {
-            heads: 2,
-            causal: false,
-            packed: true,
-        };
-        let (x, qkv, lse): (&[usize], &[usize], &[usize]) =
-            (&[4096, 27, 64], &[4096, 27, 192], &[4096, 2, 27]);
-        let p = plan_typed(&op, &[(x, F), (qkv, F), (x, F), (lse, F)], &[(qkv, B)]).unwrap();
-        assert_eq!(p.calls.len(), 1);
-        let c = &p.calls[0];
-        assert_eq!(c.kernel, "attn_bwd_tiny_packed_bo_d32");
-        assert_eq!(
-            c.args[6..9],
-            [KArg::Out(0), KArg::OutAt(0, 128), KArg::OutAt(0, 256)]
-        );
-        // S = 100: the staged kernels into f32 scratch, then one cast into dqkv
-        let (x, qkv, lse): (&[usize], &[usize], &[usize]) =
-            (&[2, 100, 128], &[2, 100, 384], &[2, 2, 100]);
-        let p = plan_typed(&op, &[(x, F), (qkv, F), (x, F), (lse, F)], &[(qkv, B)]).unwrap();
-        let last = p.calls.last().unwrap();
-        assert_eq!(last.kernel, "ew_cast");
-        assert_eq!(last.args[..2], [KArg::Scratch(6), KArg::Out(0)]);
-        assert_eq!(p.scratch[6], 2 * 100 * 384 * 4);
-        // dk and dv H·Dh and 2·H·Dh floats into it, dq at its start
-        let (dkdv, dq) = (&p.calls[1].args, &p.calls[2].args);
-        assert_eq!(
-            dkdv[6..8],
-            [KArg::ScratchAt(6, 512), KArg::ScratchAt(6, 1024)]
-        );
-        assert_eq!(dq[6], KArg::Scratch(6));
-        let p = plan_typed(
-            &Op::LinearGradInput { relu_mask: false },
-            &[(&[110_592, 192], B), (&[192, 64], F)],
-            &[(&[110_592, 64], F)],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c_a16");
-        assert_eq!(p.calls[0].grid, [2 * SMS as u32, 1, 1]);
-        assert_eq!(
-            p.calls[0].smem as usize,
-            2 * 64 * 200 * 2 + 64 * 200 * 2 + TALL_STAGE_SMEM + 64 * 4
-        );
-        // K not a multiple of 8: the single-launch kernel
-        let p = plan_typed(
-            &Op::LinearGradInput { relu_mask: false },
-            &[(&[110_592, 190], B), (&[190, 64], F)],
-            &[(&[110_592, 64], F)],
-        )
-        .unwrap();
-        assert_eq!(p.calls[0].kernel, "gemm_bf16_nn_64x64_a16");
-        let p = plan_typed(
-            &Op::LinearGradWeight { bias: true },
-            &[(&[110_592, 192], B), (&[110_592, 64], F)],
-            &[(&[192, 64], F), (&[192], F)],
-        )
-        .unwrap();
-        assert_eq!(p.calls[0].kernel, "gemm_bf16_tn_64x64_a16");
-        assert_eq!(p.calls[0].args[16], KArg::I32(4));
-    }
-
-    #[test]
-    fn large_gemms_round_operands_first_and_split_half_waves() {
-        // the CTR model's deep-layer weight gradient: 1024 x 1728 outputs over 4096 rows,
-        // half a wave of 128x128 tiles: split in two, summed inside clusters of two CTAs
-        let p = plan_of(
-            &Op::LinearGradWeight { bias: false },
-            &[&[4096, 1024], &[4096, 1728]],
-            &[&[1024, 1728]],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names, ["gemm_to_bf16_pair", "gemm_bf16p_128x128_k2"]);
-        // both operands transposed: the pair's trans flags (args 7 and 17)
-        assert_eq!(p.calls[0].args[7], KArg::I32(1));
-        assert_eq!(p.calls[0].args[17], KArg::I32(1));
-        assert!(p.calls[1].smem > 48 * 1024);
-        assert_eq!(p.calls[1].grid[2], 2);
-        // straight into the output, no partials' stride (4096 = 2 splits of 2048)
-        assert_eq!(p.calls[1].args[2], KArg::Out(0));
-        assert_eq!(p.calls[1].args[14], KArg::I32(2048));
-        assert_eq!(p.calls[1].args[15], KArg::I64(0));
-        assert_eq!(p.scratch.len(), 2);
-        // three splits are taken as a cluster of four (the cross block's U forward)
-        let p = plan_of(
-            &Op::Linear {
-                bias: true,
-                relu: false,
-            },
-            &[&[4096, 1728], &[256, 1728], &[256]],
-            &[&[4096, 256]],
-        )
-        .unwrap();
-        assert_eq!(p.calls[1].kernel, "gemm_bf16p_128x128_k4");
-        assert_eq!(p.calls[1].grid, [32, 2, 4]);
-        // a batched GEMM keeps the partials and the fixed-order reduction
-        let p = plan_of(
-            &Op::MatMul {
-                ta: false,
-                tb: false,
-            },
-            &[&[2, 512, 4096], &[2, 4096, 512]],
-            &[&[2, 512, 512]],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names.last(), Some(&"gemm_splitk_reduce"), "{names:?}");
-        let KArg::I32(splits) = p.calls[2].args[5] else {
-            panic!("splits")
-        };
-        assert!(splits > 1);
-        assert_eq!(p.scratch.len(), 3);
-        assert_eq!(p.scratch[2], splits as usize * 2 * 512 * 512 * 4);
-        // with the bias gradient: dy's column sums from the conversion (64 partials of 64
-        // rows in scratch 2), added by colsum_final after the GEMM; no pass of its own
-        let p = plan_of(
-            &Op::LinearGradWeight { bias: true },
-            &[&[4096, 1024], &[4096, 1728]],
-            &[&[1024, 1728], &[1024]],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names.last(), Some(&"colsum_final"), "{names:?}");
-        assert!(!names.contains(&"sum_to_shape_partial"), "{names:?}");
-        let conv = &p.calls[0].args;
-        assert_eq!(conv[conv.len() - 2..], [KArg::Scratch(2), KArg::I32(1)]);
-        assert_eq!(p.scratch[2], 64 * 1024 * 4);
-        // the forward: x·wᵀ reads both operands K-major
-        let p = plan_of(
-            &Op::Linear {
-                bias: true,
-                relu: false,
-            },
-            &[&[4096, 1728], &[1024, 1728], &[1024]],
-            &[&[4096, 1024]],
-        )
-        .unwrap();
-        assert_eq!(p.calls[0].kernel, "gemm_to_bf16_pair");
-        assert_eq!(p.calls[0].args[7], KArg::I32(0));
-        assert_eq!(p.calls[0].args[17], KArg::I32(0));
-        assert_eq!(p.calls.len(), 2);
-    }
-
-    #[test]
-    fn unsupported_head_dims_are_errors() {
-        let e = plan_of(
-            &Op::Attention {
-                heads: 2,
-                causal: false,
-                packed: false,
-            },
-            &[&[1, 8, 96], &[1, 8, 96], &[1, 8, 96]],
-            &[&[1, 8, 96], &[1, 2, 8]],
-        );
-        assert!(e.unwrap_err().contains("head dim 48"));
-    }
-
-    /// `plan_of` with input element types.
-    fn plan_typed(
-        op: &Op,
-        ins: &[(&[usize], DType)],
-        outs: &[(&[usize], DType)],
-    ) -> Result<CudaPlan, String> {
-        let in_shapes: Vec<Shape> = ins.iter().map(|(s, _)| Shape::new(s)).collect();
-        let out_shapes: Vec<Shape> = outs.iter().map(|(s, _)| Shape::new(s)).collect();
-        let in_refs: Vec<&Shape> = in_shapes.iter().collect();
-        let out_refs: Vec<&Shape> = out_shapes.iter().collect();
-        let in_dt: Vec<DType> = ins.iter().map(|(_, d)| *d).collect();
-        let out_dt: Vec<DType> = outs.iter().map(|(_, d)| *d).collect();
-        super::super::cuda_plan(
-            op,
-            &Operands {
-                ins: &in_refs,
-                in_dtypes: &in_dt,
-                outs: &out_refs,
-                out_dtypes: &out_dt,
-                upd: &[],
-            },
-        )
-    }
-
-    #[test]
-    fn bf16_copies_are_read_in_place() {
-        const F: DType = DType::F32;
-        const B: DType = DType::Bf16;
-        // the forward reads its input's copy K-major: only the weight is rounded
-        let p = plan_typed(
-            &Op::Linear {
-                bias: true,
-                relu: true,
-            },
-            &[(&[4096, 1728], B), (&[1024, 1728], F), (&[1024], F)],
-            &[(&[4096, 1024], F)],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names, ["gemm_to_bf16", "gemm_bf16p_128x128"], "{names:?}");
-        assert_eq!(p.calls[1].args[0], KArg::In(0));
-        assert_eq!(p.calls[1].args[7], KArg::I64(1728));
-        assert_eq!(p.scratch.len(), 1);
-        // the data gradient: dy's copy K-major, the weight through the transposing kernel
-        let p = plan_typed(
-            &Op::LinearGradInput { relu_mask: false },
-            &[(&[4096, 256], B), (&[256, 1728], F)],
-            &[(&[4096, 1728], F)],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names[0], "gemm_to_bf16_t");
-        assert!(names[1].starts_with("gemm_bf16p_128x"), "{names:?}");
-        // the weight gradient: both copies MN-major, no rounding launch
-        let p = plan_typed(
-            &Op::LinearGradWeight { bias: false },
-            &[(&[4096, 1024], B), (&[4096, 1728], B)],
-            &[(&[1024, 1728], F)],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names, ["gemm_bf16p_mm_128x128_k2"]);
-        assert!(p.scratch.is_empty());
-        // a bf16 dy with an f32 x (mixed layouts for the pipelined kernels): the
-        // single-launch kernel reads dy as it is, and sums the bias gradient from it
-        let p = plan_typed(
-            &Op::LinearGradWeight { bias: true },
-            &[(&[4096, 1024], B), (&[4096, 1728], F)],
-            &[(&[1024, 1728], F), (&[1024], F)],
-        )
-        .unwrap();
-        assert_eq!(p.calls[0].kernel, "gemm_bf16_tn_64x64_a16");
-        assert_eq!(p.calls[0].args[16], KArg::I32(4));
-        // K not a multiple of 64 (with no single-launch kernel for a bf16 x), and a bias
-        // summed from bf16 copies of both dy and x, are refused, naming the problem
-        // a copy of the weight too: the forward has no rounding launch, the data gradient
-        // reads the weight MN-major
-        let p = plan_typed(
-            &Op::Linear {
-                bias: true,
-                relu: false,
-            },
-            &[(&[4096, 1728], B), (&[1024, 1728], B), (&[1024], F)],
-            &[(&[4096, 1024], F)],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        assert!(p.calls[0].kernel.starts_with("gemm_bf16p_128x"));
-        let p = plan_typed(
-            &Op::LinearGradInput { relu_mask: true },
-            &[(&[4096, 1024], B), (&[1024, 1728], B), (&[4096, 1728], F)],
-            &[(&[4096, 1728], F)],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        assert!(
-            p.calls[0].kernel.starts_with("gemm_bf16p_km_128x"),
-            "{}",
-            p.calls[0].kernel
-        );
-        let e = plan_typed(
-            &Op::Linear {
-                bias: false,
-                relu: false,
-            },
-            &[(&[4096, 1000], B), (&[256, 1000], F)],
-            &[(&[4096, 256], F)],
-        )
-        .unwrap_err();
-        assert!(e.contains("multiple of 64"), "{e}");
-        let e = plan_typed(
-            &Op::LinearGradWeight { bias: true },
-            &[(&[4096, 1024], B), (&[4096, 1728], B)],
-            &[(&[1024, 1728], F), (&[1024], F)],
-        )
-        .unwrap_err();
-        assert!(e.contains("bias gradient"), "{e}");
-        // rows too long for the kernels' 32-bit tile offsets are refused, not wrapped
-        let k = 1 << 24;
-        let e = plan_typed(
-            &Op::Linear {
-                bias: false,
-                relu: false,
-            },
-            &[(&[128, k], B), (&[128, k], B)],
-            &[(&[128, 128], F)],
-        )
-        .unwrap_err();
-        assert!(e.contains("32-bit"), "{e}");
-        // a Linear that writes its output's bf16 copy: from the pipelined epilogue (a `_c`
-        // kernel, the copy its last argument), or a cast after a single-launch GEMM
-        let p = plan_typed(
-            &Op::Linear {
-                bias: true,
-                relu: true,
-            },
-            &[(&[4096, 1728], B), (&[256, 1728], B), (&[256], F)],
-            &[(&[4096, 256], F), (&[4096, 256], B)],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        assert_eq!(p.calls[0].args.last(), Some(&KArg::Out(1)));
-        assert!(
-            p.calls[0].kernel.starts_with("gemm_bf16p_c_128x"),
-            "{}",
-            p.calls[0].kernel
-        );
-        assert_eq!(p.calls[0].args[16], KArg::I32(1 | 2));
-        // a data gradient that is the dy of a copied layer below it (cross's up-projection
-        // into its low-rank layer): the copy from the epilogue of the `_km` layout's
-        // `_kmc` form
-        let p = plan_typed(
-            &Op::LinearGradInput { relu_mask: false },
-            &[(&[4096, 1728], B), (&[1728, 256], B)],
-            &[(&[4096, 256], F), (&[4096, 256], B)],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        assert_eq!(p.calls[0].args.last(), Some(&KArg::Out(1)));
-        assert!(
-            p.calls[0].kernel.starts_with("gemm_bf16p_kmc_128x"),
-            "{}",
-            p.calls[0].kernel
-        );
-        let p = plan_typed(
-            &Op::Linear {
-                bias: false,
-                relu: false,
-            },
-            &[(&[300, 72], F), (&[40, 72], F)],
-            &[(&[300, 40], F), (&[300, 40], B)],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names.last(), Some(&"ew_cast"), "{names:?}");
-        // RoundBf16: one launch, or the column-summing kernel and colsum_final
-        let p = plan_typed(
-            &Op::RoundBf16 { col_sums: false },
-            &[(&[4096, 1728], F)],
-            &[(&[4096, 1728], B)],
-        )
-        .unwrap();
-        assert_eq!(p.calls.len(), 1);
-        assert_eq!(p.calls[0].kernel, "gemm_to_bf16");
-        let p = plan_typed(
-            &Op::RoundBf16 { col_sums: true },
-            &[(&[4096, 1728], F)],
-            &[(&[4096, 1728], B), (&[1728], F)],
-        )
-        .unwrap();
-        let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
-        assert_eq!(names, ["gemm_round_colsum", "colsum_final"]);
-        assert_eq!(p.calls[0].grid, [27, 16, 1]);
-        assert_eq!(p.scratch, [16 * 1728 * 4]);
-        let e = plan_typed(
-            &Op::RoundBf16 { col_sums: false },
-            &[(&[4096, 13], F)],
-            &[(&[4096, 13], B)],
-        )
-        .unwrap_err();
-        assert!(e.contains("multiple of 8"), "{e}");
-    }
 }

@@ -1,5 +1,7 @@
-//! GPU tests of the non-GEMM kernels (ops/src/cuda/misc.rs, kernels-cuda/{elementwise,
-//! norm,reduce,interaction,loss,optim,embedding_bag}.cu) against the CPU reference.
+//! GPU tests of every op family's kernels but GEMM and attention (the plans of
+//! ops/src/cuda/{elementwise,shape,reduce,norm,interaction,loss,optim,embedding}.rs, the
+//! kernels of kernels-cuda/{elementwise,norm,reduce,interaction,loss,optim,embedding_bag}.cu)
+//! against the CPU reference.
 //!
 //! Tolerances: maps the kernels compute with the reference's own f32 operations (no FMA
 //! contraction: add, mul, scale, relu, casts, copies, grad_sum, the interaction, the
@@ -1323,4 +1325,4 @@ fn padded_multi_hot_bags_and_bag_mean_match_cpu() {
     }
 }
 
-// ---- timings (not a check: `gpu misc::timings --ignored --nocapture`) -----------------------
+// ---- timings (not a check: `gpu families::timings --ignored --nocapture`) -----------------------
