@@ -263,7 +263,7 @@ fn bench_cuda(
     use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
     use crate::metrics::{auc, NeState};
     use erase_graph::Phase;
-    use erase_runtime::cuda_program::CudaProgram;
+    use erase_runtime::cuda::program::CudaProgram;
 
     let mc = &cfg.model;
     let total = cfg.warmup + cfg.steps;
@@ -408,7 +408,7 @@ fn bench_cuda(
                     &plans[*i].program,
                     &plans[*i].model.graph,
                     &t,
-                    &erase_runtime::occupancy::DeviceModel::h200(),
+                    &erase_runtime::program::occupancy::DeviceModel::h200(),
                     cfg.kernels,
                 ));
             }

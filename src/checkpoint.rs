@@ -23,7 +23,7 @@ pub trait TensorStore {
     fn write(&mut self, t: Tensor, b: Buffer) -> Result<()>;
 }
 
-impl TensorStore for erase_runtime::program::ProgramRunner<'_> {
+impl TensorStore for erase_runtime::cpu::runner::ProgramRunner<'_> {
     fn read(&self, t: Tensor) -> Result<Buffer> {
         self.get(t).ok_or_else(|| anyhow!("tensor has no value"))
     }
@@ -424,7 +424,7 @@ pub fn load(
                 path.display()
             );
         }
-        let b = erase_runtime::cuda::buffer_from_bytes(g.dtype(t), view.data());
+        let b = erase_runtime::cpu::buffer_from_bytes(g.dtype(t), view.data());
         let bad = match &b {
             Buffer::F32(x) => x.iter().position(|v| !v.is_finite()),
             Buffer::F64(x) => x.iter().position(|v| !v.is_finite()),

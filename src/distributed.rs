@@ -15,7 +15,7 @@ use crate::train::{plan_step_data_parallel, StepPlan, TrainConfig};
 use erase_graph::{DType, Grad, Op, Phase, Tensor};
 use erase_ops::{Buffer, NodeCall};
 use erase_runtime::collective::{cpu_group, Collective, CollectiveRecord};
-use erase_runtime::program::ProgramRunner;
+use erase_runtime::cpu::runner::ProgramRunner;
 
 /// What one rank ends with.
 #[derive(Debug, Clone)]
@@ -499,7 +499,7 @@ pub fn evaluate_replica(
                 g.dtype(t)
             );
         }
-        session.write_tensor(t, erase_runtime::cuda::buffer_from_bytes(dtype, bytes))?;
+        session.write_tensor(t, erase_runtime::cpu::buffer_from_bytes(dtype, bytes))?;
     }
     session.evaluate(cfg.eval_examples)
 }

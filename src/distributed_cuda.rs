@@ -1,7 +1,7 @@
 //! Data parallelism on CUDA devices with NCCL, one process per GPU: each rank trains a
 //! replica on its shard of every global batch (rank `k` of `n` takes examples `i` with
 //! `i mod n = k`, as on the CPU), with the collectives inside the step program (see
-//! [`erase_runtime::cuda_collective`]). Rank 0 hands out the NCCL id at the rendezvous;
+//! [`erase_runtime::cuda::collective`]). Rank 0 hands out the NCCL id at the rendezvous;
 //! the rendezvous connections stay open as a control channel, over which the ranks
 //! compare their replicas and collective logs at the end.
 
@@ -11,12 +11,12 @@ use crate::distributed::{AllReduce, FailAt, RankResult, Shard};
 use crate::launch::{report, WorkerOptions};
 use crate::train::{plan_step_data_parallel, Dispatch, TrainConfig};
 use erase_graph::DType;
+use erase_runtime::collective::rendezvous::{rendezvous, RankEnv};
+use erase_runtime::collective::tcp::TcpCollective;
 use erase_runtime::collective::CollectiveRecord;
-use erase_runtime::cuda_collective::DataParallel;
-use erase_runtime::cuda_program::CudaProgram;
-use erase_runtime::nccl::{nccl_check, unique_id, NcclComm, Watchdog};
-use erase_runtime::rendezvous::{rendezvous, RankEnv};
-use erase_runtime::tcp_collective::TcpCollective;
+use erase_runtime::cuda::collective::DataParallel;
+use erase_runtime::cuda::nccl::{nccl_check, unique_id, NcclComm, Watchdog};
+use erase_runtime::cuda::program::CudaProgram;
 
 /// Runs this process as rank `env.rank` on CUDA device `env.local_rank`.
 pub fn run_worker_cuda(

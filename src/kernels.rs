@@ -1,7 +1,7 @@
 //! The CUDA kernels this build embeds (see `build.rs`): PTX for sm_90a and sm_80, and
 //! each kernel's registers, shared memory and spills as ptxas reported them.
 
-use erase_runtime::cuda::{KernelInfo, KernelLibrary, PtxModule};
+use erase_runtime::kernels::{KernelInfo, KernelLibrary, PtxModule};
 
 mod generated {
     use super::{KernelInfo, PtxModule};

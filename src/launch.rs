@@ -10,7 +10,7 @@
 //!
 //! A process started with those variables set (by the supervisor, by torchrun, or by
 //! hand on several hosts) is a worker: it meets the others at rank 0 (see
-//! [`erase_runtime::rendezvous`]) and trains its shard with the CPU collective backend
+//! [`erase_runtime::collective::rendezvous`]) and trains its shard with the CPU collective backend
 //! over TCP or, on a GPU, with NCCL.
 
 use std::ffi::OsString;
@@ -25,9 +25,9 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use crate::distributed::{run_rank, AllReduce, FailAt, RankResult};
 use crate::train::TrainConfig;
+use erase_runtime::collective::rendezvous::{free_port, rendezvous, RankEnv};
+use erase_runtime::collective::tcp::TcpCollective;
 use erase_runtime::collective::{Collective, CollectiveRecord};
-use erase_runtime::rendezvous::{free_port, rendezvous, RankEnv};
-use erase_runtime::tcp_collective::TcpCollective;
 
 /// Where a worker trains.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
-use erase_runtime::cuda_feed::PinnedBuffer;
+use erase_runtime::cuda::feed::PinnedBuffer;
 
 /// A slot's memory.
 pub enum SlotMem {
@@ -73,7 +73,7 @@ impl Loader {
         let handle = std::thread::Builder::new()
             .name("erase-loader".into())
             .spawn(move || {
-                erase_runtime::nvtx::name_os_thread("erase-loader");
+                erase_runtime::cuda::nvtx::name_os_thread("erase-loader");
                 let mut k = first;
                 let mut kept = Vec::new();
                 while let Ok((slot, mut mem)) = free_rx.recv() {

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use erase_graph::Graph;
-use erase_runtime::occupancy::DeviceModel;
-use erase_runtime::schedule::StepProgram;
+use erase_runtime::program::occupancy::DeviceModel;
+use erase_runtime::program::schedule::StepProgram;
 use erase_runtime::trace::{Trace, TraceKind};
 
 /// The CUDA launch plan of node `node` of `g` (pure data: no device needed).

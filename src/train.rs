@@ -14,15 +14,16 @@ use crate::model::ctr::{build_with, CtrConfig, CtrModel, Variant};
 use erase_graph::Tensor;
 use erase_graph::{make_trainable, partition, DType, OptimizerConfig, Partition, Phase, Training};
 use erase_ops::Buffer;
-use erase_runtime::cuda::{buffer_from_bytes, CudaDevice};
-use erase_runtime::cuda_feed::InputLayout;
-use erase_runtime::cuda_program::CudaProgram;
-use erase_runtime::cuda_trace::MeasuredStep;
-use erase_runtime::hb;
-use erase_runtime::memory::{plan_memory, MemoryPlan};
-use erase_runtime::occupancy::DeviceModel;
-use erase_runtime::program::ProgramRunner;
-use erase_runtime::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram};
+use erase_runtime::cpu::buffer_from_bytes;
+use erase_runtime::cpu::runner::ProgramRunner;
+use erase_runtime::cuda::feed::InputLayout;
+use erase_runtime::cuda::program::CudaProgram;
+use erase_runtime::cuda::CudaDevice;
+use erase_runtime::program::hb;
+use erase_runtime::program::memory::{plan_memory, MemoryPlan};
+use erase_runtime::program::occupancy::DeviceModel;
+use erase_runtime::program::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram};
+use erase_runtime::trace::MeasuredStep;
 use erase_runtime::trace::Trace;
 
 /// The occupancy rule: whether a device-filling launch is ordered against the other
@@ -50,7 +51,7 @@ impl Occupancy {
 }
 
 /// Schedules `part` of `g` with the occupancy rule as `mode` says; with `Auto`, the
-/// configuration and choice of [`erase_runtime::simulate::choose_exclusive`], predicted
+/// configuration and choice of [`erase_runtime::program::simulate::choose_exclusive`], predicted
 /// with the kernels' measured rates on the device (graph dispatch: no host time).
 pub fn schedule_with_occupancy(
     g: &erase_graph::Graph,
@@ -59,7 +60,7 @@ pub fn schedule_with_occupancy(
     mode: Occupancy,
 ) -> (
     StepProgram,
-    Option<erase_runtime::simulate::OccupancyChoice>,
+    Option<erase_runtime::program::simulate::OccupancyChoice>,
 ) {
     scfg.exclusive_only = None;
     match mode {
@@ -74,11 +75,12 @@ pub fn schedule_with_occupancy(
             } else {
                 scfg.device.clone()
             };
-            let sim = erase_runtime::simulate::SimConfig {
+            let sim = erase_runtime::program::simulate::SimConfig {
                 device,
                 host_per_launch_s: 0.0,
             };
-            let (chosen, choice) = erase_runtime::simulate::choose_exclusive(g, part, &scfg, &sim);
+            let (chosen, choice) =
+                erase_runtime::program::simulate::choose_exclusive(g, part, &scfg, &sim);
             (schedule(g, part, &chosen), Some(choice))
         }
     }
@@ -140,7 +142,7 @@ pub struct StepPlan {
     pub program: StepProgram,
     pub memory: MemoryPlan,
     /// What the occupancy model chose (with `--occupancy auto`).
-    pub occupancy: Option<erase_runtime::simulate::OccupancyChoice>,
+    pub occupancy: Option<erase_runtime::program::simulate::OccupancyChoice>,
 }
 
 /// The schedule kind of a variant: `erase` starts backward programs early.
@@ -1007,8 +1009,8 @@ impl<'a> Session<'a> {
             bail!("the loader gave batch {} for step {step}", f.batch);
         }
         // the range's name is only built when a profiler listens
-        let range = erase_runtime::nvtx::enabled()
-            .then(|| erase_runtime::nvtx::range(&format!("step {step}")));
+        let range = erase_runtime::cuda::nvtx::enabled()
+            .then(|| erase_runtime::cuda::nvtx::range(&format!("step {step}")));
         self.exec
             .issue(step, f.slot, &f.mem)
             .with_context(|| format!("step {step}"))?;
@@ -1116,7 +1118,7 @@ impl<'a> Session<'a> {
     /// NE and AUC on `examples` held-out examples (stream 2, whole batches). Waits for
     /// the steps in flight first.
     pub fn evaluate(&mut self, examples: usize) -> Result<Eval> {
-        let _range = erase_runtime::nvtx::range("eval");
+        let _range = erase_runtime::cuda::nvtx::range("eval");
         if !self.in_flight.is_empty() {
             bail!(
                 "evaluate: {} steps in flight; drain them first",
@@ -1280,7 +1282,7 @@ fn run_training(
     dev: Option<&CudaDevice>,
     progress: &mut dyn Progress,
 ) -> Result<TrainReport> {
-    erase_runtime::nvtx::name_os_thread("erase-main");
+    erase_runtime::cuda::nvtx::name_os_thread("erase-main");
     check_memory(plan, dev)?;
     let mut s = Session::with_dispatch(
         plan,

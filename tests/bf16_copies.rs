@@ -6,8 +6,8 @@
 use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use erase::graph::{DType, Grad, Op, OptimizerConfig, Phase, Tensor};
 use erase::model::ctr::{CtrConfig, Variant};
-use erase::runtime::memory::plan_memory;
-use erase::runtime::program::ProgramRunner;
+use erase::runtime::cpu::runner::ProgramRunner;
+use erase::runtime::program::memory::plan_memory;
 use erase::train::{plan_step, ScheduleOptions, StepPlan};
 
 /// The spec's model at batch 128 (every large layer has 128 rows: the least that gets
@@ -293,7 +293,7 @@ fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
 /// carries the forward; the serial schedules keep them on the main stream.
 #[test]
 fn weight_copies_run_beside_the_forward_under_erase() {
-    use erase::runtime::schedule::{EdgeKind, StreamId};
+    use erase::runtime::program::schedule::{EdgeKind, StreamId};
     let cfg = CtrConfig::default().with_variant(Variant::Erase);
     let p = plan_step(
         &cfg,

@@ -4,10 +4,10 @@
 use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use erase::graph::{DType, Op, OptimizerConfig, Phase};
 use erase::model::ctr::{CtrConfig, Variant};
-use erase::runtime::hb::check;
-use erase::runtime::memory::{alias_root, Placement};
-use erase::runtime::program::{random_order, ProgramRunner};
-use erase::runtime::schedule::{happens_before, vector_clocks, EdgeKind, StreamId};
+use erase::runtime::cpu::runner::{random_order, ProgramRunner};
+use erase::runtime::program::hb::check;
+use erase::runtime::program::memory::{alias_root, Placement};
+use erase::runtime::program::schedule::{happens_before, vector_clocks, EdgeKind, StreamId};
 use erase::train::{plan_step, ScheduleOptions, StepPlan};
 
 fn tiny(variant: Variant) -> CtrConfig {
@@ -369,7 +369,7 @@ fn the_last_early_program_has_the_late_stream_to_itself() {
     let p = plan(&tiny(Variant::Erase), 4);
     let prog = &p.program;
     let g = &p.model.graph;
-    let late = erase::runtime::schedule::StreamId(4);
+    let late = erase::runtime::program::schedule::StreamId(4);
     assert_eq!(prog.late_stream, Some(late));
     // the programs readied during the forward, in order: the last one alone on side4
     let early: Vec<_> = p.partition.programs.iter().filter(|q| q.early).collect();

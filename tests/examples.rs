@@ -15,7 +15,7 @@ use erase::data::mnist::{self, encode_images, encode_labels, Mnist, Split, PIXEL
 use erase::graph::OptimizerConfig;
 use erase::model::mlp30::{self, Mlp30Config, Mlp30Trainer, Mode};
 use erase::model::nanochat::{self, NanoConfig, NanoTrainer};
-use erase::runtime::schedule::{ScheduleKind, StreamId};
+use erase::runtime::program::schedule::{ScheduleKind, StreamId};
 
 const THREADS: usize = 2;
 
@@ -472,7 +472,7 @@ fn nanochat_refuses_missing_empty_and_short_texts() {
 #[test]
 fn nanochat_attention_backward_runs_alone_under_the_occupancy_rule() {
     use erase::model::mlp30::StepSchedule;
-    use erase::runtime::cuda_graph::program_reachability;
+    use erase::runtime::cuda::graph::program_reachability;
     let gpu_sized = NanoConfig {
         seq: 1024,
         width: 512,

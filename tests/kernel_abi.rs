@@ -6,12 +6,12 @@
 use erase::graph::{DType, OptimizerConfig};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::ops::cuda::{KArg, KernelCall};
-use erase::runtime::cuda::check_call;
-use erase::runtime::schedule::ScheduleKind;
+use erase::runtime::kernels::check_call;
+use erase::runtime::program::schedule::ScheduleKind;
 use erase::train::{plan_step, ScheduleOptions};
 
 /// The kernel library, or `None` (after saying so) in a build without nvcc.
-fn library() -> Option<erase::runtime::cuda::KernelLibrary> {
+fn library() -> Option<erase::runtime::kernels::KernelLibrary> {
     let lib = erase::kernels::library();
     if lib.modules.is_empty() {
         println!("skipped: this build has no kernels (nvcc was not found at build time)");
@@ -27,7 +27,7 @@ fn library() -> Option<erase::runtime::cuda::KernelLibrary> {
 /// Checks every launch of a graph's program; returns how many calls it checked.
 fn check_program(
     what: &str,
-    lib: &erase::runtime::cuda::KernelLibrary,
+    lib: &erase::runtime::kernels::KernelLibrary,
     g: &erase::graph::Graph,
     launches: impl Iterator<Item = erase::graph::NodeId>,
 ) -> usize {

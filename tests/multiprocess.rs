@@ -238,7 +238,7 @@ fn start_rank(rank: usize, port: u16, extra: &[&str], env: &[(&str, &str)]) -> s
 }
 
 fn port() -> u16 {
-    erase::runtime::rendezvous::free_port("127.0.0.1").unwrap()
+    erase::runtime::collective::rendezvous::free_port("127.0.0.1").unwrap()
 }
 
 #[test]

@@ -7,8 +7,8 @@ use erase::graph::{DType, NodeId, OptimizerConfig};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::model::mlp30::StepSchedule;
 use erase::model::nanochat::{self, NanoConfig};
-use erase::runtime::schedule::ScheduleKind;
-use erase::runtime::simulate::{greedy_constraints, MIN_GAIN};
+use erase::runtime::program::schedule::ScheduleKind;
+use erase::runtime::program::simulate::{greedy_constraints, MIN_GAIN};
 use erase::train::{plan_step, Occupancy, ScheduleOptions};
 
 fn node(i: usize) -> NodeId {
@@ -57,7 +57,7 @@ fn ctr_plan(cfg: &CtrConfig, occupancy: Occupancy) -> erase::train::StepPlan {
 }
 
 /// The program's shape: each launch's node, stream and waits.
-fn shape(p: &erase::runtime::schedule::StepProgram) -> Vec<String> {
+fn shape(p: &erase::runtime::program::schedule::StepProgram) -> Vec<String> {
     p.launches
         .iter()
         .map(|l| format!("{:?} {:?} {:?}", l.node, l.stream, l.waits))
@@ -119,7 +119,7 @@ fn auto_is_deterministic_never_predicted_slower_and_safe_on_the_real_models() {
     };
     let (a, b) = (plan(Occupancy::Auto), plan(Occupancy::Auto));
     assert_eq!(shape(&a.plan.program), shape(&b.plan.program));
-    let excl = |p: &erase::runtime::schedule::StepProgram| {
+    let excl = |p: &erase::runtime::program::schedule::StepProgram| {
         p.launches.iter().filter(|l| l.exclusive).count()
     };
     println!(

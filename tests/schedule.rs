@@ -6,12 +6,12 @@ use erase::graph::{
     make_trainable, partition, DType, DenseOptimizer, Graph, OptimizerConfig, Tensor,
 };
 use erase::ops::Buffer;
-use erase::runtime::hb::check;
+use erase::runtime::cpu::runner::{random_order, ProgramRunner};
 use erase::runtime::init::{splitmix64, to_unit};
-use erase::runtime::memory::plan_memory;
-use erase::runtime::occupancy::DeviceModel;
-use erase::runtime::program::{random_order, ProgramRunner};
-use erase::runtime::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram};
+use erase::runtime::program::hb::check;
+use erase::runtime::program::memory::plan_memory;
+use erase::runtime::program::occupancy::DeviceModel;
+use erase::runtime::program::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram};
 use erase::runtime::{CpuConfig, CpuSession};
 
 struct Rng(u64);
@@ -264,7 +264,7 @@ fn a_broken_plan_is_caught() {
             let target = bad.place[&b];
             bad.place.insert(a, target);
             for (t, p) in bad.place.clone() {
-                if erase::runtime::memory::alias_root(
+                if erase::runtime::program::memory::alias_root(
                     &m.g,
                     &plan.place.keys().map(|&k| (k, ())).collect(),
                     t,
@@ -272,7 +272,7 @@ fn a_broken_plan_is_caught() {
                 {
                     bad.place.insert(
                         t,
-                        erase::runtime::memory::Placement {
+                        erase::runtime::program::memory::Placement {
                             offset: target.offset,
                             ..p
                         },
@@ -293,11 +293,11 @@ fn a_broken_plan_is_caught() {
 
 /// Two arena tensors whose producers are unordered (so they are live at the same time).
 fn g_conflict(g: &Graph, p: &StepProgram, a: Tensor, b: Tensor) -> bool {
-    let clocks = erase::runtime::schedule::vector_clocks(p);
+    let clocks = erase::runtime::program::schedule::vector_clocks(p);
     let at = |t: Tensor| p.launches.iter().position(|l| l.node == g.info(t).producer);
     match (at(a), at(b)) {
         (Some(x), Some(y)) if x != y => {
-            use erase::runtime::schedule::happens_before as hb;
+            use erase::runtime::program::schedule::happens_before as hb;
             !hb(p, &clocks, x, y) && !hb(p, &clocks, y, x)
         }
         _ => false,

@@ -5,8 +5,8 @@ use std::io::Read as _;
 
 use erase::graph::{DType, OptimizerConfig};
 use erase::model::ctr::{CtrConfig, Variant};
-use erase::runtime::occupancy::DeviceModel;
-use erase::runtime::simulate::{simulate, SimConfig, SimResult};
+use erase::runtime::program::occupancy::DeviceModel;
+use erase::runtime::program::simulate::{simulate, SimConfig, SimResult};
 use erase::runtime::trace::{Trace, TraceEvent, TraceKind};
 use erase::train::{plan_step, ScheduleOptions, StepPlan};
 use serde_json::Value;
@@ -499,7 +499,8 @@ fn measured_times_from_a_trace_file_reproduce_the_simulation() {
             .count();
         assert_eq!(found, kernels, "every launch found by its node");
         let want = simulate(&p.program, &sim_cfg).step_s;
-        let got = erase::runtime::simulate::simulate_with(&p.program, &sim_cfg, &work).step_s;
+        let got =
+            erase::runtime::program::simulate::simulate_with(&p.program, &sim_cfg, &work).step_s;
         assert!((got - want).abs() < 1e-9 + 1e-6 * want, "{got} vs {want}");
     }
     // a file that is not a trace is refused with a reason

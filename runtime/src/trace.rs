@@ -17,9 +17,19 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::Write as _;
 
-use crate::schedule::StepProgram;
-use crate::simulate::SimResult;
+use crate::program::schedule::StepProgram;
+use crate::program::simulate::SimResult;
 use erase_graph::Graph;
+
+/// One traced step's times, in seconds from the start of the traced window.
+#[derive(Clone, Debug, Default)]
+pub struct MeasuredStep {
+    /// Per launch of the program: (start, end); NaN for launches that issue no kernel.
+    pub launches: Vec<(f64, f64)>,
+    /// `(what, start, end)` of the copies: `h2d batch` on the copy stream and
+    /// `d2d inputs` on the main stream.
+    pub copies: Vec<(&'static str, f64, f64)>,
+}
 
 /// What an event is on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,7 +158,7 @@ fn ratio(a: f64, b: f64) -> f64 {
 
 /// The name a stream id gets in a step program (`main`, `side1`, ...).
 pub fn stream_name(s: u16) -> String {
-    crate::schedule::StreamId(s).to_string()
+    crate::program::schedule::StreamId(s).to_string()
 }
 
 impl Trace {
@@ -183,15 +193,9 @@ impl Trace {
         }
     }
 
-    /// Adds one measured step of `prog` (see `cuda_trace`): its launches, and its batch
+    /// Adds one measured step of `prog` (see `cuda::trace`): its launches, and its batch
     /// copies (the copy to the device on a `copy` lane after the program's streams).
-    pub fn push_measured(
-        &mut self,
-        prog: &StepProgram,
-        g: &Graph,
-        step: usize,
-        m: &crate::cuda_trace::MeasuredStep,
-    ) {
+    pub fn push_measured(&mut self, prog: &StepProgram, g: &Graph, step: usize, m: &MeasuredStep) {
         self.push_step(prog, g, step, &m.launches);
         for &(what, start, end) in &m.copies {
             let stream = if what.starts_with("h2d") {

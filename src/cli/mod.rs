@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::model::ctr::{CtrConfig, Variant};
-use crate::runtime::occupancy::DeviceModel;
+use crate::runtime::program::occupancy::DeviceModel;
 use crate::runtime::trace::Trace;
 use crate::train::{Dispatch, ScheduleOptions};
 

@@ -7,8 +7,8 @@ use clap::Args;
 use super::{ModelArgs, Rates, VariantArg};
 use crate::graph::{DType, OptimizerConfig, Phase};
 use crate::model::ctr::Variant;
-use crate::runtime::occupancy::DeviceModel;
-use crate::runtime::simulate::{simulate, SimConfig};
+use crate::runtime::program::occupancy::DeviceModel;
+use crate::runtime::program::simulate::{simulate, SimConfig};
 use crate::runtime::trace::Trace;
 use crate::train::{plan_step, ScheduleOptions};
 
@@ -54,17 +54,17 @@ pub(crate) struct PlanArgs {
 }
 
 /// (join time, optimizer time, communication buckets) of one simulated step.
-type DpInputs = (f64, f64, Vec<crate::runtime::simulate::Bucket>);
+type DpInputs = (f64, f64, Vec<crate::runtime::program::simulate::Bucket>);
 
 /// What a data-parallel prediction needs from a one-GPU simulation: when the backward
 /// work is joined, how long the optimizer takes, and the communication buckets (one per
 /// backward program's dense gradients; the tables' sparse gradients gathered).
 fn data_parallel_inputs(
     p: &crate::train::StepPlan,
-    r: &crate::runtime::simulate::SimResult,
+    r: &crate::runtime::program::simulate::SimResult,
 ) -> DpInputs {
     use crate::graph::{Grad, Phase};
-    use crate::runtime::simulate::Bucket;
+    use crate::runtime::program::simulate::Bucket;
     let g = &p.model.graph;
     let launch_of: std::collections::BTreeMap<_, _> = p
         .program
@@ -158,7 +158,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                     .filter(|l| l.spec.is_some())
                     .count();
                 println!("{v}: {found} of {kernels} launches take their measured time");
-                crate::runtime::simulate::simulate_with(&p.program, &sim, &work)
+                crate::runtime::program::simulate::simulate_with(&p.program, &sim, &work)
             }
         };
         let g = &p.model.graph;
@@ -349,7 +349,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 Some(m) => {
                     let (work, _) =
                         crate::profile::measured_work(&p.program, &p.model.graph, m, &sim.device);
-                    crate::runtime::simulate::simulate_with(&p.program, &sim, &work)
+                    crate::runtime::program::simulate::simulate_with(&p.program, &sim, &work)
                 }
             };
             println!(
@@ -369,7 +369,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         }
     }
     if let Some(n) = a.gpus {
-        use crate::runtime::simulate::{predict_data_parallel, LinkModel};
+        use crate::runtime::program::simulate::{predict_data_parallel, LinkModel};
         if n == 0 {
             bail!("--gpus must be at least 1");
         }

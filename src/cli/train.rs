@@ -130,7 +130,8 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         bail!("--steps must be at least 1");
     }
     // a worker of a data-parallel job (RANK and WORLD_SIZE set), or its supervisor
-    let rank_env = crate::runtime::rendezvous::RankEnv::from_env().map_err(anyhow::Error::msg)?;
+    let rank_env =
+        crate::runtime::collective::rendezvous::RankEnv::from_env().map_err(anyhow::Error::msg)?;
     if let (None, Some(n)) = (&rank_env, a.gpus) {
         // refuse what every worker would refuse, once, before starting them
         if matches!(a.device, DeviceArg::Cpu)

@@ -37,13 +37,13 @@ use erase_graph::{
     Training,
 };
 use erase_ops::Buffer;
+use erase_runtime::cpu::runner::ProgramRunner;
+use erase_runtime::cuda::program::CudaProgram;
 use erase_runtime::cuda::CudaDevice;
-use erase_runtime::cuda_program::CudaProgram;
-use erase_runtime::hb;
-use erase_runtime::memory::{plan_memory, MemoryPlan};
-use erase_runtime::occupancy::DeviceModel;
-use erase_runtime::program::ProgramRunner;
-use erase_runtime::schedule::{ScheduleConfig, ScheduleKind, StepProgram, StreamId};
+use erase_runtime::program::hb;
+use erase_runtime::program::memory::{plan_memory, MemoryPlan};
+use erase_runtime::program::occupancy::DeviceModel;
+use erase_runtime::program::schedule::{ScheduleConfig, ScheduleKind, StepProgram, StreamId};
 use erase_runtime::trace::Trace;
 
 use crate::data::mnist::{self, Mnist, CLASSES, PIXELS};

@@ -27,7 +27,7 @@ use erase_graph::{DType, Graph, Init, OptimizerConfig, Tensor};
 use erase_ops::Buffer;
 use erase_runtime::cuda::CudaDevice;
 use erase_runtime::init::splitmix64;
-use erase_runtime::schedule::ScheduleKind;
+use erase_runtime::program::schedule::ScheduleKind;
 
 use super::mlp30::{plan_graph, GraphPlan, StepSchedule, StepTimes, Stepper};
 

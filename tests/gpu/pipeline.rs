@@ -5,8 +5,8 @@
 use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
 use erase::graph::{DType, OptimizerConfig, Phase};
 use erase::model::ctr::{CtrConfig, Variant};
-use erase::runtime::cuda_graph::program_reachability;
-use erase::runtime::cuda_program::CudaProgram;
+use erase::runtime::cuda::graph::program_reachability;
+use erase::runtime::cuda::program::CudaProgram;
 use erase::train::{plan_step, Data, Dispatch, ScheduleOptions, Session, StepPlan};
 
 fn small_plan(variant: Variant, occupancy: bool) -> StepPlan {

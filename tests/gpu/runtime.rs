@@ -6,10 +6,10 @@ use erase::graph::{DType, Grad, OptimizerConfig};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::ops::cuda::{KArg, KernelCall};
 use erase::ops::LaunchSpec;
+use erase::runtime::cpu::runner::ProgramRunner;
+use erase::runtime::cuda::program::CudaProgram;
 use erase::runtime::cuda::PtxTarget;
-use erase::runtime::cuda_program::CudaProgram;
-use erase::runtime::occupancy::DeviceModel;
-use erase::runtime::program::ProgramRunner;
+use erase::runtime::program::occupancy::DeviceModel;
 use erase::train::{plan_step, ScheduleOptions, StepPlan};
 
 fn spin(cycles: i64) -> KernelCall {
@@ -145,7 +145,7 @@ fn golden_plan(variant: Variant) -> StepPlan {
 fn golden_step<'a>(
     dev: &'a erase::runtime::cuda::CudaDevice,
     p: &'a StepPlan,
-    memory: &'a erase::runtime::memory::MemoryPlan,
+    memory: &'a erase::runtime::program::memory::MemoryPlan,
 ) -> (ProgramRunner<'a>, ProgramRunner<'a>, CudaProgram<'a>, f32) {
     let m = &p.model;
     let gen = SyntheticCtr::new(SyntheticConfig {
@@ -470,8 +470,8 @@ fn detached_step_tensor_by_tensor_drift_report() {
     let p = golden_plan(Variant::Detached);
     let m = &p.model;
     let all: Vec<erase::graph::Tensor> = m.graph.tensors().collect();
-    let memory = erase::runtime::memory::plan_memory(&m.graph, &p.program, &all);
-    assert!(erase::runtime::hb::check(&m.graph, &p.program, &memory).is_empty());
+    let memory = erase::runtime::program::memory::plan_memory(&m.graph, &p.program, &all);
+    assert!(erase::runtime::program::hb::check(&m.graph, &p.program, &memory).is_empty());
     let (f32_ref, bf16_ref, gpu, _) = golden_step(dev, &p, &memory);
     let mut shown = 0;
     for l in &p.program.launches {

@@ -5,6 +5,18 @@
 //! events, device allocations and kernel launches from the ops' [`KernelCall`]s. cudarc's
 //! safe layer tracks reads and writes per buffer and would make streams wait on each
 //! other; here the only cross-stream order is the step program's own events.
+//!
+//! The executor's parts: [`program`] (a step program on the device), [`feed`] (the
+//! input pipeline), [`graph`] (CUDA-graph capture), [`trace`] (measured steps),
+//! [`collective`] and [`nccl`] (data parallelism), [`nvtx`] (names for Nsight Systems).
+
+pub mod collective;
+pub mod feed;
+pub mod graph;
+pub mod nccl;
+pub mod nvtx;
+pub mod program;
+pub mod trace;
 
 use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
@@ -15,83 +27,9 @@ use erase_graph::{DType, Op, Shape};
 use erase_ops::cuda::{cuda_plan, KArg, KernelCall, Operands};
 use erase_ops::Buffer;
 
+use crate::cpu::buffer_from_bytes;
 use crate::error::RuntimeError;
-
-/// The PTX of one `kernels-cuda/*.cu` file for both targets.
-#[derive(Debug)]
-pub struct PtxModule {
-    pub file: &'static str,
-    pub sm90a: &'static str,
-    pub sm80: &'static str,
-}
-
-/// One kernel's resources as ptxas reports them for sm_90a.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KernelInfo {
-    pub name: &'static str,
-    pub file: &'static str,
-    pub regs: u32,
-    /// Static shared memory, bytes.
-    pub smem: u32,
-    /// Spilled bytes (stores).
-    pub spill: u32,
-    /// The kernel's parameters as its sm_90a PTX declares them, in order, comma
-    /// separated (`u64,u64,u32,f32`): what a launch plan's arguments must match.
-    pub params: &'static str,
-}
-
-/// Whether a launch argument fits a PTX parameter type: pointers and `I64` are `.u64`
-/// (or `.s64`/`.b64`), `I32`/`U32` a 32-bit integer, `F32` an `.f32`.
-pub fn arg_fits(arg: &erase_ops::cuda::KArg, param: &str) -> bool {
-    use erase_ops::cuda::KArg::*;
-    match arg {
-        In(_) | InAt(..) | Out(_) | OutAt(..) | Upd(_) | Scratch(_) | ScratchAt(..) | I64(_) => {
-            matches!(param, "u64" | "s64" | "b64")
-        }
-        I32(_) | U32(_) => matches!(param, "u32" | "s32" | "b32"),
-        F32(_) => param == "f32",
-    }
-}
-
-/// Checks one launch's arguments against its kernel's declared parameters: the count,
-/// and the width and kind of each. The message names the kernel and the argument.
-pub fn check_call(call: &erase_ops::cuda::KernelCall, params: &str) -> Result<(), String> {
-    let want: Vec<&str> = if params.is_empty() {
-        Vec::new()
-    } else {
-        params.split(',').collect()
-    };
-    if want.len() != call.args.len() {
-        return Err(format!(
-            "kernel '{}' takes {} parameters ({params}), the plan passes {}",
-            call.kernel,
-            want.len(),
-            call.args.len()
-        ));
-    }
-    for (i, (a, p)) in call.args.iter().zip(&want).enumerate() {
-        if !arg_fits(a, p) {
-            return Err(format!(
-                "kernel '{}' parameter {i} is .{p}, the plan passes {a:?}",
-                call.kernel
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The kernels a build embeds (empty when it was built without nvcc).
-#[derive(Debug, Clone, Copy)]
-pub struct KernelLibrary {
-    pub modules: &'static [PtxModule],
-    pub kernels: &'static [KernelInfo],
-}
-
-impl KernelLibrary {
-    pub fn find(&self, name: &str) -> Option<&KernelInfo> {
-        self.kernels.iter().find(|k| k.name == name)
-    }
-}
+use crate::kernels::KernelLibrary;
 
 /// Which PTX to load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -804,15 +742,5 @@ impl NodeOnDevice {
         let mut bytes = vec![0u8; b.bytes];
         dev.download(b, 0, &mut bytes)?;
         Ok(buffer_from_bytes(dtype, &bytes))
-    }
-}
-
-/// A host buffer of `dtype` from raw bytes.
-pub fn buffer_from_bytes(dtype: DType, bytes: &[u8]) -> Buffer {
-    match dtype {
-        DType::F32 => Buffer::F32(bytemuck::pod_collect_to_vec(bytes)),
-        DType::F64 => Buffer::F64(bytemuck::pod_collect_to_vec(bytes)),
-        DType::I32 => Buffer::I32(bytemuck::pod_collect_to_vec(bytes)),
-        DType::Bf16 => Buffer::Bf16(bytemuck::pod_collect_to_vec(bytes)),
     }
 }

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 
 use crate::cpu::{initial_store, thread_pool};
 use crate::error::RuntimeError;
-use crate::memory::{alias_root, MemoryPlan};
-use crate::schedule::StepProgram;
+use crate::program::memory::{alias_root, MemoryPlan};
+use crate::program::schedule::StepProgram;
 use erase_graph::{Graph, Tensor};
 use erase_ops::{Buffer, NodeCall};
 
@@ -79,7 +79,7 @@ impl<'a> ProgramRunner<'a> {
         if let Some(pl) = self.plan.get(t) {
             let bytes: &[u8] = bytemuck::cast_slice(&self.arena);
             let n = self.g.shape(t).numel() * self.g.dtype(t).size_bytes();
-            return Some(crate::cuda::buffer_from_bytes(
+            return Some(crate::cpu::buffer_from_bytes(
                 self.g.dtype(t),
                 &bytes[pl.offset..pl.offset + n],
             ));

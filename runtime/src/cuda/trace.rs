@@ -9,9 +9,10 @@
 //! internal streams is needed. The marks cost a little (a traced step runs a few percent
 //! slower than an untraced one); traced steps are left out of the throughput figures.
 
+use crate::cuda::program::CudaProgram;
 use crate::cuda::Event;
-use crate::cuda_program::CudaProgram;
 use crate::error::RuntimeError;
+use crate::trace::MeasuredStep;
 use cudarc::driver::sys;
 
 /// A launch's (before, after) marks.
@@ -54,16 +55,6 @@ impl TraceState {
 pub(crate) fn mark_of(active: ActiveMarks<'_>, i: usize) -> Option<(&Marks, bool)> {
     let (marks, external) = active?;
     marks.get(i).and_then(|m| m.as_ref()).map(|m| (m, external))
-}
-
-/// One traced step's times, in seconds from the start of the traced window.
-#[derive(Clone, Debug, Default)]
-pub struct MeasuredStep {
-    /// Per launch of the program: (start, end); NaN for launches that issue no kernel.
-    pub launches: Vec<(f64, f64)>,
-    /// `(what, start, end)` of the copies: `h2d batch` on the copy stream and
-    /// `d2d inputs` on the main stream.
-    pub copies: Vec<(&'static str, f64, f64)>,
 }
 
 impl CudaProgram<'_> {

@@ -5,7 +5,7 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use erase::runtime::collective::{cpu_group, Collective, CollectiveError, CpuCollective};
+use erase_runtime::collective::{cpu_group, Collective, CollectiveError, CpuCollective};
 
 const TIMEOUT: Duration = Duration::from_millis(2000);
 const SLACK: Duration = Duration::from_millis(1500);
@@ -331,9 +331,9 @@ fn rank_that_never_calls_makes_the_others_time_out() {
 /// The TCP backend (ranks as threads here, over real loopback sockets) on `world` ranks.
 fn tcp_ranks<T: Send + 'static>(
     world: usize,
-    f: impl Fn(erase::runtime::tcp_collective::TcpCollective) -> T + Send + Sync + Clone + 'static,
+    f: impl Fn(erase_runtime::collective::tcp::TcpCollective) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    use erase::runtime::rendezvous::{free_port, rendezvous, RankEnv};
+    use erase_runtime::collective::rendezvous::{free_port, rendezvous, RankEnv};
     let port = free_port("127.0.0.1").unwrap();
     let threads: Vec<_> = (0..world)
         .map(|rank| {
@@ -351,7 +351,7 @@ fn tcp_ranks<T: Send + 'static>(
                     rdv.blobs,
                     (0..world).map(|r| vec![r as u8]).collect::<Vec<_>>()
                 );
-                f(erase::runtime::tcp_collective::TcpCollective::new(
+                f(erase_runtime::collective::tcp::TcpCollective::new(
                     rdv, TIMEOUT,
                 ))
             })

@@ -7,8 +7,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::memory::{alias_root, is_alias, MemoryPlan};
-use crate::schedule::{happens_before, vector_clocks, EdgeKind, EventId, StepProgram, Wait};
+use crate::program::memory::{alias_root, is_alias, MemoryPlan};
+use crate::program::schedule::{
+    happens_before, vector_clocks, EdgeKind, EventId, StepProgram, Wait,
+};
 use erase_graph::{Graph, Tensor};
 
 /// Two launches that may run in either order, or at once, on overlapping bytes.

@@ -5,12 +5,13 @@
 
 use std::collections::BTreeMap;
 
+use crate::cpu::buffer_from_bytes;
 use crate::cpu::initial_store;
-use crate::cuda::{buffer_from_bytes, CudaDevice, DeviceBuffer, Event, PreparedLaunch, Stream};
+use crate::cuda::nvtx;
+use crate::cuda::{CudaDevice, DeviceBuffer, Event, PreparedLaunch, Stream};
 use crate::error::RuntimeError;
-use crate::memory::{alias_root, MemoryPlan};
-use crate::nvtx;
-use crate::schedule::{Label, StepProgram, StreamId};
+use crate::program::memory::{alias_root, MemoryPlan};
+use crate::program::schedule::{Label, StepProgram, StreamId};
 use cudarc::driver::{result, sys};
 use erase_graph::{DType, Graph, Op, Tensor};
 use erase_ops::cuda::{cuda_plan, KArg, Operands};
@@ -45,14 +46,14 @@ pub struct CudaProgram<'a> {
     pub(crate) graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
     pub(crate) arena_set: BTreeMap<Tensor, ()>,
     /// The input pipeline and the loss read-back ring, once enabled.
-    pub(crate) pipeline: Option<crate::cuda_feed::InputPipeline>,
-    pub(crate) readback: Option<crate::cuda_feed::Readback>,
+    pub(crate) pipeline: Option<crate::cuda::feed::InputPipeline>,
+    pub(crate) readback: Option<crate::cuda::feed::Readback>,
     /// While capturing: each kernel node of the graph with the launch that made it;
     /// kept after the capture (see [`CudaProgram::captured_order`]).
     pub(crate) capture_nodes: Option<Vec<(sys::CUgraphNode, usize)>>,
     pub(crate) graph_nodes: Vec<(sys::CUgraphNode, usize)>,
-    /// Event marks around every launch, once tracing is enabled (see `cuda_trace`).
-    pub(crate) trace: Option<crate::cuda_trace::TraceState>,
+    /// Event marks around every launch, once tracing is enabled (see `cuda::trace`).
+    pub(crate) trace: Option<crate::cuda::trace::TraceState>,
 }
 
 impl<'a> CudaProgram<'a> {
@@ -262,7 +263,7 @@ impl<'a> CudaProgram<'a> {
     }
 
     /// Captures the whole step into a new graph and instantiates it; `traced` records the
-    /// trace marks as event-record nodes (see `cuda_trace`). Returns the graph, its
+    /// trace marks as event-record nodes (see `cuda::trace`). Returns the graph, its
     /// executable and its kernel nodes.
     pub(crate) fn capture_graph(
         &mut self,
@@ -471,7 +472,7 @@ impl<'a> CudaProgram<'a> {
                     events[w.event.0 as usize].wait_on(&streams[l.stream.0 as usize])?;
                 }
                 let s = &streams[l.stream.0 as usize];
-                let mark = crate::cuda_trace::mark_of(trace, i);
+                let mark = crate::cuda::trace::mark_of(trace, i);
                 if let Some((m, external)) = mark {
                     m.0.record_flagged(s, external)?;
                 }
@@ -523,7 +524,7 @@ impl<'a> CudaProgram<'a> {
                     RuntimeError::Device(format!("'{}': {e}", self.g.node(l.node).name))
                 })?;
                 if let Some(nodes) = self.capture_nodes.as_mut() {
-                    nodes.push((crate::cuda_graph::last_captured_node(s)?, i));
+                    nodes.push((crate::cuda::graph::last_captured_node(s)?, i));
                 }
             }
             if let Some((m, external)) = mark {

@@ -3,8 +3,8 @@
 //! without a GPU. A file of its own: the switch is read from the environment, which this
 //! process alone sets.
 
-use erase::graph::{DType, Op, Shape};
-use erase::ops::cuda::{cuda_plan, KArg, Operands};
+use erase_graph::{DType, Op, Shape};
+use erase_ops::cuda::{cuda_plan, KArg, Operands};
 
 #[test]
 fn without_clusters_the_reduction_launch_also_adds_the_bias_gradient() {

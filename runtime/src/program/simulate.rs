@@ -4,8 +4,8 @@
 //! kernels add up to more than the whole device, each progresses at its share. This is
 //! how we plan past the machines we have: more streams, other devices.
 
-use crate::occupancy::DeviceModel;
-use crate::schedule::{schedule, ScheduleConfig, StepProgram};
+use crate::program::occupancy::DeviceModel;
+use crate::program::schedule::{schedule, ScheduleConfig, StepProgram};
 use erase_graph::{Graph, NodeId, Partition};
 
 #[derive(Clone, Debug, PartialEq)]

@@ -20,8 +20,8 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::collective::rendezvous::{write_u64, Links, Rendezvous};
 use crate::collective::{CallLog, Collective, CollectiveError, CollectiveRecord};
-use crate::rendezvous::{write_u64, Links, Rendezvous};
 
 const CALL: u64 = 0;
 const ABORT: u64 = 1;

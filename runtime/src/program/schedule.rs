@@ -21,8 +21,8 @@
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 
-use crate::cuda::KernelLibrary;
-use crate::occupancy::DeviceModel;
+use crate::kernels::KernelLibrary;
+use crate::program::occupancy::DeviceModel;
 use erase_graph::{Graph, NodeId, Partition, Phase, Tensor};
 use erase_ops::cuda::{cuda_plan, KernelCall, Operands};
 use erase_ops::{launch_spec, LaunchSpec};
@@ -662,7 +662,7 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
         _ => Default::default(),
     };
     // the join comes with the first optimizer launch: a data-parallel step all-reduces
-    // the dense gradients there (runtime/src/cuda_collective.rs), so every stream must be
+    // the dense gradients there (runtime/src/cuda/collective.rs), so every stream must be
     // done by then (the row-wise update ahead of the join measured no faster on an H200).
     // Without it (updates_by_data), the row-wise update runs on the stream of the last
     // launch that wrote one of its inputs (the embedding gradient's sum), and the dense

@@ -2,8 +2,8 @@
 //! kernels an op launches, with which flags and sizes, and which shapes it refuses. (The
 //! kernels themselves are checked against the CPU on a GPU, in tests/gpu.)
 
-use erase::graph::{DType, Op, Shape};
-use erase::ops::cuda::{cuda_plan, CudaPlan, KArg, Operands};
+use erase_graph::{DType, Op, Shape};
+use erase_ops::cuda::{cuda_plan, CudaPlan, KArg, Operands};
 
 fn plan(
     op: &Op,

@@ -19,11 +19,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::cuda::nccl::NcclComm;
+use crate::cuda::program::CudaProgram;
 use crate::cuda::{DeviceBuffer, Event, PreparedLaunch, Stream};
-use crate::cuda_program::CudaProgram;
 use crate::error::RuntimeError;
-use crate::memory::alias_root;
-use crate::nccl::NcclComm;
+use crate::program::memory::alias_root;
 use cudarc::driver::{result, sys};
 use erase_graph::{Grad, Gradients, Op, Partition, Phase, Tensor};
 use erase_ops::cuda::{cuda_plan, KArg, Operands};
@@ -416,7 +416,7 @@ impl CudaProgram<'_> {
             progress[me].store(n, Ordering::Release);
             Ok(())
         };
-        crate::cuda_program::two_dispatch_threads(&failed, &work)?;
+        crate::cuda::program::two_dispatch_threads(&failed, &work)?;
         self.join_pool_streams()
     }
 

@@ -8,7 +8,7 @@
 //! with a message naming both) and a blob (the NCCL unique id for rank 0's, nothing for
 //! the others). Rank 0 answers each with every rank's blob, in rank order. The
 //! connections stay open: they are the links of the TCP collective backend
-//! ([`crate::tcp_collective`]) and, beside NCCL, the control channel.
+//! ([`crate::collective::tcp`]) and, beside NCCL, the control channel.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};

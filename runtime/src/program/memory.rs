@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::schedule::{vector_clocks, StepProgram};
+use crate::program::schedule::{vector_clocks, StepProgram};
 use erase_graph::{Graph, Op, Tensor};
 
 /// Arena offsets are aligned to this (what vectorised GPU loads like).

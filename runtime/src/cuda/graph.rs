@@ -4,10 +4,10 @@
 
 use cudarc::driver::sys;
 
+use crate::cuda::program::CudaProgram;
 use crate::cuda::Stream;
-use crate::cuda_program::CudaProgram;
 use crate::error::RuntimeError;
-use crate::schedule::StepProgram;
+use crate::program::schedule::StepProgram;
 
 fn err(what: &str, e: cudarc::driver::result::DriverError) -> RuntimeError {
     RuntimeError::Device(format!("{what}: {e:?}"))
@@ -124,7 +124,7 @@ impl CudaProgram<'_> {
                 "no captured graph: call capture first".into(),
             ));
         };
-        crate::cuda_program::node_priorities(graph)
+        crate::cuda::program::node_priorities(graph)
     }
 
     /// The captured graph's order between launches, from its dependency edges: launch `b`

@@ -14,8 +14,8 @@
 
 use std::ops::{Deref, DerefMut};
 
+use crate::cuda::program::CudaProgram;
 use crate::cuda::{CudaDevice, DeviceBuffer, Event, Stream};
-use crate::cuda_program::CudaProgram;
 use crate::error::RuntimeError;
 use cudarc::driver::sys;
 use erase_graph::Tensor;
@@ -209,7 +209,7 @@ impl CudaProgram<'_> {
             first_step: None,
         });
         let copy = self.dev.stream(false)?;
-        crate::nvtx::name_stream(copy.raw(), "copy");
+        crate::cuda::nvtx::name_stream(copy.raw(), "copy");
         self.pipeline = Some(InputPipeline {
             layout: layout.clone(),
             copy,
@@ -250,7 +250,7 @@ impl CudaProgram<'_> {
             )));
         }
         self.dev.bind()?;
-        let copies = crate::nvtx::range("copy batch");
+        let copies = crate::cuda::nvtx::range("copy batch");
         let main = &self.streams[0];
         let dst = &p.staging[slot];
         // the copy may overwrite the staging buffer once the step that read it took its

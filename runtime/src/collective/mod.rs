@@ -14,6 +14,9 @@
 //! `all_reduce_sum` adds the ranks' buffers in rank order (0, 1, ..., n-1) in f32,
 //! so every rank gets bit-identical results whatever the order of arrival.
 
+pub mod rendezvous;
+pub mod tcp;
+
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

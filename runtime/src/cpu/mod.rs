@@ -2,9 +2,11 @@
 //! of a chosen size. It is real (the whole trainer runs on it) and it is the reference
 //! the CUDA backend is checked against.
 
+pub mod runner;
+
 use crate::error::RuntimeError;
 use crate::init::init_param;
-use erase_graph::{Graph, Leaf, NodeId, Op, Tensor};
+use erase_graph::{DType, Graph, Leaf, NodeId, Op, Tensor};
 use erase_ops::{Buffer, NodeCall};
 
 /// Settings of a CPU session.
@@ -173,4 +175,14 @@ pub(crate) fn run_node(
         store[t.index()] = Some(b);
     }
     Ok(())
+}
+
+/// A host buffer of `dtype` from raw bytes.
+pub fn buffer_from_bytes(dtype: DType, bytes: &[u8]) -> Buffer {
+    match dtype {
+        DType::F32 => Buffer::F32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::F64 => Buffer::F64(bytemuck::pod_collect_to_vec(bytes)),
+        DType::I32 => Buffer::I32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::Bf16 => Buffer::Bf16(bytemuck::pod_collect_to_vec(bytes)),
+    }
 }

@@ -1,0 +1,100 @@
+//! The graph's build errors name the op, the node and the operands (no backend needed).
+
+use erase_graph::{DType, Graph, GraphError};
+
+#[test]
+fn shape_mismatch_names_op_node_and_both_operands() {
+    let mut g = Graph::new(DType::F32);
+    let x = g.input("features", &[8, 13], DType::F32).unwrap();
+    let e = g.scoped("bottom", |g| {
+        let h = g.linear(x, 256).unwrap();
+        let w = g
+            .param("proj.weight", &[64, 128], erase_graph::Init::Zeros)
+            .unwrap();
+        g.linear_with(h, w, None).unwrap_err()
+    });
+    let msg = e.to_string();
+    assert!(matches!(e, GraphError::Shape { .. }), "{e:?}");
+    for part in [
+        "linear",
+        "bottom/linear1",
+        "'bottom/linear0' [8, 256]",
+        "'bottom/proj.weight' [64, 128]",
+    ] {
+        assert!(msg.contains(part), "'{msg}' does not mention {part}");
+    }
+
+    let a = g.input("a", &[4, 3], DType::F32).unwrap();
+    let b = g.input("b", &[4, 5], DType::F32).unwrap();
+    let e = g.add(a, b).unwrap_err().to_string();
+    assert!(
+        e.contains("add") && e.contains("'a' [4, 3]") && e.contains("'b' [4, 5]"),
+        "{e}"
+    );
+    let e = g.matmul(a, b).unwrap_err().to_string();
+    assert!(
+        e.contains("matmul") && e.contains("K = 3") && e.contains("K = 4"),
+        "{e}"
+    );
+    let e = g.concat(&[a, b], 0).unwrap_err().to_string();
+    assert!(
+        e.contains("concat") && e.contains("differ outside axis 0"),
+        "{e}"
+    );
+    // a residual that is not the layer's output shape
+    let w = g
+        .param("res.weight", &[5, 3], erase_graph::Init::Zeros)
+        .unwrap();
+    let e = g.linear_add_with(a, w, None, a).unwrap_err().to_string();
+    assert!(
+        e.contains("linear_add") && e.contains("'a' [4, 3]") && e.contains("[4, 5]"),
+        "{e}"
+    );
+    let q = g.input("q", &[2, 5, 6], DType::F32).unwrap();
+    let e = g.attention(q, q, q, 4, false).unwrap_err().to_string();
+    assert!(e.contains("attention") && e.contains("4 heads"), "{e}");
+}
+
+#[test]
+fn wrong_dtype_is_named() {
+    let mut g = Graph::new(DType::F32);
+    let ids = g.input("ids", &[4], DType::I32).unwrap();
+    let e = g.relu(ids).unwrap_err();
+    assert!(matches!(e, GraphError::DType { .. }));
+    assert!(
+        e.to_string().contains("relu0") && e.to_string().contains("'ids' [4] i32"),
+        "{e}"
+    );
+
+    let table = g.embedding_tables("emb", &[10, 10], 4).unwrap();
+    let off = g.input("offsets", &[5], DType::I32).unwrap();
+    let fids = g.input("float_ids", &[4], DType::F32).unwrap();
+    let e = g
+        .embedding_bag(table, fids, off, &[10, 10])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("embedding_bag0") && e.contains("ids 'float_ids' [4] f32 must be i32"),
+        "{e}"
+    );
+
+    let x64 = g.input("x64", &[4], DType::F64).unwrap();
+    let x32 = g.input("x32", &[4], DType::F32).unwrap();
+    let e = g.mul(x32, x64).unwrap_err().to_string();
+    assert!(e.contains("mul0") && e.contains("f64"), "{e}");
+}
+
+#[test]
+fn loss_must_be_a_scalar() {
+    let mut g = Graph::new(DType::F32);
+    let x = g.input("x", &[4, 2], DType::F32).unwrap();
+    let h = g.scoped("head", |g| g.linear(x, 3).unwrap());
+    let e = g.loss(h, 1.0).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "loss 'head/linear0' is not a scalar: its shape is [4, 3]; reduce it first (sum or mean)"
+    );
+    let m = g.mean(h).unwrap();
+    assert!(g.loss(m, f64::NAN).is_err());
+    g.loss(m, 1.0).unwrap();
+}
