@@ -15,7 +15,7 @@ use erase::graph::{DenseOptimizer, OptimizerConfig};
 use erase::model::mlp30::median;
 use erase::model::mlp30::StepSchedule;
 use erase::model::nanochat::{load_text, plan_with, NanoConfig, NanoTrainer};
-use erase::runtime::schedule::ScheduleKind;
+use erase::runtime::program::schedule::ScheduleKind;
 use erase::train::Occupancy;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
