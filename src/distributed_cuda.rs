@@ -30,8 +30,9 @@ pub fn run_worker_cuda(
         bail!("--optimizer-update early updates a block before its gradients are all-reduced; with several ranks use end");
     }
     nccl_check().context("--gpus on CUDA needs NCCL")?;
-    let dev = crate::gpu::open_device_ordinal(env.local_rank)
+    let mut dev = crate::gpu::open_device_ordinal(env.local_rank)
         .with_context(|| format!("rank {rank}: CUDA device {} (LOCAL_RANK)", env.local_rank))?;
+    dev.set_plan_options(opts.plan);
     let blob = if rank == 0 { unique_id()? } else { Vec::new() };
     let tag = format!(
         "backend cuda; world {world}; allreduce {}; dispatch {}; steps {}; {}",

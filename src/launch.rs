@@ -49,6 +49,8 @@ pub struct WorkerOptions {
     pub timeout: Duration,
     /// Write each rank's collective log to `DIR/rank-K.log`.
     pub collective_log: Option<PathBuf>,
+    /// The kernel paths a CUDA rank's plans take (`--kernel-paths`).
+    pub plan: erase_ops::cuda::PlanOptions,
 }
 
 /// FNV-1a, 64 bits: a cheap fingerprint to compare replicas and logs across ranks.

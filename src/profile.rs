@@ -21,6 +21,7 @@ pub fn node_plan(
     let outd: Vec<_> = n.outputs.iter().map(|&t| g.dtype(t)).collect();
     let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
     let o = erase_ops::cuda::Operands {
+        opts: erase_ops::cuda::PlanOptions::from_env(),
         ins: &ins,
         in_dtypes: &ind,
         outs: &outs,

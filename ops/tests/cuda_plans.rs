@@ -3,9 +3,18 @@
 //! kernels themselves are checked against the CPU on a GPU, in tests/gpu.)
 
 use erase_graph::{DType, Op, Shape};
-use erase_ops::cuda::{cuda_plan, CudaPlan, KArg, Operands};
+use erase_ops::cuda::{cuda_plan, CudaPlan, KArg, Operands, PlanOptions};
 
 fn plan(
+    op: &Op,
+    ins: &[(&[usize], DType)],
+    outs: &[(&[usize], DType)],
+) -> Result<CudaPlan, String> {
+    plan_with(PlanOptions::H200, op, ins, outs)
+}
+
+fn plan_with(
+    opts: PlanOptions,
     op: &Op,
     ins: &[(&[usize], DType)],
     outs: &[(&[usize], DType)],
@@ -19,6 +28,7 @@ fn plan(
     cuda_plan(
         op,
         &Operands {
+            opts,
             ins: &ins_ref,
             in_dtypes: &in_dtypes,
             outs: &outs_ref,
@@ -333,4 +343,121 @@ fn a_layer_norm_gradient_that_is_a_layers_dy_writes_its_copy_and_sums() {
         .unwrap_err();
         assert!(e.contains("do not match"), "{e}");
     }
+}
+
+/// The pipelined weight gradient with `gemm_cluster: false` (the switch that keeps the
+/// split-K partials and the reduction launch, for comparing the two forms).
+#[test]
+fn without_clusters_the_reduction_launch_also_adds_the_bias_gradient() {
+    // dw [1024, 1728] over 4096 rows, with db: two splits, so partials and a reduction
+    let (rows, n, k) = (4096, 1024, 1728);
+    let opts = PlanOptions {
+        gemm_cluster: false,
+        ..PlanOptions::H200
+    };
+    let p = plan_with(
+        opts,
+        &Op::LinearGradWeight { bias: true },
+        &[(&[rows, n], F), (&[rows, k], F)],
+        &[(&[n, k], F), (&[n], F)],
+    )
+    .unwrap();
+    let names: Vec<&str> = p.calls.iter().map(|c| c.kernel).collect();
+    assert_eq!(
+        names,
+        [
+            "gemm_to_bf16_pair",
+            "gemm_bf16p_128x128",
+            "gemm_splitk_reduce"
+        ],
+        "no colsum_final launch of its own"
+    );
+    // dy's column sums: one partial per 64 rows (scratch 3, after the two bf16 operands
+    // and the GEMM's partials), added into db by the reduction's extra CTAs
+    let r = &p.calls[2];
+    assert_eq!(r.args[8], KArg::Scratch(3));
+    assert_eq!(r.args[9], KArg::Out(1));
+    assert_eq!(r.args[10], KArg::I32((rows / 64) as i32));
+    assert_eq!(r.args[11], KArg::I64(n as i64));
+    assert_eq!(p.scratch[3], rows / 64 * n * 4);
+    assert_eq!(r.grid[0] as usize, (n * k).div_ceil(128) + n.div_ceil(32));
+}
+
+#[test]
+fn plan_options_switch_paths_and_follow_the_device() {
+    // dw [1024, 1728] over 4096 rows: the cluster form by default, partials without it
+    let op = Op::LinearGradWeight { bias: false };
+    let ins: [(&[usize], DType); 2] = [(&[4096, 1024], F), (&[4096, 1728], F)];
+    let outs: [(&[usize], DType); 1] = [(&[1024, 1728], F)];
+    let on = kernels(&plan(&op, &ins, &outs).unwrap());
+    assert!(
+        on.iter().any(|k| k.starts_with("gemm_bf16p_128x128_k")),
+        "{on:?}"
+    );
+    let off = PlanOptions {
+        gemm_pipeline: false,
+        ..PlanOptions::H200
+    };
+    let single = kernels(&plan_with(off, &op, &ins, &outs).unwrap());
+    assert!(
+        single.iter().all(|k| !k.starts_with("gemm_bf16p")),
+        "{single:?}"
+    );
+    // a tall projection: the persistent kernel, unless switched off
+    let op = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let ins: [(&[usize], DType); 3] = [(&[110_592, 64], F), (&[192, 64], F), (&[192], F)];
+    let outs: [(&[usize], DType); 1] = [(&[110_592, 192], F)];
+    let tall = kernels(&plan(&op, &ins, &outs).unwrap());
+    assert!(
+        tall.iter().any(|k| k.starts_with("gemm_tall_n")),
+        "{tall:?}"
+    );
+    let no_tall = PlanOptions {
+        gemm_tall: false,
+        ..PlanOptions::H200
+    };
+    let other = kernels(&plan_with(no_tall, &op, &ins, &outs).unwrap());
+    assert!(
+        other.iter().all(|k| !k.starts_with("gemm_tall")),
+        "{other:?}"
+    );
+    // the SM count sizes the persistent grid: one wave of the device's SMs
+    let half = plan_with(PlanOptions::H200.with_sms(66), &op, &ins, &outs).unwrap();
+    let full = plan(&op, &ins, &outs).unwrap();
+    assert_eq!(full.calls[0].grid[0], 2 * half.calls[0].grid[0]);
+}
+
+#[test]
+fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    };
+    assert_eq!(PlanOptions::H200.with_env(env(&[])), Ok(PlanOptions::H200));
+    let o = PlanOptions::H200
+        .with_env(env(&[
+            ("ERASE_GEMM_PIPELINE", "0"),
+            ("ERASE_GEMM_CLUSTER", "0"),
+            ("ERASE_GEMM_TALL", "0"),
+            ("ERASE_GEMM_TALL_STORE", "direct"),
+            ("ERASE_GRAPH_NODE_PRIORITY", "0"),
+        ]))
+        .unwrap();
+    assert!(!o.gemm_pipeline && !o.gemm_cluster && !o.gemm_tall && !o.graph_node_priority);
+    assert!(o.gemm_tall_store_direct);
+    assert_eq!(o.sms, 132);
+    let e = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_TALL", "off")]))
+        .unwrap_err();
+    assert!(
+        e.contains("ERASE_GEMM_TALL=off") && e.contains("0 or 1"),
+        "{e}"
+    );
 }

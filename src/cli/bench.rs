@@ -54,7 +54,7 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         bail!("--steps must be at least 1");
     }
     let model = a.model.config(Variant::Erase)?;
-    let dev = open(a.device)?;
+    let dev = open(a.device, &a.model)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

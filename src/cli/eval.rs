@@ -42,7 +42,7 @@ pub(crate) struct EvalArgs {
 }
 
 pub(super) fn run(a: &EvalArgs) -> Result<()> {
-    let dev = open(a.device)?;
+    let dev = open(a.device, &a.model)?;
     let recorded = crate::checkpoint::peek(&a.checkpoint)?;
     let variant = match (a.variant, recorded.get("variant")) {
         (Some(v), _) => Variant::from(v),

@@ -222,6 +222,26 @@ struct ModelArgs {
     /// With --table-rows auto: the most rows one table gets (default: --rows).
     #[arg(long, value_name = "N", value_parser = at_least_one)]
     rows_cap: Option<usize>,
+    /// CUDA kernel paths to switch off, comma separated, to compare them on a model
+    /// (default: every fast path): `no-pipeline` (every GEMM on the single-launch
+    /// kernels), `no-cluster` (split-K partials and a reduction launch instead of
+    /// thread-block clusters), `no-tall` (no persistent tall GEMMs), `tall-store-direct`
+    /// (the tall GEMMs store from registers), `no-node-priority` (captured graphs without
+    /// stream priorities per node). The environment's ERASE_GEMM_PIPELINE=0,
+    /// ERASE_GEMM_CLUSTER=0, ERASE_GEMM_TALL=0, ERASE_GEMM_TALL_STORE=direct and
+    /// ERASE_GRAPH_NODE_PRIORITY=0 do the same.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
+    kernel_paths: Vec<KernelPath>,
+}
+
+/// A CUDA kernel path `--kernel-paths` switches off (or on, for `tall-store-direct`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum KernelPath {
+    NoPipeline,
+    NoCluster,
+    NoTall,
+    TallStoreDirect,
+    NoNodePriority,
 }
 
 /// The table sizes `spec` (--table-rows) gives fields named `names`, where every other
@@ -351,6 +371,23 @@ enum UpdateArg {
 }
 
 impl ModelArgs {
+    /// The plan options: the environment's overrides, then `--kernel-paths`.
+    fn plan_options(&self) -> Result<crate::ops::cuda::PlanOptions> {
+        let mut o = crate::ops::cuda::PlanOptions::H200
+            .with_env(|k| std::env::var(k).ok())
+            .map_err(anyhow::Error::msg)?;
+        for p in &self.kernel_paths {
+            match p {
+                KernelPath::NoPipeline => o.gemm_pipeline = false,
+                KernelPath::NoCluster => o.gemm_cluster = false,
+                KernelPath::NoTall => o.gemm_tall = false,
+                KernelPath::TallStoreDirect => o.gemm_tall_store_direct = true,
+                KernelPath::NoNodePriority => o.graph_node_priority = false,
+            }
+        }
+        Ok(o)
+    }
+
     fn config(&self, variant: Variant) -> Result<CtrConfig> {
         let mut c = match self.preset {
             Preset::Small => CtrConfig::small(),
@@ -552,8 +589,10 @@ fn model_and_data(
     ))
 }
 
-fn open(device: DeviceArg) -> Result<Option<crate::runtime::cuda::CudaDevice>> {
-    Ok(match device {
+/// The device `device` asks for (none: the CPU), its plans following `m`'s options.
+fn open(device: DeviceArg, m: &ModelArgs) -> Result<Option<crate::runtime::cuda::CudaDevice>> {
+    let plan = m.plan_options()?;
+    let mut dev = match device {
         DeviceArg::Cpu => None,
         DeviceArg::Cuda => Some(crate::gpu::open_device().context("--device cuda")?),
         DeviceArg::Auto => match crate::gpu::open_device() {
@@ -563,7 +602,11 @@ fn open(device: DeviceArg) -> Result<Option<crate::runtime::cuda::CudaDevice>> {
                 None
             }
         },
-    })
+    };
+    if let Some(d) = dev.as_mut() {
+        d.set_plan_options(plan);
+    }
+    Ok(dev)
 }
 
 /// Writes a trace as Chrome / Perfetto JSON and its last step as a picture (SVG or PNG).

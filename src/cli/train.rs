@@ -150,7 +150,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
     }
     let dev = match rank_env {
         Some(_) => None, // the worker opens device LOCAL_RANK
-        None => open(a.device)?,
+        None => open(a.device, &a.model)?,
     };
     // graph dispatch where the run has a CUDA device (a worker: where its device opens)
     let dispatch = a.dispatch.unwrap_or(match (&rank_env, &dev) {
@@ -242,6 +242,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
             },
             timeout: std::time::Duration::from_secs_f64(a.collective_timeout),
             collective_log: a.collective_log.clone(),
+            plan: a.model.plan_options()?,
         };
         return crate::launch::run_worker(&cfg, env, &opts);
     }

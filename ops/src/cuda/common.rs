@@ -1,7 +1,7 @@
 //! Helpers every op family's launch plans share: the launch shapes (1-D grid-stride, a warp a
 //! row), the argument constructors, operand checks and the column-sum geometry.
 
-use super::{blocks, CudaPlan, KArg, KernelCall, Operands, SMS};
+use super::{blocks, CudaPlan, KArg, KernelCall, Operands};
 use erase_graph::{DType, Op};
 use KArg::I64;
 
@@ -69,11 +69,11 @@ pub(super) fn i32_of(v: usize, what: &str) -> Result<i32, String> {
 /// (grid (column blocks, row slices), 64 columns and 32·iters rows a CTA): 256 rows a
 /// CTA, fewer where that leaves under two CTAs an SM (a narrow tensor). Part of the
 /// summation order: every such kernel must take it from here.
-pub(crate) fn colsum_geometry(rows: usize, cols: usize) -> (usize, usize, usize) {
+pub(crate) fn colsum_geometry(rows: usize, cols: usize, sms: usize) -> (usize, usize, usize) {
     let col_blocks = cols.div_ceil(64);
     let iters = [8usize, 4, 2]
         .into_iter()
-        .find(|i| col_blocks * rows.div_ceil(32 * i) >= 2 * SMS)
+        .find(|i| col_blocks * rows.div_ceil(32 * i) >= 2 * sms)
         .unwrap_or(1);
     (col_blocks, iters, rows.div_ceil(32 * iters))
 }

@@ -157,7 +157,7 @@ fn mul_grad_bf16(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         ));
     }
     let (ri, ci) = (i32_of(rows, "rows")?, i32_of(cols, "columns")?);
-    let (col_blocks, iters, slices) = colsum_geometry(rows, cols);
+    let (col_blocks, iters, slices) = colsum_geometry(rows, cols, o.opts.sms);
     let part = if sums { Scratch(0) } else { I64(0) }; // a null pointer: no sums
     let mut calls = vec![kc(
         "ew_mul_grad_bf16",

@@ -2,7 +2,7 @@
 //! sort, the dense gradient and the fused row-wise Adagrad.
 
 use super::common::*;
-use super::{blocks, CudaPlan, KArg, KernelCall, Operands, SMS};
+use super::{blocks, CudaPlan, KArg, KernelCall, Operands};
 use erase_graph::{Op, Shape};
 use KArg::{Out, Scratch, Upd, F32, I32, I64};
 
@@ -169,7 +169,7 @@ pub(super) fn embedding_bag(
             vec![kc(
                 "embedding_bag_fwd_fields",
                 [
-                    blocks(n_bags, per_cta).min((SMS * EMB_FWD_CTAS) as u32),
+                    blocks(n_bags, per_cta).min((o.opts.sms * EMB_FWD_CTAS) as u32),
                     1,
                     1,
                 ],

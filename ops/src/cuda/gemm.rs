@@ -24,7 +24,7 @@
 //! tall kernels' and the single-launch kernels' `_a16` forms.
 
 use super::common::i32_of;
-use super::{blocks, CudaPlan, KArg, KernelCall, Operands, SMS};
+use super::{blocks, CudaPlan, KArg, KernelCall, Operands, PlanOptions};
 use erase_graph::{DType, Shape};
 
 /// Kernels these plans launch.
@@ -191,6 +191,8 @@ struct Gemm {
     /// A residual of C's layout added after the bias (LinearAdd): by the tall kernels'
     /// store, else by an add launch after the GEMM (which then writes to scratch).
     residual: Option<KArg>,
+    /// The paths and the device the plan is for.
+    opts: PlanOptions,
 }
 
 impl Gemm {
@@ -310,7 +312,7 @@ fn gemm_any(g: &Gemm) -> Result<CudaPlan, String> {
     let big = k > 128
         && m >= 128
         && n >= 128
-        && blocks(m, 128) as usize * blocks(n, 128) as usize * batch >= SMS;
+        && blocks(m, 128) as usize * blocks(n, 128) as usize * batch >= g.opts.sms;
     let (bm, bn, threads) = if big { (128, 128, 256) } else { (64, 64, 128) };
     if blocks(n, bn) as usize > GRID_YZ
         || batch > GRID_YZ
@@ -324,7 +326,7 @@ fn gemm_any(g: &Gemm) -> Result<CudaPlan, String> {
     // about four 64x64 CTAs per SM (by their registers); the 128x128 tile is only chosen
     // when it fills a wave, so only the 64x64 tile splits
     let tiles = blocks(m, bm) as usize * blocks(n, bn) as usize * batch;
-    let want = if big { SMS } else { 4 * SMS };
+    let want = if big { g.opts.sms } else { 4 * g.opts.sms };
     let mut splits = 1;
     if tiles < want && k >= 2 * MIN_K_PER_SPLIT {
         splits = want
@@ -420,7 +422,9 @@ fn gemm_any(g: &Gemm) -> Result<CudaPlan, String> {
 }
 
 /// Fewest rows for the tall kernels: two 64-row blocks for each of two CTAs an SM.
-const TALL_MIN_M: usize = 4 * 64 * SMS;
+fn tall_min_m(sms: usize) -> usize {
+    4 * 64 * sms
+}
 /// Shared memory an SM has for CTAs (bytes; 1 KB of each CTA's is the system's).
 const SM_SMEM: usize = 228 * 1024;
 /// The most dynamic shared memory one CTA may have (bytes).
@@ -462,11 +466,11 @@ pub(super) const TALL_STAGE_SMEM: usize = 8 * 16 * 40 * 4;
 /// (an f32 B) needs K and lda multiples of 8 (16-byte copies). `None` for every other
 /// GEMM.
 fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
-    // ERASE_GEMM_TALL=0 leaves tall GEMMs to the other kernels (a way to compare them)
-    if std::env::var("ERASE_GEMM_TALL").is_ok_and(|v| v == "0") {
+    // `gemm_tall: false` leaves tall GEMMs to the other kernels (a way to compare them)
+    if !g.opts.gemm_tall {
         return Ok(None);
     }
-    if g.batch != 1 || g.ta || g.a_row_sums.is_some() || g.m < TALL_MIN_M || g.k == 0 {
+    if g.batch != 1 || g.ta || g.a_row_sums.is_some() || g.m < tall_min_m(g.opts.sms) || g.k == 0 {
         return Ok(None);
     }
     if g.b_bf16 || (g.a_bf16 && !(g.k.is_multiple_of(8) && g.lda.is_multiple_of(8))) {
@@ -476,11 +480,9 @@ fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     else {
         return Ok(None);
     };
-    // ERASE_GEMM_TALL_STORE=direct stores from the fragments (a way to compare; f32 A,
-    // no residual)
-    let direct = !g.a_bf16
-        && g.residual.is_none()
-        && std::env::var("ERASE_GEMM_TALL_STORE").is_ok_and(|v| v == "direct");
+    // `gemm_tall_store_direct` stores from the fragments (a way to compare; f32 A, no
+    // residual)
+    let direct = !g.a_bf16 && g.residual.is_none() && g.opts.gemm_tall_store_direct;
     let kernel = kernels[if g.a_bf16 { 2 } else { usize::from(direct) }];
     let kp = g.k.next_multiple_of(32);
     let a_size = if g.a_bf16 { 2 } else { 4 };
@@ -501,7 +503,7 @@ fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
     if per_sm < 2 {
         return Ok(None);
     }
-    let ctas = blocks(g.m, 64).min((SMS * per_sm) as u32);
+    let ctas = blocks(g.m, 64).min((g.opts.sms * per_sm) as u32);
     let (mi, ni, ki) = (i32_of(g.m, "M")?, i32_of(g.n, "N")?, i32_of(g.k, "K")?);
     Ok(Some(CudaPlan {
         calls: vec![KernelCall {
@@ -588,7 +590,7 @@ const MEM_BW: f64 = 3.0e12;
 fn pipe_splits(t: &PipeTile, g: &Gemm) -> (usize, usize) {
     let kp = g.k.next_multiple_of(t.bk);
     let tiles = g.m.div_ceil(t.bm) * g.n.div_ceil(t.bn) * g.batch;
-    let slots = SMS * t.per_sm;
+    let slots = g.opts.sms * t.per_sm;
     let mut splits = 1;
     if tiles < slots && kp >= 2 * PIPE_MIN_K_PER_SPLIT {
         splits = (slots / tiles)
@@ -605,7 +607,7 @@ fn pipe_splits(t: &PipeTile, g: &Gemm) -> (usize, usize) {
 fn pipe_cost(t: &PipeTile, g: &Gemm) -> f64 {
     let (k_split, splits) = pipe_splits(t, g);
     let ctas = g.m.div_ceil(t.bm) * g.n.div_ceil(t.bn) * g.batch * splits;
-    let waves = ctas.div_ceil(SMS * t.per_sm) as f64;
+    let waves = ctas.div_ceil(g.opts.sms * t.per_sm) as f64;
     let wave = 2.0 * (t.bm * t.bn * t.per_sm * k_split) as f64 / (SM_FLOPS * t.speed);
     let reduce = if splits > 1 {
         (2 * splits + 1) as f64 * (g.m * g.n * g.batch * 4) as f64 / MEM_BW + 2e-6
@@ -618,9 +620,9 @@ fn pipe_cost(t: &PipeTile, g: &Gemm) -> f64 {
 /// The pipelined tile for a GEMM large enough to pay for rounding its operands to bf16
 /// in separate launches, or `None` for the single-launch kernels.
 fn pipe_tile(g: &Gemm) -> Option<PipeTile> {
-    // ERASE_GEMM_PIPELINE=0 keeps every GEMM on the single-launch kernels (a fallback,
+    // `gemm_pipeline: false` keeps every GEMM on the single-launch kernels (a fallback,
     // and a way to compare the two paths on a model)
-    if std::env::var("ERASE_GEMM_PIPELINE").is_ok_and(|v| v == "0") {
+    if !g.opts.gemm_pipeline {
         return None;
     }
     let (m, n, k, batch) = (g.m, g.n, g.k, g.batch);
@@ -729,7 +731,7 @@ fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
     let (mut k_split, mut splits) = pipe_splits(&t, g);
     // split-K summed inside a cluster of 2, 4 or 8 CTAs (the 128x128 tile, batch 1): the
     // split count rounded up to one of those, no partials and no reduction launch
-    let cluster = cluster_kernel(&t, batch, splits);
+    let cluster = cluster_kernel(&g.opts, &t, batch, splits);
     if let Some((s, _)) = cluster {
         k_split = k.next_multiple_of(t.bk).div_ceil(s).next_multiple_of(t.bk);
         splits = s;
@@ -952,7 +954,7 @@ pub(super) fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, Strin
             scratch: vec![],
         });
     }
-    let (col_blocks, iters, slices) = super::common::colsum_geometry(rows, cols);
+    let (col_blocks, iters, slices) = super::common::colsum_geometry(rows, cols, o.opts.sms);
     Ok(CudaPlan {
         calls: vec![
             KernelCall {
@@ -977,9 +979,14 @@ pub(super) fn round_bf16(o: &Operands, col_sums: bool) -> Result<CudaPlan, Strin
 
 /// The cluster form of a split pipelined GEMM, `(CTAs a cluster, kernel)`: for the
 /// 128x128 tile at batch 1 with 2-8 splits (more are taken as 8), unless
-/// `ERASE_GEMM_CLUSTER=0` keeps the partials and the reduction launch (a way to compare).
-fn cluster_kernel(t: &PipeTile, batch: usize, splits: usize) -> Option<(usize, &'static str)> {
-    if std::env::var("ERASE_GEMM_CLUSTER").is_ok_and(|v| v == "0") {
+/// `gemm_cluster: false` keeps the partials and the reduction launch (a way to compare).
+fn cluster_kernel(
+    opts: &PlanOptions,
+    t: &PipeTile,
+    batch: usize,
+    splits: usize,
+) -> Option<(usize, &'static str)> {
+    if !opts.gemm_cluster {
         return None;
     }
     if t.kernel != "gemm_bf16p_128x128" || batch != 1 || splits < 2 {
@@ -1075,6 +1082,7 @@ pub(super) fn linear(
     }
     let m = o.ins[0].rows();
     gemm(Gemm {
+        opts: o.opts,
         ta: false,
         tb: true,
         batch: 1,
@@ -1121,6 +1129,7 @@ pub(super) fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPla
         ));
     }
     gemm(Gemm {
+        opts: o.opts,
         ta: false,
         tb: false,
         batch: 1,
@@ -1159,6 +1168,7 @@ pub(super) fn linear_grad_weight(o: &Operands, bias: bool) -> Result<CudaPlan, S
         return Err(format!("db {} does not match dw [{n}, {k}]", o.outs[1]));
     }
     let mut g = Gemm {
+        opts: o.opts,
         ta: true,
         tb: false,
         batch: 1,
@@ -1234,6 +1244,7 @@ pub(super) fn matmul(o: &Operands, ta: bool, tb: bool) -> Result<CudaPlan, Strin
         ));
     }
     gemm(Gemm {
+        opts: o.opts,
         ta,
         tb,
         batch,

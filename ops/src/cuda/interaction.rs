@@ -2,7 +2,7 @@
 //! (`kernels-cuda/interaction.cu`).
 
 use super::common::*;
-use super::{CudaPlan, KArg, Operands, SMS};
+use super::{CudaPlan, KArg, Operands};
 use erase_graph::Op;
 use KArg::{Out, I32};
 
@@ -67,7 +67,7 @@ pub(super) fn pairwise_dot(op: &Op, o: &Operands, grad: bool) -> Result<CudaPlan
     let (grid, threads) = if fits {
         let work = if grad { f.div_ceil(PD_ROWS) * d } else { pairs };
         let threads = work.next_multiple_of(32).clamp(64, 1024);
-        (b.min(SMS * (2048 / threads)), threads)
+        (b.min(o.opts.sms * (2048 / threads)), threads)
     } else {
         (b.min(1 << 20), if grad { 256 } else { 128 })
     };

@@ -65,7 +65,7 @@ pub struct CudaPlan {
     pub scratch: Vec<usize>,
 }
 
-/// Shapes and element types of a node's operands.
+/// Shapes and element types of a node's operands, and the options the plan follows.
 #[derive(Clone, Copy, Debug)]
 pub struct Operands<'a> {
     pub ins: &'a [&'a Shape],
@@ -73,6 +73,102 @@ pub struct Operands<'a> {
     pub outs: &'a [&'a Shape],
     pub out_dtypes: &'a [DType],
     pub upd: &'a [&'a Shape],
+    pub opts: PlanOptions,
+}
+
+/// How the plans choose among kernels: a value, so that a plan is a function of its
+/// operands and these. The defaults are the fastest measured on an H200; the switches
+/// exist to compare paths on a model (`--gemm` of `erase-ctr train`/`bench`, or the
+/// environment variables of [`PlanOptions::with_env`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Streaming multiprocessors of the device: grids and tiles are sized by it (and
+    /// the column sums' row slices, so it is part of their summation order).
+    pub sms: usize,
+    /// Large GEMMs round their operands to bf16 first and run the pipelined kernels
+    /// (`false`: every GEMM on the single-launch kernels).
+    pub gemm_pipeline: bool,
+    /// A split pipelined 128x128 GEMM sums its splits inside a thread-block cluster
+    /// (`false`: partials and a reduction launch).
+    pub gemm_cluster: bool,
+    /// Tall GEMMs run the persistent `gemm_tall_n*` kernels (`false`: the others).
+    pub gemm_tall: bool,
+    /// The tall kernels store from the fragments instead of through shared memory.
+    pub gemm_tall_store_direct: bool,
+    /// Nodes of a captured graph get the priority of their stream's rank.
+    pub graph_node_priority: bool,
+}
+
+impl PlanOptions {
+    /// The H200's 132 SMs and every fast path on.
+    pub const H200: PlanOptions = PlanOptions {
+        sms: 132,
+        gemm_pipeline: true,
+        gemm_cluster: true,
+        gemm_tall: true,
+        gemm_tall_store_direct: false,
+        graph_node_priority: true,
+    };
+
+    /// These options for a device of `sms` SMs.
+    pub fn with_sms(self, sms: usize) -> PlanOptions {
+        PlanOptions {
+            sms: sms.max(1),
+            ..self
+        }
+    }
+
+    /// These options with the documented overrides `var` returns (the process's
+    /// environment, read once at start, in the trainer): `ERASE_GEMM_PIPELINE=0`,
+    /// `ERASE_GEMM_CLUSTER=0`, `ERASE_GEMM_TALL=0`, `ERASE_GEMM_TALL_STORE=direct`,
+    /// `ERASE_GRAPH_NODE_PRIORITY=0`. Any other value of a variable is an error naming it.
+    pub fn with_env(self, var: impl Fn(&str) -> Option<String>) -> Result<PlanOptions, String> {
+        let mut o = self;
+        let flag = |name: &str, off: &str, on: &str| -> Result<Option<bool>, String> {
+            match var(name).as_deref() {
+                None | Some("") => Ok(None),
+                Some(v) if v == off => Ok(Some(false)),
+                Some(v) if v == on => Ok(Some(true)),
+                Some(v) => Err(format!("{name}={v}: expected {off} or {on}")),
+            }
+        };
+        if let Some(v) = flag("ERASE_GEMM_PIPELINE", "0", "1")? {
+            o.gemm_pipeline = v;
+        }
+        if let Some(v) = flag("ERASE_GEMM_CLUSTER", "0", "1")? {
+            o.gemm_cluster = v;
+        }
+        if let Some(v) = flag("ERASE_GEMM_TALL", "0", "1")? {
+            o.gemm_tall = v;
+        }
+        if let Some(v) = flag("ERASE_GEMM_TALL_STORE", "shared", "direct")? {
+            o.gemm_tall_store_direct = v;
+        }
+        if let Some(v) = flag("ERASE_GRAPH_NODE_PRIORITY", "0", "1")? {
+            o.graph_node_priority = v;
+        }
+        Ok(o)
+    }
+
+    /// [`PlanOptions::H200`] with the process environment's overrides, read once; an
+    /// override it cannot read is reported on stderr once and ignored.
+    pub fn from_env() -> PlanOptions {
+        static O: std::sync::OnceLock<PlanOptions> = std::sync::OnceLock::new();
+        *O.get_or_init(|| {
+            PlanOptions::H200
+                .with_env(|k| std::env::var(k).ok())
+                .unwrap_or_else(|e| {
+                    eprintln!("erase: ignoring {e}");
+                    PlanOptions::H200
+                })
+        })
+    }
+}
+
+impl Default for PlanOptions {
+    fn default() -> PlanOptions {
+        PlanOptions::H200
+    }
 }
 
 /// The launches of `op`, or why it cannot run on a CUDA device.
@@ -165,10 +261,6 @@ pub fn cuda_plan(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
 fn named(op: &Op, p: Result<CudaPlan, String>) -> Result<CudaPlan, String> {
     p.map_err(|e| format!("{}: {e}", op.name()))
 }
-
-/// Streaming multiprocessors of the target (H200); only tiling and grid heuristics depend
-/// on it.
-pub(crate) const SMS: usize = 132;
 
 /// Every kernel name any plan uses; a test checks each against the embedded PTX.
 pub fn kernel_names() -> Vec<&'static str> {

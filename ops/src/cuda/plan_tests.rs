@@ -11,6 +11,7 @@ fn plan_of(op: &Op, ins: &[&[usize]], outs: &[&[usize]]) -> Result<CudaPlan, Str
     let (ir, or): (Vec<&Shape>, Vec<&Shape>) = (ins.iter().collect(), outs.iter().collect());
     let (idt, odt) = (vec![DType::F32; ir.len()], vec![DType::F32; or.len()]);
     let o = Operands {
+        opts: PlanOptions::H200,
         ins: &ir,
         in_dtypes: &idt,
         outs: &or,
@@ -194,7 +195,7 @@ fn tall_gemms_take_the_persistent_kernels() {
     assert_eq!(p.calls.len(), 1);
     let c = &p.calls[0];
     assert_eq!(c.kernel, "gemm_tall_n192_c");
-    assert_eq!(c.grid, [2 * SMS as u32, 1, 1]);
+    assert_eq!(c.grid, [2 * PlanOptions::H200.sms as u32, 1, 1]);
     assert_eq!(
         c.smem as usize,
         2 * 64 * 72 * 4 + 192 * 72 * 2 + TALL_STAGE_SMEM + 192 * 4
@@ -208,7 +209,7 @@ fn tall_gemms_take_the_persistent_kernels() {
     )
     .unwrap();
     assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c");
-    assert_eq!(p.calls[0].grid, [3 * SMS as u32, 1, 1]);
+    assert_eq!(p.calls[0].grid, [3 * PlanOptions::H200.sms as u32, 1, 1]);
     let p = plan_of(
         &Op::LinearGradInput { relu_mask: false },
         &[&[110_592, 192], &[192, 64]],
@@ -326,7 +327,7 @@ fn a_bf16_dqkv_is_written_and_read_in_bf16() {
     .unwrap();
     assert_eq!(p.calls.len(), 1);
     assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c_a16");
-    assert_eq!(p.calls[0].grid, [2 * SMS as u32, 1, 1]);
+    assert_eq!(p.calls[0].grid, [2 * PlanOptions::H200.sms as u32, 1, 1]);
     assert_eq!(
         p.calls[0].smem as usize,
         2 * 64 * 200 * 2 + 64 * 200 * 2 + TALL_STAGE_SMEM + 64 * 4
@@ -460,6 +461,7 @@ fn plan_typed(
     super::cuda_plan(
         op,
         &Operands {
+            opts: PlanOptions::H200,
             ins: &in_refs,
             in_dtypes: &in_dt,
             outs: &out_refs,

@@ -161,6 +161,7 @@ impl DataParallel {
                     let plan = cuda_plan(
                         &node.op,
                         &Operands {
+                            opts: dev.plan_options(),
                             ins: &[&ids_s, &off_s, &dp_s],
                             in_dtypes: &[
                                 erase_graph::DType::I32,

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 use erase_graph::{DType, Op, Shape};
-use erase_ops::cuda::{cuda_plan, KArg, KernelCall, Operands};
+use erase_ops::cuda::{cuda_plan, KArg, KernelCall, Operands, PlanOptions};
 use erase_ops::Buffer;
 
 use crate::cpu::buffer_from_bytes;
@@ -201,6 +201,9 @@ pub struct CudaDevice {
     pub sms: u32,
     pub target: PtxTarget,
     library: KernelLibrary,
+    /// The options every plan for this device follows: its SM count, and the paths the
+    /// environment's documented overrides or [`CudaDevice::set_plan_options`] choose.
+    plan: PlanOptions,
 }
 
 // SAFETY: the driver's handles (module, function) may be used from any thread once the
@@ -284,7 +287,9 @@ impl CudaDevice {
                 )))
             }
         };
+        let plan = PlanOptions::from_env().with_sms(sms as usize);
         let mut dev = CudaDevice {
+            plan,
             ctx,
             modules: Vec::new(),
             functions: BTreeMap::new(),
@@ -317,6 +322,17 @@ impl CudaDevice {
             }
         }
         Ok(dev)
+    }
+
+    /// The options this device's plans follow.
+    pub fn plan_options(&self) -> PlanOptions {
+        self.plan
+    }
+
+    /// Sets the paths its plans take (the SM count stays the device's): before any
+    /// program is made on it, so that every plan of a step agrees.
+    pub fn set_plan_options(&mut self, o: PlanOptions) {
+        self.plan = o.with_sms(self.sms as usize);
     }
 
     pub fn library(&self) -> KernelLibrary {
@@ -679,6 +695,7 @@ impl NodeOnDevice {
         let out_dtypes: Vec<DType> = outs.iter().map(|x| x.1).collect();
         let upd_shapes: Vec<&Shape> = upd.iter().map(|x| x.0).collect();
         let operands = Operands {
+            opts: dev.plan_options(),
             ins: &in_shapes,
             in_dtypes: &in_dtypes,
             outs: &out_shapes,

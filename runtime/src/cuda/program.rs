@@ -106,6 +106,7 @@ impl<'a> CudaProgram<'a> {
             let p = cuda_plan(
                 &n.op,
                 &Operands {
+                    opts: dev.plan_options(),
                     ins: &ins,
                     in_dtypes: &ind,
                     outs: &outs,
@@ -327,10 +328,10 @@ impl<'a> CudaProgram<'a> {
         // main stream's is the highest, the pool's the lowest): without USE_NODE_PRIORITY a
         // graph runs every node at the priority of the stream it is launched into, and the
         // forward waits behind early backward work (erase measured 1.4 % faster with it;
-        // ERASE_GRAPH_NODE_PRIORITY=0 turns it off)
+        // `graph_node_priority: false`, ERASE_GRAPH_NODE_PRIORITY=0, turns it off)
         let mut flags =
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH as u64;
-        if std::env::var("ERASE_GRAPH_NODE_PRIORITY").map_or(true, |v| v != "0") {
+        if self.dev.plan_options().graph_node_priority {
             flags |=
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY as u64;
         }

@@ -100,7 +100,9 @@ fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrar
     let outs: Vec<_> = n.outputs.iter().map(|&t| g.shape(t)).collect();
     let outd: Vec<_> = n.outputs.iter().map(|&t| g.dtype(t)).collect();
     let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
+    // the H200 the cost model is of, with the environment's overrides (as a device has)
     let o = Operands {
+        opts: erase_ops::cuda::PlanOptions::from_env(),
         ins: &ins,
         in_dtypes: &ind,
         outs: &outs,
