@@ -108,9 +108,6 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
         WorkerDevice::Auto => crate::gpu::open_device_ordinal(env.local_rank).is_ok(),
     };
     if use_cuda {
-        if cfg.checkpoint.is_some() || cfg.resume.is_some() {
-            bail!("--checkpoint and --resume with --gpus on CUDA devices are not supported yet: the CPU ranks (--device cpu, or --cpu-ranks) and one GPU write and resume checkpoints");
-        }
         return crate::distributed_cuda::run_worker_cuda(cfg, env, opts, fail);
     }
     if cfg.dispatch != crate::train::Dispatch::Blocking {

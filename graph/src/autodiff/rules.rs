@@ -160,15 +160,7 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
                 );
                 b.contribute(ins[0], dx);
             }
-            b.weight_grads(
-                &nm,
-                id,
-                [dy, dy],
-                ins[0],
-                ins[1],
-                bias.then(|| ins[2]),
-                req,
-            );
+            b.weight_grads(&nm, id, [dy, dy], ins[0], ins[1], bias.then(|| ins[2]), req);
         }
         Op::MatMul { ta, tb } => {
             let (ta, tb) = (*ta, *tb);
