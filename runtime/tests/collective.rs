@@ -397,3 +397,106 @@ fn tcp_backend_reports_a_mismatch_on_every_rank() {
         assert_mentions(e, &[&format!("rank {r}"), "rank 2 called all_reduce 'b'"]);
     }
 }
+
+/// Rank `from`'s part for rank `to`: a different length for every pair (some empty).
+fn part(from: usize, to: usize) -> Vec<u8> {
+    (0..(from * 3 + to * 5) % 7)
+        .map(|i| (from * 16 + to + i) as u8)
+        .collect()
+}
+
+#[test]
+fn all_to_all_delivers_every_jagged_part_to_its_rank() {
+    for world in [1, 2, 4] {
+        let got = on_ranks(world, TIMEOUT, move |mut c| {
+            let r = c.rank();
+            let send: Vec<Vec<u8>> = (0..world).map(|to| part(r, to)).collect();
+            let a = c.all_to_all("ids", &send).unwrap();
+            let b = c.all_to_all("rows", &send).unwrap();
+            assert_eq!(a, b);
+            (a, c.log().to_vec())
+        });
+        for (r, (recv, log)) in got.iter().enumerate() {
+            let want: Vec<Vec<u8>> = (0..world).map(|from| part(from, r)).collect();
+            assert_eq!(recv, &want, "rank {r} of {world}");
+            assert_eq!(log, &got[0].1, "rank {r}'s log");
+            assert_eq!(log[0].bytes, 0);
+        }
+    }
+}
+
+#[test]
+fn tcp_all_to_all_matches_the_in_process_one() {
+    let world = 3;
+    let tcp = tcp_ranks(world, move |mut c| {
+        let r = c.rank();
+        let send: Vec<Vec<u8>> = (0..world).map(|to| part(r, to)).collect();
+        let a = c.all_to_all("ids", &send).unwrap();
+        c.barrier("end").unwrap();
+        (a, c.log().to_vec())
+    });
+    for (r, (recv, log)) in tcp.iter().enumerate() {
+        let want: Vec<Vec<u8>> = (0..world).map(|from| part(from, r)).collect();
+        assert_eq!(recv, &want, "rank {r}");
+        assert_eq!(log, &tcp[0].1);
+    }
+}
+
+#[test]
+fn all_to_all_with_a_wrong_part_count_fails_on_every_rank() {
+    let errs = on_ranks(3, TIMEOUT, |mut c| {
+        let n = if c.rank() == 1 { 2 } else { 3 };
+        c.all_to_all("ids", &vec![vec![1u8]; n]).unwrap_err()
+    });
+    for (r, e) in errs.iter().enumerate() {
+        assert_mentions(e, &[&format!("rank {r}"), "rank 1 passed 2 parts"]);
+    }
+    let errs = tcp_ranks(3, |mut c| {
+        let n = if c.rank() == 2 { 4 } else { 3 };
+        c.all_to_all("ids", &vec![vec![1u8]; n]).unwrap_err()
+    });
+    for (r, e) in errs.iter().enumerate() {
+        assert_mentions(e, &[&format!("rank {r}"), "rank 2 passed 4 parts"]);
+    }
+}
+
+#[test]
+fn a_rank_that_dies_in_an_all_to_all_fails_the_others_naming_it() {
+    let start = Instant::now();
+    let results = on_ranks(4, TIMEOUT, |mut c| {
+        let r = c.rank();
+        let send = vec![vec![r as u8; 8]; 4];
+        c.all_to_all("ids", &send).unwrap();
+        if r == 2 {
+            thread::sleep(Duration::from_millis(30));
+            return None;
+        }
+        Some(c.all_to_all("rows", &send).unwrap_err())
+    });
+    assert!(start.elapsed() < TIMEOUT + SLACK);
+    for (r, e) in results.into_iter().enumerate() {
+        let Some(e) = e else {
+            assert_eq!(r, 2);
+            continue;
+        };
+        assert!(matches!(e, CollectiveError::Aborted { .. }), "{e:?}");
+        assert_mentions(&e, &["all_to_all 'rows'", "rank 2 dropped its handle"]);
+    }
+    // over TCP: the rank's connection closes
+    let results = tcp_ranks(3, |mut c| {
+        let r = c.rank();
+        let send = vec![vec![r as u8; 8]; 3];
+        c.all_to_all("ids", &send).unwrap();
+        if r == 1 {
+            return None;
+        }
+        Some(c.all_to_all("rows", &send).unwrap_err())
+    });
+    for (r, e) in results.into_iter().enumerate() {
+        let Some(e) = e else { continue };
+        assert_mentions(&e, &[&format!("rank {r}"), "all_to_all 'rows'"]);
+        if r == 0 {
+            assert_mentions(&e, &["rank 1"]);
+        }
+    }
+}

@@ -131,6 +131,16 @@ pub trait Collective: Send {
     fn all_reduce_sum(&mut self, bucket: &str, buf: &mut [f32]) -> Result<(), CollectiveError>;
     /// Every rank's bytes, in rank order; every rank must pass the same length.
     fn all_gather(&mut self, bucket: &str, mine: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError>;
+    /// Jagged all-to-all: `send[k]` goes to rank `k` (one part for every rank, this one's
+    /// own included, of any length); returns what every rank sent this one, in rank
+    /// order. The sizes differ between ranks, so the call's log entry has none (0 bytes)
+    /// and every rank's log stays the same. What a sharded table's lookup exchanges: the
+    /// ids each owner must look up, then the pooled rows back.
+    fn all_to_all(
+        &mut self,
+        bucket: &str,
+        send: &[Vec<u8>],
+    ) -> Result<Vec<Vec<u8>>, CollectiveError>;
     /// Returns once every rank has called it.
     fn barrier(&mut self, what: &str) -> Result<(), CollectiveError>;
     /// Every call this rank made, in order (failed calls included).
@@ -198,6 +208,10 @@ enum Payload {
     Bytes(Vec<u8>),
     /// Every rank's bytes, in rank order: the result of an all_gather.
     Gathered(Vec<Vec<u8>>),
+    /// One rank's parts of an all_to_all, one for every rank.
+    Parts(Vec<Vec<u8>>),
+    /// Every rank's parts, `[from][to]`: the result of an all_to_all.
+    Exchanged(Vec<Vec<Vec<u8>>>),
 }
 
 /// The meeting point of the ranks' calls with one sequence number.
@@ -381,7 +395,18 @@ fn combine(deposits: &mut [Option<Payload>]) -> Payload {
         .iter_mut()
         .map(|d| d.take().expect("every rank deposited"));
     match it.next() {
-        None | Some(Payload::None | Payload::Gathered(_)) => Payload::None,
+        None | Some(Payload::None | Payload::Gathered(_) | Payload::Exchanged(_)) => Payload::None,
+        Some(Payload::Parts(first)) => {
+            let mut all = Vec::with_capacity(n);
+            all.push(first);
+            for d in it {
+                let Payload::Parts(v) = d else {
+                    unreachable!("kinds were checked to match")
+                };
+                all.push(v);
+            }
+            Payload::Exchanged(all)
+        }
         Some(Payload::F32(mut acc)) => {
             for d in it {
                 let Payload::F32(v) = d else {
@@ -433,6 +458,33 @@ impl Collective for CpuCollective {
             unreachable!("an all_gather slot gathers bytes")
         };
         Ok(all.clone())
+    }
+
+    fn all_to_all(
+        &mut self,
+        bucket: &str,
+        send: &[Vec<u8>],
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        if send.len() != self.world {
+            let op = self.log.record("all_to_all", bucket, 0);
+            let e = CollectiveError::Mismatch {
+                rank: self.rank,
+                op,
+                detail: format!(
+                    "rank {} passed {} parts to all_to_all '{bucket}' for {} ranks",
+                    self.rank,
+                    send.len(),
+                    self.world
+                ),
+            };
+            self.fail_group(format!("{e}"));
+            return Err(e);
+        }
+        let result = self.exchange("all_to_all", bucket, 0, Payload::Parts(send.to_vec()))?;
+        let Payload::Exchanged(all) = &*result else {
+            unreachable!("an all_to_all slot exchanges parts")
+        };
+        Ok(all.iter().map(|from| from[self.rank].clone()).collect())
     }
 
     fn barrier(&mut self, what: &str) -> Result<(), CollectiveError> {

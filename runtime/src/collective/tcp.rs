@@ -46,6 +46,7 @@ fn kind_code(kind: &str) -> u64 {
     match kind {
         "all_reduce" => 0,
         "all_gather" => 1,
+        "all_to_all" => 3,
         _ => 2,
     }
 }
@@ -54,8 +55,62 @@ fn kind_name(code: u64) -> &'static str {
     match code {
         0 => "all_reduce",
         1 => "all_gather",
+        3 => "all_to_all",
         _ => "barrier",
     }
+}
+
+/// Parts as one payload: their count, each one's length, then their bytes.
+fn pack_parts(parts: &[Vec<u8>]) -> Vec<u8> {
+    let mut b =
+        Vec::with_capacity(8 * (parts.len() + 1) + parts.iter().map(Vec::len).sum::<usize>());
+    b.extend_from_slice(&(parts.len() as u64).to_le_bytes());
+    for p in parts {
+        b.extend_from_slice(&(p.len() as u64).to_le_bytes());
+    }
+    for p in parts {
+        b.extend_from_slice(p);
+    }
+    b
+}
+
+/// The parts of [`pack_parts`], or what is wrong with the bytes.
+fn unpack_parts(b: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+    let word = |i: usize| -> Result<usize, String> {
+        let w = b
+            .get(8 * i..8 * i + 8)
+            .ok_or_else(|| format!("a parts message of {} bytes ends in its header", b.len()))?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(w);
+        Ok(u64::from_le_bytes(a) as usize)
+    };
+    let n = word(0)?;
+    if n > b.len() / 8 {
+        return Err(format!(
+            "a parts message of {} bytes claims {n} parts",
+            b.len()
+        ));
+    }
+    let mut at = 8 * (n + 1);
+    let mut parts = Vec::with_capacity(n);
+    for i in 0..n {
+        let len = word(1 + i)?;
+        let end = at
+            .checked_add(len)
+            .filter(|&e| e <= b.len())
+            .ok_or_else(|| {
+                format!(
+                    "part {i} of {len} bytes runs past the message's {}",
+                    b.len()
+                )
+            })?;
+        parts.push(b[at..end].to_vec());
+        at = end;
+    }
+    if at != b.len() {
+        return Err(format!("{} bytes after the last part", b.len() - at));
+    }
+    Ok(parts)
 }
 
 /// A call as it travels.
@@ -341,13 +396,56 @@ fn root_exchange(
         }
         calls.push(c);
     }
-    let result = combine(op.kind, &calls);
+    // an all_to_all gives each rank its own column; the rest one result for all
+    let columns = if op.kind == "all_to_all" {
+        let mut parts = Vec::with_capacity(world);
+        for (r, c) in calls.iter().enumerate() {
+            match unpack_parts(&c.payload) {
+                Ok(p) if p.len() == world => parts.push(p),
+                Ok(p) => {
+                    let detail = format!(
+                        "rank {r} passed {} parts to all_to_all '{}' for {world} ranks",
+                        p.len(),
+                        op.bucket
+                    );
+                    return fail(
+                        peers,
+                        CollectiveError::Mismatch {
+                            rank: 0,
+                            op: op.clone(),
+                            detail,
+                        },
+                    );
+                }
+                Err(e) => return fail(peers, aborted(format!("rank {r}'s all_to_all: {e}"))),
+            }
+        }
+        Some(
+            (0..world)
+                .map(|to| {
+                    pack_parts(
+                        &parts
+                            .iter()
+                            .map(|from| from[to].clone())
+                            .collect::<Vec<_>>(),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )
+    } else {
+        None
+    };
+    let result = match &columns {
+        Some(c) => c[0].clone(),
+        None => combine(op.kind, &calls),
+    };
     for (r, p) in peers.iter_mut().enumerate() {
         let Some(s) = p else { continue };
+        let bytes = columns.as_ref().map_or(&result, |c| &c[r]);
         let sent = (|| -> io::Result<()> {
             s.set_write_timeout(Some(timeout))?;
             write_u64(s, OK)?;
-            write_bytes(s, &result)?;
+            write_bytes(s, bytes)?;
             s.flush()
         })();
         if let Err(e) = sent {
@@ -480,6 +578,32 @@ impl Collective for TcpCollective {
         } else {
             all.chunks(n).map(<[u8]>::to_vec).collect()
         })
+    }
+
+    fn all_to_all(
+        &mut self,
+        bucket: &str,
+        send: &[Vec<u8>],
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let got = self.exchange("all_to_all", bucket, 0, pack_parts(send))?;
+        let parts = unpack_parts(&got).map_err(|reason| CollectiveError::Aborted {
+            rank: self.rank,
+            op: self.log.last(),
+            reason: format!("rank 0's all_to_all answer: {reason}"),
+        })?;
+        if parts.len() != self.world {
+            let reason = if matches!(self.links, Links::Alone) {
+                format!("{} parts for 1 rank", parts.len())
+            } else {
+                format!("rank 0 sent {} parts for {} ranks", parts.len(), self.world)
+            };
+            return Err(CollectiveError::Mismatch {
+                rank: self.rank,
+                op: self.log.last(),
+                detail: reason,
+            });
+        }
+        Ok(parts)
     }
 
     fn barrier(&mut self, what: &str) -> Result<(), CollectiveError> {
