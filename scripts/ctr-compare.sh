@@ -63,7 +63,7 @@ for b in batches:
         "erase_p90": erase, "erase_mfu_p90": mfu, "erase_ne": ne, "torch": torch,
         "ratio_vs_torch_compile": (mine / best) if mine and best else None,
         "build": os.environ.get("BUILD", ""),
-        "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
     auto = [torch[k]["qps_p90"] for k in torch if k.endswith("_autotune") and torch[k]["qps_p90"]]
     if auto and mine:

@@ -37,7 +37,7 @@ def load(p):
     except (OSError, ValueError):
         return None
 summary = {"batch": int(os.environ["BATCH"]), "build": os.environ.get("BUILD", ""),
-           "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), "models": {}}
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "models": {}}
 for m in models:
     rows = load(f"{out}/zoo-erase-{m}.json") or []
     erase = {r["variant"]: {"qps_p90": r["qps_p90"], "mfu_p90": r.get("mfu_p90"), "ne": r.get("ne")} for r in rows}

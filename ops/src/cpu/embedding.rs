@@ -10,6 +10,9 @@ pub const PAD: i32 = -1;
 
 use super::kernels::for_rows;
 use super::real::Real;
+use super::{get, get_i32, out, Elem, NodeCall};
+use crate::buffer::Buffer;
+use erase_graph::Op;
 
 /// The layout of a lookup: bags of `fields` fields each, table bases per field.
 pub struct Bags<'a> {
@@ -241,4 +244,77 @@ pub fn rowwise_adagrad<T: Real>(
             table[row * d + c] -= lr * g[c] / denom;
         }
     }
+}
+
+/// Embedding bags, mean pooling, the dense table gradient and row-wise Adagrad.
+pub(super) fn exec_embedding<T: Elem>(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+) -> Result<(), String> {
+    let ish = |i: usize| call.in_shapes[i];
+    let osh = |i: usize| call.out_shapes[i];
+    match call.op {
+        Op::EmbeddingBag { field_rows } => {
+            let bags = Bags::new(
+                get_i32(ins[1], "ids")?,
+                get_i32(ins[2], "offsets")?,
+                field_rows,
+            )?;
+            let d = ish(0).dims()[1];
+            embedding_bag(get::<T>(ins[0], "table")?, &bags, out(&mut outs[0])?, d);
+        }
+        Op::BagMean { mean } => {
+            // the ids' tables are not needed: any row count admits every id
+            let any_rows = vec![usize::MAX / (mean.len() + 1); mean.len()];
+            let bags = Bags::new(
+                get_i32(ins[1], "ids")?,
+                get_i32(ins[2], "offsets")?,
+                &any_rows,
+            )?;
+            let d = ish(0).dims()[2];
+            bag_mean(get::<T>(ins[0], "y")?, &bags, mean, out(&mut outs[0])?, d);
+        }
+        Op::EmbeddingBagGradDense { field_rows } => {
+            let bags = Bags::new(
+                get_i32(ins[1], "ids")?,
+                get_i32(ins[2], "offsets")?,
+                field_rows,
+            )?;
+            let d = osh(0).dims()[1];
+            embedding_bag_grad_dense(get::<T>(ins[0], "dy")?, &bags, out(&mut outs[0])?, d);
+        }
+        Op::RowwiseAdagrad {
+            lr,
+            eps,
+            field_rows,
+        } => {
+            let bags = Bags::new(
+                get_i32(ins[0], "ids")?,
+                get_i32(ins[1], "offsets")?,
+                field_rows,
+            )?;
+            let dp = get::<T>(ins[2], "dpooled")?;
+            let d = ish(2).dims()[2];
+            let [table, acc] = upd else {
+                return Err("expected table and accumulator".into());
+            };
+            let occ = match ins {
+                [_, _, _] => sorted_occurrences(&bags),
+                [_, _, _, rows, bag] => {
+                    presorted_occurrences(&bags, get_i32(rows, "rows")?, get_i32(bag, "bags")?)?
+                }
+                _ => return Err(format!("expected 3 or 5 inputs, got {}", ins.len())),
+            };
+            rowwise_adagrad(out(table)?, out(acc)?, &occ, dp, d, *lr, *eps);
+        }
+        other => {
+            return Err(format!(
+                "embedding: no CPU implementation of {}",
+                other.name()
+            ))
+        }
+    }
+    Ok(())
 }

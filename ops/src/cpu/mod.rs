@@ -1,11 +1,19 @@
 //! The CPU backend's execution of one node: typed dispatch to the reference kernels.
 
+mod attention;
+mod elementwise;
 pub mod embedding;
+mod gemm;
+mod interaction;
 pub mod kernels;
+mod loss;
+mod norm;
+mod optim;
 pub mod real;
+mod reduce;
+mod shape;
 
 use crate::buffer::Buffer;
-use embedding::Bags;
 use erase_graph::{DType, Op, Shape};
 use half::bf16;
 use kernels::{AttnDims, AttnGradIn, AxisView};
@@ -464,469 +472,60 @@ fn exec_inner<T: Elem>(
     outs: &mut [Buffer],
     upd: &mut [Buffer],
 ) -> Result<(), String> {
-    let ish = |i: usize| call.in_shapes[i];
-    let osh = |i: usize| call.out_shapes[i];
+    // one arm a family, every op named: a new op does not compile without its reference
     match call.op {
-        Op::Linear { bias, relu } => {
-            let (x, w) = (get::<T>(ins[0], "input")?, get::<T>(ins[1], "weight")?);
-            let b = if *bias {
-                Some(get::<T>(ins[2], "bias")?)
-            } else {
-                None
-            };
-            let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
-            let y = out(&mut outs[0])?;
-            kernels::linear(x, w, b, y, ish(0).rows(), k, n);
-            if *relu {
-                // as the Relu op (and the GEMM epilogue's fmaxf): x if x > 0, else 0
-                y.iter_mut().for_each(|v| {
-                    *v = if *v > T::ZERO { *v } else { T::ZERO };
-                });
-            }
+        Op::Linear { .. }
+        | Op::LinearGradInput { .. }
+        | Op::LinearGradWeight { .. }
+        | Op::MatMul { .. } => gemm::exec_gemm::<T>(call, ins, outs, upd),
+        Op::MulAdd
+        | Op::MulGrad
+        | Op::Add
+        | Op::Mul
+        | Op::Scale { .. }
+        | Op::Relu
+        | Op::Gelu
+        | Op::Sigmoid
+        | Op::ReluGrad
+        | Op::GeluGrad
+        | Op::SigmoidGrad => elementwise::exec_elementwise::<T>(call, ins, outs, upd),
+        Op::LayerNorm { .. } | Op::LayerNormGrad => norm::exec_norm::<T>(call, ins, outs, upd),
+        Op::SumToShape
+        | Op::Sum
+        | Op::Mean
+        | Op::Broadcast { .. }
+        | Op::GradSum
+        | Op::SliceSum { .. } => reduce::exec_reduce::<T>(call, ins, outs, upd),
+        Op::Concat { .. } | Op::Slice { .. } | Op::Split { .. } | Op::Pad { .. } => {
+            shape::exec_shape::<T>(call, ins, outs, upd)
         }
-        Op::LinearGradInput { relu_mask } => {
-            let (dy, w) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "weight")?);
-            let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
-            let dx = out(&mut outs[0])?;
-            kernels::linear_grad_input(dy, w, dx, ish(0).rows(), k, n);
-            if *relu_mask {
-                // as ReluGrad on the product: dx where y > 0, else 0
-                let y = get::<T>(ins[2], "y")?;
-                if y.len() != dx.len() {
-                    return Err(format!("y has {} elements, dx {}", y.len(), dx.len()));
-                }
-                for (d, &v) in dx.iter_mut().zip(y) {
-                    *d = if v > T::ZERO { *d } else { T::ZERO };
-                }
-            }
+        Op::PairwiseDot | Op::PairwiseDotGrad => {
+            interaction::exec_interaction::<T>(call, ins, outs, upd)
         }
-        Op::LinearGradWeight { .. } => {
-            // db (with `bias`) is summed in exec_typed from the unrounded dy
-            let (dy, x) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "input")?);
-            let (n, k) = (osh(0).dims()[0], osh(0).dims()[1]);
-            kernels::linear_grad_weight(dy, x, out(&mut outs[0])?, ish(0).rows(), k, n);
+        Op::Attention { .. } | Op::AttentionGrad { .. } => {
+            attention::exec_attention::<T>(call, ins, outs, upd)
         }
-        Op::MatMul { ta, tb } => {
-            let (a, b) = (get::<T>(ins[0], "a")?, get::<T>(ins[1], "b")?);
-            let (da, db) = (ish(0).dims(), ish(1).dims());
-            let r = da.len();
-            let batch = if r == 3 { da[0] } else { 1 };
-            kernels::matmul(
-                a,
-                b,
-                out(&mut outs[0])?,
-                batch,
-                (da[r - 2], da[r - 1]),
-                (db[r - 2], db[r - 1]),
-                *ta,
-                *tb,
-            );
-        }
-        Op::MulAdd => {
-            let (a, b, c) = (
-                get::<T>(ins[0], "a")?,
-                get::<T>(ins[1], "b")?,
-                get::<T>(ins[2], "c")?,
-            );
-            kernels::map_index(out(&mut outs[0])?, |i| a[i] * b[i] + c[i]);
-        }
-        Op::MulGrad => {
-            let (dy, a, b) = (
-                get::<T>(ins[0], "dy")?,
-                get::<T>(ins[1], "a")?,
-                get::<T>(ins[2], "b")?,
-            );
-            let [da, db] = outs else {
-                return Err("expected two outputs".into());
-            };
-            kernels::map_index(out(da)?, |i| dy[i] * b[i]);
-            kernels::map_index(out(db)?, |i| dy[i] * a[i]);
-        }
-        Op::Add | Op::Mul => {
-            let (a, b) = (get::<T>(ins[0], "a")?, get::<T>(ins[1], "b")?);
-            kernels::broadcast_binary(a, b, out(&mut outs[0])?, matches!(call.op, Op::Mul));
-        }
-        Op::Scale { factor } => {
-            let x = get::<T>(ins[0], "x")?;
-            let f = T::from_f64(*factor);
-            kernels::map_index(out(&mut outs[0])?, |i| x[i] * f);
-        }
-        Op::Relu => {
-            let x = get::<T>(ins[0], "x")?;
-            kernels::map_index(out(&mut outs[0])?, |i| {
-                if x[i] > T::ZERO {
-                    x[i]
-                } else {
-                    T::ZERO
-                }
-            });
-        }
-        Op::Gelu => {
-            let x = get::<T>(ins[0], "x")?;
-            kernels::map_index(out(&mut outs[0])?, |i| kernels::gelu(x[i]));
-        }
-        Op::Sigmoid => {
-            let x = get::<T>(ins[0], "x")?;
-            kernels::map_index(out(&mut outs[0])?, |i| kernels::sigmoid(x[i]));
-        }
-        Op::ReluGrad => {
-            let (dy, y) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "y")?);
-            kernels::map_index(out(&mut outs[0])?, |i| {
-                if y[i] > T::ZERO {
-                    dy[i]
-                } else {
-                    T::ZERO
-                }
-            });
-        }
-        Op::GeluGrad => {
-            let (dy, x) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "x")?);
-            kernels::map_index(out(&mut outs[0])?, |i| dy[i] * kernels::gelu_grad(x[i]));
-        }
-        Op::SigmoidGrad => {
-            let (dy, y) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "y")?);
-            kernels::map_index(out(&mut outs[0])?, |i| dy[i] * y[i] * (T::ONE - y[i]));
-        }
-        Op::LayerNorm { eps } => {
-            let (x, g, b) = (
-                get::<T>(ins[0], "x")?,
-                get::<T>(ins[1], "gamma")?,
-                get::<T>(ins[2], "beta")?,
-            );
-            let (y, m, r) = three::<T>(outs)?;
-            kernels::layer_norm(x, g, b, y, m, r, *eps);
-        }
-        Op::LayerNormGrad => {
-            let dy = get::<T>(ins[0], "dy")?;
-            let (x, g) = (get::<T>(ins[1], "x")?, get::<T>(ins[2], "gamma")?);
-            let (m, r) = (get::<T>(ins[3], "mean")?, get::<T>(ins[4], "rstd")?);
-            let (dx, dg, db) = three::<T>(outs)?;
-            kernels::layer_norm_grad(dy, x, g, m, r, dx, dg, db);
-        }
-        Op::SumToShape => kernels::sum_to_shape(get::<T>(ins[0], "dy")?, out(&mut outs[0])?),
-        Op::Concat { axis } => {
-            let total = osh(0).dims()[*axis];
-            let v = AxisView::new(osh(0).dims(), *axis);
-            let o = out::<T>(&mut outs[0])?;
-            let mut start = 0;
-            for (i, b) in ins.iter().enumerate() {
-                let len = ish(i).dims()[*axis];
-                kernels::place(get::<T>(b, "input")?, o, v, start, len, total);
-                start += len;
-            }
-        }
-        Op::Slice { axis, start, len } => {
-            let total = ish(0).dims()[*axis];
-            let v = AxisView::new(ish(0).dims(), *axis);
-            kernels::take(
-                get::<T>(ins[0], "x")?,
-                out(&mut outs[0])?,
-                v,
-                *start,
-                *len,
-                total,
-            );
-        }
-        Op::Split { axis, sizes } => {
-            let total = ish(0).dims()[*axis];
-            let v = AxisView::new(ish(0).dims(), *axis);
-            let x = get::<T>(ins[0], "x")?;
-            if outs.len() != sizes.len() || sizes.iter().sum::<usize>() != total {
-                return Err(format!(
-                    "split: {} parts of {sizes:?} from an axis of {total}",
-                    outs.len()
-                ));
-            }
-            let mut start = 0;
-            for (o, &len) in outs.iter_mut().zip(sizes) {
-                kernels::take(x, out(o)?, v, start, len, total);
-                start += len;
-            }
-        }
-        Op::Pad { axis, start, full } => {
-            let len = ish(0).dims()[*axis];
-            let v = AxisView::new(osh(0).dims(), *axis);
-            let o = out::<T>(&mut outs[0])?;
-            o.iter_mut().for_each(|x| *x = T::ZERO);
-            kernels::place(get::<T>(ins[0], "dy")?, o, v, *start, len, *full);
-        }
-        Op::PairwiseDot => {
-            let d = ish(0).dims();
-            kernels::pairwise_dot(get::<T>(ins[0], "e")?, out(&mut outs[0])?, d[1], d[2]);
-        }
-        Op::PairwiseDotGrad => {
-            let d = ish(1).dims();
-            let (dy, e) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "e")?);
-            kernels::pairwise_dot_grad(dy, e, out(&mut outs[0])?, d[1], d[2]);
-        }
-        Op::Attention {
-            heads,
-            causal,
-            packed: true,
-        } => {
-            let d = ish(0).dims();
-            let a = AttnDims {
-                s: d[1],
-                heads: *heads,
-                dh: d[2] / 3 / heads,
-                causal: *causal,
-                bf16: call.bf16_gemm,
-            };
-            let [q, k, v] = unpack3(get::<T>(ins[0], "qkv")?, d[2] / 3);
-            let [o, lse] = outs else {
-                return Err("expected two outputs".into());
-            };
-            kernels::attention(&q, &k, &v, out(o)?, out(lse)?, a);
-        }
-        Op::AttentionGrad {
-            heads,
-            causal,
-            packed: true,
-        } => {
-            let d = ish(1).dims();
-            let w = d[2] / 3;
-            let a = AttnDims {
-                s: d[1],
-                heads: *heads,
-                dh: w / heads,
-                causal: *causal,
-                bf16: call.bf16_gemm,
-            };
-            let [q, k, v] = unpack3(get::<T>(ins[1], "qkv")?, w);
-            let x = AttnGradIn {
-                d_o: get::<T>(ins[0], "do")?,
-                q: &q,
-                k: &k,
-                v: &v,
-                o: get::<T>(ins[2], "o")?,
-                lse: get::<T>(ins[3], "lse")?,
-            };
-            let n = q.len();
-            let (mut dq, mut dk, mut dv) = (vec![T::ZERO; n], vec![T::ZERO; n], vec![T::ZERO; n]);
-            kernels::attention_grad(x, &mut dq, &mut dk, &mut dv, a);
-            pack3([&dq, &dk, &dv], w, out(&mut outs[0])?);
-        }
-        Op::Attention { heads, causal, .. } => {
-            let d = ish(0).dims();
-            let a = AttnDims {
-                s: d[1],
-                heads: *heads,
-                dh: d[2] / heads,
-                causal: *causal,
-                bf16: call.bf16_gemm,
-            };
-            let (q, k, v) = (
-                get::<T>(ins[0], "q")?,
-                get::<T>(ins[1], "k")?,
-                get::<T>(ins[2], "v")?,
-            );
-            let [o, lse] = outs else {
-                return Err("expected two outputs".into());
-            };
-            kernels::attention(q, k, v, out(o)?, out(lse)?, a);
-        }
-        Op::AttentionGrad { heads, causal, .. } => {
-            let d = ish(1).dims();
-            let a = AttnDims {
-                s: d[1],
-                heads: *heads,
-                dh: d[2] / heads,
-                causal: *causal,
-                bf16: call.bf16_gemm,
-            };
-            let x = AttnGradIn {
-                d_o: get::<T>(ins[0], "do")?,
-                q: get::<T>(ins[1], "q")?,
-                k: get::<T>(ins[2], "k")?,
-                v: get::<T>(ins[3], "v")?,
-                o: get::<T>(ins[4], "o")?,
-                lse: get::<T>(ins[5], "lse")?,
-            };
-            let (dq, dk, dv) = three::<T>(outs)?;
-            kernels::attention_grad(x, dq, dk, dv, a);
-        }
-        Op::EmbeddingBag { field_rows } => {
-            let bags = Bags::new(
-                get_i32(ins[1], "ids")?,
-                get_i32(ins[2], "offsets")?,
-                field_rows,
-            )?;
-            let d = ish(0).dims()[1];
-            embedding::embedding_bag(get::<T>(ins[0], "table")?, &bags, out(&mut outs[0])?, d);
-        }
-        Op::BagMean { mean } => {
-            // the ids' tables are not needed: any row count admits every id
-            let any_rows = vec![usize::MAX / (mean.len() + 1); mean.len()];
-            let bags = Bags::new(
-                get_i32(ins[1], "ids")?,
-                get_i32(ins[2], "offsets")?,
-                &any_rows,
-            )?;
-            let d = ish(0).dims()[2];
-            embedding::bag_mean(get::<T>(ins[0], "y")?, &bags, mean, out(&mut outs[0])?, d);
-        }
-        Op::EmbeddingBagGradDense { field_rows } => {
-            let bags = Bags::new(
-                get_i32(ins[1], "ids")?,
-                get_i32(ins[2], "offsets")?,
-                field_rows,
-            )?;
-            let d = osh(0).dims()[1];
-            embedding::embedding_bag_grad_dense(
-                get::<T>(ins[0], "dy")?,
-                &bags,
-                out(&mut outs[0])?,
-                d,
-            );
-        }
-        Op::BceWithLogits => {
-            let l =
-                kernels::bce_with_logits(get::<T>(ins[0], "logit")?, get::<T>(ins[1], "label")?);
-            out::<T>(&mut outs[0])?[0] = T::from_f64(l);
-        }
-        Op::BceWithLogitsGrad => {
-            let dl = scalar::<T>(ins[0])?;
-            let (x, y) = (get::<T>(ins[1], "logit")?, get::<T>(ins[2], "label")?);
-            kernels::bce_with_logits_grad(dl, x, y, out(&mut outs[0])?);
-        }
-        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => {
-            let grad = matches!(call.op, Op::SoftmaxCrossEntropyGrad);
-            let off = usize::from(grad);
-            let x = get::<T>(ins[off], "logits")?;
-            let labels = get_i32(ins[off + 1], "labels")?;
-            let c = ish(off).dims()[1];
-            if let Some((r, &l)) = labels
-                .iter()
-                .enumerate()
-                .find(|(_, &l)| l < 0 || l as usize >= c)
-            {
-                return Err(format!(
-                    "label {l} of row {r} is out of range for {c} classes"
-                ));
-            }
-            if grad {
-                let dl = scalar::<T>(ins[0])?;
-                kernels::softmax_cross_entropy_grad(dl, x, labels, out(&mut outs[0])?, c);
-            } else {
-                let l = kernels::softmax_cross_entropy(x, labels, c);
-                out::<T>(&mut outs[0])?[0] = T::from_f64(l);
-            }
-        }
-        Op::Sum | Op::Mean => {
-            let x = get::<T>(ins[0], "x")?;
-            let s: f64 = x.iter().map(|v| v.to_f64()).sum();
-            let v = if matches!(call.op, Op::Mean) {
-                s / x.len() as f64
-            } else {
-                s
-            };
-            out::<T>(&mut outs[0])?[0] = T::from_f64(v);
-        }
-        Op::Broadcast { scale } => {
-            let v = scalar::<T>(ins[0])? * T::from_f64(*scale);
-            out::<T>(&mut outs[0])?.iter_mut().for_each(|o| *o = v);
-        }
-        Op::GradSum => {
-            let n = osh(0).numel();
-            sum_rows(ins, out::<T>(&mut outs[0])?, n, n, 0)?;
-        }
-        Op::SliceSum { axis, start, len } => {
-            if ins.is_empty() {
-                return Err("slice_sum: no inputs".into());
-            }
-            let dims = ish(0).dims();
-            if *axis >= dims.len() || start + len > dims[*axis] {
-                return Err(format!(
-                    "slice_sum: {start}+{len} of axis {axis} of {}",
-                    ish(0)
-                ));
-            }
-            if let Some(i) = (1..ins.len()).find(|&i| ish(i) != ish(0)) {
-                return Err(format!(
-                    "slice_sum: contribution {i} is {}, contribution 0 {}",
-                    ish(i),
-                    ish(0)
-                ));
-            }
-            let v = AxisView::new(dims, *axis);
-            let (w, ld, off) = (len * v.inner, dims[*axis] * v.inner, start * v.inner);
-            if osh(0).numel() != v.outer * w {
-                return Err(format!(
-                    "slice_sum: {start}+{len} of axis {axis} of {} into {}",
-                    ish(0),
-                    osh(0)
-                ));
-            }
-            sum_rows(ins, out::<T>(&mut outs[0])?, w, ld, off)?;
-        }
-        Op::Sgd { lr } => {
-            let lr = T::from_f64(*lr);
-            for (gb, pb) in ins.iter().zip(upd.iter_mut()) {
-                let g = get::<T>(gb, "gradient")?;
-                for (p, &gi) in out::<T>(pb)?.iter_mut().zip(g) {
-                    *p -= lr * gi;
-                }
-            }
-        }
-        Op::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-        } => {
-            let step = ins[0]
-                .as_i32()
-                .and_then(|s| s.first().copied())
-                .ok_or("adam needs an i32 step")?;
-            if step < 1 {
-                return Err(format!(
-                    "adam step count is {step}; the step increment must run first"
-                ));
-            }
-            let h = AdamHyper {
-                lr: *lr,
-                beta1: *beta1,
-                beta2: *beta2,
-                eps: *eps,
-                step,
-            };
-            let n = ins.len() - 1;
-            let (ps, rest) = upd.split_at_mut(n);
-            let (ms, vs) = rest.split_at_mut(n);
-            for i in 0..n {
-                let g = get::<T>(ins[i + 1], "gradient")?;
-                kernels::adam(out(&mut ps[i])?, g, out(&mut ms[i])?, out(&mut vs[i])?, &h);
-            }
-        }
-        Op::RowwiseAdagrad {
-            lr,
-            eps,
-            field_rows,
-        } => {
-            let bags = Bags::new(
-                get_i32(ins[0], "ids")?,
-                get_i32(ins[1], "offsets")?,
-                field_rows,
-            )?;
-            let dp = get::<T>(ins[2], "dpooled")?;
-            let d = ish(2).dims()[2];
-            let [table, acc] = upd else {
-                return Err("expected table and accumulator".into());
-            };
-            let occ = match ins {
-                [_, _, _] => embedding::sorted_occurrences(&bags),
-                [_, _, _, rows, bag] => embedding::presorted_occurrences(
-                    &bags,
-                    get_i32(rows, "rows")?,
-                    get_i32(bag, "bags")?,
-                )?,
-                _ => return Err(format!("expected 3 or 5 inputs, got {}", ins.len())),
-            };
-            embedding::rowwise_adagrad(out(table)?, out(acc)?, &occ, dp, d, *lr, *eps);
-        }
-        other => return Err(format!("no CPU implementation of {}", other.name())),
+        Op::EmbeddingBag { .. }
+        | Op::BagMean { .. }
+        | Op::EmbeddingBagGradDense { .. }
+        | Op::RowwiseAdagrad { .. } => embedding::exec_embedding::<T>(call, ins, outs, upd),
+        Op::BceWithLogits
+        | Op::BceWithLogitsGrad
+        | Op::SoftmaxCrossEntropy
+        | Op::SoftmaxCrossEntropyGrad => loss::exec_loss::<T>(call, ins, outs, upd),
+        Op::Sgd { .. } | Op::Adam { .. } => optim::exec_optim::<T>(call, ins, outs, upd),
+        Op::Leaf(_)
+        | Op::LinearAdd { .. }
+        | Op::Reshape
+        | Op::Detach
+        | Op::Cast { .. }
+        | Op::RoundBf16 { .. }
+        | Op::EmbeddingSort { .. }
+        | Op::StepIncrement => Err(format!(
+            "no CPU implementation of {} here: execute runs it",
+            call.op.name()
+        )),
     }
-    Ok(())
 }
 
 use kernels::AdamHyper;
