@@ -21,4 +21,5 @@ pub mod loader;
 pub mod metrics;
 pub mod model;
 pub mod profile;
+pub mod sharding;
 pub mod train;

@@ -615,3 +615,38 @@ fn spaces_around_criteo_integers_and_stale_cache_temporaries() {
     assert!(!stale.exists(), "the stale cache temporary is still there");
     assert!(cache.join(&name).exists());
 }
+
+/// `plan --gpus N` prints where the tables would live; a forced placement that cannot
+/// fit names the flag and the way out.
+#[test]
+fn plan_prints_the_table_placement_and_refuses_one_that_does_not_fit() {
+    let t = ok(&run(&["plan", "--preset", "spec", "--gpus", "4"]));
+    assert!(
+        t.contains("sharding auto") && t.contains("26 table-wise"),
+        "{t}"
+    );
+    let t = ok(&run(&[
+        "plan",
+        "--preset",
+        "spec",
+        "--gpus",
+        "4",
+        "--sharding",
+        "row",
+    ]));
+    assert!(t.contains("26 row-wise"), "{t}");
+    fails_with(
+        &run(&[
+            "plan",
+            "--preset",
+            "spec",
+            "--gpus",
+            "4",
+            "--sharding",
+            "replicated",
+            "--rank-memory",
+            "0.5",
+        ]),
+        &["--sharding replicated", "use --sharding row or auto"],
+    );
+}

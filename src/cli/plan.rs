@@ -42,6 +42,14 @@ pub(crate) struct PlanArgs {
     /// with each block's gradients all-reduced early and with one all-reduce at the end.
     #[arg(long, value_name = "N")]
     gpus: Option<usize>,
+    /// With --gpus: where the embedding tables would live (`auto`: by size, the ranks'
+    /// memory and the communication; `replicated`, `table` or `row` to force one). A
+    /// prediction: training replicates every table today.
+    #[arg(long, value_enum, default_value = "auto")]
+    sharding: ShardingArg,
+    /// With --gpus: each rank's memory for embedding tables and their optimizer state, GB.
+    #[arg(long, value_name = "GB", default_value_t = 120.0)]
+    rank_memory: f64,
     /// Predict with kernel times measured on a GPU instead of the cost model's: a trace
     /// written by `train --trace` or `bench --trace-dir` (best of a serial variant, whose
     /// kernels ran alone). Launches it lacks keep the model's time.
@@ -400,6 +408,43 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 );
             }
         }
+        {
+            let mc = a.model.config(Variant::Erase)?;
+            let tables: Vec<crate::sharding::Table> = mc
+                .field_rows()
+                .iter()
+                .enumerate()
+                .map(|(i, &rows)| crate::sharding::Table {
+                    name: format!("C{}", i + 1),
+                    rows,
+                    dim: mc.dim,
+                })
+                .collect();
+            if !(a.rank_memory > 0.0 && a.rank_memory.is_finite()) {
+                bail!("--rank-memory must be a positive number of GB");
+            }
+            let budget = (a.rank_memory * 1e9) as u64;
+            let mode = a.sharding.into();
+            let p = crate::sharding::plan(&tables, n, budget, mode)?;
+            let count = |f: fn(&crate::sharding::Placement) -> bool| {
+                p.placements.iter().filter(|x| f(x)).count()
+            };
+            let bytes = p.all_to_all_bytes(&tables, batch);
+            let lo = p.rank_bytes.iter().min().copied().unwrap_or(0) as f64 / 1e6;
+            let hi = p.rank_bytes.iter().max().copied().unwrap_or(0) as f64 / 1e6;
+            println!(
+                "  sharding {} (a prediction: training replicates every table): {} replicated, {} table-wise, {} row-wise; tables on a rank {:.1} to {:.1} MB of {:.1} GB; the forward all-to-all moves {:.1} MB per rank each way, {:.1} µs, and the gradients' as much",
+                a.sharding.as_str(),
+                count(|x| matches!(x, crate::sharding::Placement::Replicated)),
+                count(|x| matches!(x, crate::sharding::Placement::Table(_))),
+                count(|x| matches!(x, crate::sharding::Placement::Row)),
+                lo,
+                hi,
+                a.rank_memory,
+                bytes / 1e6,
+                if bytes > 0.0 { link.all_to_all_s(bytes, n) * 1e6 } else { 0.0 }
+            );
+        }
         if let Some((_, (_, _, buckets))) = dp.first() {
             let gathered: f64 = buckets.iter().filter(|b| b.gather).map(|b| b.bytes).sum();
             let mc = a.model.config(Variant::Erase)?;
@@ -456,4 +501,35 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--sharding`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum ShardingArg {
+    Auto,
+    Replicated,
+    Table,
+    Row,
+}
+
+impl ShardingArg {
+    fn as_str(self) -> &'static str {
+        match self {
+            ShardingArg::Auto => "auto",
+            ShardingArg::Replicated => "replicated",
+            ShardingArg::Table => "table",
+            ShardingArg::Row => "row",
+        }
+    }
+}
+
+impl From<ShardingArg> for crate::sharding::Sharding {
+    fn from(a: ShardingArg) -> Self {
+        match a {
+            ShardingArg::Auto => crate::sharding::Sharding::Auto,
+            ShardingArg::Replicated => crate::sharding::Sharding::Replicated,
+            ShardingArg::Table => crate::sharding::Sharding::Table,
+            ShardingArg::Row => crate::sharding::Sharding::Row,
+        }
+    }
 }

@@ -1,0 +1,293 @@
+//! Where each embedding table lives when several ranks train: replicated on every rank
+//! (today's training, for small tables), table-wise (the whole table on one rank) or
+//! row-wise (its rows split evenly over the ranks, for a table too large for one). The
+//! planner is a pure function of the tables' sizes, the rank count and each rank's
+//! memory budget, so every rank computes the same placement; `erase-ctr plan --gpus N
+//! --sharding MODE` prints it. (The sharded lookup itself, the all-to-all of ids and
+//! pooled rows in the step, is not implemented yet: training replicates every table.)
+
+use anyhow::{bail, Result};
+
+/// What `--sharding` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharding {
+    /// Every table on every rank.
+    Replicated,
+    /// Every table whole on one rank, balanced by bytes.
+    Table,
+    /// Every table's rows split over all ranks.
+    Row,
+    /// Per table: see [`plan`].
+    Auto,
+}
+
+/// Where one table lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    Replicated,
+    /// Whole, on this rank.
+    Table(usize),
+    /// Rows `k·⌈rows/n⌉ ..` on rank `k`.
+    Row,
+}
+
+/// One embedding table: its name (the field), rows and width.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    pub name: String,
+    pub rows: usize,
+    pub dim: usize,
+}
+
+impl Table {
+    /// Bytes of its f32 rows and its row-wise Adagrad state (one f32 a row).
+    pub fn bytes(&self) -> u64 {
+        self.rows as u64 * (self.dim as u64 + 1) * 4
+    }
+}
+
+/// A placement of every table, and what it costs each rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardPlan {
+    pub placements: Vec<Placement>,
+    /// Table bytes each rank holds.
+    pub rank_bytes: Vec<u64>,
+}
+
+impl ShardPlan {
+    /// Bytes one rank sends (and receives) in the forward all-to-all of a step of
+    /// `local_batch` examples a rank, one pooled row of each sharded field an example:
+    /// the rows its examples need from other ranks (for `n` ranks, `(n-1)/n` of them).
+    pub fn all_to_all_bytes(&self, tables: &[Table], local_batch: usize) -> f64 {
+        let n = self.rank_bytes.len().max(1) as f64;
+        let rows: f64 = tables
+            .iter()
+            .zip(&self.placements)
+            .filter(|(_, p)| !matches!(p, Placement::Replicated))
+            .map(|(t, _)| (local_batch * t.dim * 4) as f64)
+            .fold(0.0, |a, b| a + b);
+        rows * (n - 1.0) / n
+    }
+}
+
+/// Tables at most this large stay replicated under `auto`: exchanging their pooled rows
+/// costs a latency that holding them everywhere does not.
+pub const AUTO_REPLICATE_BYTES: u64 = 1 << 20;
+
+/// The placement `mode` asks for on `ranks` ranks of `budget` bytes each for tables.
+///
+/// `auto`: on one or two ranks, tables stay replicated while they fit (with two, the
+/// gradients' gather of a replicated table moves what the sharded exchange would), the
+/// largest sharded first until a rank's replicated tables and its share of the others
+/// fit; on more ranks every table above
+/// [`AUTO_REPLICATE_BYTES`] is sharded, since the replicated tables' gather grows with
+/// the rank count and the exchange does not. A sharded table goes whole to the rank
+/// that holds the fewest bytes (largest first) where it fits, else row-wise.
+pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Result<ShardPlan> {
+    if ranks == 0 {
+        bail!("sharding: no ranks");
+    }
+    let total: u64 = tables.iter().map(Table::bytes).sum();
+    let gb = |b: u64| b as f64 / 1e9;
+    let mut placements = vec![Placement::Replicated; tables.len()];
+    let shard: Vec<bool> = match mode {
+        Sharding::Replicated => {
+            if total > budget {
+                bail!(
+                    "--sharding replicated: the {} tables need {:.2} GB on every rank, {:.2} GB more than a rank's budget of {:.2} GB; use --sharding row or auto",
+                    tables.len(),
+                    gb(total),
+                    gb(total - budget),
+                    gb(budget)
+                );
+            }
+            vec![false; tables.len()]
+        }
+        Sharding::Table | Sharding::Row => vec![true; tables.len()],
+        Sharding::Auto if ranks <= 2 => {
+            let mut order: Vec<usize> = (0..tables.len()).collect();
+            order.sort_by_key(|&i| (std::cmp::Reverse(tables[i].bytes()), i));
+            let mut kept = total;
+            let mut out = vec![false; tables.len()];
+            // a rank holds the replicated tables and about its share of the others
+            let fits = |kept: u64| kept + (total - kept).div_ceil(ranks as u64) <= budget;
+            for i in order {
+                if fits(kept) {
+                    break;
+                }
+                out[i] = true;
+                kept -= tables[i].bytes();
+            }
+            out
+        }
+        Sharding::Auto => tables
+            .iter()
+            .map(|t| t.bytes() > AUTO_REPLICATE_BYTES)
+            .collect(),
+    };
+    let replicated: u64 = tables
+        .iter()
+        .zip(&shard)
+        .filter(|(_, s)| !**s)
+        .map(|(t, _)| t.bytes())
+        .sum();
+    let mut rank_bytes = vec![replicated; ranks];
+    // row-wise first (they load every rank alike), then whole tables largest first
+    let mut whole = Vec::new();
+    for (i, t) in tables.iter().enumerate() {
+        if !shard[i] {
+            continue;
+        }
+        let row_wise =
+            mode == Sharding::Row || (mode != Sharding::Table && replicated + t.bytes() > budget);
+        if row_wise {
+            placements[i] = Placement::Row;
+            let per = (t.rows.div_ceil(ranks) as u64) * (t.dim as u64 + 1) * 4;
+            for b in &mut rank_bytes {
+                *b += per;
+            }
+        } else {
+            whole.push(i);
+        }
+    }
+    whole.sort_by_key(|&i| (std::cmp::Reverse(tables[i].bytes()), i));
+    for i in whole {
+        let t = &tables[i];
+        let (k, _) = rank_bytes
+            .iter()
+            .enumerate()
+            .min_by_key(|(k, b)| (**b, *k))
+            .expect("at least one rank");
+        if rank_bytes[k] + t.bytes() > budget {
+            if mode == Sharding::Table {
+                bail!(
+                    "--sharding table: table '{}' ({:.2} GB) does not fit rank {k}, which holds {:.2} GB of a {:.2} GB budget; use --sharding row or auto",
+                    t.name,
+                    gb(t.bytes()),
+                    gb(rank_bytes[k]),
+                    gb(budget)
+                );
+            }
+            placements[i] = Placement::Row;
+            let per = (t.rows.div_ceil(ranks) as u64) * (t.dim as u64 + 1) * 4;
+            for b in &mut rank_bytes {
+                *b += per;
+            }
+            continue;
+        }
+        placements[i] = Placement::Table(k);
+        rank_bytes[k] += t.bytes();
+    }
+    if let Some((k, b)) = rank_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
+        bail!(
+            "sharding {mode:?}: rank {k} would hold {:.2} GB of tables, over its budget of {:.2} GB, even with its tables split row-wise over {ranks} ranks",
+            gb(*b),
+            gb(budget)
+        );
+    }
+    Ok(ShardPlan {
+        placements,
+        rank_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tables(rows: &[usize]) -> Vec<Table> {
+        rows.iter()
+            .enumerate()
+            .map(|(i, &rows)| Table {
+                name: format!("C{}", i + 1),
+                rows,
+                dim: 64,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn replicated_fits_or_is_refused_naming_the_shortfall() {
+        let t = tables(&[1000, 2000]);
+        let p = plan(&t, 4, 1 << 30, Sharding::Replicated).unwrap();
+        assert_eq!(p.placements, vec![Placement::Replicated; 2]);
+        assert_eq!(p.rank_bytes, vec![3000 * 65 * 4; 4]);
+        assert_eq!(p.all_to_all_bytes(&t, 1024), 0.0);
+        let e = plan(&t, 4, 500_000, Sharding::Replicated)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--sharding replicated") && e.contains("use --sharding row"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn table_wise_balances_largest_first_and_refuses_a_table_too_large_for_a_rank() {
+        let t = tables(&[100, 400, 300, 200]);
+        let p = plan(&t, 2, 1 << 30, Sharding::Table).unwrap();
+        // 400 to rank 0, 300 to rank 1, 200 to rank 1 (300 < 400), 100 to rank 0
+        assert_eq!(
+            p.placements,
+            vec![
+                Placement::Table(0),
+                Placement::Table(0),
+                Placement::Table(1),
+                Placement::Table(1)
+            ]
+        );
+        assert_eq!(p.rank_bytes, vec![500 * 65 * 4, 500 * 65 * 4]);
+        let big = tables(&[10_000_000]);
+        let e = plan(&big, 4, 1 << 30, Sharding::Table)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("table 'C1'") && e.contains("use --sharding row"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn row_wise_splits_every_table_evenly() {
+        let t = tables(&[1001, 64]);
+        let p = plan(&t, 4, 1 << 30, Sharding::Row).unwrap();
+        assert_eq!(p.placements, vec![Placement::Row; 2]);
+        assert_eq!(p.rank_bytes, vec![(251 + 16) * 65 * 4; 4]);
+        // every example needs 3/4 of its two pooled rows from other ranks
+        assert_eq!(p.all_to_all_bytes(&t, 100), 2.0 * 100.0 * 64.0 * 4.0 * 0.75);
+    }
+
+    #[test]
+    fn auto_shards_what_does_not_fit_and_splits_what_no_rank_holds() {
+        // 26 tables of 1M rows at dim 64: 6.8 GB; a budget of 4 GB a rank
+        let t = tables(&[1_000_000; 26]);
+        let budget = 4_000_000_000;
+        assert!(plan(&t, 2, budget, Sharding::Replicated).is_err());
+        let p = plan(&t, 2, budget, Sharding::Auto).unwrap();
+        let sharded = p
+            .placements
+            .iter()
+            .filter(|x| !matches!(x, Placement::Replicated))
+            .count();
+        assert!(sharded > 0 && sharded < 26, "{:?}", p.placements);
+        assert!(p.rank_bytes.iter().all(|&b| b <= budget));
+        // on 8 ranks every large table is sharded, small ones stay
+        let mut t8 = t.clone();
+        t8.push(Table {
+            name: "tiny".into(),
+            rows: 10,
+            dim: 64,
+        });
+        let p8 = plan(&t8, 8, budget, Sharding::Auto).unwrap();
+        assert_eq!(p8.placements[26], Placement::Replicated);
+        assert!(p8.placements[..26]
+            .iter()
+            .all(|x| matches!(x, Placement::Table(_))));
+        // a table larger than any rank's budget goes row-wise
+        let huge = tables(&[20_000_000, 1000]); // 5.2 GB
+        let ph = plan(&huge, 4, budget, Sharding::Auto).unwrap();
+        assert_eq!(ph.placements[0], Placement::Row);
+        // the same inputs give the same plan (every rank computes it)
+        assert_eq!(ph, plan(&huge, 4, budget, Sharding::Auto).unwrap());
+    }
+}
