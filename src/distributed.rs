@@ -270,25 +270,8 @@ pub fn run_rank<C: Collective>(
     let g = &m.graph;
     let mut runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
     let mut src = crate::train::BatchSource::new(&cfg.data, &cfg.model, cfg.data_seed)?;
-    // the identity a checkpoint carries is the run's at the global batch: every rank
-    // holds the same replica, so it resumes on any rank count
-    let identity = if cfg.resume.is_some() || cfg.checkpoint.is_some() {
-        cfg.identity()
-    } else {
-        Vec::new()
-    };
-    let mut first = 0;
-    if let Some(path) = &cfg.resume {
-        let st = crate::checkpoint::load(path, g, &mut runner, Some(&identity))
-            .with_context(|| format!("rank {rank}: resuming"))?;
-        first = st.step as usize;
-        if first >= cfg.steps {
-            bail!(
-                "{} is already at step {first}; ask for more --steps than that",
-                path.display()
-            );
-        }
-    }
+    let ck = RankCheckpoints::resume(cfg, g, &mut runner, rank)?;
+    let first = ck.first;
     // launches before the optimizer, and the dense optimizer's (row-wise Adagrad is
     // applied below, on the gathered sparse gradients)
     let mut before = Vec::new();
@@ -404,18 +387,8 @@ pub fn run_rank<C: Collective>(
             .run_order(&dense_opt)
             .with_context(|| format!("rank {rank}, step {step}: optimizer"))?;
         step_secs.push(t0.elapsed().as_secs_f64());
-        // rank 0 writes the (common) replica; the others go on
-        let done = step + 1;
-        let due =
-            done == cfg.steps || (cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0);
-        if let (0, true, Some(path)) = (rank, due, &cfg.checkpoint) {
-            let st = crate::checkpoint::CheckpointState {
-                step: done as u64,
-                next_example: (done * cfg.model.batch) as u64,
-                identity: identity.clone(),
-            };
-            crate::checkpoint::save(path, g, &runner, &st)
-                .with_context(|| format!("rank 0, step {done}: checkpoint"))?;
+        if ck.due(cfg, rank, step + 1) {
+            ck.save(cfg, g, &runner, step + 1)?;
         }
     }
     comm.barrier("end of training")?;
@@ -447,6 +420,73 @@ pub(crate) fn persistent_state(
         layout.push((g.name(t).to_string(), b.dtype(), b.len()));
     }
     Ok((state, layout))
+}
+
+/// A data-parallel rank's checkpoints (CPU and CUDA ranks alike): the identity they carry
+/// is the run's at the global batch, since every rank holds the same replica, so a
+/// checkpoint resumes on any rank count; rank 0 writes it.
+pub(crate) struct RankCheckpoints {
+    identity: Vec<(String, String)>,
+    /// The step this rank starts at (that of the checkpoint it resumed, else 0).
+    pub first: usize,
+}
+
+impl RankCheckpoints {
+    /// Restores `--resume`'s checkpoint into `store`, if one is asked for.
+    pub(crate) fn resume(
+        cfg: &TrainConfig,
+        g: &erase_graph::Graph,
+        store: &mut dyn crate::checkpoint::TensorStore,
+        rank: usize,
+    ) -> Result<RankCheckpoints> {
+        let identity = if cfg.resume.is_some() || cfg.checkpoint.is_some() {
+            cfg.identity()
+        } else {
+            Vec::new()
+        };
+        let mut first = 0;
+        if let Some(path) = &cfg.resume {
+            let st = crate::checkpoint::load(path, g, store, Some(&identity))
+                .with_context(|| format!("rank {rank}: resuming"))?;
+            first = st.step as usize;
+            if first >= cfg.steps {
+                bail!(
+                    "{} is already at step {first}; ask for more --steps than that",
+                    path.display()
+                );
+            }
+        }
+        Ok(RankCheckpoints { identity, first })
+    }
+
+    /// Whether `rank` writes a checkpoint once `done` steps are complete: rank 0, every
+    /// `--checkpoint-every` steps and at the end; the others go on.
+    pub(crate) fn due(&self, cfg: &TrainConfig, rank: usize, done: usize) -> bool {
+        rank == 0
+            && cfg.checkpoint.is_some()
+            && (done == cfg.steps
+                || (cfg.checkpoint_every > 0 && done.is_multiple_of(cfg.checkpoint_every)))
+    }
+
+    /// Writes the replica in `store` after `done` steps (atomically).
+    pub(crate) fn save(
+        &self,
+        cfg: &TrainConfig,
+        g: &erase_graph::Graph,
+        store: &dyn crate::checkpoint::TensorStore,
+        done: usize,
+    ) -> Result<()> {
+        let Some(path) = &cfg.checkpoint else {
+            return Ok(());
+        };
+        let st = crate::checkpoint::CheckpointState {
+            step: done as u64,
+            next_example: (done * cfg.model.batch) as u64,
+            identity: self.identity.clone(),
+        };
+        crate::checkpoint::save(path, g, store, &st)
+            .with_context(|| format!("rank 0, step {done}: checkpoint"))
+    }
 }
 
 /// Evaluates a trained replica like `train` does at the end: its persistent tensors

@@ -90,26 +90,8 @@ fn train(
         opts.allreduce == AllReduce::Early,
     )?;
     prog.set_threaded(cfg.dispatch == Dispatch::Threaded);
-    // the identity a checkpoint carries is the run's at the global batch: every rank
-    // holds the same replica, so it resumes on any rank count (and on the CPU ranks)
-    let identity = if cfg.resume.is_some() || cfg.checkpoint.is_some() {
-        cfg.identity()
-    } else {
-        Vec::new()
-    };
-    let mut first = 0;
-    if let Some(path) = &cfg.resume {
-        // before the capture: the step graph reads the restored tensors where they are
-        let st = crate::checkpoint::load(path, g, &mut prog, Some(&identity))
-            .with_context(|| format!("rank {rank}: resuming"))?;
-        first = st.step as usize;
-        if first >= cfg.steps {
-            bail!(
-                "{} is already at step {first}; ask for more --steps than that",
-                path.display()
-            );
-        }
-    }
+    // before the capture: the step graph reads the restored tensors where they are
+    let ck = crate::distributed::RankCheckpoints::resume(cfg, g, &mut prog, rank)?;
     let graph = cfg.dispatch == Dispatch::Graph;
     if graph {
         wd.enter("warming up NCCL before the graph capture");
@@ -123,7 +105,7 @@ fn train(
     let mut losses = Vec::with_capacity(cfg.steps);
     let mut step_secs = Vec::with_capacity(cfg.steps);
     let mut log: Vec<CollectiveRecord> = Vec::new();
-    for step in first..cfg.steps {
+    for step in ck.first..cfg.steps {
         FailAt::check(fail, rank, step)?;
         let (d, r, y) = shard.fill(&mut src, step);
         let (bd, bi, bo, bl) = m.batch_buffers(d, r, y)?;
@@ -172,19 +154,9 @@ fn train(
                 bytes: *bytes,
             });
         }
-        // rank 0 writes the (common) replica, atomically; the others go on
-        let done = step + 1;
-        let due =
-            done == cfg.steps || (cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0);
-        if let (0, true, Some(path)) = (rank, due, &cfg.checkpoint) {
-            let st = crate::checkpoint::CheckpointState {
-                step: done as u64,
-                next_example: (done * cfg.model.batch) as u64,
-                identity: identity.clone(),
-            };
-            wd.enter(format!("step {done}: writing the checkpoint"));
-            crate::checkpoint::save(path, g, &prog, &st)
-                .with_context(|| format!("rank 0, step {done}: checkpoint"))?;
+        if ck.due(cfg, rank, step + 1) {
+            wd.enter(format!("step {}: writing the checkpoint", step + 1));
+            ck.save(cfg, g, &prog, step + 1)?;
             wd.leave();
         }
     }
