@@ -21,13 +21,32 @@ pub(super) struct Rule<'a> {
     pub uses: &'a [usize],
 }
 
+impl Rule<'_> {
+    /// Whether input `i` needs a gradient.
+    fn needs(&self, i: usize) -> bool {
+        self.req[self.node.inputs[i].index()]
+    }
+
+    /// Input `i`'s shape.
+    fn shape_of(&self, b: &Builder, i: usize) -> Shape {
+        b.g.shape(self.node.inputs[i]).clone()
+    }
+
+    /// The error of a family's rules handed an op of another family (a dispatch bug).
+    fn misrouted(&self, family: &str) -> GraphError {
+        GraphError::Structure(format!(
+            "autodiff: the {family} rules were asked for {} node '{}'",
+            self.node.op.name(),
+            self.node.name
+        ))
+    }
+}
+
 /// Linear layers (with their fused ReLU, residual and bf16 copies) and matmul.
 pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy, contributions) = (r.node, r.dy, r.contributions);
     let (req, uses) = (r.req, r.uses);
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let needs = |i: usize| req[ins[i].index()];
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::Linear { bias, relu } => {
             // the fused ReLU's gradient first: dy ⊙ (y > 0), y the node's own output,
@@ -70,18 +89,18 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
                 if let Some(sums) = b.dy_sums.remove(&dy) {
                     b.contribute(ins[2], sums);
                     db_done = true;
-                } else if *bias && needs(2) && (copied || !needs(1)) {
+                } else if *bias && r.needs(2) && (copied || !r.needs(1)) {
                     // (a bf16 dy with an f32 x: the weight gradient sums it)
                     return Err(GraphError::Structure(format!(
                         "autodiff: '{nm}' has a bf16 dy without its column sums"
                     )));
                 }
                 dy
-            } else if copied && (needs(0) || needs(1)) {
-                let col_sums = *bias && needs(2);
+            } else if copied && (r.needs(0) || r.needs(1)) {
+                let col_sums = *bias && r.needs(2);
                 let mut outs = vec![(b.g.shape(dy).clone(), DType::Bf16)];
                 if col_sums {
-                    outs.push((shape_of(b, 2), b.g.float_dtype()));
+                    outs.push((r.shape_of(b, 2), b.g.float_dtype()));
                 }
                 let r = b.g.add_derived(
                     Op::RoundBf16 { col_sums },
@@ -99,7 +118,7 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
             } else {
                 dy
             };
-            if needs(0) {
+            if r.needs(0) {
                 // x the output of a ReLU (fused into a Linear or its own node) that
                 // only this node reads (through its bf16 copy, if it has one): its
                 // gradient's mask goes into this dx's epilogue
@@ -125,7 +144,7 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
                     inputs.push(x);
                     b.masked.insert(x);
                 }
-                let s = shape_of(b, 0);
+                let s = r.shape_of(b, 0);
                 let f = b.g.float_dtype();
                 let mut outs = vec![(s.clone(), f)];
                 if below {
@@ -147,14 +166,14 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
         Op::LinearAdd { bias } => {
             // [x, w, b?, r]: dy is r's gradient as it is, and the layer's dy
             let nb = usize::from(*bias);
-            if needs(2 + nb) {
+            if r.needs(2 + nb) {
                 b.contribute(ins[2 + nb], dy);
             }
-            if needs(0) {
+            if r.needs(0) {
                 let dx = b.add1(
                     Op::LinearGradInput { relu_mask: false },
                     vec![dy, ins[1]],
-                    shape_of(b, 0),
+                    r.shape_of(b, 0),
                     format!("{nm}.dx"),
                     id,
                 );
@@ -164,31 +183,26 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
         }
         Op::MatMul { ta, tb } => {
             let (ta, tb) = (*ta, *tb);
-            if needs(0) {
+            if r.needs(0) {
                 let (op, i) = if ta {
                     (Op::MatMul { ta: tb, tb: true }, vec![ins[1], dy])
                 } else {
                     (Op::MatMul { ta: false, tb: !tb }, vec![dy, ins[1]])
                 };
-                let da = b.add1(op, i, shape_of(b, 0), format!("{nm}.da"), id);
+                let da = b.add1(op, i, r.shape_of(b, 0), format!("{nm}.da"), id);
                 b.contribute(ins[0], da);
             }
-            if needs(1) {
+            if r.needs(1) {
                 let (op, i) = if tb {
                     (Op::MatMul { ta: true, tb: ta }, vec![dy, ins[0]])
                 } else {
                     (Op::MatMul { ta: !ta, tb: false }, vec![ins[0], dy])
                 };
-                let db = b.add1(op, i, shape_of(b, 1), format!("{nm}.db"), id);
+                let db = b.add1(op, i, r.shape_of(b, 1), format!("{nm}.db"), id);
                 b.contribute(ins[1], db);
             }
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the gemm rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("gemm")),
     }
     Ok(())
 }
@@ -198,26 +212,26 @@ pub(super) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy, contributions) = (r.node, r.dy, r.contributions);
     let (req, uses) = (r.req, r.uses);
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let needs = |i: usize| req[ins[i].index()];
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::Add => {
-            if needs(0) {
+            if r.needs(0) {
                 b.contribute(ins[0], dy);
             }
-            if needs(1) {
+            if r.needs(1) {
                 let db = b.unbroadcast(dy, ins[1], format!("{nm}.db"), id);
                 b.contribute(ins[1], db);
             }
         }
-        Op::Mul | Op::MulAdd if needs(0) && needs(1) && b.g.shape(ins[0]) == b.g.shape(ins[1]) => {
+        Op::Mul | Op::MulAdd
+            if r.needs(0) && r.needs(1) && b.g.shape(ins[0]) == b.g.shape(ins[1]) =>
+        {
             // both factors' gradients in one pass. A factor that is the output of a
             // linear layer with bf16 copies (Graph::set_bf16_copies), read by this
             // node alone: its gradient is that layer's whole dy, which the pass writes
             // as the bf16 copy the layer's GEMMs read (with its column sums, the bias
             // gradient) instead of in f32 for a RoundBf16 of its own
             let copied_dy = |k: usize| copied_layer_output(b.g, uses, req, ins[k]);
-            let s = shape_of(b, 0);
+            let s = r.shape_of(b, 0);
             let fused = [1, 0]
                 .into_iter()
                 .find_map(|k| copied_dy(k).map(|sums| (k, sums)));
@@ -254,14 +268,14 @@ pub(super) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> {
                 b.contribute(ins[0], g[0]);
                 b.contribute(ins[1], g[1]);
             }
-            if matches!(node.op, Op::MulAdd) && needs(2) {
+            if matches!(node.op, Op::MulAdd) && r.needs(2) {
                 b.contribute(ins[2], dy);
             }
         }
         Op::MulAdd => {
-            let s = shape_of(b, 0);
+            let s = r.shape_of(b, 0);
             for (i, other, what) in [(0, 1, "da"), (1, 0, "db")] {
-                if needs(i) {
+                if r.needs(i) {
                     let d = b.add1(
                         Op::Mul,
                         vec![dy, ins[other]],
@@ -272,13 +286,13 @@ pub(super) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> {
                     b.contribute(ins[i], d);
                 }
             }
-            if needs(2) {
+            if r.needs(2) {
                 b.contribute(ins[2], dy);
             }
         }
         Op::Mul => {
             let out_shape = b.g.shape(dy).clone();
-            if needs(0) {
+            if r.needs(0) {
                 let da = b.add1(
                     Op::Mul,
                     vec![dy, ins[1]],
@@ -288,7 +302,7 @@ pub(super) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> {
                 );
                 b.contribute(ins[0], da);
             }
-            if needs(1) {
+            if r.needs(1) {
                 let full = b.add1(
                     Op::Mul,
                     vec![dy, ins[0]],
@@ -304,7 +318,7 @@ pub(super) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> {
             let dx = b.add1(
                 Op::Scale { factor: *factor },
                 vec![dy],
-                shape_of(b, 0),
+                r.shape_of(b, 0),
                 format!("{nm}.dx"),
                 id,
             );
@@ -325,15 +339,16 @@ pub(super) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> {
                 Op::Sigmoid => (Op::SigmoidGrad, node.outputs[0]),
                 _ => (Op::GeluGrad, ins[0]),
             };
-            let dx = b.add1(op, vec![dy, saved], shape_of(b, 0), format!("{nm}.dx"), id);
+            let dx = b.add1(
+                op,
+                vec![dy, saved],
+                r.shape_of(b, 0),
+                format!("{nm}.dx"),
+                id,
+            );
             b.contribute(ins[0], dx);
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the elementwise rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("elementwise")),
     }
     Ok(())
 }
@@ -343,27 +358,25 @@ pub(super) fn norm(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy) = (r.node, r.dy);
     let (req, uses) = (r.req, r.uses);
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let needs = |i: usize| req[ins[i].index()];
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::LayerNorm { .. } => {
             // x the output of a linear layer with bf16 copies, read by this node
             // alone: dx is that layer's whole dy, which the pass also writes as the
             // bf16 copy the layer's GEMMs read, with its column sums (the layer's
             // bias gradient), as outputs 3 and 4
-            let copy = if needs(0) {
+            let copy = if r.needs(0) {
                 copied_layer_output(b.g, uses, req, ins[0])
             } else {
                 None
             };
             let f = b.g.float_dtype();
             let mut out_specs = vec![
-                (shape_of(b, 0), f),
-                (shape_of(b, 1), f),
-                (shape_of(b, 2), f),
+                (r.shape_of(b, 0), f),
+                (r.shape_of(b, 1), f),
+                (r.shape_of(b, 2), f),
             ];
             if let Some(sums) = &copy {
-                out_specs.push((shape_of(b, 0), DType::Bf16));
+                out_specs.push((r.shape_of(b, 0), DType::Bf16));
                 // the sums even without a bias to take them: the kernel's one form
                 let cols = b.g.shape(ins[0]).last();
                 out_specs.push((sums.clone().unwrap_or_else(|| Shape::new(&[cols])), f));
@@ -377,7 +390,7 @@ pub(super) fn norm(b: &mut Builder, r: &Rule) -> Result<()> {
                 Some(id),
             );
             for i in 0..3 {
-                if needs(i) {
+                if r.needs(i) {
                     let t = if i == 0 && copy.is_some() {
                         outs[3]
                     } else {
@@ -390,12 +403,7 @@ pub(super) fn norm(b: &mut Builder, r: &Rule) -> Result<()> {
                 b.dy_sums.insert(outs[3], outs[4]);
             }
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the norm rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("norm")),
     }
     Ok(())
 }
@@ -403,16 +411,13 @@ pub(super) fn norm(b: &mut Builder, r: &Rule) -> Result<()> {
 /// Reshapes, detach, bf16 rounding, casts, concat and slice.
 pub(super) fn shape(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy) = (r.node, r.dy);
-    let req = r.req;
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let needs = |i: usize| req[ins[i].index()];
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::Reshape => {
             let dx = b.add1(
                 Op::Reshape,
                 vec![dy],
-                shape_of(b, 0),
+                r.shape_of(b, 0),
                 format!("{nm}.dx"),
                 id,
             );
@@ -423,7 +428,7 @@ pub(super) fn shape(b: &mut Builder, r: &Rule) -> Result<()> {
         Op::RoundBf16 { .. } => {}
         Op::Cast { .. } => {
             let to = b.g.dtype(ins[0]);
-            let s = shape_of(b, 0);
+            let s = r.shape_of(b, 0);
             let dx = b.g.add_derived(
                 Op::Cast { to },
                 vec![dy],
@@ -434,9 +439,9 @@ pub(super) fn shape(b: &mut Builder, r: &Rule) -> Result<()> {
             )[0];
             b.contribute(ins[0], dx);
         }
-        Op::Concat { axis } if (0..ins.len()).filter(|&i| needs(i)).count() > 1 => {
+        Op::Concat { axis } if (0..ins.len()).filter(|&i| r.needs(i)).count() > 1 => {
             // every part's gradient from one pass over dy
-            let shapes: Vec<Shape> = (0..ins.len()).map(|i| shape_of(b, i)).collect();
+            let shapes: Vec<Shape> = (0..ins.len()).map(|i| r.shape_of(b, i)).collect();
             let sizes = shapes.iter().map(|s| s.dims()[*axis]).collect();
             let parts = b.add(
                 Op::Split { axis: *axis, sizes },
@@ -446,7 +451,7 @@ pub(super) fn shape(b: &mut Builder, r: &Rule) -> Result<()> {
                 id,
             );
             for (i, (&input, &part)) in ins.iter().zip(&parts).enumerate() {
-                if needs(i) {
+                if r.needs(i) {
                     b.contribute(input, part);
                 }
             }
@@ -454,9 +459,9 @@ pub(super) fn shape(b: &mut Builder, r: &Rule) -> Result<()> {
         Op::Concat { axis } => {
             let mut start = 0;
             for (i, &input) in ins.iter().enumerate() {
-                let s = shape_of(b, i);
+                let s = r.shape_of(b, i);
                 let len = s.dims()[*axis];
-                if needs(i) {
+                if r.needs(i) {
                     let dx = b.add1(
                         Op::Slice {
                             axis: *axis,
@@ -474,7 +479,7 @@ pub(super) fn shape(b: &mut Builder, r: &Rule) -> Result<()> {
             }
         }
         Op::Slice { axis, start, .. } => {
-            let s = shape_of(b, 0);
+            let s = r.shape_of(b, 0);
             let full = s.dims()[*axis];
             let dx = b.add1(
                 Op::Pad {
@@ -489,12 +494,7 @@ pub(super) fn shape(b: &mut Builder, r: &Rule) -> Result<()> {
             );
             b.contribute(ins[0], dx);
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the shape rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("shape")),
     }
     Ok(())
 }
@@ -503,24 +503,18 @@ pub(super) fn shape(b: &mut Builder, r: &Rule) -> Result<()> {
 pub(super) fn interaction(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy) = (r.node, r.dy);
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::PairwiseDot => {
             let de = b.add1(
                 Op::PairwiseDotGrad,
                 vec![dy, ins[0]],
-                shape_of(b, 0),
+                r.shape_of(b, 0),
                 format!("{nm}.de"),
                 id,
             );
             b.contribute(ins[0], de);
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the interaction rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("interaction")),
     }
     Ok(())
 }
@@ -530,8 +524,6 @@ pub(super) fn attention(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy) = (r.node, r.dy);
     let (req, uses) = (r.req, r.uses);
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let needs = |i: usize| req[ins[i].index()];
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::Attention {
             heads,
@@ -552,7 +544,7 @@ pub(super) fn attention(b: &mut Builder, r: &Rule) -> Result<()> {
                     packed: true,
                 },
                 vec![dy, ins[0], node.outputs[0], node.outputs[1]],
-                vec![(shape_of(b, 0), dt)],
+                vec![(r.shape_of(b, 0), dt)],
                 format!("{nm}.grad"),
                 Phase::Backward,
                 Some(id),
@@ -564,7 +556,7 @@ pub(super) fn attention(b: &mut Builder, r: &Rule) -> Result<()> {
             causal,
             packed: false,
         } => {
-            let s = shape_of(b, 0);
+            let s = r.shape_of(b, 0);
             let outs = b.add(
                 Op::AttentionGrad {
                     heads: *heads,
@@ -577,17 +569,12 @@ pub(super) fn attention(b: &mut Builder, r: &Rule) -> Result<()> {
                 id,
             );
             for (i, &t) in outs.iter().enumerate() {
-                if needs(i) {
+                if r.needs(i) {
                     b.contribute(ins[i], t);
                 }
             }
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the attention rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("attention")),
     }
     Ok(())
 }
@@ -596,7 +583,6 @@ pub(super) fn attention(b: &mut Builder, r: &Rule) -> Result<()> {
 pub(super) fn embedding(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy) = (r.node, r.dy);
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::EmbeddingBag { .. } => {
             b.sparse.entry(ins[0]).or_default().push((id, dy));
@@ -606,18 +592,13 @@ pub(super) fn embedding(b: &mut Builder, r: &Rule) -> Result<()> {
             let dx = b.add1(
                 Op::BagMean { mean: mean.clone() },
                 vec![dy, ins[1], ins[2]],
-                shape_of(b, 0),
+                r.shape_of(b, 0),
                 format!("{nm}.dy"),
                 id,
             );
             b.contribute(ins[0], dx);
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the embedding rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("embedding")),
     }
     Ok(())
 }
@@ -626,13 +607,12 @@ pub(super) fn embedding(b: &mut Builder, r: &Rule) -> Result<()> {
 pub(super) fn loss(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy) = (r.node, r.dy);
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::BceWithLogits => {
             let dx = b.add1(
                 Op::BceWithLogitsGrad,
                 vec![dy, ins[0], ins[1]],
-                shape_of(b, 0),
+                r.shape_of(b, 0),
                 format!("{nm}.dlogit"),
                 id,
             );
@@ -642,18 +622,13 @@ pub(super) fn loss(b: &mut Builder, r: &Rule) -> Result<()> {
             let dx = b.add1(
                 Op::SoftmaxCrossEntropyGrad,
                 vec![dy, ins[0], ins[1]],
-                shape_of(b, 0),
+                r.shape_of(b, 0),
                 format!("{nm}.dlogits"),
                 id,
             );
             b.contribute(ins[0], dx);
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the loss rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("loss")),
     }
     Ok(())
 }
@@ -662,10 +637,9 @@ pub(super) fn loss(b: &mut Builder, r: &Rule) -> Result<()> {
 pub(super) fn reduce(b: &mut Builder, r: &Rule) -> Result<()> {
     let (node, dy) = (r.node, r.dy);
     let (nm, id, ins) = (node.name.clone(), node.id, node.inputs.clone());
-    let shape_of = |b: &Builder, i: usize| b.g.shape(ins[i]).clone();
     match &node.op {
         Op::Sum | Op::Mean => {
-            let s = shape_of(b, 0);
+            let s = r.shape_of(b, 0);
             let scale = if matches!(node.op, Op::Mean) {
                 1.0 / s.numel() as f64
             } else {
@@ -674,12 +648,7 @@ pub(super) fn reduce(b: &mut Builder, r: &Rule) -> Result<()> {
             let dx = b.add1(Op::Broadcast { scale }, vec![dy], s, format!("{nm}.dx"), id);
             b.contribute(ins[0], dx);
         }
-        other => {
-            return Err(GraphError::Structure(format!(
-                "autodiff: the reduce rules were asked for {} node '{nm}'",
-                other.name()
-            )))
-        }
+        _ => return Err(r.misrouted("reduce")),
     }
     Ok(())
 }
