@@ -57,8 +57,7 @@ NUM_DENSE = anchor.NUM_DENSE
 NUM_SPARSE = anchor.NUM_SPARSE
 
 
-def lin(i, o, bias=True):
-    return anchor.lin(i, o, bias)
+lin = anchor.lin  # Linear with the anchor's init (uniform ±1/sqrt(in), zero bias)
 
 
 def mlp(dims, last_relu):

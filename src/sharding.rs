@@ -142,10 +142,7 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
             mode == Sharding::Row || (mode != Sharding::Table && replicated + t.bytes() > budget);
         if row_wise {
             placements[i] = Placement::Row;
-            let per = (t.rows.div_ceil(ranks) as u64) * (t.dim as u64 + 1) * 4;
-            for b in &mut rank_bytes {
-                *b += per;
-            }
+            split_rows(&mut rank_bytes, t);
         } else {
             whole.push(i);
         }
@@ -169,10 +166,7 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
                 );
             }
             placements[i] = Placement::Row;
-            let per = (t.rows.div_ceil(ranks) as u64) * (t.dim as u64 + 1) * 4;
-            for b in &mut rank_bytes {
-                *b += per;
-            }
+            split_rows(&mut rank_bytes, t);
             continue;
         }
         placements[i] = Placement::Table(k);
@@ -189,6 +183,18 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
         placements,
         rank_bytes,
     })
+}
+
+/// Adds each rank's share of `t`'s rows (⌈rows/n⌉ of them) to `rank_bytes`.
+fn split_rows(rank_bytes: &mut [u64], t: &Table) {
+    let per = Table {
+        rows: t.rows.div_ceil(rank_bytes.len().max(1)),
+        ..t.clone()
+    }
+    .bytes();
+    for b in rank_bytes {
+        *b += per;
+    }
 }
 
 #[cfg(test)]

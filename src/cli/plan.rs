@@ -382,7 +382,8 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             bail!("--gpus must be at least 1");
         }
         let link = LinkModel::nvlink_h200();
-        let batch = a.model.config(Variant::Erase)?.batch;
+        let mc = a.model.config(Variant::Erase)?;
+        let batch = mc.batch;
         println!(
             "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop):",
             batch,
@@ -409,7 +410,6 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             }
         }
         {
-            let mc = a.model.config(Variant::Erase)?;
             let tables: Vec<crate::sharding::Table> = mc
                 .field_rows()
                 .iter()
@@ -447,7 +447,6 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         }
         if let Some((_, (_, _, buckets))) = dp.first() {
             let gathered: f64 = buckets.iter().filter(|b| b.gather).map(|b| b.bytes).sum();
-            let mc = a.model.config(Variant::Erase)?;
             let pooled = (batch * mc.num_sparse * mc.dim * 4) as f64;
             println!(
                 "  replicated tables: each rank gathers {:.1} MB of (ids, gradients) from every other rank, {:.1} µs at {n} GPUs and growing with N;",
