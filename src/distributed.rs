@@ -11,7 +11,10 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::train::{plan_step_data_parallel, StepPlan, TrainConfig};
+use crate::train::{
+    drive, plan_step_data_parallel, CpuExec, Progress, Quiet, Session, Share, StepExec, StepPlan,
+    TrainConfig,
+};
 use erase_graph::{DType, Grad, Op, Phase, Tensor};
 use erase_ops::{Buffer, NodeCall};
 use erase_runtime::collective::{cpu_group, Collective, CollectiveRecord};
@@ -31,6 +34,9 @@ pub struct RankResult {
     pub log: Vec<CollectiveRecord>,
     /// Wall-clock seconds of each step (data, compute and collectives).
     pub step_secs: Vec<f64>,
+    /// The periodic held-out evaluations of the rank's replica (`--eval-every`), at the
+    /// rank's batch.
+    pub evals: Vec<crate::train::Eval>,
 }
 
 /// The tensors of a replica's state in order: name, element type, element count.
@@ -118,67 +124,6 @@ impl AllReduce {
     }
 }
 
-/// One rank's share of each global batch (of the synthetic stream or of the loaded
-/// examples, in the order one process would train them): examples `rank`, `rank +
-/// world`, `rank + 2 world`, ... of it, so that the ranks together train on the global
-/// batch.
-pub(crate) struct Shard {
-    rank: usize,
-    world: usize,
-    /// The model at the global batch (what the global batch is filled for).
-    global_cfg: crate::model::ctr::CtrConfig,
-    /// Dense features and ids per example.
-    per: (usize, usize),
-    all: (Vec<f32>, Vec<u32>, Vec<f32>),
-    mine: (Vec<f32>, Vec<u32>, Vec<f32>),
-}
-
-impl Shard {
-    /// `local` is the model one rank trains (its batch a `world`-th of `global`).
-    pub(crate) fn new(
-        local: &crate::model::ctr::CtrConfig,
-        global: usize,
-        rank: usize,
-        world: usize,
-    ) -> Shard {
-        let (nd, ns, b) = (local.num_dense, local.slots_per_example(), local.batch);
-        let global_cfg = crate::model::ctr::CtrConfig {
-            batch: global,
-            ..local.clone()
-        };
-        Shard {
-            rank,
-            world,
-            global_cfg,
-            per: (nd, ns),
-            all: (
-                vec![0.0; global * nd],
-                vec![0; global * ns],
-                vec![0.0; global],
-            ),
-            mine: (vec![0.0; b * nd], vec![0; b * ns], vec![0.0; b]),
-        }
-    }
-
-    /// This rank's examples of global batch `step`: (dense, rows, labels).
-    pub(crate) fn fill(
-        &mut self,
-        src: &mut crate::train::BatchSource,
-        step: usize,
-    ) -> (&[f32], &[u32], &[f32]) {
-        let ((nd, ns), g) = (self.per, self.global_cfg.batch);
-        let (gd, gr, gy) = &mut self.all;
-        src.fill(&self.global_cfg, step, (gd, gr, gy));
-        let (d, r, y) = &mut self.mine;
-        for (j, i) in (self.rank..g).step_by(self.world).enumerate() {
-            d[j * nd..(j + 1) * nd].copy_from_slice(&gd[i * nd..(i + 1) * nd]);
-            r[j * ns..(j + 1) * ns].copy_from_slice(&gr[i * ns..(i + 1) * ns]);
-            y[j] = gy[i];
-        }
-        (d, r, y)
-    }
-}
-
 /// Trains `cfg` (its `model.batch` is the global batch) on `world` CPU ranks, on its
 /// data (synthetic or loaded), with its checkpoints and resume. Returns each rank's
 /// result or its error.
@@ -187,6 +132,18 @@ pub fn train_data_parallel_cpu(
     world: usize,
     timeout: Duration,
     fail: Option<FailAt>,
+) -> Result<Vec<Result<RankResult>>> {
+    train_data_parallel_cpu_with(cfg, world, timeout, fail, &mut Quiet)
+}
+
+/// [`train_data_parallel_cpu`] with rank 0's progress (steps, periodic evaluations)
+/// going to `progress`.
+pub fn train_data_parallel_cpu_with(
+    cfg: &TrainConfig,
+    world: usize,
+    timeout: Duration,
+    fail: Option<FailAt>,
+    progress: &mut (dyn Progress + Send),
 ) -> Result<Vec<Result<RankResult>>> {
     if cfg.schedule.early_updates {
         bail!("early per-block updates would run before the gradients are all-reduced; data parallelism updates at the end");
@@ -200,14 +157,25 @@ pub fn train_data_parallel_cpu(
     let mut local = cfg.model.clone();
     local.batch = cfg.model.batch / world;
     let comms = cpu_group(world, timeout);
+    let mut progress = Some(progress);
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|comm| {
                 let local = local.clone();
+                let mine = if comm.rank() == 0 {
+                    progress.take()
+                } else {
+                    None
+                };
                 s.spawn(move || {
                     let mut comm = comm;
-                    run_rank(cfg, &local, world, &mut comm, fail, AllReduce::Early)
+                    let mut quiet = Quiet;
+                    let p: &mut dyn Progress = match mine {
+                        Some(p) => p,
+                        None => &mut quiet,
+                    };
+                    run_rank(cfg, &local, world, &mut comm, fail, AllReduce::Early, p)
                 })
             })
             .collect();
@@ -258,6 +226,7 @@ pub fn run_rank<C: Collective>(
     comm: &mut C,
     fail: Option<FailAt>,
     mode: AllReduce,
+    progress: &mut dyn Progress,
 ) -> Result<RankResult> {
     let rank = comm.rank();
     // CPU ranks: f32 GEMMs, no bf16 copies of their operands
@@ -266,17 +235,11 @@ pub fn run_rank<C: Collective>(
         ..cfg.schedule.clone()
     };
     let plan = plan_step_data_parallel(local, DType::F32, &cfg.optimizer, &sched)?;
-    let m = &plan.model;
-    let g = &m.graph;
-    let mut runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
-    let mut src = crate::train::BatchSource::new(&cfg.data, &cfg.model, cfg.data_seed)?;
-    let ck = RankCheckpoints::resume(cfg, g, &mut runner, rank)?;
-    let first = ck.first;
+    let g = &plan.model.graph;
+    let runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
     // launches before the optimizer, and the dense optimizer's (row-wise Adagrad is
-    // applied below, on the gathered sparse gradients)
-    let mut before = Vec::new();
-    let mut dense_opt = Vec::new();
-    let mut sparse_opt = Vec::new();
+    // applied by the rank, on the gathered sparse gradients)
+    let (mut before, mut dense_opt, mut sparse_opt) = (Vec::new(), Vec::new(), Vec::new());
     for (i, l) in plan.program.launches.iter().enumerate() {
         let n = g.node(l.node);
         match (&n.op, n.phase) {
@@ -285,33 +248,70 @@ pub fn run_rank<C: Collective>(
             _ => before.push(i),
         }
     }
-    let buckets = buckets(&plan, mode);
-    let mut shard = Shard::new(local, cfg.model.batch, rank, world);
-    let scale = 1.0 / world as f32;
-    let mut losses = Vec::with_capacity(cfg.steps);
-    let mut step_secs = Vec::with_capacity(cfg.steps);
-    for step in first..cfg.steps {
-        FailAt::check(fail, rank, step)?;
-        let t0 = std::time::Instant::now();
-        // this rank's shard of the global batch
-        let (d, r, y) = shard.fill(&mut src, step);
-        let (bd, bi, bo, bl) = m.batch_buffers(d, r, y)?;
-        runner.feed(m.inputs.dense, bd)?;
-        runner.feed(m.inputs.ids, bi)?;
-        runner.feed(m.inputs.offsets, bo)?;
-        runner.feed(m.inputs.label, bl)?;
-        runner
-            .run_order(&before)
-            .with_context(|| format!("rank {rank}, step {step}"))?;
-        losses.push(
-            runner
-                .get(m.main_loss)
-                .and_then(|x| x.to_f64().first().copied())
-                .unwrap_or(f64::NAN),
-        );
+    let share = Share { rank, world };
+    let (report, state, layout) = {
+        let exec = RankExec {
+            cpu: CpuExec::new(runner),
+            comm: &mut *comm,
+            g,
+            before,
+            dense_opt,
+            sparse_opt,
+            buckets: buckets(&plan, mode),
+            world,
+            fail,
+        };
+        let mut s = Session::with_exec(
+            &plan,
+            Box::new(exec),
+            1,
+            &cfg.data,
+            cfg.data_seed,
+            Some(share),
+        )?;
+        let report = drive(cfg, &mut s, progress, Some(share))?;
+        let (state, layout) = persistent_state(g, |t| s.read(t))?;
+        (report, state, layout)
+    };
+    comm.barrier("end of training")?;
+    Ok(RankResult {
+        rank,
+        state,
+        layout,
+        losses: report.losses,
+        log: comm.log().to_vec(),
+        step_secs: report.step_secs,
+        evals: report.evals,
+    })
+}
 
+/// A CPU rank's step: the program up to the optimizer, the dense gradients' mean over
+/// the ranks (one all-reduce per bucket, in program order), the sparse gradients
+/// gathered from every rank and applied by the same row-wise Adagrad everywhere, then
+/// the dense optimizer.
+struct RankExec<'a, C: Collective> {
+    cpu: CpuExec<'a>,
+    comm: &'a mut C,
+    g: &'a erase_graph::Graph,
+    before: Vec<usize>,
+    dense_opt: Vec<usize>,
+    sparse_opt: Vec<erase_graph::NodeId>,
+    buckets: Vec<(String, Vec<Tensor>)>,
+    world: usize,
+    fail: Option<FailAt>,
+}
+
+impl<C: Collective> RankExec<'_, C> {
+    fn run_step(&mut self, step: u64) -> Result<()> {
+        let (g, world) = (self.g, self.world);
+        let rank = self.comm.rank();
+        let scale = 1.0 / world as f32;
+        let runner = self.cpu.runner();
+        runner
+            .run_order(&self.before)
+            .with_context(|| format!("rank {rank}, step {step}"))?;
         // dense gradients: the mean over ranks, one all-reduce per backward program
-        for (name, grads) in &buckets {
+        for (name, grads) in &self.buckets {
             let mut flat: Vec<f32> = Vec::new();
             for &t in grads {
                 let v = runner
@@ -322,7 +322,7 @@ pub fn run_rank<C: Collective>(
                         .ok_or_else(|| anyhow!("gradient '{}' is not f32", g.name(t)))?,
                 );
             }
-            comm.all_reduce_sum(name, &mut flat)?;
+            self.comm.all_reduce_sum(name, &mut flat)?;
             let mut at = 0;
             for &t in grads {
                 let n = g.shape(t).numel();
@@ -333,7 +333,7 @@ pub fn run_rank<C: Collective>(
         }
         // sparse gradients: every rank gathers every rank's (ids, offsets, pooled
         // gradient) and applies the same row-wise Adagrad to the same rows
-        for &node in &sparse_opt {
+        for &node in &self.sparse_opt {
             let n = g.node(node);
             let (ids, offsets, dpooled) = (n.inputs[0], n.inputs[1], n.inputs[2]);
             let get = |t: Tensor| {
@@ -342,9 +342,15 @@ pub fn run_rank<C: Collective>(
                     .ok_or_else(|| anyhow!("'{}' has no value", g.name(t)))
             };
             let (ids_v, off_v, dp_v) = (get(ids)?, get(offsets)?, get(dpooled)?);
-            let all_ids = comm.all_gather(&format!("{}.ids", n.name), ids_v.bytes())?;
-            let all_off = comm.all_gather(&format!("{}.offsets", n.name), off_v.bytes())?;
-            let all_dp = comm.all_gather(&format!("{}.grad", n.name), dp_v.bytes())?;
+            let all_ids = self
+                .comm
+                .all_gather(&format!("{}.ids", n.name), ids_v.bytes())?;
+            let all_off = self
+                .comm
+                .all_gather(&format!("{}.offsets", n.name), off_v.bytes())?;
+            let all_dp = self
+                .comm
+                .all_gather(&format!("{}.grad", n.name), dp_v.bytes())?;
             let (mut gids, mut goff, mut gdp) = (Vec::<i32>::new(), vec![0i32], Vec::<f32>::new());
             for k in 0..world {
                 let base = gids.len() as i32;
@@ -384,27 +390,53 @@ pub fn run_rank<C: Collective>(
             }
         }
         runner
-            .run_order(&dense_opt)
+            .run_order(&self.dense_opt)
             .with_context(|| format!("rank {rank}, step {step}: optimizer"))?;
-        step_secs.push(t0.elapsed().as_secs_f64());
-        if ck.due(cfg, rank, step + 1) {
-            ck.save(cfg, g, &runner, step + 1)?;
-        }
+        Ok(())
     }
-    comm.barrier("end of training")?;
-    let (state, layout) = persistent_state(g, |t| {
-        runner
-            .get(t)
-            .ok_or_else(|| anyhow!("'{}' has no value", g.name(t)))
-    })?;
-    Ok(RankResult {
-        rank,
-        state,
-        layout,
-        losses,
-        log: comm.log().to_vec(),
-        step_secs,
-    })
+}
+
+impl<C: Collective> crate::checkpoint::TensorStore for RankExec<'_, C> {
+    fn read(&self, t: Tensor) -> Result<Buffer> {
+        self.cpu.read(t)
+    }
+    fn write(&mut self, t: Tensor, b: Buffer) -> Result<()> {
+        self.cpu.write(t, b)
+    }
+}
+
+impl<C: Collective> StepExec for RankExec<'_, C> {
+    fn feed(&mut self, t: Tensor, b: Buffer) -> Result<()> {
+        self.cpu.feed(t, b)
+    }
+    fn step(&mut self) -> Result<f64> {
+        bail!("a data-parallel rank steps from the loader's batches only")
+    }
+    fn run_launches(&mut self, which: &[usize]) -> Result<()> {
+        self.cpu.run_launches(which)
+    }
+    fn get(&self, t: Tensor) -> Result<Buffer> {
+        self.cpu.get(t)
+    }
+    fn slots(
+        &mut self,
+        layout: &erase_runtime::cuda::feed::InputLayout,
+        readback: &[Tensor],
+        n: usize,
+    ) -> Result<Vec<crate::loader::SlotMem>> {
+        self.cpu.slots(layout, readback, n)
+    }
+    fn issue(&mut self, step: u64, _slot: usize, mem: &crate::loader::SlotMem) -> Result<()> {
+        FailAt::check(self.fail, self.comm.rank(), step as usize)?;
+        self.cpu.load(mem)?;
+        let t0 = std::time::Instant::now();
+        self.run_step(step)?;
+        self.cpu.done_at(step, t0.elapsed().as_secs_f64());
+        Ok(())
+    }
+    fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)> {
+        self.cpu.finish(step)
+    }
 }
 
 /// The persistent tensors of `g` (read through `get`) as one byte string in tensor
@@ -420,73 +452,6 @@ pub(crate) fn persistent_state(
         layout.push((g.name(t).to_string(), b.dtype(), b.len()));
     }
     Ok((state, layout))
-}
-
-/// A data-parallel rank's checkpoints (CPU and CUDA ranks alike): the identity they carry
-/// is the run's at the global batch, since every rank holds the same replica, so a
-/// checkpoint resumes on any rank count; rank 0 writes it.
-pub(crate) struct RankCheckpoints {
-    identity: Vec<(String, String)>,
-    /// The step this rank starts at (that of the checkpoint it resumed, else 0).
-    pub first: usize,
-}
-
-impl RankCheckpoints {
-    /// Restores `--resume`'s checkpoint into `store`, if one is asked for.
-    pub(crate) fn resume(
-        cfg: &TrainConfig,
-        g: &erase_graph::Graph,
-        store: &mut dyn crate::checkpoint::TensorStore,
-        rank: usize,
-    ) -> Result<RankCheckpoints> {
-        let identity = if cfg.resume.is_some() || cfg.checkpoint.is_some() {
-            cfg.identity()
-        } else {
-            Vec::new()
-        };
-        let mut first = 0;
-        if let Some(path) = &cfg.resume {
-            let st = crate::checkpoint::load(path, g, store, Some(&identity))
-                .with_context(|| format!("rank {rank}: resuming"))?;
-            first = st.step as usize;
-            if first >= cfg.steps {
-                bail!(
-                    "{} is already at step {first}; ask for more --steps than that",
-                    path.display()
-                );
-            }
-        }
-        Ok(RankCheckpoints { identity, first })
-    }
-
-    /// Whether `rank` writes a checkpoint once `done` steps are complete: rank 0, every
-    /// `--checkpoint-every` steps and at the end; the others go on.
-    pub(crate) fn due(&self, cfg: &TrainConfig, rank: usize, done: usize) -> bool {
-        rank == 0
-            && cfg.checkpoint.is_some()
-            && (done == cfg.steps
-                || (cfg.checkpoint_every > 0 && done.is_multiple_of(cfg.checkpoint_every)))
-    }
-
-    /// Writes the replica in `store` after `done` steps (atomically).
-    pub(crate) fn save(
-        &self,
-        cfg: &TrainConfig,
-        g: &erase_graph::Graph,
-        store: &dyn crate::checkpoint::TensorStore,
-        done: usize,
-    ) -> Result<()> {
-        let Some(path) = &cfg.checkpoint else {
-            return Ok(());
-        };
-        let st = crate::checkpoint::CheckpointState {
-            step: done as u64,
-            next_example: (done * cfg.model.batch) as u64,
-            identity: self.identity.clone(),
-        };
-        crate::checkpoint::save(path, g, store, &st)
-            .with_context(|| format!("rank 0, step {done}: checkpoint"))
-    }
 }
 
 /// Evaluates a trained replica like `train` does at the end: its persistent tensors

@@ -7,14 +7,19 @@
 
 use anyhow::{bail, Context, Result};
 
-use crate::distributed::{AllReduce, FailAt, RankResult, Shard};
+use crate::distributed::{AllReduce, FailAt, RankResult};
 use crate::launch::{report, WorkerOptions};
-use crate::train::{plan_step_data_parallel, Dispatch, TrainConfig};
-use erase_graph::DType;
+use crate::loader::SlotMem;
+use crate::train::{
+    drive, plan_step_data_parallel, Dispatch, Progress, Session, Share, StepExec, TrainConfig,
+};
+use erase_graph::{DType, Tensor};
+use erase_ops::Buffer;
 use erase_runtime::collective::rendezvous::{rendezvous, RankEnv};
 use erase_runtime::collective::tcp::TcpCollective;
 use erase_runtime::collective::CollectiveRecord;
 use erase_runtime::cuda::collective::DataParallel;
+use erase_runtime::cuda::feed::InputLayout;
 use erase_runtime::cuda::nccl::{nccl_check, unique_id, NcclComm, Watchdog};
 use erase_runtime::cuda::program::CudaProgram;
 
@@ -24,6 +29,7 @@ pub fn run_worker_cuda(
     env: &RankEnv,
     opts: &WorkerOptions,
     fail: Option<FailAt>,
+    progress: &mut dyn Progress,
 ) -> Result<()> {
     let (rank, world) = (env.rank, env.world);
     if cfg.schedule.early_updates {
@@ -52,7 +58,7 @@ pub fn run_worker_cuda(
         "rank {rank}: {} (device {}), NCCL communicator of {world} ranks",
         dev.name, env.local_rank
     );
-    let r = train(cfg, env, opts, fail, &dev, &mut comm, &wd);
+    let r = train(cfg, env, opts, fail, &dev, &mut comm, &wd, progress);
     comm.unwatch(&wd);
     match r {
         Ok(r) => report(&mut control, &r, cfg, opts, "CUDA", || {
@@ -66,6 +72,7 @@ pub fn run_worker_cuda(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn train(
     cfg: &TrainConfig,
     env: &RankEnv,
@@ -74,13 +81,14 @@ fn train(
     dev: &erase_runtime::cuda::CudaDevice,
     comm: &mut NcclComm,
     wd: &Watchdog,
+    progress: &mut dyn Progress,
 ) -> Result<RankResult> {
     let (rank, world) = (env.rank, env.world);
     let mut local = cfg.model.clone();
     local.batch = cfg.model.batch / world;
     let plan = plan_step_data_parallel(&local, DType::F32, &cfg.optimizer, &cfg.schedule)?;
-    let m = &plan.model;
-    let g = &m.graph;
+    crate::train::check_memory(&plan, Some(dev))?;
+    let g = &plan.model.graph;
     let mut prog = CudaProgram::new(dev, g, &plan.program, &plan.memory, cfg.seed)?;
     let dp = DataParallel::new(
         &prog,
@@ -90,8 +98,6 @@ fn train(
         opts.allreduce == AllReduce::Early,
     )?;
     prog.set_threaded(cfg.dispatch == Dispatch::Threaded);
-    // before the capture: the step graph reads the restored tensors where they are
-    let ck = crate::distributed::RankCheckpoints::resume(cfg, g, &mut prog, rank)?;
     let graph = cfg.dispatch == Dispatch::Graph;
     if graph {
         wd.enter("warming up NCCL before the graph capture");
@@ -100,52 +106,32 @@ fn train(
         prog.capture_data_parallel(&dp, comm)?;
         wd.leave();
     }
-    let mut src = crate::train::BatchSource::new(&cfg.data, &cfg.model, cfg.data_seed)?;
-    let mut shard = Shard::new(&local, cfg.model.batch, rank, world);
-    let mut losses = Vec::with_capacity(cfg.steps);
-    let mut step_secs = Vec::with_capacity(cfg.steps);
+    let share = Share { rank, world };
+    let (report, state, layout) = {
+        let exec = RankExec {
+            prog,
+            dp: &dp,
+            comm: &mut *comm,
+            wd,
+            rank,
+            fail,
+        };
+        // two steps in flight, as on one device: the loader's pinned slots feed them
+        let mut s = Session::with_exec(
+            &plan,
+            Box::new(exec),
+            2,
+            &cfg.data,
+            cfg.data_seed,
+            Some(share),
+        )?;
+        let report = drive(cfg, &mut s, progress, Some(share))?;
+        let (state, layout) = crate::distributed::persistent_state(g, |t| s.read(t))?;
+        (report, state, layout)
+    };
+    // every step issued the plan's collectives (a captured step's are logged once)
     let mut log: Vec<CollectiveRecord> = Vec::new();
-    for step in ck.first..cfg.steps {
-        FailAt::check(fail, rank, step)?;
-        let (d, r, y) = shard.fill(&mut src, step);
-        let (bd, bi, bo, bl) = m.batch_buffers(d, r, y)?;
-        wd.enter(format!("step {step}: feeding the batch"));
-        prog.feed(m.inputs.dense, &bd)?;
-        prog.feed(m.inputs.ids, &bi)?;
-        prog.feed(m.inputs.offsets, &bo)?;
-        prog.feed(m.inputs.label, &bl)?;
-        let first = dp
-            .per_step
-            .first()
-            .map_or(String::new(), |c| format!(", first {} '{}'", c.0, c.1));
-        wd.enter(format!(
-            "step {step}: issuing the step and its {} collectives{first}",
-            dp.per_step.len()
-        ));
-        prog.run_data_parallel(&dp, comm)
-            .with_context(|| format!("rank {rank}, step {step}"))?;
-        wd.enter(format!(
-            "step {step}: waiting for the step and its {} collectives{first}",
-            dp.per_step.len()
-        ));
-        while !prog.step_done()? {
-            if let Some(e) = comm.async_error() {
-                bail!("rank {rank}, step {step}: NCCL reports {e}");
-            }
-            std::thread::yield_now();
-        }
-        wd.leave();
-        step_secs.push(f64::from(prog.step_ms()?) * 1e-3);
-        let loss = prog
-            .get(m.main_loss)?
-            .to_f64()
-            .first()
-            .copied()
-            .unwrap_or(f64::NAN);
-        if !loss.is_finite() {
-            bail!("rank {rank}, step {step}: the main loss is {loss}; training stopped");
-        }
-        losses.push(loss);
+    for _ in 0..report.losses.len() {
         for (kind, bucket, bytes) in &dp.per_step {
             log.push(CollectiveRecord {
                 seq: log.len() as u64,
@@ -153,11 +139,6 @@ fn train(
                 bucket: bucket.clone(),
                 bytes: *bytes,
             });
-        }
-        if ck.due(cfg, rank, step + 1) {
-            wd.enter(format!("step {}: writing the checkpoint", step + 1));
-            ck.save(cfg, g, &prog, step + 1)?;
-            wd.leave();
         }
     }
     if !graph && comm.log().len() != log.len() {
@@ -167,13 +148,91 @@ fn train(
             log.len()
         );
     }
-    let (state, layout) = crate::distributed::persistent_state(g, |t| Ok(prog.get(t)?))?;
     Ok(RankResult {
         rank,
         state,
         layout,
-        losses,
+        losses: report.losses,
         log,
-        step_secs,
+        step_secs: report.step_secs,
+        evals: report.evals,
     })
+}
+
+/// A CUDA rank's step executor: the program with its collectives (issued, or replayed
+/// in the captured graph), fed from the loader's pinned slots; waiting for a step
+/// watches NCCL's asynchronous errors, and the watchdog names what hangs.
+struct RankExec<'a> {
+    prog: CudaProgram<'a>,
+    dp: &'a DataParallel,
+    comm: &'a mut NcclComm,
+    wd: &'a Watchdog,
+    rank: usize,
+    fail: Option<FailAt>,
+}
+
+impl crate::checkpoint::TensorStore for RankExec<'_> {
+    fn read(&self, t: Tensor) -> Result<Buffer> {
+        crate::checkpoint::TensorStore::read(&self.prog, t)
+    }
+    fn write(&mut self, t: Tensor, b: Buffer) -> Result<()> {
+        crate::checkpoint::TensorStore::write(&mut self.prog, t, b)
+    }
+}
+
+impl StepExec for RankExec<'_> {
+    fn feed(&mut self, t: Tensor, b: Buffer) -> Result<()> {
+        StepExec::feed(&mut self.prog, t, b)
+    }
+    fn step(&mut self) -> Result<f64> {
+        bail!("a data-parallel rank steps from the loader's batches only")
+    }
+    fn run_launches(&mut self, which: &[usize]) -> Result<()> {
+        StepExec::run_launches(&mut self.prog, which)
+    }
+    fn get(&self, t: Tensor) -> Result<Buffer> {
+        StepExec::get(&self.prog, t)
+    }
+    fn slots(
+        &mut self,
+        layout: &InputLayout,
+        readback: &[Tensor],
+        n: usize,
+    ) -> Result<Vec<SlotMem>> {
+        StepExec::slots(&mut self.prog, layout, readback, n)
+    }
+    fn issue(&mut self, step: u64, slot: usize, mem: &SlotMem) -> Result<()> {
+        FailAt::check(self.fail, self.rank, step as usize)?;
+        let SlotMem::Pinned(p) = mem else {
+            bail!("the CUDA step copies batches from pinned memory only");
+        };
+        let (dp, comm) = (self.dp, &mut *self.comm);
+        let first = dp
+            .per_step
+            .first()
+            .map_or(String::new(), |c| format!(", first {} '{}'", c.0, c.1));
+        self.wd.enter(format!(
+            "step {step}: issuing the step and its {} collectives{first}",
+            dp.per_step.len()
+        ));
+        self.prog
+            .step_from_with(step, slot, p, |p| p.run_data_parallel(dp, comm))
+            .with_context(|| format!("rank {}, step {step}", self.rank))?;
+        self.wd.leave();
+        Ok(())
+    }
+    fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)> {
+        self.wd.enter(format!(
+            "step {step}: waiting for the step and its {} collectives",
+            self.dp.per_step.len()
+        ));
+        while !self.prog.step_finished(step)? {
+            if let Some(e) = self.comm.async_error() {
+                bail!("rank {}, step {step}: NCCL reports {e}", self.rank);
+            }
+            std::thread::yield_now();
+        }
+        self.wd.leave();
+        StepExec::finish(&mut self.prog, step)
+    }
 }

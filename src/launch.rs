@@ -51,6 +51,8 @@ pub struct WorkerOptions {
     pub collective_log: Option<PathBuf>,
     /// The kernel paths a CUDA rank's plans take (`--kernel-paths`).
     pub plan: erase_ops::cuda::PlanOptions,
+    /// Rank 0 writes its progress (steps and evaluations) here as JSON lines.
+    pub metrics: Option<PathBuf>,
 }
 
 /// FNV-1a, 64 bits: a cheap fingerprint to compare replicas and logs across ranks.
@@ -102,13 +104,30 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
         std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
     }
     let fail = FailAt::from_env()?;
+    // rank 0 reports progress (and writes --metrics); the others train quietly
+    let mut console = None;
+    if env.rank == 0 {
+        let jsonl =
+            match &opts.metrics {
+                Some(p) => Some(std::fs::File::create(p).with_context(|| {
+                    format!("--metrics {}: cannot create the file", p.display())
+                })?),
+                None => None,
+            };
+        console = Some(crate::train::ConsoleProgress::new(jsonl));
+    }
+    let mut quiet = crate::train::Quiet;
+    let progress: &mut dyn crate::train::Progress = match console.as_mut() {
+        Some(c) => c,
+        None => &mut quiet,
+    };
     let use_cuda = match opts.device {
         WorkerDevice::Cpu => false,
         WorkerDevice::Cuda => true,
         WorkerDevice::Auto => crate::gpu::open_device_ordinal(env.local_rank).is_ok(),
     };
     if use_cuda {
-        return crate::distributed_cuda::run_worker_cuda(cfg, env, opts, fail);
+        return crate::distributed_cuda::run_worker_cuda(cfg, env, opts, fail, progress);
     }
     if cfg.dispatch != crate::train::Dispatch::Blocking {
         bail!(
@@ -121,7 +140,15 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
     let tag = job_tag(cfg, "cpu", opts, world);
     let rdv = rendezvous(env, &[], &tag, opts.timeout)?;
     let mut comm = TcpCollective::new(rdv, opts.timeout);
-    let r = match run_rank(cfg, &local, world, &mut comm, fail, opts.allreduce) {
+    let r = match run_rank(
+        cfg,
+        &local,
+        world,
+        &mut comm,
+        fail,
+        opts.allreduce,
+        progress,
+    ) {
         Ok(r) => r,
         Err(e) => {
             comm.abort();

@@ -374,6 +374,8 @@ pub struct Eval {
 #[derive(Clone, Debug)]
 pub struct TrainReport {
     pub losses: Vec<f64>,
+    /// Each step's time in seconds, in step order (traced steps included).
+    pub step_secs: Vec<f64>,
     pub evals: Vec<Eval>,
     pub qps: Option<QpsSummary>,
     pub arena_bytes: usize,
@@ -390,6 +392,40 @@ pub struct TrainReport {
 pub trait Progress {
     fn step(&mut self, step: usize, steps: usize, loss: f64, qps: f64);
     fn eval(&mut self, e: &Eval);
+}
+
+/// Progress that goes nowhere (the ranks other than 0, tests).
+pub struct Quiet;
+
+impl Progress for Quiet {
+    fn step(&mut self, _: usize, _: usize, _: f64, _: f64) {}
+    fn eval(&mut self, _: &Eval) {}
+}
+
+/// One data-parallel rank's share of every global batch: examples `i` of it with
+/// `i mod world = rank`, in order (the spec's split).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Share {
+    /// This rank's examples of the global batch `all` into `mine` (each buffer row-major
+    /// per example; `per` is the dense values and the ids of one example).
+    fn take(
+        self,
+        per: (usize, usize),
+        all: (&[f32], &[u32], &[f32]),
+        mine: (&mut [f32], &mut [u32], &mut [f32]),
+    ) {
+        let ((nd, ns), (gd, gr, gy), (d, r, y)) = (per, all, mine);
+        for (j, i) in (self.rank..gy.len()).step_by(self.world).enumerate() {
+            d[j * nd..(j + 1) * nd].copy_from_slice(&gd[i * nd..(i + 1) * nd]);
+            r[j * ns..(j + 1) * ns].copy_from_slice(&gr[i * ns..(i + 1) * ns]);
+            y[j] = gy[i];
+        }
+    }
 }
 
 /// Where the step program runs.
@@ -456,6 +492,40 @@ impl<'a> CpuExec<'a> {
             done: Vec::new(),
         }
     }
+
+    /// The runner the step runs on.
+    pub(crate) fn runner(&mut self) -> &mut ProgramRunner<'a> {
+        &mut self.runner
+    }
+
+    /// Feeds the step's inputs from a loader slot.
+    pub(crate) fn load(&mut self, mem: &SlotMem) -> Result<()> {
+        let layout = self
+            .layout
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("stepping from batches needs slots first"))?;
+        for (k, &(t, _, _)) in layout.inputs.iter().enumerate() {
+            let dt = self.runner.graph().dtype(t);
+            self.runner
+                .feed(t, buffer_from_bytes(dt, &mem[layout.range(k)]))?;
+        }
+        Ok(())
+    }
+
+    /// Records step `step` as done in `secs`, with its read-back values as they are now.
+    pub(crate) fn done_at(&mut self, step: u64, secs: f64) {
+        let values = self
+            .readback
+            .iter()
+            .map(|&t| {
+                self.runner
+                    .get(t)
+                    .and_then(|x| x.to_f64().first().copied())
+                    .unwrap_or(f64::NAN)
+            })
+            .collect();
+        self.done.push((step, values, secs));
+    }
 }
 
 impl crate::checkpoint::TensorStore for CpuExec<'_> {
@@ -497,29 +567,10 @@ impl StepExec for CpuExec<'_> {
             .collect())
     }
     fn issue(&mut self, step: u64, _slot: usize, mem: &SlotMem) -> Result<()> {
-        let layout = self
-            .layout
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("stepping from batches needs slots first"))?;
-        for (k, &(t, _, _)) in layout.inputs.iter().enumerate() {
-            let dt = self.runner.graph().dtype(t);
-            self.runner
-                .feed(t, buffer_from_bytes(dt, &mem[layout.range(k)]))?;
-        }
+        self.load(mem)?;
         let t0 = Instant::now();
         self.runner.run()?;
-        let secs = t0.elapsed().as_secs_f64();
-        let values = self
-            .readback
-            .iter()
-            .map(|&t| {
-                self.runner
-                    .get(t)
-                    .and_then(|x| x.to_f64().first().copied())
-                    .unwrap_or(f64::NAN)
-            })
-            .collect();
-        self.done.push((step, values, secs));
+        self.done_at(step, t0.elapsed().as_secs_f64());
         Ok(())
     }
     fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)> {
@@ -813,6 +864,8 @@ pub struct Session<'a> {
     /// How many steps may be in flight before the oldest is waited for.
     depth: usize,
     src: Source,
+    /// The rank's share of each global batch it trains on (`None`: all of it).
+    share: Option<Share>,
     forward: Vec<usize>,
     dense: Vec<f32>,
     rows: Vec<u32>,
@@ -872,7 +925,6 @@ impl<'a> Session<'a> {
         threads: usize,
     ) -> Result<Self> {
         let m = &plan.model;
-        let mc = &m.cfg;
         let (exec, depth): (Box<dyn StepExec + 'a>, usize) = match (dev, dispatch) {
             (None, Dispatch::Blocking) => (
                 Box::new(CpuExec::new(ProgramRunner::new(
@@ -905,7 +957,27 @@ impl<'a> Session<'a> {
                 (Box::new(p), 2)
             }
         };
-        let src = source_of(data, mc, data_seed)?;
+        Self::with_exec(plan, exec, depth, data, data_seed, None)
+    }
+
+    /// A session on a step executor of the caller's (a data-parallel rank's, say) that
+    /// may run `depth` steps ahead; with `share`, each training batch is that rank's
+    /// share of the global batch (the plan's batch times the world).
+    pub fn with_exec(
+        plan: &'a StepPlan,
+        exec: Box<dyn StepExec + 'a>,
+        depth: usize,
+        data: &Data,
+        data_seed: u64,
+        share: Option<Share>,
+    ) -> Result<Self> {
+        let mc = &plan.model.cfg;
+        let global = CtrConfig {
+            batch: mc.batch * share.map_or(1, |s| s.world),
+            ..mc.clone()
+        };
+        let src = source_of(data, &global, data_seed)?;
+        let m = &plan.model;
         let forward = plan
             .program
             .launches
@@ -919,8 +991,9 @@ impl<'a> Session<'a> {
             exec,
             loader: None,
             in_flight: Default::default(),
-            depth,
+            depth: depth.max(1),
             src,
+            share,
             forward,
             dense: vec![0.0; mc.batch * mc.num_dense],
             rows: vec![0; mc.ids_per_batch()],
@@ -937,21 +1010,43 @@ impl<'a> Session<'a> {
         readback.extend(m.aux_losses.iter().map(|x| x.1));
         let slots = self.exec.slots(&layout, &readback, LOADER_SLOTS)?;
         let mut src = self.src.clone();
-        let (cfg, float) = (m.cfg.clone(), m.float);
+        let (cfg, float, share) = (m.cfg.clone(), m.float, self.share);
         let (mut dense, mut rows, mut labels) = (
             vec![0f32; cfg.batch * cfg.num_dense],
             vec![0u32; cfg.ids_per_batch()],
             vec![0f32; cfg.batch],
         );
+        // a rank fills the whole global batch, then takes its share of it
+        let gb = cfg.batch * share.map_or(1, |s| s.world);
+        let per = (cfg.num_dense, cfg.slots_per_example());
+        let mut all = share.map(|_| {
+            (
+                vec![0f32; gb * per.0],
+                vec![0u32; gb * per.1],
+                vec![0f32; gb],
+            )
+        });
         let (field_rows, bag_slots) = (cfg.field_rows(), cfg.bag_slots());
         let fill = move |k: u64, out: &mut [u8]| -> Result<()> {
-            fill_from(
-                &mut src,
-                (cfg.batch, &field_rows, &bag_slots),
-                1,
-                k * cfg.batch as u64,
-                (&mut dense, &mut rows, &mut labels),
-            );
+            match (share, all.as_mut()) {
+                (Some(sh), Some((gd, gr, gy))) => {
+                    fill_from(
+                        &mut src,
+                        (gb, &field_rows, &bag_slots),
+                        1,
+                        k * gb as u64,
+                        (gd, gr, gy),
+                    );
+                    sh.take(per, (gd, gr, gy), (&mut dense, &mut rows, &mut labels));
+                }
+                _ => fill_from(
+                    &mut src,
+                    (cfg.batch, &field_rows, &bag_slots),
+                    1,
+                    k * cfg.batch as u64,
+                    (&mut dense, &mut rows, &mut labels),
+                ),
+            }
             let (d, i, o, l) =
                 crate::model::ctr::batch_buffers(&cfg, float, &dense, &rows, &labels)?;
             for (j, b) in [d, i, o, l].iter().enumerate() {
@@ -1133,7 +1228,9 @@ impl<'a> Session<'a> {
             Source::Synthetic(_) => examples,
             Source::Table { eval, .. } => examples.min(eval.len()),
         };
-        for k in 0..(available / b).max(1) {
+        // whole global batches, so that a rank evaluates the examples one process would
+        let world = self.share.map_or(1, |s| s.world);
+        for k in 0..(available / (b * world)).max(1) * world {
             self.feed(2, (k * b) as u64)?;
             self.exec.run_launches(&self.forward)?;
             let logits = self.exec.get(m.logit)?.to_f64();
@@ -1171,9 +1268,10 @@ impl<'a> Session<'a> {
                 self.in_flight.len()
             );
         }
+        let global = self.plan.model.cfg.batch * self.share.map_or(1, |s| s.world);
         let st = crate::checkpoint::CheckpointState {
             step: self.step as u64,
-            next_example: (self.step * self.plan.model.cfg.batch) as u64,
+            next_example: (self.step * global) as u64,
             identity: identity.to_vec(),
         };
         crate::checkpoint::save(path, &self.plan.model.graph, self.exec.as_ref(), &st)
@@ -1293,9 +1391,25 @@ fn run_training(
         cfg.data_seed,
         cfg.threads,
     )?;
+    drive(cfg, &mut s, progress, None)
+}
+
+/// The training loop, for one device and for every data-parallel rank alike: resume,
+/// steps through the loader, the trace window, periodic held-out evaluation,
+/// checkpoints (atomically; with several ranks rank 0 writes them, at the global
+/// batch's position), progress. A rank (`rank` given) leaves the final evaluation to
+/// the run's report, which evaluates the replica at the global batch.
+pub fn drive(
+    cfg: &TrainConfig,
+    s: &mut Session<'_>,
+    progress: &mut dyn Progress,
+    rank: Option<Share>,
+) -> Result<TrainReport> {
+    let plan = s.plan;
     let b = cfg.model.batch;
     let mut report = TrainReport {
         losses: Vec::with_capacity(cfg.steps),
+        step_secs: Vec::with_capacity(cfg.steps),
         evals: Vec::new(),
         qps: None,
         arena_bytes: plan.memory.arena_bytes,
@@ -1304,6 +1418,12 @@ fn run_training(
         trace: None,
         kernel_table: None,
     };
+    let writes = rank.is_none_or(|r| r.rank == 0);
+    if writes {
+        if let Some(p) = &cfg.checkpoint {
+            crate::checkpoint::check_writable(p).context("--checkpoint")?;
+        }
+    }
     let mut qps = Vec::new();
     // computed once: it reads every training example for the data's checksum
     let identity = if cfg.resume.is_some() || cfg.checkpoint.is_some() {
@@ -1311,8 +1431,10 @@ fn run_training(
     } else {
         Vec::new()
     };
+    let who = rank.map_or(String::new(), |r| format!("rank {}: ", r.rank));
     if let Some(path) = &cfg.resume {
-        s.resume(path, &identity)?;
+        s.resume(path, &identity)
+            .with_context(|| format!("{who}resuming"))?;
         if s.step >= cfg.steps {
             bail!(
                 "{} is already at step {}; ask for more --steps than that",
@@ -1320,10 +1442,13 @@ fn run_training(
                 s.step
             );
         }
-        eprintln!("resumed from {} at step {}", path.display(), s.step);
+        if writes {
+            eprintln!("resumed from {} at step {}", path.display(), s.step);
+        }
     }
     let mut record = |r: StepResult, report: &mut TrainReport, progress: &mut dyn Progress| {
         report.losses.push(r.loss);
+        report.step_secs.push(r.secs);
         let q = b as f64 / r.secs.max(1e-12);
         if r.step > cfg.warmup {
             qps.push(q);
@@ -1342,6 +1467,7 @@ fn run_training(
                 if r.step > start {
                     // traced steps carry the marks' cost: not in the throughput figures
                     report.losses.push(r.loss);
+                    report.step_secs.push(r.secs);
                     progress.step(r.step, cfg.steps, r.loss, b as f64 / r.secs.max(1e-12));
                 } else {
                     record(r, &mut report, progress);
@@ -1362,9 +1488,11 @@ fn run_training(
         }
         let step = s.step;
         let last = step == cfg.steps;
-        let save = cfg.checkpoint.is_some()
-            && (last || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0));
-        let eval = last || (cfg.eval_every > 0 && step % cfg.eval_every == 0);
+        let save = writes
+            && cfg.checkpoint.is_some()
+            && (last || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)));
+        let eval =
+            (last && rank.is_none()) || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every));
         if save || eval {
             if let Some(r) = s.drain()? {
                 record(r, &mut report, progress);
@@ -1372,7 +1500,8 @@ fn run_training(
         }
         if save {
             if let Some(path) = &cfg.checkpoint {
-                s.save(path, &identity)?;
+                s.save(path, &identity)
+                    .with_context(|| format!("{who}step {step}: checkpoint"))?;
             }
         }
         if eval {

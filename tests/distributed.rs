@@ -278,3 +278,60 @@ fn cpu_ranks_train_real_data_with_checkpoints_killed_and_resumed_bit_identically
         assert!(e.ne.is_finite() && e.examples > 0);
     }
 }
+
+/// Counts what rank 0 reports.
+#[derive(Default)]
+struct Count {
+    steps: Vec<usize>,
+    evals: Vec<usize>,
+}
+
+impl erase::train::Progress for Count {
+    fn step(&mut self, step: usize, _: usize, loss: f64, qps: f64) {
+        assert!(loss.is_finite() && qps > 0.0);
+        self.steps.push(step);
+    }
+    fn eval(&mut self, e: &erase::train::Eval) {
+        self.evals.push(e.step);
+    }
+}
+
+/// Ranks train through the same loop as one process: rank 0 reports every step and
+/// every periodic evaluation, every rank evaluates its replica at the same steps, and
+/// the last of those agrees with the replica evaluated at the global batch.
+#[test]
+fn ranks_report_progress_and_evaluate_periodically_like_one_process() {
+    let mut c = cfg(12);
+    c.eval_every = 4;
+    c.eval_examples = 128;
+    let mut count = Count::default();
+    let ranks = erase::distributed::train_data_parallel_cpu_with(
+        &c,
+        2,
+        Duration::from_secs(60),
+        None,
+        &mut count,
+    )
+    .unwrap();
+    let ranks: Vec<_> = ranks.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(count.steps, (1..=12).collect::<Vec<_>>());
+    assert_eq!(count.evals, vec![4, 8, 12]);
+    for r in &ranks {
+        let at: Vec<usize> = r.evals.iter().map(|e| e.step).collect();
+        assert_eq!(at, vec![4, 8, 12], "rank {}", r.rank);
+        assert_eq!(
+            r.evals, ranks[0].evals,
+            "rank {} evaluates another replica",
+            r.rank
+        );
+    }
+    let last = ranks[0].evals[2];
+    let whole = evaluate_replica(&c, &ranks[0], None).unwrap();
+    assert_eq!(last.examples, whole.examples);
+    assert!(
+        (last.ne - whole.ne).abs() <= 1e-6 * whole.ne,
+        "NE {} at the rank's batch, {} at the global batch",
+        last.ne,
+        whole.ne
+    );
+}

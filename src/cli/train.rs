@@ -212,13 +212,6 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
     if a.checkpoint_every > 0 && a.checkpoint.is_none() {
         bail!("--checkpoint-every needs --checkpoint FILE");
     }
-    let jsonl = match &a.metrics {
-        Some(p) => Some(
-            std::fs::File::create(p)
-                .with_context(|| format!("--metrics {}: cannot create the file", p.display()))?,
-        ),
-        None => None,
-    };
     if let Some(env) = &rank_env {
         if a.gpus.is_some_and(|n| n != env.world) {
             bail!(
@@ -243,9 +236,17 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
             timeout: std::time::Duration::from_secs_f64(a.collective_timeout),
             collective_log: a.collective_log.clone(),
             plan: a.model.plan_options()?,
+            metrics: a.metrics.clone(),
         };
         return crate::launch::run_worker(&cfg, env, &opts);
     }
+    let jsonl = match &a.metrics {
+        Some(p) => Some(
+            std::fs::File::create(p)
+                .with_context(|| format!("--metrics {}: cannot create the file", p.display()))?,
+        ),
+        None => None,
+    };
     let where_ = match &dev {
         Some(d) => format!(
             "{} ({} dispatch)",
@@ -267,12 +268,15 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
     );
     if let Some(n) = a.cpu_ranks {
         let t0 = std::time::Instant::now();
-        let results = crate::distributed::train_data_parallel_cpu(
+        let mut progress = ConsoleProgress::new(jsonl);
+        let results = crate::distributed::train_data_parallel_cpu_with(
             &cfg,
             n,
             std::time::Duration::from_secs(120),
             None,
+            &mut progress,
         )?;
+        println!();
         let mut ok = Vec::new();
         for r in results {
             ok.push(r?);

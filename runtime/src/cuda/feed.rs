@@ -230,6 +230,18 @@ impl CudaProgram<'_> {
         slot: usize,
         host: &PinnedBuffer,
     ) -> Result<(), RuntimeError> {
+        self.step_from_with(step, slot, host, |p| p.run())
+    }
+
+    /// [`CudaProgram::step_from`] with the step itself issued by `run` (a data-parallel
+    /// step with its collectives, say) between the batch's copy and the read-back.
+    pub fn step_from_with(
+        &mut self,
+        step: u64,
+        slot: usize,
+        host: &PinnedBuffer,
+        run: impl FnOnce(&mut Self) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
         let err = |what: &str, e: cudarc::driver::result::DriverError| {
             RuntimeError::Device(format!("{what}: {e:?}"))
         };
@@ -302,7 +314,7 @@ impl CudaProgram<'_> {
             rb.first.record(main)?;
             rb.first_step = Some(step);
         }
-        self.run()?;
+        run(self)?;
         let rb = self
             .readback
             .as_ref()
@@ -341,6 +353,16 @@ impl CudaProgram<'_> {
     /// The event that completes when slot `slot`'s host buffer has been copied out.
     pub fn copied(&self, slot: usize) -> Option<&Event> {
         self.pipeline.as_ref().and_then(|p| p.copied.get(slot))
+    }
+
+    /// Whether step `step` (issued by [`CudaProgram::step_from`]) has finished, without
+    /// waiting.
+    pub fn step_finished(&self, step: u64) -> Result<bool, RuntimeError> {
+        let rb = self
+            .readback
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Device("no read-back ring".into()))?;
+        rb.done[(step as usize) % READBACK_SLOTS].query()
     }
 
     /// Waits for step `step` (issued by [`CudaProgram::step_from`]; at most the two

@@ -136,6 +136,17 @@ impl Event {
             .map_err(|e| driver_err("event synchronize", e))
     }
 
+    /// Whether the work recorded before this event has completed (an event never
+    /// recorded has), without waiting.
+    pub fn query(&self) -> Result<bool, RuntimeError> {
+        // SAFETY: live event.
+        match unsafe { result::event::query(self.raw) } {
+            Ok(()) => Ok(true),
+            Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(driver_err("event query", e)),
+        }
+    }
+
     /// Milliseconds from `start` to this event (both recorded with timing).
     pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32, RuntimeError> {
         // SAFETY: both events are live and have completed (callers synchronize first).
