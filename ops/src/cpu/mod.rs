@@ -1,23 +1,23 @@
 //! The CPU backend's execution of one node: typed dispatch to the reference kernels.
 
-mod attention;
-mod elementwise;
-pub mod embedding;
-mod gemm;
-mod interaction;
+pub(crate) use crate::family::attention::cpu as attention;
+pub(crate) use crate::family::elementwise::cpu as elementwise;
+pub use crate::family::embedding::cpu as embedding;
+pub(crate) use crate::family::gemm::cpu as gemm;
+pub(crate) use crate::family::interaction::cpu as interaction;
 pub mod kernels;
-mod loss;
-mod norm;
-mod optim;
+pub(crate) use crate::family::loss::cpu as loss;
+pub(crate) use crate::family::norm::cpu as norm;
+pub(crate) use crate::family::optim::cpu as optim;
 pub mod real;
-mod reduce;
-mod shape;
+pub(crate) use crate::family::reduce::cpu as reduce;
+pub(crate) use crate::family::shape::cpu as shape;
 
-use crate::buffer::Buffer;
-use erase_graph::{DType, Op, Shape};
-use half::bf16;
-use kernels::{AttnDims, AttnGradIn, AxisView};
-use real::Real;
+pub(crate) use crate::buffer::Buffer;
+pub(crate) use erase_graph::{DType, Op, Shape};
+pub(crate) use half::bf16;
+pub(crate) use kernels::{AttnDims, AttnGradIn, AxisView};
+pub(crate) use real::Real;
 use std::fmt;
 
 /// An error raised while executing a node (bad data such as an id out of range, or an
@@ -63,7 +63,7 @@ impl<'a> NodeCall<'a> {
 }
 
 /// `x` with every element rounded to bf16 (nearest even) and back.
-fn round_bf16<T: Real>(x: &[T]) -> Vec<T> {
+pub(crate) fn round_bf16<T: Real>(x: &[T]) -> Vec<T> {
     x.iter()
         .map(|&v| T::from_f64(bf16_rne(v.to_f64()).to_f64()))
         .collect()
@@ -291,7 +291,7 @@ pub fn execute(
 
 /// `EmbeddingSort`: the occurrences' (row, bag) pairs, sorted by row (stably), into the
 /// two i32 outputs.
-fn embedding_sort(
+pub(crate) fn embedding_sort(
     ins: &[&Buffer],
     outs: &mut [Buffer],
     field_rows: &[usize],
@@ -331,7 +331,7 @@ fn embedding_sort(
 
 /// `y[r·w + c] = Σ_j in_j[r·ld + off + c]`, summed in input order, left to right (as the
 /// CUDA kernels do): GradSum (one row) and SliceSum (a window of each row).
-fn sum_rows<T: Elem>(
+pub(crate) fn sum_rows<T: Elem>(
     ins: &[&Buffer],
     y: &mut [T],
     w: usize,
@@ -357,7 +357,7 @@ fn sum_rows<T: Elem>(
     Ok(())
 }
 
-fn cast(b: &Buffer, to: DType) -> Buffer {
+pub(crate) fn cast(b: &Buffer, to: DType) -> Buffer {
     match (b, to) {
         (Buffer::F32(v), DType::Bf16) => {
             Buffer::Bf16(v.iter().map(|&x| bf16::from_f32(x)).collect())
@@ -368,7 +368,7 @@ fn cast(b: &Buffer, to: DType) -> Buffer {
     }
 }
 
-fn get<'a, T: Elem>(b: &'a Buffer, what: &str) -> Result<&'a [T], String> {
+pub(crate) fn get<'a, T: Elem>(b: &'a Buffer, what: &str) -> Result<&'a [T], String> {
     T::get(b).ok_or_else(|| {
         format!(
             "{what} has element type {}, expected the node's float type",
@@ -377,17 +377,17 @@ fn get<'a, T: Elem>(b: &'a Buffer, what: &str) -> Result<&'a [T], String> {
     })
 }
 
-fn get_i32<'a>(b: &'a Buffer, what: &str) -> Result<&'a [i32], String> {
+pub(crate) fn get_i32<'a>(b: &'a Buffer, what: &str) -> Result<&'a [i32], String> {
     b.as_i32()
         .ok_or_else(|| format!("{what} must be i32, got {}", b.dtype()))
 }
 
-fn out<T: Elem>(b: &mut Buffer) -> Result<&mut [T], String> {
+pub(crate) fn out<T: Elem>(b: &mut Buffer) -> Result<&mut [T], String> {
     let dt = b.dtype();
     T::get_mut(b).ok_or_else(|| format!("output buffer has element type {dt}"))
 }
 
-fn scalar<T: Elem>(b: &Buffer) -> Result<T, String> {
+pub(crate) fn scalar<T: Elem>(b: &Buffer) -> Result<T, String> {
     get::<T>(b, "scalar")?
         .first()
         .copied()
@@ -395,9 +395,9 @@ fn scalar<T: Elem>(b: &Buffer) -> Result<T, String> {
 }
 
 /// Splits `outs` into three distinct mutable slices.
-type Three<'a, T> = (&'a mut [T], &'a mut [T], &'a mut [T]);
+pub(crate) type Three<'a, T> = (&'a mut [T], &'a mut [T], &'a mut [T]);
 
-fn three<T: Elem>(outs: &mut [Buffer]) -> Result<Three<'_, T>, String> {
+pub(crate) fn three<T: Elem>(outs: &mut [Buffer]) -> Result<Three<'_, T>, String> {
     let [a, b, c] = outs else {
         return Err("expected three outputs".into());
     };
@@ -405,7 +405,7 @@ fn three<T: Elem>(outs: &mut [Buffer]) -> Result<Three<'_, T>, String> {
 }
 
 /// The three `[rows, w]` parts of a `[rows, 3·w]` tensor (packed q, k, v).
-fn unpack3<T: Elem>(x: &[T], w: usize) -> [Vec<T>; 3] {
+pub(crate) fn unpack3<T: Elem>(x: &[T], w: usize) -> [Vec<T>; 3] {
     let part = |i: usize| -> Vec<T> {
         x.chunks(3 * w)
             .flat_map(|r| r[i * w..(i + 1) * w].iter().copied())
@@ -415,7 +415,7 @@ fn unpack3<T: Elem>(x: &[T], w: usize) -> [Vec<T>; 3] {
 }
 
 /// The inverse of [`unpack3`]: three `[rows, w]` tensors side by side in `y [rows, 3·w]`.
-fn pack3<T: Elem>(parts: [&[T]; 3], w: usize, y: &mut [T]) {
+pub(crate) fn pack3<T: Elem>(parts: [&[T]; 3], w: usize, y: &mut [T]) {
     for (r, row) in y.chunks_mut(3 * w).enumerate() {
         for (i, p) in parts.iter().enumerate() {
             row[i * w..(i + 1) * w].copy_from_slice(&p[r * w..(r + 1) * w]);
@@ -528,7 +528,7 @@ fn exec_inner<T: Elem>(
     }
 }
 
-use kernels::AdamHyper;
+pub(crate) use kernels::AdamHyper;
 
 #[cfg(test)]
 mod rounding_tests {

@@ -6,19 +6,19 @@ use erase_graph::{DType, Op};
 use KArg::I64;
 
 /// Threads of a 1-D elementwise CTA.
-pub(super) const EW_THREADS: u32 = 256;
+pub(crate) const EW_THREADS: u32 = 256;
 
 /// Grid-stride kernels launch at most this many CTAs (8 waves of a 132-SM H200 at 8
 /// CTAs an SM); larger tensors loop.
-pub(super) const MAX_BLOCKS: u32 = 8192;
+pub(crate) const MAX_BLOCKS: u32 = 8192;
 
 /// Default dynamic shared memory limit (no opt-in attribute needed below it).
-pub(super) const SMEM_DEFAULT: usize = 48 * 1024;
+pub(crate) const SMEM_DEFAULT: usize = 48 * 1024;
 
 /// Tensors per optimizer-table or embedding-meta builder launch (the kernels' signature).
-pub(super) const BUILD_SLOTS: usize = 32;
+pub(crate) const BUILD_SLOTS: usize = 32;
 
-pub(super) fn kc(
+pub(crate) fn kc(
     kernel: &'static str,
     grid: [u32; 3],
     block: [u32; 3],
@@ -35,7 +35,7 @@ pub(super) fn kc(
 }
 
 /// A 1-D grid-stride launch over `n` elements.
-pub(super) fn ew(kernel: &'static str, n: usize, args: Vec<KArg>) -> KernelCall {
+pub(crate) fn ew(kernel: &'static str, n: usize, args: Vec<KArg>) -> KernelCall {
     kc(
         kernel,
         [blocks(n, EW_THREADS as usize).min(MAX_BLOCKS), 1, 1],
@@ -46,7 +46,7 @@ pub(super) fn ew(kernel: &'static str, n: usize, args: Vec<KArg>) -> KernelCall 
 }
 
 /// A warp-per-row launch over `rows` rows (8 warps a CTA).
-pub(super) fn warp_rows(kernel: &'static str, rows: usize, args: Vec<KArg>) -> KernelCall {
+pub(crate) fn warp_rows(kernel: &'static str, rows: usize, args: Vec<KArg>) -> KernelCall {
     kc(
         kernel,
         [blocks(rows, 8).min(MAX_BLOCKS), 1, 1],
@@ -56,11 +56,11 @@ pub(super) fn warp_rows(kernel: &'static str, rows: usize, args: Vec<KArg>) -> K
     )
 }
 
-pub(super) fn n64(n: usize) -> KArg {
+pub(crate) fn n64(n: usize) -> KArg {
     I64(n as i64)
 }
 
-pub(super) fn i32_of(v: usize, what: &str) -> Result<i32, String> {
+pub(crate) fn i32_of(v: usize, what: &str) -> Result<i32, String> {
     i32::try_from(v).map_err(|_| format!("{what} = {v} does not fit the kernels' i32"))
 }
 
@@ -78,12 +78,12 @@ pub(crate) fn colsum_geometry(rows: usize, cols: usize, sms: usize) -> (usize, u
     (col_blocks, iters, rows.div_ceil(32 * iters))
 }
 
-pub(super) fn plan_of(calls: Vec<KernelCall>, scratch: Vec<usize>) -> CudaPlan {
+pub(crate) fn plan_of(calls: Vec<KernelCall>, scratch: Vec<usize>) -> CudaPlan {
     CudaPlan { calls, scratch }
 }
 
 /// Checks the operand counts and element types.
-pub(super) fn expect(op: &Op, o: &Operands, ins: &[DType], outs: &[DType]) -> Result<(), String> {
+pub(crate) fn expect(op: &Op, o: &Operands, ins: &[DType], outs: &[DType]) -> Result<(), String> {
     if o.ins.len() != ins.len()
         || o.in_dtypes.len() != ins.len()
         || o.outs.len() != outs.len()
@@ -117,6 +117,6 @@ pub(super) fn expect(op: &Op, o: &Operands, ins: &[DType], outs: &[DType]) -> Re
     Ok(())
 }
 
-pub(super) const F: DType = DType::F32;
+pub(crate) const F: DType = DType::F32;
 
-pub(super) const I: DType = DType::I32;
+pub(crate) const I: DType = DType::I32;

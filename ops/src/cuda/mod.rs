@@ -5,19 +5,19 @@
 //! GPU tensors are f32 (and i32 for ids); GEMM and attention kernels round their operands
 //! to bf16 as they load them and accumulate in f32, as the spec's mixed precision asks.
 
-mod attention;
-mod common;
-mod elementwise;
-mod embedding;
-mod gemm;
-mod interaction;
-mod loss;
-mod norm;
-mod optim;
+pub(crate) use crate::family::attention::cuda as attention;
+pub(crate) mod common;
+pub(crate) use crate::family::elementwise::cuda as elementwise;
+pub(crate) use crate::family::embedding::cuda as embedding;
+pub(crate) use crate::family::gemm::cuda as gemm;
+pub(crate) use crate::family::interaction::cuda as interaction;
+pub(crate) use crate::family::loss::cuda as loss;
+pub(crate) use crate::family::norm::cuda as norm;
+pub(crate) use crate::family::optim::cuda as optim;
 #[cfg(test)]
 mod plan_tests;
-mod reduce;
-mod shape;
+pub(crate) use crate::family::reduce::cuda as reduce;
+pub(crate) use crate::family::shape::cuda as shape;
 
 use erase_graph::{DType, Op, Shape};
 
@@ -63,6 +63,25 @@ pub struct CudaPlan {
     /// Bytes of each scratch buffer the calls use (contents undefined at the start; a
     /// call that needs zeros clears it itself).
     pub scratch: Vec<usize>,
+}
+
+impl CudaPlan {
+    /// The launch that stands for the op in the cost model: the widest call that is not
+    /// a helper pass around the op's own kernel (the pipelined GEMM's operand rounding, a
+    /// split-K reduction; each family lists its helpers), else the widest of all.
+    pub fn main_call(&self) -> Option<&KernelCall> {
+        let size = |c: &&KernelCall| {
+            u64::from(c.grid[0])
+                * u64::from(c.grid[1])
+                * u64::from(c.grid[2])
+                * u64::from(c.block[0] * c.block[1] * c.block[2])
+        };
+        self.calls
+            .iter()
+            .filter(|c| !gemm::HELPERS.contains(&c.kernel))
+            .max_by_key(size)
+            .or_else(|| self.calls.iter().max_by_key(size))
+    }
 }
 
 /// Shapes and element types of a node's operands, and the options the plan follows.

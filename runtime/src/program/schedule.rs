@@ -24,7 +24,7 @@ use std::fmt::{self, Write as _};
 use crate::kernels::KernelLibrary;
 use crate::program::occupancy::DeviceModel;
 use erase_graph::{Graph, NodeId, Partition, Phase, Tensor};
-use erase_ops::cuda::{cuda_plan, KernelCall, Operands};
+use erase_ops::cuda::{cuda_plan, Operands};
 use erase_ops::{launch_spec, LaunchSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -112,26 +112,7 @@ fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrar
     let Ok(plan) = cuda_plan(&n.op, &o) else {
         return spec;
     };
-    let size = |c: &KernelCall| {
-        u64::from(c.grid[0])
-            * u64::from(c.grid[1])
-            * u64::from(c.grid[2])
-            * u64::from(c.block[0] * c.block[1] * c.block[2])
-    };
-    // the launch's own kernel, not a helper pass around it (the pipelined GEMM's operand
-    // rounding, a split-K reduction): the widest of the others, else the widest of all
-    let helper = |c: &&KernelCall| {
-        matches!(
-            c.kernel,
-            "gemm_to_bf16" | "gemm_to_bf16_t" | "gemm_to_bf16_pair" | "gemm_splitk_reduce"
-        )
-    };
-    let main = plan
-        .calls
-        .iter()
-        .filter(|c| !helper(c))
-        .max_by_key(|c| size(c));
-    let Some(call) = main.or_else(|| plan.calls.iter().max_by_key(|c| size(c))) else {
+    let Some(call) = plan.main_call() else {
         return spec;
     };
     let Some(info) = lib.find(call.kernel) else {
