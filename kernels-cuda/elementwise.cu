@@ -226,6 +226,25 @@ ERASE_KERNEL void ew_sigmoid(const float* __restrict__ x, float* __restrict__ y,
     EW_LOOP(i, n) y[i] = erase_sigmoid(x[i]);
 }
 
+// SiLU (swish): y = x · sigmoid(x)
+ERASE_KERNEL void ew_silu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    EW_LOOP(i, n) {
+        const float v = x[i];
+        y[i] = erase_mul(v, erase_sigmoid(v));
+    }
+}
+
+// dx = dy · s · (1 + x · (1 - s)), s = sigmoid(x), term for term as the reference
+ERASE_KERNEL void ew_silu_grad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dx,
+                               long long n) {
+    EW_LOOP(i, n) {
+        const float v = x[i];
+        const float s = erase_sigmoid(v);
+        const float d = erase_mul(s, erase_add(1.0f, erase_mul(v, erase_sub(1.0f, s))));
+        dx[i] = erase_mul(dy[i], d);
+    }
+}
+
 // dx = y > 0 ? dy : 0 (`y` is relu's output)
 ERASE_KERNEL void ew_relu_grad(const float* __restrict__ dy, const float* __restrict__ y, float* __restrict__ dx,
                                long long n) {

@@ -208,6 +208,11 @@ fn elementwise() {
             let x = param(g, r, "x", &sh, 3.0);
             g.gelu(x).unwrap()
         });
+        check("silu", 44 + t, |g, r| {
+            let sh = [r.range(2, 5), r.range(1, 9)];
+            let x = param(g, r, "x", &sh, 4.0);
+            g.silu(x).unwrap()
+        });
         check("sigmoid", 43 + t, |g, r| {
             let sh = [r.range(2, 5), r.range(1, 9)];
             let x = param(g, r, "x", &sh, 5.0);

@@ -870,6 +870,11 @@ impl Graph {
         self.unary(Op::Gelu, x)
     }
 
+    /// SiLU (swish): `x · sigmoid(x)`.
+    pub fn silu(&mut self, x: Tensor) -> Result<Tensor> {
+        self.unary(Op::Silu, x)
+    }
+
     pub fn sigmoid(&mut self, x: Tensor) -> Result<Tensor> {
         self.unary(Op::Sigmoid, x)
     }

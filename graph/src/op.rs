@@ -81,6 +81,8 @@ pub enum Op {
     /// tanh approximation of GELU (as GPT-2 and PyTorch's `approximate="tanh"`).
     Gelu,
     Sigmoid,
+    /// `[x] -> [y]`: SiLU (swish), `y = x · sigmoid(x)`.
+    Silu,
     /// `[x, gamma, beta] -> [y, mean, rstd]`: normalises the last dim.
     LayerNorm {
         eps: f64,
@@ -175,6 +177,8 @@ pub enum Op {
     ReluGrad,
     /// `[dy, x] -> [dx]`
     GeluGrad,
+    /// `[dy, x] -> [dx]`: `dx = dy · s · (1 + x · (1 - s))`, `s = sigmoid(x)`.
+    SiluGrad,
     /// `[dy, a, b] -> [da, db]`: `da = dy ⊙ b`, `db = dy ⊙ a` (the gradient of a product of
     /// two tensors of one shape, in one pass). With a bf16 output 1, `[da, db_bf16]` or
     /// `[da, db_bf16, s]`: db is the dy of a linear layer with bf16 operand copies, written
@@ -281,6 +285,7 @@ impl Op {
             Op::Scale { .. } => "scale",
             Op::Relu => "relu",
             Op::Gelu => "gelu",
+            Op::Silu => "silu",
             Op::Sigmoid => "sigmoid",
             Op::LayerNorm { .. } => "layer_norm",
             Op::Reshape => "reshape",
@@ -302,6 +307,7 @@ impl Op {
             Op::LinearGradWeight { .. } => "linear_grad_weight",
             Op::ReluGrad => "relu_grad",
             Op::GeluGrad => "gelu_grad",
+            Op::SiluGrad => "silu_grad",
             Op::MulGrad => "mul_grad",
             Op::SigmoidGrad => "sigmoid_grad",
             Op::LayerNormGrad => "layer_norm_grad",

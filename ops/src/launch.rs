@@ -3,7 +3,8 @@
 //! these. Register and shared-memory figures are declared estimates until the kernels'
 //! ptxas reports replace them.
 
-use erase_graph::{DType, Op, Shape};
+pub use crate::dispatch::launch_spec;
+use erase_graph::Shape;
 
 /// One kernel launch of an op.
 #[derive(Clone, Debug, PartialEq)]
@@ -89,76 +90,4 @@ impl Cost<'_> {
     pub fn out0(&self) -> usize {
         self.outs.first().map_or(1, |s| s.numel())
     }
-}
-
-/// The launch of `op` with operand shapes `ins` -> `outs` (element type `dt`): one line
-/// an op, no fallback, each estimate in its family's `cost`.
-pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Option<LaunchSpec> {
-    use crate::family::{
-        attention::cost as attention, elementwise::cost as elementwise,
-        embedding::cost as embedding, gemm::cost as gemm, interaction::cost as interaction,
-        loss::cost as loss, norm::cost as norm, optim::cost as optim, reduce::cost as reduce,
-        shape::cost as shape,
-    };
-    let c = &Cost {
-        ins,
-        outs,
-        e: dt.size_bytes() as f64,
-    };
-    let mut spec = match op {
-        Op::Leaf(_) | Op::Reshape | Op::Detach => return None,
-        Op::Linear { .. } => gemm::linear(c),
-        Op::LinearAdd { .. } => gemm::linear_add(c),
-        Op::LinearGradInput { .. } => gemm::linear_grad_input(c),
-        Op::LinearGradWeight { .. } => gemm::linear_grad_weight(c),
-        Op::MatMul { ta, .. } => gemm::matmul(c, *ta),
-        Op::RoundBf16 { .. } => gemm::round_bf16(c),
-        Op::Attention { heads, packed, .. } => attention::attention(c, *heads, *packed, false),
-        Op::AttentionGrad { heads, packed, .. } => attention::attention(c, *heads, *packed, true),
-        Op::Add => elementwise::map(c),
-        Op::Mul => elementwise::map(c),
-        Op::MulAdd => elementwise::map(c),
-        Op::MulGrad => elementwise::map(c),
-        Op::Scale { .. } => elementwise::map(c),
-        Op::Relu => elementwise::map(c),
-        Op::Gelu => elementwise::map(c),
-        Op::Sigmoid => elementwise::map(c),
-        Op::ReluGrad => elementwise::map(c),
-        Op::GeluGrad => elementwise::map(c),
-        Op::SigmoidGrad => elementwise::map(c),
-        Op::Cast { .. } => elementwise::map(c),
-        Op::Concat { .. } => shape::map(c),
-        Op::Slice { .. } => shape::map(c),
-        Op::Split { .. } => shape::map(c),
-        Op::Pad { .. } => shape::map(c),
-        Op::LayerNorm { .. } => norm::layer_norm(c, false),
-        Op::LayerNormGrad => norm::layer_norm(c, true),
-        Op::SumToShape => reduce::sum_to_shape(c),
-        Op::Sum => reduce::to_scalar(c),
-        Op::Mean => reduce::to_scalar(c),
-        Op::Broadcast { .. } => reduce::map(c),
-        Op::GradSum => reduce::map(c),
-        Op::SliceSum { .. } => reduce::slice_sum(c),
-        Op::PairwiseDot => interaction::pairwise_dot(c, false),
-        Op::PairwiseDotGrad => interaction::pairwise_dot(c, true),
-        Op::BceWithLogits => loss::to_scalar(c),
-        Op::BceWithLogitsGrad => loss::map(c),
-        Op::SoftmaxCrossEntropy => loss::to_scalar(c),
-        Op::SoftmaxCrossEntropyGrad => loss::map(c),
-        Op::StepIncrement => optim::step_increment(c),
-        Op::Sgd { .. } => optim::multi_tensor(c, false),
-        Op::Adam { .. } => optim::multi_tensor(c, true),
-        Op::EmbeddingBag { .. } => embedding::embedding_bag(c),
-        Op::EmbeddingBagGradDense { .. } => embedding::embedding_bag(c),
-        Op::BagMean { .. } => embedding::bag_mean(c),
-        Op::EmbeddingSort { field_rows } => embedding::embedding_sort(c, field_rows),
-        Op::RowwiseAdagrad { .. } => embedding::rowwise_adagrad(c),
-    };
-    // a GEMM whose operands are bf16 (the copies it reads in place)
-    spec.copies = dt == DType::Bf16
-        && matches!(
-            op,
-            Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. }
-        );
-    Some(spec)
 }

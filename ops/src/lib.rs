@@ -4,6 +4,7 @@
 pub mod buffer;
 pub mod cpu;
 pub mod cuda;
+mod dispatch;
 pub mod family;
 pub mod launch;
 

@@ -212,6 +212,24 @@ fn elementwise_maps_match_cpu() {
             o,
             &[(1e-5, 1e-7)],
         );
+        // x · sigmoid(x): the sigmoid's few ulps, times x
+        compare(
+            dev,
+            &format!("silu [{n}]"),
+            &Op::Silu,
+            &[dup(&wide)],
+            o,
+            &[(1e-5, 1e-7)],
+        );
+        compare(
+            dev,
+            &format!("silu_grad [{n}]"),
+            &Op::SiluGrad,
+            &[dup(&x), dup(&wide)],
+            o,
+            // 1 + x·(1 - s) cancels near x = -1.28 (atol, as gelu_grad)
+            &[(1e-5, 1e-6)],
+        );
         let relu_y = run_cpu(&Op::Relu, &[dup(&wide)], o, &mut []);
         compare(
             dev,

@@ -398,7 +398,8 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             | Op::Scale { .. }
             | Op::Relu
             | Op::Sigmoid
-            | Op::Gelu => rules::elementwise(&mut b, &r)?,
+            | Op::Gelu
+            | Op::Silu => rules::elementwise(&mut b, &r)?,
             Op::LayerNorm { .. } => rules::norm(&mut b, &r)?,
             Op::Reshape
             | Op::Detach
@@ -419,6 +420,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             | Op::MulGrad
             | Op::ReluGrad
             | Op::GeluGrad
+            | Op::SiluGrad
             | Op::SigmoidGrad
             | Op::Split { .. }
             | Op::Pad { .. }

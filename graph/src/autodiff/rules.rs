@@ -333,10 +333,11 @@ pub(super) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> {
             }
             b.contribute(ins[0], dy);
         }
-        Op::Relu | Op::Sigmoid | Op::Gelu => {
+        Op::Relu | Op::Sigmoid | Op::Gelu | Op::Silu => {
             let (op, saved) = match node.op {
                 Op::Relu => (Op::ReluGrad, node.outputs[0]),
                 Op::Sigmoid => (Op::SigmoidGrad, node.outputs[0]),
+                Op::Silu => (Op::SiluGrad, ins[0]),
                 _ => (Op::GeluGrad, ins[0]),
             };
             let dx = b.add1(

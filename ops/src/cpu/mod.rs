@@ -1,17 +1,8 @@
 //! The CPU backend's execution of one node: typed dispatch to the reference kernels.
 
-pub(crate) use crate::family::attention::cpu as attention;
-pub(crate) use crate::family::elementwise::cpu as elementwise;
 pub use crate::family::embedding::cpu as embedding;
-pub(crate) use crate::family::gemm::cpu as gemm;
-pub(crate) use crate::family::interaction::cpu as interaction;
 pub mod kernels;
-pub(crate) use crate::family::loss::cpu as loss;
-pub(crate) use crate::family::norm::cpu as norm;
-pub(crate) use crate::family::optim::cpu as optim;
 pub mod real;
-pub(crate) use crate::family::reduce::cpu as reduce;
-pub(crate) use crate::family::shape::cpu as shape;
 
 pub(crate) use crate::buffer::Buffer;
 pub(crate) use erase_graph::{DType, Op, Shape};
@@ -460,72 +451,9 @@ fn exec_typed<T: Elem>(
             });
         }
         let refs: Vec<&Buffer> = owned.iter().collect();
-        return exec_inner::<T>(call, &refs, outs, upd);
+        return crate::dispatch::exec_inner::<T>(call, &refs, outs, upd);
     }
-    exec_inner::<T>(call, ins, outs, upd)
-}
-
-/// [`exec_typed`] once the operands are rounded as asked.
-fn exec_inner<T: Elem>(
-    call: &NodeCall,
-    ins: &[&Buffer],
-    outs: &mut [Buffer],
-    upd: &mut [Buffer],
-) -> Result<(), String> {
-    // one arm a family, every op named: a new op does not compile without its reference
-    match call.op {
-        Op::Linear { .. }
-        | Op::LinearGradInput { .. }
-        | Op::LinearGradWeight { .. }
-        | Op::MatMul { .. } => gemm::exec_gemm::<T>(call, ins, outs, upd),
-        Op::MulAdd
-        | Op::MulGrad
-        | Op::Add
-        | Op::Mul
-        | Op::Scale { .. }
-        | Op::Relu
-        | Op::Gelu
-        | Op::Sigmoid
-        | Op::ReluGrad
-        | Op::GeluGrad
-        | Op::SigmoidGrad => elementwise::exec_elementwise::<T>(call, ins, outs, upd),
-        Op::LayerNorm { .. } | Op::LayerNormGrad => norm::exec_norm::<T>(call, ins, outs, upd),
-        Op::SumToShape
-        | Op::Sum
-        | Op::Mean
-        | Op::Broadcast { .. }
-        | Op::GradSum
-        | Op::SliceSum { .. } => reduce::exec_reduce::<T>(call, ins, outs, upd),
-        Op::Concat { .. } | Op::Slice { .. } | Op::Split { .. } | Op::Pad { .. } => {
-            shape::exec_shape::<T>(call, ins, outs, upd)
-        }
-        Op::PairwiseDot | Op::PairwiseDotGrad => {
-            interaction::exec_interaction::<T>(call, ins, outs, upd)
-        }
-        Op::Attention { .. } | Op::AttentionGrad { .. } => {
-            attention::exec_attention::<T>(call, ins, outs, upd)
-        }
-        Op::EmbeddingBag { .. }
-        | Op::BagMean { .. }
-        | Op::EmbeddingBagGradDense { .. }
-        | Op::RowwiseAdagrad { .. } => embedding::exec_embedding::<T>(call, ins, outs, upd),
-        Op::BceWithLogits
-        | Op::BceWithLogitsGrad
-        | Op::SoftmaxCrossEntropy
-        | Op::SoftmaxCrossEntropyGrad => loss::exec_loss::<T>(call, ins, outs, upd),
-        Op::Sgd { .. } | Op::Adam { .. } => optim::exec_optim::<T>(call, ins, outs, upd),
-        Op::Leaf(_)
-        | Op::LinearAdd { .. }
-        | Op::Reshape
-        | Op::Detach
-        | Op::Cast { .. }
-        | Op::RoundBf16 { .. }
-        | Op::EmbeddingSort { .. }
-        | Op::StepIncrement => Err(format!(
-            "no CPU implementation of {} here: execute runs it",
-            call.op.name()
-        )),
-    }
+    crate::dispatch::exec_inner::<T>(call, ins, outs, upd)
 }
 
 pub(crate) use kernels::AdamHyper;

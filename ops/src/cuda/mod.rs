@@ -19,7 +19,8 @@ mod plan_tests;
 pub(crate) use crate::family::reduce::cuda as reduce;
 pub(crate) use crate::family::shape::cuda as shape;
 
-use erase_graph::{DType, Op, Shape};
+pub use crate::dispatch::cuda_plan;
+use erase_graph::{DType, Shape};
 
 /// One argument of a kernel launch.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -188,97 +189,6 @@ impl Default for PlanOptions {
     fn default() -> PlanOptions {
         PlanOptions::H200
     }
-}
-
-/// The launches of `op`, or why it cannot run on a CUDA device.
-pub fn cuda_plan(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
-    if let Some(d) = o
-        .in_dtypes
-        .iter()
-        .chain(o.out_dtypes)
-        .find(|d| **d == DType::F64)
-    {
-        return Err(format!(
-            "{}: the CUDA backend computes in f32 (with bf16 GEMM operands), not {d}",
-            op.name()
-        ));
-    }
-    // one arm an op, no fallback: a new op does not compile until it has its plan
-    match op {
-        Op::Leaf(_) => Err(format!("{}: a leaf has no kernel", op.name())),
-        Op::Linear { bias, relu } => named(op, gemm::linear(o, *bias, *relu, false)),
-        Op::LinearAdd { bias } => named(op, gemm::linear(o, *bias, false, true)),
-        Op::LinearGradInput { relu_mask } => named(op, gemm::linear_grad_input(o, *relu_mask)),
-        Op::LinearGradWeight { bias } => named(op, gemm::linear_grad_weight(o, *bias)),
-        Op::MatMul { ta, tb } => named(op, gemm::matmul(o, *ta, *tb)),
-        Op::RoundBf16 { col_sums } => named(op, gemm::round_bf16(o, *col_sums)),
-        Op::Attention {
-            heads,
-            causal,
-            packed,
-        } => named(op, attention::attention(o, *heads, *causal, *packed)),
-        Op::AttentionGrad {
-            heads,
-            causal,
-            packed,
-        } => named(op, attention::attention_grad(o, *heads, *causal, *packed)),
-        Op::Add => elementwise::binary(op, o, "ew_add"),
-        Op::Mul if o.outs.len() == 2 => elementwise::mul_bf16(op, o),
-        Op::Mul => elementwise::binary(op, o, "ew_mul"),
-        Op::MulAdd => elementwise::mul_add(op, o),
-        Op::MulGrad => elementwise::mul_grad(op, o),
-        Op::Scale { factor } => elementwise::scale(op, o, *factor),
-        Op::Relu => elementwise::unary(op, o, "ew_relu"),
-        Op::Gelu => elementwise::unary(op, o, "ew_gelu"),
-        Op::Sigmoid => elementwise::unary(op, o, "ew_sigmoid"),
-        Op::ReluGrad => elementwise::unary_grad(op, o, "ew_relu_grad"),
-        Op::GeluGrad => elementwise::unary_grad(op, o, "ew_gelu_grad"),
-        Op::SigmoidGrad => elementwise::unary_grad(op, o, "ew_sigmoid_grad"),
-        Op::Cast { to } => elementwise::cast(op, o, *to),
-        Op::Reshape | Op::Detach => elementwise::copy(op, o),
-        Op::Concat { axis } => shape::concat(op, o, *axis),
-        Op::Slice { axis, start, len } => shape::slice(op, o, *axis, *start, *len),
-        Op::Split { axis, sizes } => shape::split(op, o, *axis, sizes),
-        Op::Pad { axis, start, full } => shape::pad(op, o, *axis, *start, *full),
-        Op::LayerNorm { eps } => norm::layer_norm(op, o, *eps),
-        Op::LayerNormGrad => norm::layer_norm_grad(op, o),
-        Op::SumToShape => reduce::sum_to_shape(op, o),
-        Op::Sum => reduce::full_sum(op, o, false),
-        Op::Mean => reduce::full_sum(op, o, true),
-        Op::Broadcast { scale } => reduce::broadcast(op, o, *scale),
-        Op::GradSum => reduce::grad_sum(op, o),
-        Op::SliceSum { axis, start, len } => reduce::slice_sum(op, o, *axis, *start, *len),
-        Op::PairwiseDot => interaction::pairwise_dot(op, o, false),
-        Op::PairwiseDotGrad => interaction::pairwise_dot(op, o, true),
-        Op::BceWithLogits => loss::bce(op, o),
-        Op::BceWithLogitsGrad => loss::bce_grad(op, o),
-        Op::SoftmaxCrossEntropy => loss::softmax_xent(op, o),
-        Op::SoftmaxCrossEntropyGrad => loss::softmax_xent_grad(op, o),
-        Op::StepIncrement => optim::step_increment(op, o),
-        Op::Sgd { lr } => optim::sgd(op, o, *lr),
-        Op::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-        } => optim::adam(op, o, *lr, *beta1, *beta2, *eps),
-        Op::EmbeddingBag { field_rows } => embedding::embedding_bag(op, o, field_rows),
-        Op::BagMean { mean } => embedding::bag_mean(op, o, mean),
-        Op::EmbeddingBagGradDense { field_rows } => {
-            embedding::embedding_bag_grad_dense(op, o, field_rows)
-        }
-        Op::EmbeddingSort { field_rows } => embedding::embedding_sort(op, o, field_rows),
-        Op::RowwiseAdagrad {
-            lr,
-            eps,
-            field_rows,
-        } => embedding::rowwise_adagrad(op, o, *lr, *eps, field_rows),
-    }
-}
-
-/// A GEMM or attention plan's error, prefixed with the op's name.
-fn named(op: &Op, p: Result<CudaPlan, String>) -> Result<CudaPlan, String> {
-    p.map_err(|e| format!("{}: {e}", op.name()))
 }
 
 /// Every kernel name any plan uses; a test checks each against the embedded PTX.

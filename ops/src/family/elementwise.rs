@@ -65,6 +65,14 @@ pub mod cpu {
                 let x = get::<T>(ins[0], "x")?;
                 kernels::map_index(out(&mut outs[0])?, |i| kernels::sigmoid(x[i]));
             }
+            Op::Silu => {
+                let x = get::<T>(ins[0], "x")?;
+                kernels::map_index(out(&mut outs[0])?, |i| silu(x[i]));
+            }
+            Op::SiluGrad => {
+                let (dy, x) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "x")?);
+                kernels::map_index(out(&mut outs[0])?, |i| dy[i] * silu_grad(x[i]));
+            }
             Op::ReluGrad => {
                 let (dy, y) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "y")?);
                 kernels::map_index(out(&mut outs[0])?, |i| {
@@ -92,12 +100,24 @@ pub mod cpu {
         }
         Ok(())
     }
+
+    /// SiLU: `x · sigmoid(x)`, as `ew_silu` computes it.
+    fn silu<T: Real>(x: T) -> T {
+        x * kernels::sigmoid(x)
+    }
+
+    /// SiLU's derivative: `s · (1 + x · (1 - s))` with `s = sigmoid(x)`, as
+    /// `ew_silu_grad` computes it.
+    fn silu_grad<T: Real>(x: T) -> T {
+        let s = kernels::sigmoid(x);
+        s * (T::ONE + x * (T::ONE - s))
+    }
 }
 
 // ---- the CUDA launch plans ----
 pub(crate) mod cuda {
     //! Elementwise ops and activations (`kernels-cuda/elementwise.cu`): add, mul and their
-    //! bf16-pair forms, mul-add, scale, ReLU/GELU/sigmoid and their gradients, casts, copies.
+    //! bf16-pair forms, mul-add, scale, ReLU/GELU/sigmoid/SiLU and their gradients, casts, copies.
 
     use crate::cuda::common::*;
     use crate::cuda::reduce::colsum_final_call;
@@ -118,9 +138,11 @@ pub(crate) mod cuda {
         "ew_relu",
         "ew_gelu",
         "ew_sigmoid",
+        "ew_silu",
         "ew_relu_grad",
         "ew_gelu_grad",
         "ew_sigmoid_grad",
+        "ew_silu_grad",
         "ew_cast",
         "ew_copy_u32",
         "ew_copy_u16",
