@@ -249,8 +249,14 @@ pub fn run_rank<C: Collective>(
         }
     }
     let share = Share { rank, world };
+    let sharded = crate::sharded::plan_tables(g, &sparse_opt, world, cfg.rank_memory, cfg.sharding)
+        .with_context(|| format!("rank {rank}: placing the embedding tables"))?
+        .map(|plans| crate::sharded::ShardedTables::new(g, &sparse_opt, plans, rank, world))
+        .transpose()?;
     let (report, state, layout) = {
         let exec = RankExec {
+            whole_at: WholeAt::of(cfg),
+            sharded,
             cpu: CpuExec::new(runner),
             comm: &mut *comm,
             g,
@@ -291,6 +297,10 @@ pub fn run_rank<C: Collective>(
 /// the dense optimizer.
 struct RankExec<'a, C: Collective> {
     cpu: CpuExec<'a>,
+    /// The tables' placement when any is sharded (else every rank gathers every
+    /// gradient and updates every table).
+    sharded: Option<crate::sharded::ShardedTables>,
+    whole_at: WholeAt,
     comm: &'a mut C,
     g: &'a erase_graph::Graph,
     before: Vec<usize>,
@@ -307,6 +317,10 @@ impl<C: Collective> RankExec<'_, C> {
         let rank = self.comm.rank();
         let scale = 1.0 / world as f32;
         let runner = self.cpu.runner();
+        if let Some(sh) = &self.sharded {
+            sh.fetch(runner, &mut *self.comm)
+                .with_context(|| format!("rank {rank}, step {step}: the sharded lookup"))?;
+        }
         runner
             .run_order(&self.before)
             .with_context(|| format!("rank {rank}, step {step}"))?;
@@ -331,9 +345,18 @@ impl<C: Collective> RankExec<'_, C> {
                 at += n;
             }
         }
+        if let Some(sh) = &self.sharded {
+            sh.update(runner, &mut *self.comm, scale)
+                .with_context(|| format!("rank {rank}, step {step}: the sharded update"))?;
+        }
         // sparse gradients: every rank gathers every rank's (ids, offsets, pooled
         // gradient) and applies the same row-wise Adagrad to the same rows
-        for &node in &self.sparse_opt {
+        let gathered: &[erase_graph::NodeId] = if self.sharded.is_some() {
+            &[]
+        } else {
+            &self.sparse_opt
+        };
+        for &node in gathered {
             let n = g.node(node);
             let (ids, offsets, dpooled) = (n.inputs[0], n.inputs[1], n.inputs[2]);
             let get = |t: Tensor| {
@@ -392,7 +415,37 @@ impl<C: Collective> RankExec<'_, C> {
         runner
             .run_order(&self.dense_opt)
             .with_context(|| format!("rank {rank}, step {step}: optimizer"))?;
+        if let Some(sh) = &self.sharded {
+            if self.whole_at.needs(step as usize + 1) {
+                sh.assemble(runner, &mut *self.comm)
+                    .with_context(|| format!("rank {rank}, step {step}: the whole tables"))?;
+            }
+        }
         Ok(())
+    }
+}
+
+/// After which steps a sharded rank makes its tables whole: before an evaluation or a
+/// checkpoint, and at the end (so that every replica is whole and identical), as
+/// [`drive`] asks for them.
+struct WholeAt {
+    steps: usize,
+    checkpoint_every: Option<usize>,
+    eval_every: usize,
+}
+
+impl WholeAt {
+    fn of(cfg: &TrainConfig) -> WholeAt {
+        WholeAt {
+            steps: cfg.steps,
+            checkpoint_every: cfg.checkpoint.as_ref().map(|_| cfg.checkpoint_every),
+            eval_every: cfg.eval_every,
+        }
+    }
+
+    fn needs(&self, done: usize) -> bool {
+        let every = |n: usize| n > 0 && done.is_multiple_of(n);
+        done == self.steps || self.checkpoint_every.is_some_and(every) || every(self.eval_every)
     }
 }
 

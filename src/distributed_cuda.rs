@@ -89,6 +89,22 @@ fn train(
     let plan = plan_step_data_parallel(&local, DType::F32, &cfg.optimizer, &cfg.schedule)?;
     crate::train::check_memory(&plan, Some(dev))?;
     let g = &plan.model.graph;
+    // sharded tables need NCCL's all-to-all in the step, which is not written yet: `auto`
+    // replicates where the tables fit, a forced sharding is refused
+    let mode = match cfg.sharding {
+        crate::sharding::Sharding::Auto => crate::sharding::Sharding::Replicated,
+        m => m,
+    };
+    let sparse: Vec<_> = plan
+        .program
+        .launches
+        .iter()
+        .map(|l| l.node)
+        .filter(|&n| matches!(g.node(n).op, erase_graph::Op::RowwiseAdagrad { .. }))
+        .collect();
+    if crate::sharded::plan_tables(g, &sparse, world, cfg.rank_memory, mode)?.is_some() {
+        bail!("--sharding {mode:?}: sharded tables train on CPU ranks only for now (CUDA ranks need NCCL's all-to-all in the step); use --sharding replicated or auto");
+    }
     let mut prog = CudaProgram::new(dev, g, &plan.program, &plan.memory, cfg.seed)?;
     let dp = DataParallel::new(
         &prog,

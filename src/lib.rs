@@ -21,5 +21,6 @@ pub mod loader;
 pub mod metrics;
 pub mod model;
 pub mod profile;
+mod sharded;
 pub mod sharding;
 pub mod train;

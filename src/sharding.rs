@@ -3,8 +3,7 @@
 //! row-wise (its rows split evenly over the ranks, for a table too large for one). The
 //! planner is a pure function of the tables' sizes, the rank count and each rank's
 //! memory budget, so every rank computes the same placement; `erase-ctr plan --gpus N
-//! --sharding MODE` prints it. (The sharded lookup itself, the all-to-all of ids and
-//! pooled rows in the step, is not implemented yet: training replicates every table.)
+//! --sharding MODE` prints it, and CPU ranks train with it (`crate::sharded`).
 
 use anyhow::{bail, Result};
 
@@ -70,6 +69,10 @@ impl ShardPlan {
     }
 }
 
+/// A rank's budget for tables unless `--rank-memory` says otherwise: 120 GB (an H200's
+/// 141 GB less room for the step).
+pub const DEFAULT_RANK_MEMORY: u64 = 120_000_000_000;
+
 /// Tables at most this large stay replicated under `auto`: exchanging their pooled rows
 /// costs a latency that holding them everywhere does not.
 pub const AUTO_REPLICATE_BYTES: u64 = 1 << 20;
@@ -88,13 +91,13 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
         bail!("sharding: no ranks");
     }
     let total: u64 = tables.iter().map(Table::bytes).sum();
-    let gb = |b: u64| b as f64 / 1e9;
+    let gb = |b: u64| size(b);
     let mut placements = vec![Placement::Replicated; tables.len()];
     let shard: Vec<bool> = match mode {
         Sharding::Replicated => {
             if total > budget {
                 bail!(
-                    "--sharding replicated: the {} tables need {:.2} GB on every rank, {:.2} GB more than a rank's budget of {:.2} GB; use --sharding row or auto",
+                    "--sharding replicated: the {} tables need {} on every rank, {} more than a rank's budget of {}; use --sharding row or auto",
                     tables.len(),
                     gb(total),
                     gb(total - budget),
@@ -104,12 +107,20 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
             vec![false; tables.len()]
         }
         Sharding::Table | Sharding::Row => vec![true; tables.len()],
-        Sharding::Auto if ranks <= 2 => {
-            let mut order: Vec<usize> = (0..tables.len()).collect();
+        Sharding::Auto => {
+            // on more than two ranks every large table is sharded; then, on any rank
+            // count, the largest of the others until a rank's replicated tables and its
+            // share of the sharded ones fit
+            let mut out: Vec<bool> = tables
+                .iter()
+                .map(|t| ranks > 2 && t.bytes() > AUTO_REPLICATE_BYTES)
+                .collect();
+            let mut order: Vec<usize> = (0..tables.len()).filter(|&i| !out[i]).collect();
             order.sort_by_key(|&i| (std::cmp::Reverse(tables[i].bytes()), i));
-            let mut kept = total;
-            let mut out = vec![false; tables.len()];
-            // a rank holds the replicated tables and about its share of the others
+            let mut kept: u64 = (0..tables.len())
+                .filter(|&i| !out[i])
+                .map(|i| tables[i].bytes())
+                .sum();
             let fits = |kept: u64| kept + (total - kept).div_ceil(ranks as u64) <= budget;
             for i in order {
                 if fits(kept) {
@@ -120,10 +131,6 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
             }
             out
         }
-        Sharding::Auto => tables
-            .iter()
-            .map(|t| t.bytes() > AUTO_REPLICATE_BYTES)
-            .collect(),
     };
     let replicated: u64 = tables
         .iter()
@@ -158,7 +165,7 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
         if rank_bytes[k] + t.bytes() > budget {
             if mode == Sharding::Table {
                 bail!(
-                    "--sharding table: table '{}' ({:.2} GB) does not fit rank {k}, which holds {:.2} GB of a {:.2} GB budget; use --sharding row or auto",
+                    "--sharding table: table '{}' ({}) does not fit rank {k}, which holds {} of a {} budget; use --sharding row or auto",
                     t.name,
                     gb(t.bytes()),
                     gb(rank_bytes[k]),
@@ -174,7 +181,7 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
     }
     if let Some((k, b)) = rank_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
         bail!(
-            "sharding {mode:?}: rank {k} would hold {:.2} GB of tables, over its budget of {:.2} GB, even with its tables split row-wise over {ranks} ranks",
+            "sharding {mode:?}: rank {k} would hold {} of tables, over its budget of {}, even with its tables split row-wise over {ranks} ranks",
             gb(*b),
             gb(budget)
         );
@@ -183,6 +190,15 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
         placements,
         rank_bytes,
     })
+}
+
+/// Bytes for people: GB, or MB below 0.1 GB.
+fn size(b: u64) -> String {
+    if b >= 100_000_000 {
+        format!("{:.2} GB", b as f64 / 1e9)
+    } else {
+        format!("{:.2} MB", b as f64 / 1e6)
+    }
 }
 
 /// Adds each rank's share of `t`'s rows (⌈rows/n⌉ of them) to `rank_bytes`.

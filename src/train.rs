@@ -253,6 +253,10 @@ pub struct TrainConfig {
     pub data: Data,
     /// Measure a kernel trace of these steps (CUDA only).
     pub trace: Option<TraceWindow>,
+    /// Where the embedding tables live with several ranks (`--sharding`).
+    pub sharding: crate::sharding::Sharding,
+    /// Bytes of tables a rank may hold (`--rank-memory`), what the sharding plans for.
+    pub rank_memory: u64,
 }
 
 /// Which steps a measured trace covers: `steps` steps from step `start` (0-based).
@@ -320,6 +324,8 @@ impl TrainConfig {
             dispatch: Dispatch::default(),
             data: Data::default(),
             trace: None,
+            sharding: crate::sharding::Sharding::Auto,
+            rank_memory: crate::sharding::DEFAULT_RANK_MEMORY,
         }
     }
 

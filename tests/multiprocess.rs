@@ -324,3 +324,56 @@ fn options_no_cpu_rank_takes_are_refused_before_the_workers_start() {
         assert!(took < Duration::from_secs(10), "{extra:?}: took {took:?}");
     }
 }
+
+/// Row-sharded tables over TCP: the processes exchange ids, rows and gradients by
+/// all-to-all and end with the replicated in-process run's bits.
+#[test]
+fn row_sharded_tables_over_tcp_end_with_the_replicated_bits() {
+    let logs = tmp("sharded-logs");
+    let mut a = args(8);
+    a.extend(
+        [
+            "--gpus",
+            "2",
+            "--sharding",
+            "row",
+            "--collective-timeout",
+            "30",
+            "--collective-log",
+        ]
+        .map(String::from),
+    );
+    a.push(logs.display().to_string());
+    let (out, _) = run(&a, &[]);
+    let (so, se) = text(&out);
+    assert!(out.status.success(), "{so}\n{se}");
+    let hashes = state_hashes(&so);
+    assert_eq!(hashes.len(), 2, "{so}");
+    let l0 = std::fs::read_to_string(logs.join("rank-0.log")).unwrap();
+    assert!(
+        l0.contains("all_to_all") && l0.contains(".lookup rows"),
+        "{l0}"
+    );
+    assert!(
+        !l0.lines().any(|l| l.starts_with("all_gather")),
+        "a sharded step gathers no gradients:\n{l0}"
+    );
+    let mut model = CtrConfig::small();
+    model.batch = 64;
+    model.rows = 100;
+    let cfg = TrainConfig {
+        seed: 7,
+        data_seed: 3,
+        eval_examples: 64,
+        sharding: erase::sharding::Sharding::Replicated,
+        ..TrainConfig::new(model, 8)
+    };
+    let threads = train_data_parallel_cpu(&cfg, 2, Duration::from_secs(60), None).unwrap();
+    let state = &threads[0].as_ref().unwrap().state;
+    assert_eq!(
+        format!("{:016x}", fnv64(state)),
+        hashes[0].1,
+        "row-sharded processes and replicated threads trained different replicas"
+    );
+    let _ = std::fs::remove_dir_all(&logs);
+}

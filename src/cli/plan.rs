@@ -43,8 +43,8 @@ pub(crate) struct PlanArgs {
     #[arg(long, value_name = "N")]
     gpus: Option<usize>,
     /// With --gpus: where the embedding tables would live (`auto`: by size, the ranks'
-    /// memory and the communication; `replicated`, `table` or `row` to force one). A
-    /// prediction: training replicates every table today.
+    /// memory and the communication; `replicated`, `table` or `row` to force one), as
+    /// `train --sharding` places them on CPU ranks.
     #[arg(long, value_enum, default_value = "auto")]
     sharding: ShardingArg,
     /// With --gpus: each rank's memory for embedding tables and their optimizer state, GB.
@@ -433,7 +433,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             let lo = p.rank_bytes.iter().min().copied().unwrap_or(0) as f64 / 1e6;
             let hi = p.rank_bytes.iter().max().copied().unwrap_or(0) as f64 / 1e6;
             println!(
-                "  sharding {} (a prediction: training replicates every table): {} replicated, {} table-wise, {} row-wise; tables on a rank {:.1} to {:.1} MB of {:.1} GB; the forward all-to-all moves {:.1} MB per rank each way, {:.1} µs, and the gradients' as much",
+                "  sharding {} (as `train --sharding` places them on CPU ranks; CUDA ranks replicate): {} replicated, {} table-wise, {} row-wise; tables on a rank {:.1} to {:.1} MB of {:.1} GB; the forward all-to-all moves {:.1} MB per rank each way, {:.1} µs, and the gradients' as much",
                 a.sharding.as_str(),
                 count(|x| matches!(x, crate::sharding::Placement::Replicated)),
                 count(|x| matches!(x, crate::sharding::Placement::Table(_))),

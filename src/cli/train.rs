@@ -117,6 +117,18 @@ pub(crate) struct TrainArgs {
     /// With --gpus: write each rank's log of collectives to DIR/rank-K.log.
     #[arg(long, value_name = "DIR")]
     collective_log: Option<std::path::PathBuf>,
+    /// With several ranks: where each embedding table lives (`auto`: by its size, the
+    /// ranks' memory and the communication, as `plan --gpus N --sharding` prints;
+    /// `replicated`, `table` (whole on one rank) or `row` (rows split over the ranks) to
+    /// force one). Sharded tables exchange ids, rows and gradients by all-to-all in the
+    /// step and train to the same bits as replicated ones; CPU ranks only for now.
+    #[arg(long, value_enum, default_value = "auto")]
+    sharding: super::plan::ShardingArg,
+    /// With several ranks: each rank's memory for embedding tables and their optimizer
+    /// state, GB (what --sharding plans for; a replicated table set larger than this is
+    /// refused).
+    #[arg(long, value_name = "GB", default_value_t = 120.0)]
+    rank_memory: f64,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -205,6 +217,13 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
                 kernels: a.kernels.unwrap_or(0),
             }
         }),
+        sharding: a.sharding.into(),
+        rank_memory: {
+            if !(a.rank_memory > 0.0 && a.rank_memory.is_finite()) {
+                bail!("--rank-memory must be a positive number of GB");
+            }
+            (a.rank_memory * 1e9) as u64
+        },
     };
     if (a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some()) && dev.is_none() {
         bail!("--trace, --timeline and --kernels measure kernels on a CUDA device; this run is on the CPU (`erase-ctr plan --trace/--timeline` gives the simulator's prediction)");

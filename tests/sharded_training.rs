@@ -1,0 +1,184 @@
+//! Sharded embedding tables on CPU ranks: table-wise, row-wise and auto placements train
+//! to the bits of replicated tables (the lookups and updates are the same arithmetic in
+//! the same order), replicas and collective logs stay identical across ranks, a table
+//! set too large for a rank's budget trains row-wise where replicated refuses it, and a
+//! checkpoint holds each table whole so it resumes on another rank count.
+
+use std::time::Duration;
+
+use erase::distributed::{train_data_parallel_cpu, FailAt, RankResult};
+use erase::model::ctr::CtrConfig;
+use erase::sharding::Sharding;
+use erase::train::TrainConfig;
+
+fn cfg(steps: usize, sharding: Sharding) -> TrainConfig {
+    let mut model = CtrConfig::small();
+    model.batch = 64;
+    model.rows = 300;
+    TrainConfig {
+        seed: 7,
+        data_seed: 3,
+        eval_examples: 64,
+        sharding,
+        ..TrainConfig::new(model, steps)
+    }
+}
+
+fn run(c: &TrainConfig, world: usize) -> Vec<RankResult> {
+    train_data_parallel_cpu(c, world, Duration::from_secs(60), None)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect()
+}
+
+fn sharded_calls(r: &RankResult) -> usize {
+    r.log
+        .iter()
+        .filter(|x| x.bucket.contains(".lookup") || x.bucket.contains(".grad"))
+        .count()
+}
+
+#[test]
+fn table_row_and_auto_sharding_train_to_the_bits_of_replicated_tables() {
+    for world in [2, 4] {
+        let replicated = run(&cfg(20, Sharding::Replicated), world);
+        // auto shards every table once a rank's budget is too small for them all
+        let tight = {
+            let mut c = cfg(20, Sharding::Auto);
+            c.rank_memory = 300_000;
+            c
+        };
+        for (name, c) in [
+            ("table", cfg(20, Sharding::Table)),
+            ("row", cfg(20, Sharding::Row)),
+            ("auto", tight),
+        ] {
+            let ranks = run(&c, world);
+            assert!(
+                sharded_calls(&ranks[0]) >= 20 * 3,
+                "{name} on {world}: the step exchanged no rows ({} sharded calls)",
+                sharded_calls(&ranks[0])
+            );
+            for r in &ranks {
+                assert!(
+                    r.state == replicated[0].state,
+                    "{name} on {world} ranks: rank {} ends with other bits than replicated tables",
+                    r.rank
+                );
+                assert_eq!(
+                    r.log, ranks[0].log,
+                    "{name} on {world}: rank {} issued other collectives",
+                    r.rank
+                );
+                assert_eq!(r.losses, replicated[r.rank].losses, "{name} on {world}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_table_set_over_the_budget_trains_row_wise_where_replicated_refuses_it() {
+    // the small model's 26 tables of 300 rows of 16 (and their state) take 530 kB
+    let budget = 200_000;
+    let mut c = cfg(3, Sharding::Replicated);
+    c.rank_memory = budget;
+    let err = train_data_parallel_cpu(&c, 4, Duration::from_secs(60), None)
+        .unwrap()
+        .into_iter()
+        .find_map(|r| r.err())
+        .expect("replicated tables over the budget must be refused");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("--sharding replicated") && msg.contains("budget"),
+        "{msg}"
+    );
+    c.sharding = Sharding::Row;
+    let ranks = run(&c, 4);
+    assert!(ranks.iter().all(|r| r.state == ranks[0].state));
+    assert!(sharded_calls(&ranks[0]) > 0);
+}
+
+#[test]
+fn a_sharded_checkpoint_resumes_on_1_2_and_4_ranks() {
+    let dir = std::env::temp_dir().join(format!("erase-sharded-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ck = dir.join("k.st");
+    let base = cfg(6, Sharding::Row);
+    let whole = run(&base, 2);
+    // killed after the checkpoint of step 3
+    let killed = TrainConfig {
+        checkpoint: Some(ck.clone()),
+        checkpoint_every: 3,
+        ..base.clone()
+    };
+    let r = train_data_parallel_cpu(
+        &killed,
+        2,
+        Duration::from_secs(60),
+        Some(FailAt {
+            rank: 1,
+            step: 4,
+            how: Default::default(),
+        }),
+    )
+    .unwrap();
+    assert!(r.iter().any(|x| x.is_err()), "the kill did not happen");
+    assert_eq!(erase::checkpoint::peek(&ck).unwrap().step, 3);
+    let resumed = |world: usize, sharding: Sharding| {
+        run(
+            &TrainConfig {
+                resume: Some(ck.clone()),
+                sharding,
+                ..base.clone()
+            },
+            world,
+        )
+    };
+    assert!(
+        resumed(2, Sharding::Row)[0].state == whole[0].state,
+        "resumed on 2 ranks: other bits than the run that never stopped"
+    );
+    // the checkpoint holds each table whole: on 1 and 4 ranks, sharded or not, it
+    // resumes to that rank count's bits
+    for world in [1, 4] {
+        let rep = resumed(world, Sharding::Replicated);
+        let tab = resumed(world, Sharding::Table);
+        assert!(
+            tab[0].state == rep[0].state,
+            "{world} ranks: a sharded resume differs from a replicated one"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_dies_before_the_lookup_all_to_all_stops_the_others_naming_it() {
+    let t0 = std::time::Instant::now();
+    let results = train_data_parallel_cpu(
+        &cfg(10, Sharding::Row),
+        4,
+        Duration::from_secs(3),
+        Some(FailAt {
+            rank: 1,
+            step: 3,
+            how: Default::default(),
+        }),
+    )
+    .unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
+    );
+    let e1 = format!("{:#}", results[1].as_ref().unwrap_err());
+    assert!(e1.contains("rank 1 failed on purpose at step 3"), "{e1}");
+    for k in [0, 2, 3] {
+        let e = format!("{:#}", results[k].as_ref().unwrap_err());
+        assert!(
+            e.contains(&format!("rank {k}"))
+                && e.contains("sharded lookup")
+                && e.contains("rank 1"),
+            "rank {k}: {e}"
+        );
+    }
+}
