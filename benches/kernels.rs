@@ -4,6 +4,10 @@
 //! Prints a table; with `--json FILE` also writes one JSON object per line, which
 //! `scripts/torch_kernels.py` reads to put PyTorch's times beside ours.
 //!
+//! With `--contention`, instead: what two device-filling launches cost side by side
+//! against one after the other (compute-bound GEMMs, memory-bound adds, one of each), the
+//! occupancy model's contention cost.
+//!
 //! `cargo bench --bench kernels -- [--json FILE] [--quick] [--only WORD]` (`--only gemm`
 //! runs only the benchmarks whose kind or name holds WORD; `--only "gemm dx M=4096 N=64
 //! K=1728"` one GEMM shape, for a profiler).
@@ -390,6 +394,10 @@ fn main() {
         "device: {} ({} SMs), PTX {:?}",
         dev.name, dev.sms, dev.target
     );
+    if args.iter().any(|a| a == "--contention") {
+        contention(&dev, json.as_deref());
+        return;
+    }
     let mut b = Bench {
         dev: &dev,
         iters: if quick { 5 } else { 20 },
@@ -472,6 +480,95 @@ fn main() {
                 "{{\"name\":\"{}\",\"ms\":{},\"flops\":{},\"bytes\":{},\"torch\":{}}}",
                 r.name, r.ms, r.flops, r.bytes, r.torch
             );
+        }
+    }
+}
+
+/// The contention of pairs of device-filling launches: each alone, in sequence and side
+/// by side on two streams; `together / serial - 1` is the cost the occupancy model
+/// charges two such launches sharing the device (0: the device's work is conserved,
+/// negative: they overlap usefully).
+fn contention(dev: &CudaDevice, json: Option<&str>) {
+    let linear = Op::Linear {
+        bias: false,
+        relu: false,
+    };
+    let mut f = json.and_then(|p| std::fs::File::create(p).ok());
+    println!(
+        "{:<44} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "pair (side by side on two streams)", "A µs", "B µs", "A;B µs", "A|B µs", "cost"
+    );
+    for rows in [4096usize, 16384] {
+        let (x, w, y) = (
+            Shape::new(&[rows, 1728]),
+            Shape::new(&[1024, 1728]),
+            Shape::new(&[rows, 1024]),
+        );
+        let (x1, w1, x2, w2) = (
+            rand(1, x.numel(), 1.0),
+            rand(2, w.numel(), 0.05),
+            rand(3, x.numel(), 1.0),
+            rand(4, w.numel(), 0.05),
+        );
+        // an add moving about as many bytes as the GEMM takes time
+        let e = Shape::new(&[rows, 4096]);
+        let (p, q, r, t) = (
+            rand(5, e.numel(), 1.0),
+            rand(6, e.numel(), 1.0),
+            rand(7, e.numel(), 1.0),
+            rand(8, e.numel(), 1.0),
+        );
+        let g1 = [(&x, &x1), (&w, &w1)];
+        let g2 = [(&x, &x2), (&w, &w2)];
+        let a1 = [(&e, &p), (&e, &q)];
+        let a2 = [(&e, &r), (&e, &t)];
+        let gout = [(y.clone(), DType::F32)];
+        let aout = [(e.clone(), DType::F32)];
+        let pairs: [(
+            &str,
+            erase::runtime::cuda::TimedOp,
+            erase::runtime::cuda::TimedOp,
+        ); 3] = [
+            (
+                "compute+compute",
+                (&linear, &g1, &gout),
+                (&linear, &g2, &gout),
+            ),
+            (
+                "compute+memory",
+                (&linear, &g1, &gout),
+                (&Op::Add, &a1, &aout),
+            ),
+            (
+                "memory+memory",
+                (&Op::Add, &a1, &aout),
+                (&Op::Add, &a2, &aout),
+            ),
+        ];
+        for (name, a, b) in pairs {
+            let label = format!("{name}, {rows} rows");
+            match dev.time_pair(a, b, 5, 30) {
+                Ok(t) => {
+                    let cost = t.together_ms / t.serial_ms - 1.0;
+                    println!(
+                        "{:<44} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>7.1} %",
+                        label,
+                        t.a_ms * 1e3,
+                        t.b_ms * 1e3,
+                        t.serial_ms * 1e3,
+                        t.together_ms * 1e3,
+                        100.0 * cost
+                    );
+                    if let Some(f) = &mut f {
+                        let _ = writeln!(
+                            f,
+                            "{{\"pair\":\"{name}\",\"rows\":{rows},\"a_ms\":{},\"b_ms\":{},\"serial_ms\":{},\"together_ms\":{},\"cost\":{cost}}}",
+                            t.a_ms, t.b_ms, t.serial_ms, t.together_ms
+                        );
+                    }
+                }
+                Err(e) => println!("{label}: {e}"),
+            }
         }
     }
 }

@@ -70,8 +70,15 @@ pub fn schedule_with_occupancy(
         }
         Occupancy::Auto => {
             // on an H200, the rates Erase's kernels reach there (what `plan` predicts with)
-            let device = if scfg.device == DeviceModel::h200() {
-                DeviceModel::h200_measured()
+            let device = if scfg.device
+                == (DeviceModel {
+                    contention: scfg.device.contention,
+                    ..DeviceModel::h200()
+                }) {
+                DeviceModel {
+                    contention: scfg.device.contention,
+                    ..DeviceModel::h200_measured()
+                }
             } else {
                 scfg.device.clone()
             };

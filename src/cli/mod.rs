@@ -40,6 +40,25 @@ fn at_least_one(s: &str) -> std::result::Result<usize, String> {
 }
 
 /// `--side-streams`: 1 to [`MAX_SIDE_STREAMS`].
+/// `--contention CC,CM,MM`: three finite numbers above -1.
+fn contention_costs(v: &str) -> Result<[f64; 3], String> {
+    let parts: Vec<&str> = v.split(',').map(str::trim).collect();
+    let bad =
+        || format!("'{v}': expected three costs CC,CM,MM (shares above -1, such as 0.05,-0.2,0)");
+    if parts.len() != 3 {
+        return Err(bad());
+    }
+    let mut out = [0.0; 3];
+    for (o, p) in out.iter_mut().zip(&parts) {
+        let x: f64 = p.parse().map_err(|_| bad())?;
+        if !x.is_finite() || x <= -1.0 {
+            return Err(bad());
+        }
+        *o = x;
+    }
+    Ok(out)
+}
+
 fn side_stream_count(s: &str) -> std::result::Result<usize, String> {
     let n = at_least_one(s)?;
     if n > MAX_SIDE_STREAMS {
@@ -183,6 +202,13 @@ struct ModelArgs {
     /// model on an H200); `off` never.
     #[arg(long, value_enum, default_value = "auto")]
     occupancy: OccupancyArg,
+    /// What the occupancy model charges two launches that oversubscribe the device for
+    /// sharing it, as a share of their time one after the other: `CC,CM,MM` for two
+    /// compute-bound launches, a compute- beside a memory-bound one, two memory-bound ones
+    /// (default: the H200's, measured by `cargo bench --bench kernels -- --contention`).
+    /// To see what `--occupancy auto` would choose on another device.
+    #[arg(long, value_name = "CC,CM,MM", value_parser = contention_costs)]
+    contention: Option<[f64; 3]>,
     /// When the dense parameters are updated: `end`, one update of all of them after the
     /// whole backward; `early`, each early block's right after its backward, on its side
     /// stream (the remainder's at the end). Same bits either way.
@@ -423,7 +449,12 @@ impl ModelArgs {
                 OccupancyArg::On => crate::train::Occupancy::On,
                 OccupancyArg::Auto => crate::train::Occupancy::Auto,
             },
-            device: DeviceModel::h200(),
+            device: DeviceModel {
+                contention: self
+                    .contention
+                    .unwrap_or(crate::runtime::program::occupancy::H200_CONTENTION),
+                ..DeviceModel::h200()
+            },
             early_updates: self.optimizer_update == UpdateArg::Early,
             late_stream: self.late_stream == OnOff::On,
             weight_grad_streams: self.weight_grad_streams == OnOff::On,

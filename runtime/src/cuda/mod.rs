@@ -637,6 +637,83 @@ impl CudaDevice {
     }
 }
 
+/// One op to time in [`CudaDevice::time_pair`]: the op, its inputs and its outputs.
+pub type TimedOp<'a> = (&'a Op, &'a [(&'a Shape, &'a Buffer)], &'a [(Shape, DType)]);
+
+/// What two ops cost alone, one after the other and side by side (ms, medians).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PairTiming {
+    pub a_ms: f64,
+    pub b_ms: f64,
+    /// A then B on one stream.
+    pub serial_ms: f64,
+    /// A and B issued at once on two streams, until both are done.
+    pub together_ms: f64,
+}
+
+impl CudaDevice {
+    /// Times two ops alone, in sequence and concurrently (on two streams released by one
+    /// event): `warmup` untimed rounds, then the median of `iters`. What the occupancy
+    /// model's contention cost is measured with.
+    pub fn time_pair(
+        &self,
+        a: TimedOp,
+        b: TimedOp,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<PairTiming, RuntimeError> {
+        let na = NodeOnDevice::new(self, a.0, a.1, a.2, &[])?;
+        let nb = NodeOnDevice::new(self, b.0, b.1, b.2, &[])?;
+        let (s1, s2) = (self.stream(true)?, self.stream(true)?);
+        let (e0, e1, e2, e3) = (
+            self.event(true)?,
+            self.event(true)?,
+            self.event(true)?,
+            self.event(true)?,
+        );
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        let (mut ta, mut tb, mut ts, mut tt) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for i in 0..warmup + iters {
+            // alone, and in sequence
+            e0.record(&s1)?;
+            na.launch(self, &s1)?;
+            e1.record(&s1)?;
+            nb.launch(self, &s1)?;
+            e2.record(&s1)?;
+            e2.synchronize()?;
+            let (a_ms, b_ms, ab) = (
+                f64::from(e1.elapsed_ms_since(&e0)?),
+                f64::from(e2.elapsed_ms_since(&e1)?),
+                f64::from(e2.elapsed_ms_since(&e0)?),
+            );
+            // side by side: both streams wait for one mark, the first joins the second
+            e0.record(&s1)?;
+            e0.wait_on(&s2)?;
+            na.launch(self, &s1)?;
+            nb.launch(self, &s2)?;
+            e3.record(&s2)?;
+            e3.wait_on(&s1)?;
+            e1.record(&s1)?;
+            e1.synchronize()?;
+            if i >= warmup {
+                ta.push(a_ms);
+                tb.push(b_ms);
+                ts.push(ab);
+                tt.push(f64::from(e1.elapsed_ms_since(&e0)?));
+            }
+        }
+        Ok(PairTiming {
+            a_ms: median(ta),
+            b_ms: median(tb),
+            serial_ms: median(ts),
+            together_ms: median(tt),
+        })
+    }
+}
+
 impl CudaDevice {
     /// Times each launch of one op's plan separately (events between the launches):
     /// `warmup` untimed runs, then per launch the median of `iters` runs. (kernel,

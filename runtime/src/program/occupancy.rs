@@ -11,6 +11,10 @@
 
 use erase_ops::LaunchSpec;
 
+/// The H200's contention costs, measured there (BENCHMARKS.md, "The occupancy model"):
+/// two device-filling GEMMs, a GEMM beside a memory-bound add, two adds.
+pub const H200_CONTENTION: [f64; 3] = [0.0, 0.0, 0.0];
+
 /// What the model needs to know about a device.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceModel {
@@ -37,6 +41,13 @@ pub struct DeviceModel {
     pub launch_s: f64,
     /// Launches longer than this that fill a wave are not overlapped (the rule).
     pub exclusive_threshold_s: f64,
+    /// What two launches that together oversubscribe the device pay for sharing it, as a
+    /// share of their time one after the other, by what bounds them (see
+    /// [`DeviceModel::memory_bound`]): `[compute with compute, compute with memory, memory
+    /// with memory]`. 0 conserves the device's work (each runs at its share); above 0 they
+    /// contend (caches, the tails of their waves); below 0 they overlap usefully.
+    /// Measured pair by pair (`cargo bench --bench kernels -- --contention`).
+    pub contention: [f64; 3],
 }
 
 impl DeviceModel {
@@ -58,6 +69,7 @@ impl DeviceModel {
             mem_bw: 4.22e12,
             launch_s: 2.5e-6,
             exclusive_threshold_s: 20e-6,
+            contention: H200_CONTENTION,
         }
     }
 
@@ -93,6 +105,7 @@ impl DeviceModel {
             mem_bw: 10e9,
             launch_s: 1e-6,
             exclusive_threshold_s: f64::INFINITY,
+            contention: [0.0; 3],
         }
     }
 
@@ -148,6 +161,24 @@ impl DeviceModel {
             work / full
         };
         self.launch_s + time
+    }
+
+    /// Whether the launch alone is bound by memory bandwidth rather than arithmetic.
+    pub fn memory_bound(&self, spec: &LaunchSpec) -> bool {
+        let peak = if spec.copies {
+            self.tensor_flops_copies
+        } else if spec.tensor_core {
+            self.tensor_flops
+        } else {
+            self.simt_flops
+        };
+        spec.bytes / self.mem_bw > spec.flops / peak
+    }
+
+    /// The contention cost of two launches sharing the device, by whether each is
+    /// memory-bound.
+    pub fn pair_cost(&self, a_memory: bool, b_memory: bool) -> f64 {
+        self.contention[usize::from(a_memory) + usize::from(b_memory)]
     }
 
     /// The rule: fills a full wave and runs long enough that overlap would only contend.

@@ -1,8 +1,11 @@
 //! The schedule simulator: replays a step program on the occupancy model's cost
 //! estimates with stream semantics (in order within a stream, events across streams).
 //! Kernels that run at once share the device: while the footprints of the running
-//! kernels add up to more than the whole device, each progresses at its share. This is
-//! how we plan past the machines we have: more streams, other devices.
+//! kernels add up to more than the whole device, each progresses at its share, slowed
+//! by what sharing costs it beside the others (the device model's contention cost of
+//! each pair, by whether each is compute- or memory-bound, in proportion to how far the
+//! device is oversubscribed). This is how we plan past the machines we have: more
+//! streams, other devices.
 
 use crate::program::occupancy::DeviceModel;
 use crate::program::schedule::{schedule, ScheduleConfig, StepProgram};
@@ -53,6 +56,31 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
         .iter()
         .map(|l| l.spec.as_ref().map_or(0.0, |s| cfg.device.footprint(s)))
         .collect();
+    let memory: Vec<bool> = p
+        .launches
+        .iter()
+        .map(|l| l.spec.as_ref().is_some_and(|s| cfg.device.memory_bound(s)))
+        .collect();
+    // each running launch's rate of progress (1: as fast as alone)
+    let rates = |running: &[usize]| -> Vec<f64> {
+        let total: f64 = running.iter().map(|&r| foot[r]).sum();
+        if total <= 1.0 {
+            return vec![1.0; running.len()];
+        }
+        let over = (total - 1.0).min(1.0);
+        running
+            .iter()
+            .map(|&i| {
+                let (mut w, mut k) = (0.0, 0.0);
+                for &j in running.iter().filter(|&&j| j != i) {
+                    w += foot[j];
+                    k += foot[j] * cfg.device.pair_cost(memory[i], memory[j]);
+                }
+                let kappa = if w > 0.0 { k / w } else { 0.0 };
+                (1.0 / (total * (1.0 + over * kappa))).min(1.0)
+            })
+            .collect()
+    };
     let recorder = p.recorders();
     let queues = p.stream_queues();
     let mut head = vec![0usize; p.streams];
@@ -106,11 +134,11 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
             break;
         }
         // advance to the next completion (or the next issue time)
-        let total: f64 = running.iter().map(|&r| foot[r]).sum();
-        let rate = if total > 1.0 { 1.0 / total } else { 1.0 };
+        let rate = rates(&running);
         let next_done = running
             .iter()
-            .map(|&r| remaining[r] / rate)
+            .zip(&rate)
+            .map(|(&r, &x)| remaining[r] / x)
             .fold(f64::INFINITY, f64::min);
         let next_issue = (0..p.streams)
             .filter_map(|s| queues[s].get(head[s]))
@@ -123,8 +151,10 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
             break;
         }
         t += dt;
+        let mut k = 0;
         running.retain(|&r| {
-            remaining[r] -= dt * rate;
+            remaining[r] -= dt * rate[k];
+            k += 1;
             if remaining[r] <= 1e-15 {
                 done[r] = true;
                 out[r].end = t;
