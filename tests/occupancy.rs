@@ -122,10 +122,15 @@ fn auto_is_deterministic_never_predicted_slower_and_safe_on_the_real_models() {
     let excl = |p: &erase::runtime::program::schedule::StepProgram| {
         p.launches.iter().filter(|l| l.exclusive).count()
     };
+    let sim = erase::runtime::program::simulate::SimConfig {
+        device: erase::runtime::program::occupancy::DeviceModel::h200_measured(),
+        host_per_launch_s: 0.0,
+    };
     println!(
-        "nanochat (GPU sizes): auto orders {} launches, the rule {}",
+        "nanochat (GPU sizes): auto orders {} launches, the rule {}; predicted step {:.2} ms",
         excl(&a.plan.program),
-        excl(&plan(Occupancy::On).plan.program)
+        excl(&plan(Occupancy::On).plan.program),
+        erase::runtime::program::simulate::simulate(&a.plan.program, &sim).step_s * 1e3
     );
     let m = erase::model::mlp30::Mlp30Config {
         width: 1024,
@@ -133,8 +138,9 @@ fn auto_is_deterministic_never_predicted_slower_and_safe_on_the_real_models() {
     };
     let p = erase::model::mlp30::plan(&m, &OptimizerConfig::default(), 4).unwrap();
     println!(
-        "mlp30 (30 x 1024, batch 256): auto orders {} launches",
-        excl(&p.plan.program)
+        "mlp30 (30 x 1024, batch 256): auto orders {} launches; predicted step {:.3} ms",
+        excl(&p.plan.program),
+        erase::runtime::program::simulate::simulate(&p.plan.program, &sim).step_s * 1e3
     );
 }
 

@@ -200,8 +200,16 @@ pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Optio
         Op::LinearGradWeight { .. } => gemm::linear_grad_weight(c),
         Op::MatMul { ta, .. } => gemm::matmul(c, *ta),
         Op::RoundBf16 { .. } => gemm::round_bf16(c),
-        Op::Attention { heads, packed, .. } => attention::attention(c, *heads, *packed, false),
-        Op::AttentionGrad { heads, packed, .. } => attention::attention(c, *heads, *packed, true),
+        Op::Attention {
+            heads,
+            packed,
+            causal,
+        } => attention::attention(c, *heads, *packed, *causal, false),
+        Op::AttentionGrad {
+            heads,
+            packed,
+            causal,
+        } => attention::attention(c, *heads, *packed, *causal, true),
         Op::Add => elementwise::map(c),
         Op::Mul => elementwise::map(c),
         Op::MulAdd => elementwise::map(c),

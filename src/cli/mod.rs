@@ -207,7 +207,7 @@ struct ModelArgs {
     /// compute-bound launches, a compute- beside a memory-bound one, two memory-bound ones
     /// (default: the H200's, measured by `cargo bench --bench kernels -- --contention`).
     /// To see what `--occupancy auto` would choose on another device.
-    #[arg(long, value_name = "CC,CM,MM", value_parser = contention_costs)]
+    #[arg(long, value_name = "CC,CM,MM", value_parser = contention_costs, allow_hyphen_values = true)]
     contention: Option<[f64; 3]>,
     /// When the dense parameters are updated: `end`, one update of all of them after the
     /// whole backward; `early`, each early block's right after its backward, on its side

@@ -11,9 +11,12 @@
 
 use erase_ops::LaunchSpec;
 
-/// The H200's contention costs, measured there (BENCHMARKS.md, "The occupancy model"):
-/// two device-filling GEMMs, a GEMM beside a memory-bound add, two adds.
-pub const H200_CONTENTION: [f64; 3] = [0.0, 0.0, 0.0];
+/// The H200's contention costs, measured there (BENCHMARKS.md, "The occupancy model",
+/// 2026-12-02): two device-filling GEMMs of the CTR step side by side take 3.6 % less
+/// than one after the other, a GEMM beside a memory-bound add 4.7 % less, two adds
+/// 1.5 % less (at 4096 rows; at 16384 about a third of that). Sharing the device fills
+/// the tails of each other's waves: on this device ordering never pays.
+pub const H200_CONTENTION: [f64; 3] = [-0.036, -0.047, -0.015];
 
 /// What the model needs to know about a device.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,17 +76,20 @@ impl DeviceModel {
         }
     }
 
-    /// An H200 with the rates Erase's own kernels reached on it (BENCHMARKS.md): the bf16
-    /// GEMM at 125 TFLOP/s (4096³ with its rounding passes, 2026-11-29), a GEMM reading
-    /// bf16 copies in place at 250 TFLOP/s (the CTR model's twelve copied GEMM shapes,
-    /// FLOP-weighted, 2026-11-30), elementwise kernels at 3.2 TB/s. This is what the
-    /// simulator should predict with until the kernels reach the peaks.
+    /// An H200 with the rates Erase's own kernels reach on it (BENCHMARKS.md, 2026-12-02):
+    /// a GEMM that rounds its f32 operands itself at 200 TFLOP/s (the CTR model's
+    /// 4096 x 1024 x 1728 forward measured 290 TFLOP/s alone, its smaller shapes less), a
+    /// GEMM reading bf16 copies in place at 350 TFLOP/s, memory-bound kernels at 3.6 TB/s
+    /// and 6 µs a launch (its latency and its last wave's tail). Fitted to the CTR step's
+    /// three variants measured at batch 4096 and 16384: every prediction within 4 %. What
+    /// the simulator predicts with until the kernels reach the peaks.
     pub fn h200_measured() -> Self {
         DeviceModel {
             name: "NVIDIA H200 (Erase's measured kernel rates)",
-            tensor_flops: 125e12,
-            tensor_flops_copies: 250e12,
-            mem_bw: 3.2e12,
+            tensor_flops: 200e12,
+            tensor_flops_copies: 350e12,
+            mem_bw: 3.6e12,
+            launch_s: 6e-6,
             ..Self::h200()
         }
     }
@@ -208,11 +214,14 @@ mod tests {
         let copies = launch_spec(&op, &[&x, &w], &[&y], DType::Bf16).expect("a launch");
         assert!(!f32_spec.copies && copies.copies);
         assert_eq!(f32_spec.flops, copies.flops);
-        // FLOP-bound at both rates: twice the rate, half the time (plus the launch)
+        // FLOP-bound at both rates: the time in the inverse ratio of the rates (plus the
+        // launch)
         let m = DeviceModel::h200_measured();
+        assert!(m.tensor_flops_copies > m.tensor_flops);
         let (a, b) = (m.duration_s(&f32_spec), m.duration_s(&copies));
         let ratio = (a - m.launch_s) / (b - m.launch_s);
-        assert!((ratio - 2.0).abs() < 1e-9, "{a} s against {b} s");
+        let want = m.tensor_flops_copies / m.tensor_flops;
+        assert!((ratio - want).abs() < 1e-9, "{a} s against {b} s");
         // an elementwise op of bf16 operands is not a GEMM on copies
         let cast = launch_spec(
             &Op::RoundBf16 { col_sums: false },
