@@ -126,11 +126,16 @@ fn auto_is_deterministic_never_predicted_slower_and_safe_on_the_real_models() {
         device: erase::runtime::program::occupancy::DeviceModel::h200_measured(),
         host_per_launch_s: 0.0,
     };
+    let blocking = erase::runtime::program::simulate::SimConfig {
+        host_per_launch_s: erase::runtime::program::simulate::BLOCKING_HOST_PER_LAUNCH_S,
+        ..sim.clone()
+    };
     println!(
-        "nanochat (GPU sizes): auto orders {} launches, the rule {}; predicted step {:.2} ms",
+        "nanochat (GPU sizes): auto orders {} launches, the rule {}; predicted step {:.2} ms (graph), {:.2} ms (blocking)",
         excl(&a.plan.program),
         excl(&plan(Occupancy::On).plan.program),
-        erase::runtime::program::simulate::simulate(&a.plan.program, &sim).step_s * 1e3
+        erase::runtime::program::simulate::simulate(&a.plan.program, &sim).step_s * 1e3,
+        erase::runtime::program::simulate::simulate(&a.plan.program, &blocking).step_s * 1e3
     );
     let m = erase::model::mlp30::Mlp30Config {
         width: 1024,
@@ -138,9 +143,10 @@ fn auto_is_deterministic_never_predicted_slower_and_safe_on_the_real_models() {
     };
     let p = erase::model::mlp30::plan(&m, &OptimizerConfig::default(), 4).unwrap();
     println!(
-        "mlp30 (30 x 1024, batch 256): auto orders {} launches; predicted step {:.3} ms",
+        "mlp30 (30 x 1024, batch 256): auto orders {} launches; predicted step {:.3} ms (graph), {:.3} ms (blocking)",
         excl(&p.plan.program),
-        erase::runtime::program::simulate::simulate(&p.plan.program, &sim).step_s * 1e3
+        erase::runtime::program::simulate::simulate(&p.plan.program, &sim).step_s * 1e3,
+        erase::runtime::program::simulate::simulate(&p.plan.program, &blocking).step_s * 1e3
     );
 }
 

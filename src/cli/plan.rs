@@ -16,11 +16,16 @@ use crate::train::{plan_step, ScheduleOptions};
 pub(crate) struct PlanArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The rates the simulator predicts with: `measured`, what Erase's kernels reached on
-    /// an H200 (GEMM 125 TFLOP/s, 250 reading bf16 copies in place, memory 3.2 TB/s), or `peak`, what cuBLAS and a copy reach
-    /// (736 TFLOP/s, 4.22 TB/s).
+    /// The rates the simulator predicts with: `measured`, what Erase's kernels reach on
+    /// an H200 (GEMM 200 TFLOP/s, 350 reading bf16 copies in place, memory 3.6 TB/s, 6 µs
+    /// a launch), or `peak`, what cuBLAS and a copy reach (736 TFLOP/s, 4.22 TB/s).
     #[arg(long, value_enum, default_value = "measured")]
     rates: Rates,
+    /// The dispatch the prediction is of: `graph` (a replayed CUDA graph: no host time)
+    /// or `blocking` (one host thread issuing each launch, 6 µs apiece on an H200's
+    /// host).
+    #[arg(long, value_enum, default_value = "graph")]
+    dispatch: PlanDispatch,
     /// The variant whose program is printed (the predicted times cover all three).
     #[arg(long, value_enum, default_value = "erase")]
     variant: VariantArg,
@@ -139,7 +144,10 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             Rates::Measured => DeviceModel::h200_measured(),
             Rates::Peak => sched.device.clone(),
         },
-        host_per_launch_s: 0.0,
+        host_per_launch_s: match a.dispatch {
+            PlanDispatch::Graph => 0.0,
+            PlanDispatch::Blocking => crate::runtime::program::simulate::BLOCKING_HOST_PER_LAUNCH_S,
+        },
     };
     let shown = Variant::from(a.variant);
     let mut rows = Vec::new();
@@ -461,8 +469,12 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         }
     }
     println!(
-        "predicted step time on {} (simulator, graph dispatch):",
-        sim.device.name
+        "predicted step time on {} (simulator, {} dispatch):",
+        sim.device.name,
+        match a.dispatch {
+            PlanDispatch::Graph => "graph",
+            PlanDispatch::Blocking => "blocking",
+        }
     );
     let base = rows[0].1;
     for (v, t, mem, busy, flops) in &rows {
@@ -500,6 +512,13 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `plan --dispatch`.
+#[derive(Clone, Copy, clap::ValueEnum, PartialEq, Eq)]
+pub(super) enum PlanDispatch {
+    Graph,
+    Blocking,
 }
 
 /// `--sharding`.
