@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use erase::data::mnist::{self, Split};
 use erase::graph::{DenseOptimizer, OptimizerConfig};
-use erase::model::mlp30::{median, plan, HiddenInit, Mlp30Config, Mlp30Trainer, Mode};
+use erase::model::mlp30::{median, plan_with, HiddenInit, Mlp30Config, Mlp30Trainer, Mode};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Opt {
@@ -92,6 +92,11 @@ struct Args {
     /// Where to train.
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
+    /// The occupancy rule: `auto` (the occupancy model orders a device-filling launch
+    /// against the other streams only where the simulator predicts a shorter step), `on`
+    /// (every such launch) or `off` (none).
+    #[arg(long, value_enum, default_value = "auto")]
+    occupancy: OccupancyArg,
     /// Print each mode's step plan (backward programs, then every launch with its stream
     /// and cross-stream waits) and exit without training.
     #[arg(long)]
@@ -129,7 +134,7 @@ fn main() -> Result<()> {
     if a.plan {
         for &mode in &a.mode {
             let cfg = config(&a, mode);
-            let p = plan(&cfg, &opt, a.side_streams)?;
+            let p = plan_with(&cfg, &opt, a.side_streams, a.occupancy.into())?;
             println!("== mlp30 {mode}: {} layers of {} ==", cfg.layers, cfg.width);
             print!("{}", p.plan.render());
         }
@@ -158,7 +163,7 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for &mode in &a.mode {
         let cfg = config(&a, mode);
-        let p = plan(&cfg, &opt, a.side_streams)?;
+        let p = plan_with(&cfg, &opt, a.side_streams, a.occupancy.into())?;
         let mut t = Mlp30Trainer::new(&p, dev.as_ref(), a.seed, a.seed + 1, threads)?;
         let steps = a.steps.unwrap_or(a.epochs * t.steps_per_epoch(&train));
         if steps == 0 {
@@ -267,5 +272,22 @@ fn config(a: &Args, mode: Mode) -> Mlp30Config {
         width: a.width,
         layers: a.layers,
         batch: a.batch,
+    }
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum OccupancyArg {
+    Auto,
+    On,
+    Off,
+}
+
+impl From<OccupancyArg> for erase::train::Occupancy {
+    fn from(o: OccupancyArg) -> Self {
+        match o {
+            OccupancyArg::Auto => erase::train::Occupancy::Auto,
+            OccupancyArg::On => erase::train::Occupancy::On,
+            OccupancyArg::Off => erase::train::Occupancy::Off,
+        }
     }
 }

@@ -626,15 +626,25 @@ pub struct Mlp30Plan {
     pub local_losses: Vec<Tensor>,
 }
 
-/// Builds and plans the MLP.
+/// Builds and plans the MLP (the occupancy model deciding, as by default).
 pub fn plan(cfg: &Mlp30Config, opt: &OptimizerConfig, side_streams: usize) -> Result<Mlp30Plan> {
+    plan_with(cfg, opt, side_streams, crate::train::Occupancy::Auto)
+}
+
+/// [`plan`] with the occupancy rule `occupancy`.
+pub fn plan_with(
+    cfg: &Mlp30Config,
+    opt: &OptimizerConfig,
+    side_streams: usize,
+    occupancy: crate::train::Occupancy,
+) -> Result<Mlp30Plan> {
     let m = build(cfg, DType::F32).context("building the MLP")?;
     let mut keep = vec![m.logits, m.main_loss];
     keep.extend(&m.local_losses);
     let sched = StepSchedule {
         kind: cfg.mode.schedule_kind(),
         side_streams,
-        occupancy: crate::train::Occupancy::Auto,
+        occupancy,
     };
     let plan = plan_graph(m.graph, opt, &sched, &keep)?;
     Ok(Mlp30Plan {
