@@ -26,6 +26,8 @@ pub struct LaunchSpec {
     /// in the CTR model its other operand is one too): the pipelined kernels with no
     /// rounding pass, at a rate of their own.
     pub copies: bool,
+    /// The fused attention kernels, at a rate of their own.
+    pub attention: bool,
 }
 
 pub(crate) fn ceil(a: usize, b: usize) -> u64 {
@@ -46,6 +48,7 @@ pub(crate) fn gemm(kernel: &'static str, m: usize, n: usize, k: usize) -> Launch
         bytes: 2.0 * (m * k + n * k) + 4.0 * m * n,
         tensor_core: true,
         copies: false,
+        attention: false,
     }
 }
 
@@ -61,6 +64,7 @@ pub(crate) fn elementwise(kernel: &'static str, elems: usize, bytes: f64) -> Lau
         bytes,
         tensor_core: false,
         copies: false,
+        attention: false,
     }
 }
 

@@ -17,8 +17,9 @@ pub(crate) struct PlanArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The rates the simulator predicts with: `measured`, what Erase's kernels reach on
-    /// an H200 (GEMM 200 TFLOP/s, 350 reading bf16 copies in place, memory 3.6 TB/s, 6 µs
-    /// a launch), or `peak`, what cuBLAS and a copy reach (736 TFLOP/s, 4.22 TB/s).
+    /// an H200 (GEMM 250 TFLOP/s, 350 reading bf16 copies in place, the fused attention
+    /// 150, memory 3.6 TB/s, 6 µs a launch), or `peak`, what cuBLAS and a copy reach
+    /// (736 TFLOP/s, 4.22 TB/s).
     #[arg(long, value_enum, default_value = "measured")]
     rates: Rates,
     /// The dispatch the prediction is of: `graph` (a replayed CUDA graph: no host time)

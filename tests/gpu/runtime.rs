@@ -100,6 +100,7 @@ fn occupancy_model_matches_the_driver_for_every_kernel() {
                 bytes: 0.0,
                 tensor_core: false,
                 copies: false,
+                attention: false,
             };
             let want = dev.occupancy(k.name, block, 0).unwrap();
             assert_eq!(

@@ -597,6 +597,7 @@ pub(crate) mod cost {
             bytes: c.moved(),
             tensor_core: true,
             copies: false,
+            attention: true,
         }
     }
 }

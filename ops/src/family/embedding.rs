@@ -864,6 +864,7 @@ pub(crate) mod cost {
             bytes: (c.ins[1].numel() * c.outs[0].last()) as f64 * c.e + c.out_bytes(),
             tensor_core: false,
             copies: false,
+            attention: false,
         }
     }
 
@@ -891,6 +892,7 @@ pub(crate) mod cost {
             bytes: (12 * n + passes * 16 * n) as f64,
             tensor_core: false,
             copies: false,
+            attention: false,
         }
     }
 
@@ -907,6 +909,7 @@ pub(crate) mod cost {
             bytes: (3 * n * d) as f64 * 4.0,
             tensor_core: false,
             copies: false,
+            attention: false,
         }
     }
 }

@@ -150,6 +150,7 @@ pub(crate) mod cost {
             bytes: c.moved(),
             tensor_core: false,
             copies: false,
+            attention: false,
         }
     }
 }

@@ -245,6 +245,7 @@ pub(crate) mod cost {
             bytes: if adam { 16.0 + 12.0 } else { 12.0 } * n as f64,
             tensor_core: false,
             copies: false,
+            attention: false,
         }
     }
 

@@ -378,6 +378,7 @@ pub(crate) mod cost {
             bytes: c.moved(),
             tensor_core: false,
             copies: false,
+            attention: false,
         }
     }
 
@@ -393,6 +394,7 @@ pub(crate) mod cost {
             bytes: c.moved(),
             tensor_core: false,
             copies: false,
+            attention: false,
         }
     }
 

@@ -36,6 +36,8 @@ pub struct DeviceModel {
     /// The same for a GEMM that reads bf16 copies of its operands in place
     /// (`LaunchSpec::copies`: no rounding pass).
     pub tensor_flops_copies: f64,
+    /// The fused attention kernels' FLOP/s.
+    pub attention_flops: f64,
     /// FP32 CUDA-core FLOP/s.
     pub simt_flops: f64,
     /// Reachable memory bandwidth, bytes/s.
@@ -68,6 +70,7 @@ impl DeviceModel {
             max_threads_per_sm: 2048,
             tensor_flops: 736e12,
             tensor_flops_copies: 736e12,
+            attention_flops: 736e12,
             simt_flops: 60e12,
             mem_bw: 4.22e12,
             launch_s: 2.5e-6,
@@ -77,17 +80,20 @@ impl DeviceModel {
     }
 
     /// An H200 with the rates Erase's own kernels reach on it (BENCHMARKS.md, 2026-12-02):
-    /// a GEMM that rounds its f32 operands itself at 200 TFLOP/s (the CTR model's
-    /// 4096 x 1024 x 1728 forward measured 290 TFLOP/s alone, its smaller shapes less), a
-    /// GEMM reading bf16 copies in place at 350 TFLOP/s, memory-bound kernels at 3.6 TB/s
+    /// a GEMM that rounds its f32 operands itself at 250 TFLOP/s (the CTR model's
+    /// 4096 x 1024 x 1728 forward measured 290 alone, nanochat's GEMMs 179-266), a GEMM
+    /// reading bf16 copies in place at 350 TFLOP/s, the fused attention at 150 (nanochat's
+    /// measured 119-124 alone, more beside other work), memory-bound kernels at 3.6 TB/s
     /// and 6 µs a launch (its latency and its last wave's tail). Fitted to the CTR step's
-    /// three variants measured at batch 4096 and 16384: every prediction within 4 %. What
-    /// the simulator predicts with until the kernels reach the peaks.
+    /// three variants at batch 4096 and 16384 and to nanochat's ERASE and serial steps:
+    /// every one within 5 %, and mlp30's step within 8 %. What the simulator predicts with
+    /// until the kernels reach the peaks.
     pub fn h200_measured() -> Self {
         DeviceModel {
             name: "NVIDIA H200 (Erase's measured kernel rates)",
-            tensor_flops: 200e12,
+            tensor_flops: 250e12,
             tensor_flops_copies: 350e12,
+            attention_flops: 150e12,
             mem_bw: 3.6e12,
             launch_s: 6e-6,
             ..Self::h200()
@@ -107,6 +113,7 @@ impl DeviceModel {
             max_threads_per_sm: u32::MAX,
             tensor_flops: 50e9,
             tensor_flops_copies: 50e9,
+            attention_flops: 50e9,
             simt_flops: 50e9,
             mem_bw: 10e9,
             launch_s: 1e-6,
@@ -147,15 +154,22 @@ impl DeviceModel {
         (spec.grid as f64 / self.wave(spec) as f64).min(1.0)
     }
 
-    /// Predicted time of the launch running alone.
-    pub fn duration_s(&self, spec: &LaunchSpec) -> f64 {
-        let peak = if spec.copies {
+    /// The FLOP rate the launch's kernel reaches, by its kind.
+    pub fn flop_rate(&self, spec: &LaunchSpec) -> f64 {
+        if spec.attention {
+            self.attention_flops
+        } else if spec.copies {
             self.tensor_flops_copies
         } else if spec.tensor_core {
             self.tensor_flops
         } else {
             self.simt_flops
-        };
+        }
+    }
+
+    /// Predicted time of the launch running alone.
+    pub fn duration_s(&self, spec: &LaunchSpec) -> f64 {
+        let peak = self.flop_rate(spec).max(1.0);
         let work = (spec.flops / peak).max(spec.bytes / self.mem_bw);
         let wave = self.wave(spec) as f64;
         let full = spec.grid.max(1) as f64 / wave;
@@ -171,13 +185,7 @@ impl DeviceModel {
 
     /// Whether the launch alone is bound by memory bandwidth rather than arithmetic.
     pub fn memory_bound(&self, spec: &LaunchSpec) -> bool {
-        let peak = if spec.copies {
-            self.tensor_flops_copies
-        } else if spec.tensor_core {
-            self.tensor_flops
-        } else {
-            self.simt_flops
-        };
+        let peak = self.flop_rate(spec).max(1.0);
         spec.bytes / self.mem_bw > spec.flops / peak
     }
 
