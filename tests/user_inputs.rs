@@ -650,3 +650,42 @@ fn plan_prints_the_table_placement_and_refuses_one_that_does_not_fit() {
         &["--sharding replicated", "use --sharding row or auto"],
     );
 }
+
+/// `--contention` takes three costs and names the flag when it does not get them; a
+/// replicated table set over `--rank-memory` is refused naming the way out; `--sharding
+/// row` on CPU ranks trains.
+#[test]
+fn contention_and_sharding_flags_are_checked_and_sharded_cpu_ranks_train() {
+    for bad in ["1,2", "a,b,c", "0,-1,0"] {
+        let o = run(&["plan", "--preset", "small", &format!("--contention={bad}")]);
+        fails_with(&o, &["--contention", "CC,CM,MM"]);
+    }
+    let o = run(&["plan", "--preset", "small", "--contention=0.3,0.3,0.3"]);
+    let out = ok(&o);
+    assert!(out.contains("occupancy model:"), "{out}");
+    let small = [
+        "train",
+        "--preset",
+        "small",
+        "--batch",
+        "64",
+        "--rows",
+        "300",
+        "--steps",
+        "3",
+        "--cpu-ranks",
+        "2",
+        "--eval-examples",
+        "64",
+    ];
+    let mut a = small.to_vec();
+    a.extend(["--sharding", "replicated", "--rank-memory", "0.0001"]);
+    fails_with(
+        &run(&a),
+        &["--sharding replicated", "budget", "--sharding row or auto"],
+    );
+    let mut a = small.to_vec();
+    a.extend(["--sharding", "row", "--rank-memory", "0.0004"]);
+    let out = ok(&run(&a));
+    assert!(out.contains("replicas bit-identical"), "{out}");
+}
