@@ -397,7 +397,16 @@ impl<C: Collective> RankExec<'_, C> {
                 erase_graph::Shape::new(&[gids.len()]),
                 erase_graph::Shape::new(&[goff.len()]),
             );
-            let mut upd: Vec<Buffer> = n.updates.iter().map(|&t| get(t)).collect::<Result<_>>()?;
+            // the table and its state, taken out of the runner (no copy) and fed back
+            let mut upd: Vec<Buffer> = n
+                .updates
+                .iter()
+                .map(|&t| {
+                    runner
+                        .take_leaf(t)
+                        .ok_or_else(|| anyhow!("'{}' has no value", g.name(t)))
+                })
+                .collect::<Result<_>>()?;
             let call = NodeCall {
                 op: &n.op,
                 name: &n.name,

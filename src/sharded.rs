@@ -175,7 +175,7 @@ impl ShardedTables {
                 .map(|rows| rows.iter().flat_map(|r| r.to_le_bytes()).collect())
                 .collect();
             let asked = comm.all_to_all(&format!("{}.lookup ids", t.name), &asks)?;
-            let mut table = f32s(runner, t.table)?;
+            let mut table = take_f32(runner, t.table)?;
             let d = t.dim;
             let mut answers = Vec::with_capacity(self.world);
             for (k, b) in asked.iter().enumerate() {
@@ -213,7 +213,7 @@ impl ShardedTables {
                     table[r * d..(r + 1) * d].copy_from_slice(&vals[i * d..(i + 1) * d]);
                 }
             }
-            runner.write(t.table, &Buffer::F32(table))?;
+            runner.feed(t.table, Buffer::F32(table))?;
         }
         Ok(())
     }
@@ -322,8 +322,8 @@ impl ShardedTables {
             ];
             let refs: Vec<&Buffer> = ins.iter().collect();
             let mut upd = vec![
-                Buffer::F32(f32s(runner, t.table)?),
-                Buffer::F32(f32s(runner, t.acc)?),
+                Buffer::F32(take_f32(runner, t.table)?),
+                Buffer::F32(take_f32(runner, t.acc)?),
             ];
             erase_ops::execute(&call, &refs, &mut [], &mut upd)
                 .with_context(|| format!("rank {}: the sharded update", self.rank))?;
@@ -344,7 +344,7 @@ impl ShardedTables {
     ) -> Result<()> {
         for t in &self.tables {
             let d = t.dim;
-            let (mut table, mut acc) = (f32s(runner, t.table)?, f32s(runner, t.acc)?);
+            let (mut table, mut acc) = (take_f32(runner, t.table)?, take_f32(runner, t.acc)?);
             let mine: Vec<u8> = t
                 .owned_rows(self.rank, self.world)
                 .flat_map(|r| {
@@ -377,8 +377,8 @@ impl ShardedTables {
                     acc[r] = v[d];
                 }
             }
-            runner.write(t.table, &Buffer::F32(table))?;
-            runner.write(t.acc, &Buffer::F32(acc))?;
+            runner.feed(t.table, Buffer::F32(table))?;
+            runner.feed(t.acc, Buffer::F32(acc))?;
         }
         Ok(())
     }
@@ -440,6 +440,20 @@ fn f32s(runner: &ProgramRunner, t: Tensor) -> Result<Vec<f32>> {
             b.dtype()
         ),
         None => bail!("'{}' has no value", runner.graph().name(t)),
+    }
+}
+
+/// A persistent f32 tensor taken out of the runner without a copy (fed back after).
+fn take_f32(runner: &mut ProgramRunner, t: Tensor) -> Result<Vec<f32>> {
+    let name = runner.graph().name(t).to_string();
+    match runner.take_leaf(t) {
+        Some(Buffer::F32(v)) => Ok(v),
+        Some(b) => {
+            let dt = b.dtype();
+            runner.feed(t, b)?;
+            bail!("'{name}' is {dt}, expected f32")
+        }
+        None => bail!("'{name}' has no value"),
     }
 }
 

@@ -74,6 +74,16 @@ impl<'a> ProgramRunner<'a> {
         Ok(())
     }
 
+    /// Takes a leaf's value out of the runner, without copying it (an optimizer update
+    /// done beside the program, say); [`ProgramRunner::feed`] puts it back. `None` for a
+    /// tensor in the arena or without a value.
+    pub fn take_leaf(&mut self, t: Tensor) -> Option<Buffer> {
+        if self.plan.get(t).is_some() {
+            return None;
+        }
+        self.store.get_mut(t.index()).and_then(Option::take)
+    }
+
     /// The value of a tensor now: a leaf, or an arena tensor's current bytes.
     pub fn get(&self, t: Tensor) -> Option<Buffer> {
         if let Some(pl) = self.plan.get(t) {
