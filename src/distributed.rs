@@ -249,10 +249,18 @@ pub fn run_rank<C: Collective>(
         }
     }
     let share = Share { rank, world };
-    let sharded = crate::sharded::plan_tables(g, &sparse_opt, world, cfg.rank_memory, cfg.sharding)
-        .with_context(|| format!("rank {rank}: placing the embedding tables"))?
-        .map(|plans| crate::sharded::ShardedTables::new(g, &sparse_opt, plans, rank, world))
-        .transpose()?;
+    let sharded = crate::sharded::ShardedTables::plan(
+        g,
+        &sparse_opt,
+        (rank, world),
+        cfg.rank_memory,
+        cfg.sharding,
+    )
+    .with_context(|| format!("rank {rank}: placing the embedding tables"))?;
+    // sharded tables are updated by their owners, not by the gathered update
+    if sharded.is_some() {
+        sparse_opt.clear();
+    }
     let (report, state, layout) = {
         let exec = RankExec {
             whole_at: WholeAt::of(cfg),
@@ -351,12 +359,7 @@ impl<C: Collective> RankExec<'_, C> {
         }
         // sparse gradients: every rank gathers every rank's (ids, offsets, pooled
         // gradient) and applies the same row-wise Adagrad to the same rows
-        let gathered: &[erase_graph::NodeId] = if self.sharded.is_some() {
-            &[]
-        } else {
-            &self.sparse_opt
-        };
-        for &node in gathered {
+        for &node in &self.sparse_opt {
             let n = g.node(node);
             let (ids, offsets, dpooled) = (n.inputs[0], n.inputs[1], n.inputs[2]);
             let get = |t: Tensor| {

@@ -102,7 +102,9 @@ fn train(
         .map(|l| l.node)
         .filter(|&n| matches!(g.node(n).op, erase_graph::Op::RowwiseAdagrad { .. }))
         .collect();
-    if crate::sharded::plan_tables(g, &sparse, world, cfg.rank_memory, mode)?.is_some() {
+    if crate::sharded::ShardedTables::plan(g, &sparse, (rank, world), cfg.rank_memory, mode)?
+        .is_some()
+    {
         bail!("--sharding {mode:?}: sharded tables train on CPU ranks only for now (CUDA ranks need NCCL's all-to-all in the step); use --sharding replicated or auto");
     }
     let mut prog = CudaProgram::new(dev, g, &plan.program, &plan.memory, cfg.seed)?;
@@ -124,7 +126,15 @@ fn train(
     }
     let share = Share { rank, world };
     let (report, state, layout) = {
+        let what = format!(
+            "{} collectives{}",
+            dp.per_step.len(),
+            dp.per_step
+                .first()
+                .map_or(String::new(), |c| format!(", first {} '{}'", c.0, c.1))
+        );
         let exec = RankExec {
+            what,
             prog,
             dp: &dp,
             comm: &mut *comm,
@@ -185,6 +195,8 @@ struct RankExec<'a> {
     wd: &'a Watchdog,
     rank: usize,
     fail: Option<FailAt>,
+    /// The step's collectives, for the watchdog: "N collectives, first KIND 'BUCKET'".
+    what: String,
 }
 
 impl crate::checkpoint::TensorStore for RankExec<'_> {
@@ -223,13 +235,9 @@ impl StepExec for RankExec<'_> {
             bail!("the CUDA step copies batches from pinned memory only");
         };
         let (dp, comm) = (self.dp, &mut *self.comm);
-        let first = dp
-            .per_step
-            .first()
-            .map_or(String::new(), |c| format!(", first {} '{}'", c.0, c.1));
         self.wd.enter(format!(
-            "step {step}: issuing the step and its {} collectives{first}",
-            dp.per_step.len()
+            "step {step}: issuing the step and its {}",
+            self.what
         ));
         self.prog
             .step_from_with(step, slot, p, |p| p.run_data_parallel(dp, comm))
@@ -239,8 +247,8 @@ impl StepExec for RankExec<'_> {
     }
     fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)> {
         self.wd.enter(format!(
-            "step {step}: waiting for the step and its {} collectives",
-            self.dp.per_step.len()
+            "step {step}: waiting for the step and its {}",
+            self.what
         ));
         while !self.prog.step_finished(step)? {
             if let Some(e) = self.comm.async_error() {

@@ -25,7 +25,7 @@ use std::collections::BTreeSet;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::sharding::{Placement, ShardPlan, Sharding, Table};
+use crate::sharding::{Placement, Sharding, Table};
 use erase_graph::{Graph, NodeId, Op, Shape, Tensor};
 use erase_ops::cpu::embedding::{Bags, PAD};
 use erase_ops::{Buffer, NodeCall};
@@ -62,50 +62,20 @@ pub(crate) struct ShardedTables {
     world: usize,
 }
 
-/// The placement of every field of the row-wise Adagrad tables of `g`, for `world`
-/// ranks with `budget` bytes each for tables: `None` when every table stays replicated
-/// (the step then gathers the sparse gradients as it always has).
-pub(crate) fn plan_tables(
-    g: &Graph,
-    nodes: &[NodeId],
-    world: usize,
-    budget: u64,
-    mode: Sharding,
-) -> Result<Option<Vec<ShardPlan>>> {
-    let mut plans = Vec::new();
-    for &id in nodes {
-        let n = g.node(id);
-        let Op::RowwiseAdagrad { field_rows, .. } = &n.op else {
-            bail!("'{}' is not a row-wise Adagrad update", n.name);
-        };
-        let dim = g.shape(n.updates[0]).dims()[1];
-        let tables: Vec<Table> = field_rows
-            .iter()
-            .enumerate()
-            .map(|(i, &rows)| Table {
-                name: format!("C{}", i + 1),
-                rows,
-                dim,
-            })
-            .collect();
-        plans.push(crate::sharding::plan(&tables, world, budget, mode)?);
-    }
-    let any = plans
-        .iter()
-        .any(|p| p.placements.iter().any(|x| *x != Placement::Replicated));
-    Ok(any.then_some(plans))
-}
-
 impl ShardedTables {
-    pub(crate) fn new(
+    /// The row-wise Adagrad tables of `nodes` placed field by field for rank `rank` of
+    /// `world`, each rank holding at most `budget` bytes of tables (`mode`, as
+    /// [`crate::sharding::plan`] places them): `None` when every table stays replicated
+    /// (the step then gathers the sparse gradients as it always has).
+    pub(crate) fn plan(
         g: &Graph,
         nodes: &[NodeId],
-        plans: Vec<ShardPlan>,
-        rank: usize,
-        world: usize,
-    ) -> Result<ShardedTables> {
+        (rank, world): (usize, usize),
+        budget: u64,
+        mode: Sharding,
+    ) -> Result<Option<ShardedTables>> {
         let mut tables = Vec::new();
-        for (&id, p) in nodes.iter().zip(plans) {
+        for &id in nodes {
             let n = g.node(id);
             let Op::RowwiseAdagrad {
                 lr,
@@ -121,12 +91,25 @@ impl ShardedTables {
                     n.name
                 );
             };
-            let mut bases = Vec::with_capacity(field_rows.len());
-            let mut at = 0;
-            for &r in field_rows {
-                bases.push(at);
-                at += r;
-            }
+            let dim = g.shape(table).dims()[1];
+            let fields: Vec<Table> = field_rows
+                .iter()
+                .enumerate()
+                .map(|(i, &rows)| Table {
+                    name: format!("C{}", i + 1),
+                    rows,
+                    dim,
+                })
+                .collect();
+            let placements = crate::sharding::plan(&fields, world, budget, mode)?.placements;
+            let bases = field_rows
+                .iter()
+                .scan(0, |at, &r| {
+                    let base = *at;
+                    *at += r;
+                    Some(base)
+                })
+                .collect();
             tables.push(ShardedTable {
                 name: n.name.clone(),
                 ids,
@@ -136,17 +119,20 @@ impl ShardedTables {
                 acc,
                 field_rows: field_rows.clone(),
                 bases,
-                placements: p.placements,
-                dim: g.shape(table).dims()[1],
+                placements,
+                dim,
                 lr: *lr,
                 eps: *eps,
             });
         }
-        Ok(ShardedTables {
+        let any = tables
+            .iter()
+            .any(|t| t.placements.iter().any(|p| *p != Placement::Replicated));
+        Ok(any.then_some(ShardedTables {
             tables,
             rank,
             world,
-        })
+        }))
     }
 
     /// Step 1: the rows this rank's batch needs from other ranks, fetched into its table.
@@ -247,9 +233,9 @@ impl ShardedTables {
                 for &id in bags.bag_ids(bag).iter().filter(|&&id| id != PAD) {
                     let row = bags.row(bag, id);
                     let g = &dp[bag * d..(bag + 1) * d];
-                    let to: Vec<usize> = match t.owner(row, self.world) {
-                        Owner::Every => (0..self.world).collect(),
-                        Owner::One(k) => vec![k],
+                    let to = match t.owner(row, self.world) {
+                        Owner::Every => 0..self.world,
+                        Owner::One(k) => k..k + 1,
                     };
                     for k in to {
                         rows[k].push(row as u32);
@@ -280,9 +266,8 @@ impl ShardedTables {
                 }
                 for r in u32s(r) {
                     let r = r as usize;
-                    if !matches!(t.owner(r, self.world), Owner::Every)
-                        && t.owner(r, self.world) != Owner::One(self.rank)
-                    {
+                    let owner = t.owner(r, self.world);
+                    if owner != Owner::Every && owner != Owner::One(self.rank) {
                         bail!(
                             "'{}': rank {k} sent rank {} the gradient of row {r}, which it does not own",
                             t.name,

@@ -1015,6 +1015,11 @@ impl<'a> Session<'a> {
         })
     }
 
+    /// The ranks the global batch is shared by (1: one process).
+    fn world(&self) -> usize {
+        self.share.map_or(1, |s| s.world)
+    }
+
     /// Starts the loader thread at the next step's batch, with the device's slots.
     fn start_loader(&mut self) -> Result<()> {
         let m = &self.plan.model;
@@ -1030,7 +1035,7 @@ impl<'a> Session<'a> {
             vec![0f32; cfg.batch],
         );
         // a rank fills the whole global batch, then takes its share of it
-        let gb = cfg.batch * share.map_or(1, |s| s.world);
+        let gb = cfg.batch * self.world();
         let per = (cfg.num_dense, cfg.slots_per_example());
         let mut all = share.map(|_| {
             (
@@ -1242,7 +1247,7 @@ impl<'a> Session<'a> {
             Source::Table { eval, .. } => examples.min(eval.len()),
         };
         // whole global batches, so that a rank evaluates the examples one process would
-        let world = self.share.map_or(1, |s| s.world);
+        let world = self.world();
         for k in 0..(available / (b * world)).max(1) * world {
             self.feed(2, (k * b) as u64)?;
             self.exec.run_launches(&self.forward)?;
@@ -1281,7 +1286,7 @@ impl<'a> Session<'a> {
                 self.in_flight.len()
             );
         }
-        let global = self.plan.model.cfg.batch * self.share.map_or(1, |s| s.world);
+        let global = self.plan.model.cfg.batch * self.world();
         let st = crate::checkpoint::CheckpointState {
             step: self.step as u64,
             next_example: (self.step * global) as u64,

@@ -89,6 +89,23 @@ fn state_hashes(stdout: &str) -> Vec<(usize, String)> {
     v
 }
 
+/// The state fnv64 of rank 0 after `steps` steps of [`args`]' model on 2 in-process
+/// ranks (threads), the reference the processes are held to.
+fn threads_state_hash(steps: usize, sharding: erase::sharding::Sharding) -> String {
+    let mut model = CtrConfig::small();
+    model.batch = 64;
+    model.rows = 100;
+    let cfg = TrainConfig {
+        seed: 7,
+        data_seed: 3,
+        eval_examples: 64,
+        sharding,
+        ..TrainConfig::new(model, steps)
+    };
+    let threads = train_data_parallel_cpu(&cfg, 2, Duration::from_secs(60), None).unwrap();
+    format!("{:016x}", fnv64(&threads[0].as_ref().unwrap().state))
+}
+
 #[test]
 fn two_processes_keep_replicas_bit_identical_and_log_the_same_collectives() {
     let logs = tmp("logs");
@@ -124,19 +141,8 @@ fn two_processes_keep_replicas_bit_identical_and_log_the_same_collectives() {
     assert!(l0.contains("all_gather"), "{l0}");
 
     // sums in rank order: the processes end where the in-process backend (threads) does
-    let mut model = CtrConfig::small();
-    model.batch = 64;
-    model.rows = 100;
-    let cfg = TrainConfig {
-        seed: 7,
-        data_seed: 3,
-        eval_examples: 64,
-        ..TrainConfig::new(model, 20)
-    };
-    let threads = train_data_parallel_cpu(&cfg, 2, Duration::from_secs(60), None).unwrap();
-    let state = &threads[0].as_ref().unwrap().state;
     assert_eq!(
-        format!("{:016x}", fnv64(state)),
+        threads_state_hash(20, erase::sharding::Sharding::Auto),
         hashes[0].1,
         "processes and threads trained different replicas"
     );
@@ -358,20 +364,8 @@ fn row_sharded_tables_over_tcp_end_with_the_replicated_bits() {
         !l0.lines().any(|l| l.starts_with("all_gather")),
         "a sharded step gathers no gradients:\n{l0}"
     );
-    let mut model = CtrConfig::small();
-    model.batch = 64;
-    model.rows = 100;
-    let cfg = TrainConfig {
-        seed: 7,
-        data_seed: 3,
-        eval_examples: 64,
-        sharding: erase::sharding::Sharding::Replicated,
-        ..TrainConfig::new(model, 8)
-    };
-    let threads = train_data_parallel_cpu(&cfg, 2, Duration::from_secs(60), None).unwrap();
-    let state = &threads[0].as_ref().unwrap().state;
     assert_eq!(
-        format!("{:016x}", fnv64(state)),
+        threads_state_hash(8, erase::sharding::Sharding::Replicated),
         hashes[0].1,
         "row-sharded processes and replicated threads trained different replicas"
     );

@@ -40,6 +40,14 @@ fn at_least_one(s: &str) -> std::result::Result<usize, String> {
 }
 
 /// `--side-streams`: 1 to [`MAX_SIDE_STREAMS`].
+/// A positive, finite number of GB (`--rank-memory`), in bytes.
+pub(super) fn gigabytes(v: &str) -> Result<u64, String> {
+    match v.parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok((x * 1e9) as u64),
+        _ => Err(format!("'{v}': expected a positive number of GB")),
+    }
+}
+
 /// `--contention CC,CM,MM`: three finite numbers above -1.
 fn contention_costs(v: &str) -> Result<[f64; 3], String> {
     let parts: Vec<&str> = v.split(',').map(str::trim).collect();

@@ -54,8 +54,8 @@ pub(crate) struct PlanArgs {
     #[arg(long, value_enum, default_value = "auto")]
     sharding: ShardingArg,
     /// With --gpus: each rank's memory for embedding tables and their optimizer state, GB.
-    #[arg(long, value_name = "GB", default_value_t = 120.0)]
-    rank_memory: f64,
+    #[arg(long, value_name = "GB", default_value = "120", value_parser = super::gigabytes)]
+    rank_memory: u64,
     /// Predict with kernel times measured on a GPU instead of the cost model's: a trace
     /// written by `train --trace` or `bench --trace-dir` (best of a serial variant, whose
     /// kernels ran alone). Launches it lacks keep the model's time.
@@ -429,10 +429,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                     dim: mc.dim,
                 })
                 .collect();
-            if !(a.rank_memory > 0.0 && a.rank_memory.is_finite()) {
-                bail!("--rank-memory must be a positive number of GB");
-            }
-            let budget = (a.rank_memory * 1e9) as u64;
+            let budget = a.rank_memory;
             let mode = a.sharding.into();
             let p = crate::sharding::plan(&tables, n, budget, mode)?;
             let count = |f: fn(&crate::sharding::Placement) -> bool| {
@@ -449,7 +446,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 count(|x| matches!(x, crate::sharding::Placement::Row)),
                 lo,
                 hi,
-                a.rank_memory,
+                a.rank_memory as f64 / 1e9,
                 bytes / 1e6,
                 if bytes > 0.0 { link.all_to_all_s(bytes, n) * 1e6 } else { 0.0 }
             );

@@ -127,8 +127,8 @@ pub(crate) struct TrainArgs {
     /// With several ranks: each rank's memory for embedding tables and their optimizer
     /// state, GB (what --sharding plans for; a replicated table set larger than this is
     /// refused).
-    #[arg(long, value_name = "GB", default_value_t = 120.0)]
-    rank_memory: f64,
+    #[arg(long, value_name = "GB", default_value = "120", value_parser = super::gigabytes)]
+    rank_memory: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -218,12 +218,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
             }
         }),
         sharding: a.sharding.into(),
-        rank_memory: {
-            if !(a.rank_memory > 0.0 && a.rank_memory.is_finite()) {
-                bail!("--rank-memory must be a positive number of GB");
-            }
-            (a.rank_memory * 1e9) as u64
-        },
+        rank_memory: a.rank_memory,
     };
     if (a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some()) && dev.is_none() {
         bail!("--trace, --timeline and --kernels measure kernels on a CUDA device; this run is on the CPU (`erase-ctr plan --trace/--timeline` gives the simulator's prediction)");
