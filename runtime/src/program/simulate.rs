@@ -66,26 +66,26 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
         .iter()
         .map(|l| l.spec.as_ref().is_some_and(|s| cfg.device.memory_bound(s)))
         .collect();
-    // each running launch's rate of progress (1: as fast as alone)
-    let rates = |running: &[usize]| -> Vec<f64> {
+    // each running launch's rate of progress (1: as fast as alone), into `rate`
+    let rates = |running: &[usize], rate: &mut Vec<f64>| {
+        rate.clear();
         let total: f64 = running.iter().map(|&r| foot[r]).sum();
         if total <= 1.0 {
-            return vec![1.0; running.len()];
+            rate.resize(running.len(), 1.0);
+            return;
         }
         let over = (total - 1.0).min(1.0);
-        running
-            .iter()
-            .map(|&i| {
-                let (mut w, mut k) = (0.0, 0.0);
-                for &j in running.iter().filter(|&&j| j != i) {
-                    w += foot[j];
-                    k += foot[j] * cfg.device.pair_cost(memory[i], memory[j]);
-                }
-                let kappa = if w > 0.0 { k / w } else { 0.0 };
-                (1.0 / (total * (1.0 + over * kappa))).min(1.0)
-            })
-            .collect()
+        rate.extend(running.iter().map(|&i| {
+            let (mut w, mut k) = (0.0, 0.0);
+            for &j in running.iter().filter(|&&j| j != i) {
+                w += foot[j];
+                k += foot[j] * cfg.device.pair_cost(memory[i], memory[j]);
+            }
+            let kappa = if w > 0.0 { k / w } else { 0.0 };
+            (1.0 / (total * (1.0 + over * kappa))).min(1.0)
+        }));
     };
+    let mut rate = Vec::new();
     let recorder = p.recorders();
     let queues = p.stream_queues();
     let mut head = vec![0usize; p.streams];
@@ -139,7 +139,7 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
             break;
         }
         // advance to the next completion (or the next issue time)
-        let rate = rates(&running);
+        rates(&running, &mut rate);
         let next_done = running
             .iter()
             .zip(&rate)
