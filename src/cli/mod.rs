@@ -200,7 +200,7 @@ struct ModelArgs {
     rows: Option<usize>,
     /// Pool (side) streams for early backward programs (the paper used 4; with 5 the CTR
     /// model's MaskNet backward no longer queues behind AutoInt's, 0.3 % faster on an
-    /// H200, see BENCHMARKS.md).
+    /// H200, see docs/benchmarks-history.md).
     #[arg(long, default_value_t = 5, value_parser = side_stream_count)]
     side_streams: usize,
     /// The occupancy rule for launches that fill the device for long: `auto` (the
@@ -231,14 +231,14 @@ struct ModelArgs {
     /// Each side stream's weight gradients on a companion stream of their own, beside the
     /// block's chain of data gradients (which the next layer's gradient waits for and the
     /// weight gradient does not): the block that ends last ends sooner (1.2 % faster on
-    /// an H200, see BENCHMARKS.md). Only under ERASE.
+    /// an H200, see docs/benchmarks-history.md). Only under ERASE.
     #[arg(long, value_enum, default_value = "on")]
     weight_grad_streams: OnOff,
     /// `on`: every stream joins the main stream before the updates start (as a
     /// data-parallel step always does: it all-reduces there); `off`: each update waits
     /// only for the gradients it reads, and the embedding tables' update runs on the
     /// stream that wrote their gradient, beside the dense update (with the companions'
-    /// lower priority, 0.9 % faster on an H200, see BENCHMARKS.md). Only under ERASE.
+    /// lower priority, 0.9 % faster on an H200, see docs/benchmarks-history.md). Only under ERASE.
     #[arg(long, value_enum, default_value = "off")]
     update_join: OnOff,
     /// Round each large layer's GEMM operands (its input, its output's gradient) to bf16
