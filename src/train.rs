@@ -22,7 +22,9 @@ use erase_runtime::cuda::CudaDevice;
 use erase_runtime::program::hb;
 use erase_runtime::program::memory::{plan_memory, MemoryPlan};
 use erase_runtime::program::occupancy::DeviceModel;
-use erase_runtime::program::schedule::{schedule, ScheduleConfig, ScheduleKind, StepProgram};
+use erase_runtime::program::schedule::{
+    schedule, Priorities, ScheduleConfig, ScheduleKind, StepProgram,
+};
 use erase_runtime::trace::MeasuredStep;
 use erase_runtime::trace::Trace;
 
@@ -35,7 +37,7 @@ pub enum Occupancy {
     /// Every launch that fills a wave and runs long runs alone (the blunt rule).
     On,
     /// The occupancy model decides: such a launch runs alone only where the simulator
-    /// predicts the step shorter for it (`simulate::choose_exclusive`).
+    /// predicts the step shorter for it (`simulate::choose_occupancy`).
     #[default]
     Auto,
 }
@@ -51,13 +53,14 @@ impl Occupancy {
 }
 
 /// Schedules `part` of `g` with the occupancy rule as `mode` says; with `Auto`, the
-/// configuration and choice of [`erase_runtime::program::simulate::choose_exclusive`], predicted
+/// configuration and choice of [`erase_runtime::program::simulate::choose_occupancy`], predicted
 /// with the kernels' measured rates on the device (graph dispatch: no host time).
 pub fn schedule_with_occupancy(
     g: &erase_graph::Graph,
     part: &Partition,
     mut scfg: ScheduleConfig,
     mode: Occupancy,
+    priorities: Option<Priorities>,
 ) -> (
     StepProgram,
     Option<erase_runtime::program::simulate::OccupancyChoice>,
@@ -66,6 +69,7 @@ pub fn schedule_with_occupancy(
     match mode {
         Occupancy::Off | Occupancy::On => {
             scfg.occupancy = mode == Occupancy::On;
+            scfg.priorities = priorities.unwrap_or(Priorities::RANKED);
             (schedule(g, part, &scfg), None)
         }
         Occupancy::Auto => {
@@ -86,8 +90,12 @@ pub fn schedule_with_occupancy(
                 device,
                 host_per_launch_s: 0.0,
             };
+            let sets = match priorities {
+                Some(p) => vec![p],
+                None => erase_runtime::program::simulate::PRIORITY_CANDIDATES.to_vec(),
+            };
             let (chosen, choice) =
-                erase_runtime::program::simulate::choose_exclusive(g, part, &scfg, &sim);
+                erase_runtime::program::simulate::choose_occupancy(g, part, &scfg, &sim, &sets);
             (schedule(g, part, &chosen), Some(choice))
         }
     }
@@ -119,6 +127,9 @@ pub struct ScheduleOptions {
     /// reads, and the embedding tables' update runs beside the dense one (see
     /// `ScheduleConfig::updates_by_data`). Data-parallel steps join (they all-reduce there).
     pub updates_by_data: bool,
+    /// The streams' priority levels; `None`: the occupancy model's choice under
+    /// `Occupancy::Auto`, [`Priorities::RANKED`] otherwise.
+    pub priorities: Option<Priorities>,
 }
 
 /// Least FLOPs of a layer given bf16 operand copies: the size from which the CUDA plans
@@ -137,6 +148,7 @@ impl Default for ScheduleOptions {
             bf16_copies: true,
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
             updates_by_data: true,
+            priorities: None,
         }
     }
 }
@@ -209,9 +221,15 @@ pub fn plan_step(
         late_stream: sched.late_stream,
         weight_grad_streams: sched.weight_grad_streams,
         updates_by_data: sched.updates_by_data,
+        priorities: Priorities::RANKED,
     };
-    let (program, occupancy) =
-        schedule_with_occupancy(&model.graph, &partition, scfg, sched.occupancy);
+    let (program, occupancy) = schedule_with_occupancy(
+        &model.graph,
+        &partition,
+        scfg,
+        sched.occupancy,
+        sched.priorities,
+    );
     let mut keep = vec![model.logit, model.main_loss];
     keep.extend(model.aux_losses.iter().map(|a| a.1));
     let memory = plan_memory(&model.graph, &program, &keep);

@@ -120,6 +120,7 @@ fn cfg(kind: ScheduleKind, side: usize) -> ScheduleConfig {
         late_stream: false,
         weight_grad_streams: false,
         updates_by_data: false,
+        priorities: Default::default(),
     }
 }
 

@@ -17,6 +17,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::model::ctr::{CtrConfig, Variant};
 use crate::runtime::program::occupancy::DeviceModel;
+use crate::runtime::program::schedule::Priorities;
 use crate::runtime::trace::Trace;
 use crate::train::{Dispatch, ScheduleOptions};
 
@@ -217,6 +218,13 @@ struct ModelArgs {
     /// To see what `--occupancy auto` would choose on another device.
     #[arg(long, value_name = "CC,CM,MM", value_parser = contention_costs, allow_hyphen_values = true)]
     contention: Option<[f64; 3]>,
+    /// The streams' priorities: `auto` (the default) lets the occupancy model choose
+    /// (under `--occupancy auto`; `plan` prints what it tried); `ranked` is main, then the
+    /// late stream, the pool, the weight-gradient companions (what `--occupancy off` and
+    /// `on` run); `main-first` puts main above the side streams, which share one level;
+    /// `flat` gives every stream one priority. For comparison.
+    #[arg(long, value_enum, default_value = "auto")]
+    stream_priorities: PrioritiesArg,
     /// When the dense parameters are updated: `end`, one update of all of them after the
     /// whole backward; `early`, each early block's right after its backward, on its side
     /// stream (the remainder's at the end). Same bits either way.
@@ -399,6 +407,14 @@ enum OccupancyArg {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PrioritiesArg {
+    Auto,
+    Ranked,
+    MainFirst,
+    Flat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum UpdateArg {
     End,
     Early,
@@ -467,6 +483,12 @@ impl ModelArgs {
             late_stream: self.late_stream == OnOff::On,
             weight_grad_streams: self.weight_grad_streams == OnOff::On,
             updates_by_data: self.update_join == OnOff::Off,
+            priorities: match self.stream_priorities {
+                PrioritiesArg::Auto => None,
+                PrioritiesArg::Ranked => Some(Priorities::RANKED),
+                PrioritiesArg::MainFirst => Some(Priorities::MAIN_FIRST),
+                PrioritiesArg::Flat => Some(Priorities::FLAT),
+            },
             bf16_copies: self.bf16_copies == OnOff::On,
             ..ScheduleOptions::default()
         }

@@ -201,6 +201,19 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                         k.gain_s * 1e6
                     );
                 }
+                let tried: Vec<String> = c
+                    .tried
+                    .iter()
+                    .map(|(p, t)| format!("{p}: {:.1} µs", t * 1e6))
+                    .collect();
+                println!(
+                    "stream priorities: {} ({:+.1} µs against ranked without constraints); tried {}",
+                    c.priorities,
+                    -c.priority_gain_s * 1e6,
+                    tried.join(", ")
+                );
+            } else {
+                println!("stream priorities: {}", p.program.priorities);
             }
             let early: Vec<_> = p.partition.programs.iter().filter(|x| x.early).collect();
             println!(

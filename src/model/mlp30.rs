@@ -321,9 +321,10 @@ pub fn plan_graph(
         late_stream: false,
         weight_grad_streams: false,
         updates_by_data: false,
+        priorities: Default::default(),
     };
     let (program, _) =
-        crate::train::schedule_with_occupancy(&graph, &partition, scfg, sched.occupancy);
+        crate::train::schedule_with_occupancy(&graph, &partition, scfg, sched.occupancy, None);
     let memory = plan_memory(&graph, &program, keep);
     let hazards = hb::check(&graph, &program, &memory);
     if let Some(h) = hazards.first() {

@@ -11,8 +11,10 @@
 //! join before the optimizer where `updates_by_data` is off, or the start of an
 //! inputs-only program) and carries a sentence saying why, so the plan can be audited.
 //! Every executor joins all streams into the main stream at the end of a step.
-//! Priorities: main first, then the late stream, the pool, and the weight-gradient
-//! companions last (`StepProgram::stream_rank`).
+//! Priorities ([`Priorities::RANKED`], what `--occupancy off` runs): main first, then the
+//! late stream, the pool, and the weight-gradient companions last
+//! (`StepProgram::stream_rank`); the occupancy model may choose fewer levels
+//! (`simulate::choose_occupancy`).
 //!
 //! The schedule is a deterministic function of the graph and the config: no hash maps
 //! are iterated and nothing depends on the process, so every rank issues the same
@@ -47,6 +49,61 @@ impl fmt::Display for StreamId {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EventId(pub u32);
 
+/// Which classes of streams run at a greater priority than which. A priority orders
+/// nothing (no event edge): where the device is full, the CTAs of the more urgent
+/// stream's kernel are dispatched first as SMs free up, so a main-stream kernel that the
+/// critical path waits for goes ahead of early backward work without waiting for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Priorities {
+    /// The main stream above every side stream.
+    pub main_first: bool,
+    /// The late stream (`ScheduleConfig::late_stream`) above the pool.
+    pub late_first: bool,
+    /// The weight-gradient companions at the least priority, below their pool streams.
+    pub companions_last: bool,
+}
+
+impl Priorities {
+    /// Every level: main, then the late stream, the pool, the companions (the default,
+    /// and what `--occupancy off` and `on` run).
+    pub const RANKED: Priorities = Priorities {
+        main_first: true,
+        late_first: true,
+        companions_last: true,
+    };
+    /// Main above the side streams, which share one level.
+    pub const MAIN_FIRST: Priorities = Priorities {
+        main_first: true,
+        late_first: false,
+        companions_last: false,
+    };
+    /// Every stream at one priority: the device shares itself by footprint.
+    pub const FLAT: Priorities = Priorities {
+        main_first: false,
+        late_first: false,
+        companions_last: false,
+    };
+}
+
+impl Default for Priorities {
+    fn default() -> Self {
+        Priorities::RANKED
+    }
+}
+
+impl fmt::Display for Priorities {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let sep = |above: bool| if above { " > " } else { " = " };
+        write!(
+            f,
+            "main{}late{}pool{}companions",
+            sep(self.main_first),
+            sep(self.late_first),
+            sep(self.companions_last)
+        )
+    }
+}
+
 /// The three schedules of the spec's variants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScheduleKind {
@@ -64,7 +121,7 @@ pub struct ScheduleConfig {
     /// Apply the occupancy rule.
     pub occupancy: bool,
     /// With the rule on, the launches (by node) it applies to; `None`: every launch the
-    /// rule names. The occupancy model's choice (`simulate::choose_exclusive`) keeps only
+    /// rule names. The occupancy model's choice (`simulate::choose_occupancy`) keeps only
     /// those whose ordering the simulator predicts to shorten the step.
     pub exclusive_only: Option<Vec<NodeId>>,
     pub device: DeviceModel,
@@ -90,6 +147,9 @@ pub struct ScheduleConfig {
     /// the step's end joins every stream. Off where the updates need every stream done
     /// first: a data-parallel step all-reduces the gradients at the join.
     pub updates_by_data: bool,
+    /// The streams' priority levels (`Priorities::RANKED` unless the occupancy model
+    /// chose fewer).
+    pub priorities: Priorities,
 }
 
 /// Replaces the declared footprint of `spec` with the real one of the heaviest call of
@@ -199,6 +259,8 @@ pub struct StepProgram {
     /// weight_grad_streams`), if any: they and every stream after them run at the least
     /// priority, the pool streams before them higher (see [`StepProgram::stream_rank`]).
     pub weight_grad_from: Option<StreamId>,
+    /// Which of those levels the streams really run at.
+    pub priorities: Priorities,
 }
 
 fn scope_of(name: &str) -> &str {
@@ -449,6 +511,7 @@ impl Builder<'_> {
                 kind: ScheduleKind::Serial,
                 late_stream: None,
                 weight_grad_from: None,
+                priorities: Priorities::RANKED,
             },
         );
         let base = vector_clocks(&p);
@@ -512,6 +575,7 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             kind: cfg.kind,
             late_stream: None,
             weight_grad_from: None,
+            priorities: cfg.priorities,
         },
         clock: vec![vec![0; streams]; streams],
         launch_clock: Vec::new(),
@@ -674,14 +738,32 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
 
 impl StepProgram {
     /// How many priority levels below the greatest stream `s` runs (0: the greatest;
-    /// `u32::MAX`: the least the device has): the main stream first, then the late
-    /// stream, then the pool streams, then their weight-gradient companions.
+    /// `u32::MAX`: the least the device has). With [`Priorities::RANKED`]: the main stream
+    /// first, then the late stream, then the pool streams, then their weight-gradient
+    /// companions; a level the priorities leave out merges with the one above it, and the
+    /// least level of the program (if not main's) is the device's least.
     pub fn stream_rank(&self, s: StreamId) -> u32 {
+        let least = (0..self.streams)
+            .map(|k| self.stream_level(StreamId(k as u16)))
+            .max()
+            .unwrap_or(0);
+        match self.stream_level(s) {
+            l if l == least && l > 0 => u32::MAX,
+            l => l,
+        }
+    }
+
+    /// The level of [`StepProgram::stream_rank`] before the least is mapped to the
+    /// device's least.
+    fn stream_level(&self, s: StreamId) -> u32 {
+        let p = self.priorities;
+        let late = u32::from(p.main_first);
+        let pool = late + u32::from(p.late_first);
         match s {
             StreamId::MAIN => 0,
-            _ if self.late_stream == Some(s) => 1,
-            _ if self.weight_grad_from.is_some_and(|w| s < w) => 2,
-            _ => u32::MAX,
+            _ if self.late_stream == Some(s) => late,
+            _ if self.weight_grad_from.is_none_or(|w| s < w) => pool,
+            _ => pool + u32::from(p.companions_last),
         }
     }
 

@@ -1,14 +1,16 @@
 //! The schedule simulator: replays a step program on the occupancy model's cost
 //! estimates with stream semantics (in order within a stream, events across streams).
 //! Kernels that run at once share the device: while the footprints of the running
-//! kernels add up to more than the whole device, each progresses at its share, slowed
-//! by what sharing costs it beside the others (the device model's contention cost of
-//! each pair, by whether each is compute- or memory-bound, in proportion to how far the
-//! device is oversubscribed). This is how we plan past the machines we have: more
+//! kernels add up to more than the whole device, the device goes to them by their
+//! streams' priorities (the most urgent level gets what it fills first, the next level
+//! what is left; within a level each gets its share by footprint), each slowed by what
+//! sharing costs it beside the others (the device model's contention cost of each pair,
+//! by whether each is compute- or memory-bound, in proportion to how far the device is
+//! oversubscribed). This is how we plan past the machines we have: more
 //! streams, other devices.
 
 use crate::program::occupancy::DeviceModel;
-use crate::program::schedule::{schedule, ScheduleConfig, StepProgram};
+use crate::program::schedule::{schedule, Priorities, ScheduleConfig, StepProgram, StreamId};
 use erase_graph::{Graph, NodeId, Partition};
 
 /// Host time to issue one launch under blocking dispatch on the H200's host: fitted to
@@ -66,8 +68,9 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
         .iter()
         .map(|l| l.spec.as_ref().is_some_and(|s| cfg.device.memory_bound(s)))
         .collect();
+    let level: Vec<u32> = p.launches.iter().map(|l| p.stream_rank(l.stream)).collect();
     // each running launch's rate of progress (1: as fast as alone), into `rate`
-    let rates = |running: &[usize], rate: &mut Vec<f64>| {
+    let rates = |running: &[usize], out: &[SimLaunch], rate: &mut Vec<f64>| {
         rate.clear();
         let total: f64 = running.iter().map(|&r| foot[r]).sum();
         if total <= 1.0 {
@@ -76,13 +79,27 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
         }
         let over = (total - 1.0).min(1.0);
         rate.extend(running.iter().map(|&i| {
+            // the device left to i once the launches ahead of it have what they fill:
+            // those of more urgent streams, then (within i's level) those started before it
+            let ahead = |j: usize| (level[j], out[j].start, j) < (level[i], out[i].start, i);
+            let above: f64 = running
+                .iter()
+                .filter(|&&j| ahead(j))
+                .map(|&j| foot[j])
+                .sum();
+            let left = (1.0 - above).max(0.0);
+            let share = if foot[i] <= left || foot[i] <= 0.0 {
+                1.0
+            } else {
+                left / foot[i]
+            };
             let (mut w, mut k) = (0.0, 0.0);
             for &j in running.iter().filter(|&&j| j != i) {
                 w += foot[j];
                 k += foot[j] * cfg.device.pair_cost(memory[i], memory[j]);
             }
             let kappa = if w > 0.0 { k / w } else { 0.0 };
-            (1.0 / (total * (1.0 + over * kappa))).min(1.0)
+            (share / (1.0 + over * kappa)).min(1.0)
         }));
     };
     let mut rate = Vec::new();
@@ -139,7 +156,7 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
             break;
         }
         // advance to the next completion (or the next issue time)
-        rates(&running, &mut rate);
+        rates(&running, &out, &mut rate);
         let next_done = running
             .iter()
             .zip(&rate)
@@ -346,8 +363,17 @@ pub struct KeptConstraint {
 pub struct OccupancyChoice {
     /// Launches the rule would order against the other streams.
     pub candidates: usize,
+    /// The streams' priority levels chosen.
+    pub priorities: Priorities,
+    /// Each set of priority levels tried, with the step predicted with it (and the
+    /// constraints kept for it), in the order tried: [`Priorities::RANKED`] first.
+    pub tried: Vec<(Priorities, f64)>,
+    /// What the chosen priorities gain over [`Priorities::RANKED`] without constraints.
+    pub priority_gain_s: f64,
+    /// The ordering constraints kept, each with its gain over the ones before it.
     pub kept: Vec<KeptConstraint>,
-    /// Predicted step without any constraint, and with the kept ones.
+    /// Predicted step of `--occupancy off` (ranked priorities, no constraint), and of
+    /// the choice.
     pub off_s: f64,
     pub chosen_s: f64,
 }
@@ -356,48 +382,101 @@ pub struct OccupancyChoice {
 /// it the model's error is larger than what it would buy.
 pub const MIN_GAIN: f64 = 1e-3;
 
-/// The occupancy model deciding, not forbidding: starting from the schedule without
-/// the rule, each launch the rule names (in issue order) is tried as device-filling,
-/// i.e. ordered against the other streams, and kept only where the simulator (`sim`,
-/// with the kernels' footprints and shared-device progress) predicts the step at least
-/// [`MIN_GAIN`] shorter with it than with the constraints kept before. Deterministic:
-/// the same graph and configuration give the same choice, so every rank the same
-/// program. Returns the configuration to schedule with and the choice.
-pub fn choose_exclusive(
+/// Least predicted gain, as a share of the step, for which other stream priorities
+/// replace the ranked ones: the noise of alternated runs on an H200 (0.5 %). Changes of
+/// priorities measured there so far moved the CTR step by under 1 % either way
+/// (docs/benchmarks-history.md), so a smaller predicted gain could not be confirmed.
+pub const PRIORITY_MIN_GAIN: f64 = 5e-3;
+
+/// The stream priorities the occupancy model chooses among, the default first.
+pub const PRIORITY_CANDIDATES: [Priorities; 3] =
+    [Priorities::RANKED, Priorities::MAIN_FIRST, Priorities::FLAT];
+
+/// The occupancy model deciding, not forbidding. For each set of stream priorities in
+/// `priorities` (say [`PRIORITY_CANDIDATES`]; those that rank this program's streams
+/// alike are tried once), starting from the schedule without the rule, each launch the rule names (in
+/// issue order) is tried as device-filling, i.e. ordered against the other streams, and
+/// kept only where the simulator (`sim`, with the kernels' footprints, the streams'
+/// priorities and shared-device progress) predicts the step at least [`MIN_GAIN`]
+/// shorter with it than with the constraints kept before. A later set of priorities
+/// replaces the first only where it is predicted at least [`PRIORITY_MIN_GAIN`] shorter. Deterministic: the same graph and configuration give the same choice, so every
+/// rank the same program. Returns the configuration to schedule with and the choice.
+pub fn choose_occupancy(
     g: &Graph,
     part: &Partition,
     cfg: &ScheduleConfig,
     sim: &SimConfig,
+    priorities: &[Priorities],
 ) -> (ScheduleConfig, OccupancyChoice) {
     let off = ScheduleConfig {
         occupancy: false,
         exclusive_only: None,
+        priorities: Priorities::RANKED,
         ..cfg.clone()
     };
     let on = ScheduleConfig {
         occupancy: true,
-        exclusive_only: None,
-        ..cfg.clone()
+        ..off.clone()
     };
-    let off_s = simulate(&schedule(g, part, &off), sim).step_s;
+    let off_prog = schedule(g, part, &off);
+    let off_s = simulate(&off_prog, sim).step_s;
     let candidates: Vec<(NodeId, String)> = schedule(g, part, &on)
         .launches
         .iter()
         .filter(|l| l.exclusive)
         .map(|l| (l.node, format!("{} '{}'", l.label, g.node(l.node).name)))
         .collect();
-    let (nodes, kept, best) = greedy_constraints(&candidates, off_s, |trial| {
-        let c = ScheduleConfig {
-            exclusive_only: Some(trial.to_vec()),
-            ..on.clone()
+    // the priority sets that rank this program's streams differently
+    let ranks = |p: Priorities| -> Vec<u32> {
+        let prog = StepProgram {
+            priorities: p,
+            ..off_prog.clone()
         };
-        simulate(&schedule(g, part, &c), sim).step_s
-    });
+        (0..prog.streams)
+            .map(|s| prog.stream_rank(StreamId(s as u16)))
+            .collect()
+    };
+    let mut sets: Vec<(Priorities, Vec<u32>)> = Vec::new();
+    for &p in priorities {
+        let r = ranks(p);
+        if sets.iter().all(|(_, q)| *q != r) {
+            sets.push((p, r));
+        }
+    }
+    let mut tried = Vec::new();
+    // per set: its base without constraints, the kept nodes, the kept constraints
+    let mut found: Vec<(f64, Vec<NodeId>, Vec<KeptConstraint>)> = Vec::new();
+    for (p, _) in sets {
+        let base = if p == Priorities::RANKED {
+            off_s
+        } else {
+            let c = ScheduleConfig {
+                priorities: p,
+                ..off.clone()
+            };
+            simulate(&schedule(g, part, &c), sim).step_s
+        };
+        let (nodes, kept, t) = greedy_constraints(&candidates, base, |trial| {
+            let c = ScheduleConfig {
+                exclusive_only: Some(trial.to_vec()),
+                priorities: p,
+                ..on.clone()
+            };
+            simulate(&schedule(g, part, &c), sim).step_s
+        });
+        tried.push((p, t));
+        found.push((base, nodes, kept));
+    }
+    let (priorities, chosen_s, (base, nodes, kept)) = match pick_priorities(&tried) {
+        Some(i) => (tried[i].0, tried[i].1, found.swap_remove(i)),
+        None => (Priorities::RANKED, off_s, (off_s, Vec::new(), Vec::new())),
+    };
     let chosen = if nodes.is_empty() {
-        off
+        ScheduleConfig { priorities, ..off }
     } else {
         ScheduleConfig {
             exclusive_only: Some(nodes),
+            priorities,
             ..on
         }
     };
@@ -405,14 +484,32 @@ pub fn choose_exclusive(
         chosen,
         OccupancyChoice {
             candidates: candidates.len(),
+            priorities,
+            tried,
+            priority_gain_s: off_s - base,
             kept,
             off_s,
-            chosen_s: best,
+            chosen_s,
         },
     )
 }
 
-/// The greedy choice of [`choose_exclusive`] over any predictor: `candidates` in order,
+/// Which of the priority sets tried (each with its predicted step) to run: the first
+/// (the default), unless others are predicted at least [`PRIORITY_MIN_GAIN`] shorter
+/// than it, then the shortest of those (the earliest where they tie). `None` when
+/// nothing was tried.
+pub fn pick_priorities(tried: &[(Priorities, f64)]) -> Option<usize> {
+    let first = tried.first()?.1;
+    let mut best = 0;
+    for (i, &(_, t)) in tried.iter().enumerate().skip(1) {
+        if t < first * (1.0 - PRIORITY_MIN_GAIN) && t < tried[best].1 {
+            best = i;
+        }
+    }
+    Some(best)
+}
+
+/// The greedy choice of [`choose_occupancy`] over any predictor: `candidates` in order,
 /// each kept when `predict(kept so far + it)` is at least [`MIN_GAIN`] shorter than the
 /// best so far (`base` without any). Returns the kept nodes, their gains and the best.
 pub fn greedy_constraints(
