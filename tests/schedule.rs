@@ -163,6 +163,8 @@ fn random_graphs_plan_safely_and_fuzz_bit_identically() {
         c.late_stream = seed % 2 == 0;
         c.weight_grad_streams = seed % 3 == 1;
         c.updates_by_data = seed % 4 >= 2;
+        // priorities order nothing: every set the occupancy model can choose is as safe
+        c.priorities = erase::runtime::program::simulate::PRIORITY_CANDIDATES[seed as usize % 3];
         if seed % 3 == 2 {
             // every constraint the occupancy model can add: a one-SM, one-CTA device on
             // which every launch fills a wave and none is short, under the rule

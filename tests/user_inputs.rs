@@ -663,6 +663,31 @@ fn contention_and_sharding_flags_are_checked_and_sharded_cpu_ranks_train() {
     let o = run(&["plan", "--preset", "small", "--contention=0.3,0.3,0.3"]);
     let out = ok(&o);
     assert!(out.contains("occupancy model:"), "{out}");
+    // the priorities auto tried, and a forced set, are printed
+    let out = ok(&run(&["plan", "--preset", "spec"]));
+    assert!(
+        out.contains("stream priorities: main > late > pool > companions")
+            && out.contains("tried main > late > pool > companions:")
+            && out.contains("main = late = pool = companions:"),
+        "{out}"
+    );
+    let out = ok(&run(&[
+        "plan",
+        "--preset",
+        "spec",
+        "--occupancy",
+        "off",
+        "--stream-priorities",
+        "flat",
+    ]));
+    assert!(
+        out.contains("stream priorities: main = late = pool = companions"),
+        "{out}"
+    );
+    fails_with(
+        &run(&["plan", "--stream-priorities", "fast"]),
+        &["--stream-priorities", "fast", "main-first"],
+    );
     let small = [
         "train",
         "--preset",
