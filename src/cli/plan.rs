@@ -209,7 +209,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 println!(
                     "stream priorities: {} ({:+.1} µs against ranked without constraints); tried {}",
                     c.priorities,
-                    -c.priority_gain_s * 1e6,
+                    0.0 - c.priority_gain_s * 1e6,
                     tried.join(", ")
                 );
             } else {

@@ -189,7 +189,11 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
     }
     let mut busy_s = vec![0.0; p.streams];
     for s in 0..p.streams {
-        busy_s[s] = queues[s].iter().map(|&i| out[i].end - out[i].start).sum();
+        // folded from +0.0: an empty stream is busy 0 s, not the -0.0 an f64 sum starts at
+        busy_s[s] = queues[s]
+            .iter()
+            .map(|&i| out[i].end - out[i].start)
+            .fold(0.0, |a, b| a + b);
     }
     let step_s = out.iter().map(|l| l.end).fold(0.0, f64::max);
     SimResult {
