@@ -635,6 +635,33 @@ fn plan_prints_the_table_placement_and_refuses_one_that_does_not_fit() {
         "row",
     ]));
     assert!(t.contains("26 row-wise"), "{t}");
+    // the sharded step is predicted, and at 8 ranks beats gathering replicated tables'
+    // gradients (which grows with the ranks)
+    let erase_step = |sharding: &str| -> f64 {
+        let t = ok(&run(&[
+            "plan",
+            "--preset",
+            "spec",
+            "--gpus",
+            "8",
+            "--sharding",
+            sharding,
+        ]));
+        let line = t
+            .lines()
+            .find(|l| l.trim_start().starts_with("erase") && l.contains("early all-reduce"))
+            .unwrap_or_else(|| panic!("no erase prediction in {t}"));
+        line.split("GPUs:")
+            .nth(1)
+            .and_then(|r| r.split("µs").next())
+            .and_then(|x| x.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no step time in {line}"))
+    };
+    let (replicated, sharded) = (erase_step("replicated"), erase_step("table"));
+    assert!(
+        sharded < replicated && sharded > 0.0,
+        "8 ranks: sharded {sharded} µs against replicated {replicated} µs"
+    );
     fails_with(
         &run(&[
             "plan",

@@ -8,7 +8,7 @@ use super::{ModelArgs, Rates, VariantArg};
 use crate::graph::{DType, OptimizerConfig, Phase};
 use crate::model::ctr::Variant;
 use crate::runtime::program::occupancy::DeviceModel;
-use crate::runtime::program::simulate::{simulate, SimConfig};
+use crate::runtime::program::simulate::{simulate, BucketKind, SimConfig};
 use crate::runtime::trace::Trace;
 use crate::train::{plan_step, ScheduleOptions};
 
@@ -67,18 +67,26 @@ pub(crate) struct PlanArgs {
     sweep_side_streams: Option<usize>,
 }
 
-/// (join time, optimizer time, communication buckets) of one simulated step.
-type DpInputs = (f64, f64, Vec<crate::runtime::program::simulate::Bucket>);
+/// What a data-parallel prediction takes from one simulated step.
+struct DpInputs {
+    /// When the backward work is joined.
+    join_s: f64,
+    /// The updates after it, of which the row-wise update of the tables takes `update_s`.
+    optimizer_s: f64,
+    update_s: f64,
+    buckets: Vec<crate::runtime::program::simulate::Bucket>,
+}
 
 /// What a data-parallel prediction needs from a one-GPU simulation: when the backward
-/// work is joined, how long the optimizer takes, and the communication buckets (one per
-/// backward program's dense gradients; the tables' sparse gradients gathered).
+/// work is joined, how long the optimizer and the row-wise update take, and the
+/// communication buckets (one per backward program's dense gradients; the tables' sparse
+/// gradients gathered).
 fn data_parallel_inputs(
     p: &crate::train::StepPlan,
     r: &crate::runtime::program::simulate::SimResult,
 ) -> DpInputs {
     use crate::graph::{Grad, Phase};
-    use crate::runtime::program::simulate::Bucket;
+    use crate::runtime::program::simulate::{Bucket, BucketKind};
     let g = &p.model.graph;
     let launch_of: std::collections::BTreeMap<_, _> = p
         .program
@@ -123,7 +131,7 @@ fn data_parallel_inputs(
                     + g.shape(*dpooled).numel())
                     * 4) as f64,
                 ready_s: end_of(prog),
-                gather: true,
+                kind: BucketKind::AllGather,
             }),
         }
     }
@@ -131,10 +139,23 @@ fn data_parallel_inputs(
         buckets.push(Bucket {
             bytes,
             ready_s: end_of(prog),
-            gather: false,
+            kind: BucketKind::AllReduce,
         });
     }
-    (join, r.step_s - join, buckets)
+    let update_s = p
+        .program
+        .launches
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| matches!(g.node(l.node).op, crate::graph::Op::RowwiseAdagrad { .. }))
+        .map(|(i, _)| r.launches[i].end - r.launches[i].start)
+        .fold(0.0, |a, b| a + b);
+    DpInputs {
+        join_s: join,
+        optimizer_s: r.step_s - join,
+        update_s,
+        buckets,
+    }
 }
 
 pub(super) fn run(a: &PlanArgs) -> Result<()> {
@@ -399,26 +420,59 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         }
     }
     if let Some(n) = a.gpus {
-        use crate::runtime::program::simulate::{predict_data_parallel, LinkModel};
+        use crate::runtime::program::simulate::{predict_sharded_step, LinkModel, ShardedExchange};
         if n == 0 {
             bail!("--gpus must be at least 1");
         }
         let link = LinkModel::nvlink_h200();
         let mc = a.model.config(Variant::Erase)?;
         let batch = mc.batch;
+        let tables: Vec<crate::sharding::Table> = mc
+            .field_rows()
+            .iter()
+            .enumerate()
+            .map(|(i, &rows)| crate::sharding::Table {
+                name: format!("C{}", i + 1),
+                rows,
+                dim: mc.dim,
+            })
+            .collect();
+        let shard = crate::sharding::plan(&tables, n, a.rank_memory, a.sharding.into())?;
+        let bytes = shard.all_to_all_bytes(&tables, batch);
+        let exchange = ShardedExchange {
+            lookup_bytes: bytes,
+            grad_bytes: bytes,
+        };
+        let sharded = (bytes > 0.0).then_some(&exchange);
         println!(
-            "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop):",
+            "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop; tables {}):",
             batch,
             link.bus_bw / 1e9,
-            link.latency_s * 1e6
+            link.latency_s * 1e6,
+            if sharded.is_some() {
+                "sharded as placed below"
+            } else {
+                "replicated"
+            }
         );
-        for (v, (join, opt, buckets)) in &dp {
+        for (v, d) in &dp {
             for (early, label) in [
                 (true, "early all-reduce"),
                 (false, "one all-reduce at the end"),
             ] {
-                let one = predict_data_parallel(*join, *opt, buckets, &link, 1, early);
-                let pn = predict_data_parallel(*join, *opt, buckets, &link, n, early);
+                let predict = |k: usize| {
+                    predict_sharded_step(
+                        d.join_s,
+                        d.optimizer_s,
+                        d.update_s,
+                        &d.buckets,
+                        &link,
+                        k,
+                        early,
+                        sharded,
+                    )
+                };
+                let (one, pn) = (predict(1), predict(n));
                 println!(
                     "  {:<9} {:<26} {n} GPUs: {:8.1} µs, {:>9.0} ex/s, scaling {:5.1} %, exposed communication {:7.1} µs of {:7.1}",
                     v.as_str(),
@@ -432,27 +486,14 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             }
         }
         {
-            let tables: Vec<crate::sharding::Table> = mc
-                .field_rows()
-                .iter()
-                .enumerate()
-                .map(|(i, &rows)| crate::sharding::Table {
-                    name: format!("C{}", i + 1),
-                    rows,
-                    dim: mc.dim,
-                })
-                .collect();
-            let budget = a.rank_memory;
-            let mode = a.sharding.into();
-            let p = crate::sharding::plan(&tables, n, budget, mode)?;
+            let p = &shard;
             let count = |f: fn(&crate::sharding::Placement) -> bool| {
                 p.placements.iter().filter(|x| f(x)).count()
             };
-            let bytes = p.all_to_all_bytes(&tables, batch);
             let lo = p.rank_bytes.iter().min().copied().unwrap_or(0) as f64 / 1e6;
             let hi = p.rank_bytes.iter().max().copied().unwrap_or(0) as f64 / 1e6;
             println!(
-                "  sharding {} (as `train --sharding` places them on CPU ranks; CUDA ranks replicate): {} replicated, {} table-wise, {} row-wise; tables on a rank {:.1} to {:.1} MB of {:.1} GB; the forward all-to-all moves {:.1} MB per rank each way, {:.1} µs, and the gradients' as much",
+                "  sharding {} (as `train --sharding` places them on CPU ranks; CUDA ranks replicate): {} replicated, {} table-wise, {} row-wise; tables on a rank {:.1} to {:.1} MB of {:.1} GB; the lookup's all-to-all moves {:.1} MB per rank each way, {:.1} µs, and the gradients' as much",
                 a.sharding.as_str(),
                 count(|x| matches!(x, crate::sharding::Placement::Replicated)),
                 count(|x| matches!(x, crate::sharding::Placement::Table(_))),
@@ -464,18 +505,18 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 if bytes > 0.0 { link.all_to_all_s(bytes, n) * 1e6 } else { 0.0 }
             );
         }
-        if let Some((_, (_, _, buckets))) = dp.first() {
-            let gathered: f64 = buckets.iter().filter(|b| b.gather).map(|b| b.bytes).sum();
-            let pooled = (batch * mc.num_sparse * mc.dim * 4) as f64;
+        if let Some((_, d)) = dp.first() {
+            let gathered: f64 = d
+                .buckets
+                .iter()
+                .filter(|b| b.kind == BucketKind::AllGather)
+                .map(|b| b.bytes)
+                .sum();
             println!(
-                "  replicated tables: each rank gathers {:.1} MB of (ids, gradients) from every other rank, {:.1} µs at {n} GPUs and growing with N;",
+                "  replicated tables: each rank gathers {:.1} MB of (ids, gradients) from every other rank, {:.1} µs at {n} GPUs, and updates every rank's rows ({:.1} µs at one rank's), both growing with N",
                 gathered / 1e6,
-                link.all_gather_s(gathered, n) * 1e6
-            );
-            println!(
-                "  sharded tables (all-to-all of pooled embeddings forward and their gradients backward) would move {:.1} MB per rank each way, {:.1} µs, about flat in N",
-                pooled / 1e6,
-                2.0 * link.all_to_all_s(pooled, n) * 1e6
+                link.all_gather_s(gathered, n) * 1e6,
+                d.update_s * 1e6
             );
         }
     }

@@ -248,13 +248,36 @@ impl LinkModel {
     }
 }
 
+/// How a bucket crosses the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BucketKind {
+    /// Ring all-reduce of `bytes` (dense gradients).
+    AllReduce,
+    /// Ring all-gather, every rank contributing `bytes` (replicated tables' sparse
+    /// gradients).
+    AllGather,
+    /// All-to-all, every rank sending `bytes` in all (sharded tables' gradients to their
+    /// owners).
+    AllToAll,
+}
+
 /// One communication bucket: its bytes and when its data is complete on a rank.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Bucket {
     pub bytes: f64,
     pub ready_s: f64,
-    /// Gathered (sparse) rather than reduced.
-    pub gather: bool,
+    pub kind: BucketKind,
+}
+
+impl Bucket {
+    /// Seconds on `n` ranks over `link`.
+    pub fn seconds(&self, link: &LinkModel, n: usize) -> f64 {
+        match self.kind {
+            BucketKind::AllReduce => link.all_reduce_s(self.bytes, n),
+            BucketKind::AllGather => link.all_gather_s(self.bytes, n),
+            BucketKind::AllToAll => link.all_to_all_s(self.bytes, n),
+        }
+    }
 }
 
 /// A data-parallel step's prediction.
@@ -289,11 +312,7 @@ pub fn predict_data_parallel(
         } else {
             join_s.max(free)
         };
-        let d = if b.gather {
-            link.all_gather_s(b.bytes, n)
-        } else {
-            link.all_reduce_s(b.bytes, n)
-        };
+        let d = b.seconds(link, n);
         comm += d;
         free = start + d;
     }
@@ -306,9 +325,82 @@ pub fn predict_data_parallel(
     }
 }
 
+/// What sharding the embedding tables changes in a data-parallel step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ShardedExchange {
+    /// Bytes a rank sends (and receives) in the lookup's all-to-all of rows, which the
+    /// lookup waits for at the step's start. (The ids go to their owners with the batch,
+    /// as early as it is loaded: behind the step before.)
+    pub lookup_bytes: f64,
+    /// Bytes a rank sends in the gradients' all-to-all to the owners.
+    pub grad_bytes: f64,
+}
+
+/// [`predict_data_parallel`] with the embedding tables replicated (`sharded: None`) or
+/// sharded, from a one-rank simulation whose row-wise update takes `update_s` of its
+/// `optimizer_s`. Replicated: every rank gathers every rank's sparse gradients (the
+/// [`BucketKind::AllGather`] buckets) and applies the update to all `n` ranks'
+/// occurrences, `n` times one rank's. Sharded: the rows' all-to-all delays the lookup,
+/// and so the whole step, by its time; the gradients' all-to-all replaces the gather
+/// (ready when the tables' gradient is); each owner updates about one rank's occurrences
+/// (the rows it owns, from every rank).
+#[allow(clippy::too_many_arguments)]
+pub fn predict_sharded_step(
+    join_s: f64,
+    optimizer_s: f64,
+    update_s: f64,
+    buckets: &[Bucket],
+    link: &LinkModel,
+    n: usize,
+    early: bool,
+    sharded: Option<&ShardedExchange>,
+) -> DataParallelPrediction {
+    let Some(x) = sharded else {
+        let more = update_s * n.saturating_sub(1) as f64;
+        return predict_data_parallel(join_s, optimizer_s + more, buckets, link, n, early);
+    };
+    let lookup = if x.lookup_bytes > 0.0 {
+        link.all_to_all_s(x.lookup_bytes, n)
+    } else {
+        0.0
+    };
+    let mut moved: Vec<Bucket> = buckets
+        .iter()
+        .filter(|b| b.kind != BucketKind::AllGather)
+        .map(|b| Bucket {
+            ready_s: b.ready_s + lookup,
+            ..*b
+        })
+        .collect();
+    if let Some(ready) = buckets
+        .iter()
+        .filter(|b| b.kind == BucketKind::AllGather)
+        .map(|b| b.ready_s)
+        .reduce(f64::max)
+    {
+        if x.grad_bytes > 0.0 {
+            moved.push(Bucket {
+                bytes: x.grad_bytes,
+                ready_s: ready + lookup,
+                kind: BucketKind::AllToAll,
+            });
+        }
+    }
+    let p = predict_data_parallel(join_s + lookup, optimizer_s, &moved, link, n, early);
+    DataParallelPrediction {
+        exposed_comm_s: p.exposed_comm_s + lookup,
+        comm_s: p.comm_s + lookup,
+        ..p
+    }
+}
+
 #[cfg(test)]
 mod dp_tests {
     use super::*;
+
+    fn one_sharded_free(buckets: &[Bucket], link: &LinkModel) -> DataParallelPrediction {
+        predict_data_parallel(5e-3, 2e-4, buckets, link, 1, true)
+    }
 
     #[test]
     fn early_buckets_hide_communication_and_one_rank_costs_nothing() {
@@ -317,17 +409,17 @@ mod dp_tests {
             Bucket {
                 bytes: 40e6,
                 ready_s: 1e-3,
-                gather: false,
+                kind: BucketKind::AllReduce,
             },
             Bucket {
                 bytes: 40e6,
                 ready_s: 2e-3,
-                gather: false,
+                kind: BucketKind::AllReduce,
             },
             Bucket {
                 bytes: 20e6,
                 ready_s: 4e-3,
-                gather: true,
+                kind: BucketKind::AllGather,
             },
         ];
         let one = predict_data_parallel(5e-3, 1e-4, &buckets, &link, 1, true);
@@ -345,6 +437,30 @@ mod dp_tests {
                 "at the end nothing hides"
             );
             assert!(early.exposed_comm_s < end.exposed_comm_s);
+        }
+        // sharded tables: the gather becomes an all-to-all and the update stays one rank's;
+        // replicated, the gathered update grows with the ranks
+        let x = ShardedExchange {
+            lookup_bytes: 20e6,
+            grad_bytes: 20e6,
+        };
+        let one_rep = predict_sharded_step(5e-3, 2e-4, 1e-4, &buckets, &link, 1, true, None);
+        assert_eq!(one_rep, one_sharded_free(&buckets, &link));
+        for n in [2, 8, 64] {
+            let rep = predict_sharded_step(5e-3, 2e-4, 1e-4, &buckets, &link, n, true, None);
+            let plain = predict_data_parallel(5e-3, 2e-4, &buckets, &link, n, true);
+            assert!((rep.step_s - plain.step_s - (n - 1) as f64 * 1e-4).abs() < 1e-12);
+            let sh = predict_sharded_step(5e-3, 2e-4, 1e-4, &buckets, &link, n, true, Some(&x));
+            let lookup = link.all_to_all_s(20e6, n);
+            // the lookup's exchange is exposed whole, and counted as communication
+            assert!(sh.step_s >= 5e-3 + 2e-4 + lookup - 1e-12, "{n}: {sh:?}");
+            assert!(
+                sh.exposed_comm_s >= lookup && sh.comm_s >= lookup + link.all_to_all_s(20e6, n)
+            );
+            if n == 64 {
+                // at 64 ranks the gather of 20 MB from every rank costs far more
+                assert!(sh.step_s < rep.step_s, "{sh:?} against {rep:?}");
+            }
         }
         // a ring all-reduce moves 2(n-1)/n of the data: more ranks, more time, bounded
         let a2 = link.all_reduce_s(1e9, 2);
