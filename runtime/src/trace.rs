@@ -138,14 +138,15 @@ fn union(mut iv: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
 }
 
 fn total(iv: &[(f64, f64)]) -> f64 {
-    iv.iter().map(|&(a, b)| b - a).sum()
+    // folded from +0.0: no interval is 0, not the -0.0 an f64 sum starts at
+    iv.iter().fold(0.0, |s, &(a, b)| s + (b - a))
 }
 
 /// Length of `[a, b)` covered by the disjoint, sorted intervals `iv`.
 fn covered(iv: &[(f64, f64)], a: f64, b: f64) -> f64 {
     iv.iter()
         .map(|&(x, y)| (y.min(b) - x.max(a)).max(0.0))
-        .sum()
+        .fold(0.0, |s, c| s + c)
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
