@@ -499,3 +499,80 @@ fn detached_step_tensor_by_tensor_drift_report() {
     }
     println!("drift report: {shown} tensors shown");
 }
+
+/// NCCL's jagged all-to-all (the sharded tables' exchange on CUDA ranks), on a
+/// communicator of one rank: each part lands at its offset of the receive buffer and
+/// nothing outside it is written (the buffer is poisoned first); bad offsets are refused
+/// before anything is issued. Exchanges between ranks need two GPUs (scripts/gpu2-check.sh).
+#[test]
+fn nccl_all_to_all_v_lands_each_part_at_its_offset() {
+    use erase::runtime::cuda::nccl::{nccl_check, unique_id, NcclComm, Watchdog};
+    let Some(dev) = super::device("nccl_all_to_all_v_lands_each_part_at_its_offset") else {
+        return;
+    };
+    if let Err(e) = nccl_check() {
+        panic!("a CUDA device without NCCL: {e}");
+    }
+    let wd = Watchdog::start(0, std::time::Duration::from_secs(60));
+    dev.bind().unwrap();
+    let id = unique_id().unwrap();
+    let mut comm = NcclComm::init(&id, 0, 1, &wd).unwrap();
+    let stream = dev.stream(true).unwrap();
+    let n: usize = 4099; // not a multiple of any vector width
+    let payload: Vec<u8> = super::rand_f32(77, n.div_ceil(4), -3.0, 3.0)
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .take(n)
+        .collect();
+    let (send, recv) = (dev.alloc(16 + n).unwrap(), dev.alloc(8 + n + 8).unwrap());
+    dev.fill(&send, 0x5A).unwrap();
+    dev.upload(&send, 16, &payload).unwrap();
+    dev.fill(&recv, 0xFF).unwrap();
+    // SAFETY: both buffers are live and hold the offsets given; nothing else uses them.
+    let rec = unsafe {
+        comm.all_to_all_v(
+            "test.rows",
+            send.ptr(),
+            &[16, 16 + n],
+            recv.ptr(),
+            &[8, 8 + n],
+            stream.raw(),
+        )
+    }
+    .unwrap();
+    stream.synchronize().unwrap();
+    let mut got = vec![0u8; 8 + n + 8];
+    dev.download(&recv, 0, &mut got).unwrap();
+    assert!(
+        got[..8].iter().all(|&b| b == 0xFF),
+        "bytes before the part written"
+    );
+    assert!(
+        got[8 + n..].iter().all(|&b| b == 0xFF),
+        "bytes after the part written"
+    );
+    assert_eq!(
+        &got[8..8 + n],
+        &payload[..],
+        "the part did not arrive whole"
+    );
+    assert_eq!(comm.log().len(), 1);
+    assert!(format!("{rec}").contains("all_to_all"), "{rec}");
+    // offsets for the wrong number of ranks, or out of order, are refused
+    for (send_at, recv_at) in [(vec![0], vec![0, 8]), (vec![16, 8], vec![0, 8])] {
+        // SAFETY: refused before anything is issued.
+        let r = unsafe {
+            comm.all_to_all_v(
+                "test.bad",
+                send.ptr(),
+                &send_at,
+                recv.ptr(),
+                &recv_at,
+                stream.raw(),
+            )
+        };
+        let e = r.expect_err("bad offsets accepted");
+        assert!(format!("{e}").contains("offsets"), "{e}");
+    }
+    comm.unwatch(&wd);
+}

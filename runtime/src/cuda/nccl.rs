@@ -282,6 +282,78 @@ impl NcclComm {
         Ok(rec)
     }
 
+    /// Jagged all-to-all on `stream`, as one group of NCCL sends and receives (one log
+    /// record, of 0 bytes as the CPU backends log theirs: the sizes differ by rank).
+    /// Rank `k`'s part of `send` is bytes `send_at[k]..send_at[k + 1]`; what rank `k` sent
+    /// this one lands at `recv_at[k]..recv_at[k + 1]` of `recv`. Both offset lists have
+    /// `world + 1` entries, in order; the sizes must agree with the peers' (exchange the
+    /// counts first, with a fixed-size call of this). What a sharded table's lookup and
+    /// update exchange: ids to their owners, rows back, gradients to the owners.
+    ///
+    /// # Safety
+    /// `send` holds `send_at[world]` bytes and `recv` `recv_at[world]`, both live device
+    /// memory that other streams leave alone until the work on `stream` completes.
+    pub unsafe fn all_to_all_v(
+        &mut self,
+        bucket: &str,
+        send: u64,
+        send_at: &[usize],
+        recv: u64,
+        recv_at: &[usize],
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<CollectiveRecord, RuntimeError> {
+        let rec = self.record("all_to_all", bucket, 0);
+        for (what, at) in [("send", send_at), ("receive", recv_at)] {
+            if at.len() != self.world + 1 || at.windows(2).any(|w| w[0] > w[1]) {
+                return Err(RuntimeError::Device(format!(
+                    "{rec}: the {what} offsets must be {} ascending byte offsets (one part per rank and the end), got {at:?}",
+                    self.world + 1
+                )));
+            }
+        }
+        let parts = || -> Result<(), cudarc::nccl::result::NcclError> {
+            for peer in 0..self.world {
+                let (s0, s1) = (send_at[peer], send_at[peer + 1]);
+                let (r0, r1) = (recv_at[peer], recv_at[peer + 1]);
+                // SAFETY: the caller's contract: each part lies inside its buffer.
+                unsafe {
+                    if s1 > s0 {
+                        cudarc::nccl::result::send(
+                            (send + s0 as u64) as *const _,
+                            s1 - s0,
+                            sys::ncclDataType_t::ncclUint8,
+                            peer as i32,
+                            self.comm,
+                            stream as sys::cudaStream_t,
+                        )?;
+                    }
+                    if r1 > r0 {
+                        cudarc::nccl::result::recv(
+                            (recv + r0 as u64) as *mut _,
+                            r1 - r0,
+                            sys::ncclDataType_t::ncclUint8,
+                            peer as i32,
+                            self.comm,
+                            stream as sys::cudaStream_t,
+                        )?;
+                    }
+                }
+            }
+            Ok(())
+        };
+        let issue = || -> Result<(), cudarc::nccl::result::NcclError> {
+            cudarc::nccl::result::group_start()?;
+            // the group is ended even when a part fails to be queued
+            let queued = parts();
+            let ended = cudarc::nccl::result::group_end();
+            queued?;
+            ended?;
+            Ok(())
+        };
+        issue().map_err(|e| nccl_err(&format!("{rec}"), e))?;
+        Ok(rec)
+    }
+
     /// An error NCCL found while running collectives (a peer that died, a broken link).
     pub fn async_error(&self) -> Option<String> {
         let mut r = sys::ncclResult_t::ncclSuccess;
