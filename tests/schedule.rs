@@ -163,8 +163,10 @@ fn random_graphs_plan_safely_and_fuzz_bit_identically() {
         c.late_stream = seed % 2 == 0;
         c.weight_grad_streams = seed % 3 == 1;
         c.updates_by_data = seed % 4 >= 2;
-        // priorities order nothing: every set the occupancy model can choose is as safe
-        c.priorities = erase::runtime::program::simulate::PRIORITY_CANDIDATES[seed as usize % 3];
+        // priorities order nothing: every set the occupancy model can choose gives the
+        // ranked program's launches and edges, so it is as safe
+        c.priorities =
+            erase::runtime::program::simulate::PRIORITY_CANDIDATES[(seed as usize / 3) % 3];
         if seed % 3 == 2 {
             // every constraint the occupancy model can add: a one-SM, one-CTA device on
             // which every launch fills a wave and none is short, under the rule
@@ -177,6 +179,23 @@ fn random_graphs_plan_safely_and_fuzz_bit_identically() {
             };
         }
         let prog: StepProgram = schedule(&m.g, &part, &c);
+        let ranked = schedule(
+            &m.g,
+            &part,
+            &ScheduleConfig {
+                priorities: Default::default(),
+                ..c.clone()
+            },
+        );
+        assert_eq!(prog.priorities, c.priorities);
+        assert_eq!(
+            StepProgram {
+                priorities: ranked.priorities,
+                ..prog.clone()
+            },
+            ranked,
+            "seed {seed}: the priorities changed more than the streams' ranks"
+        );
         if c.occupancy {
             assert!(
                 prog.launches.iter().any(|l| l.exclusive),

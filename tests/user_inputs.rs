@@ -649,7 +649,15 @@ fn plan_prints_the_table_placement_and_refuses_one_that_does_not_fit() {
         ]));
         let line = t
             .lines()
-            .find(|l| l.trim_start().starts_with("erase") && l.contains("early all-reduce"))
+            .find(|l| {
+                l.trim_start().starts_with("erase")
+                    && l.contains("early all-reduce")
+                    && l.contains(if sharding == "replicated" {
+                        "replicated"
+                    } else {
+                        "sharded"
+                    })
+            })
             .unwrap_or_else(|| panic!("no erase prediction in {t}"));
         line.split("GPUs:")
             .nth(1)

@@ -209,7 +209,8 @@ struct ModelArgs {
     /// the step shorter for it, and chooses the streams' priorities (`plan` lists each
     /// constraint it kept, the priorities it tried and the predicted gains); `on` orders
     /// every such launch (the blunt rule: 17 % slower on the CTR model on an H200); `off`
-    /// never. `on` and `off` run the ranked priorities.
+    /// never. `on` and `off` run the ranked priorities unless --stream-priorities says
+    /// otherwise.
     #[arg(long, value_enum, default_value = "auto")]
     occupancy: OccupancyArg,
     /// What the occupancy model charges two launches that oversubscribe the device for
@@ -222,7 +223,7 @@ struct ModelArgs {
     /// The streams' priorities: `auto` (the default) lets the occupancy model choose
     /// (under `--occupancy auto`; `plan` prints what it tried); `ranked` is main, then the
     /// late stream, the pool, the weight-gradient companions (what `--occupancy off` and
-    /// `on` run); `main-first` puts main above the side streams, which share one level;
+    /// `on` run by default); `main-first` puts main above the side streams, which share one level;
     /// `flat` gives every stream one priority (2-3 % slower on an H200 at batch 4096).
     /// For comparison.
     #[arg(long, value_enum, default_value = "auto")]

@@ -439,20 +439,34 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             .collect();
         let shard = crate::sharding::plan(&tables, n, a.rank_memory, a.sharding.into())?;
         let bytes = shard.all_to_all_bytes(&tables, batch);
+        // the sparse gradients' share that stays replicated: by the fields' id slots
+        let slots = mc.bag_slots();
+        let all_slots: usize = slots.iter().sum();
+        let replicated_slots: usize = shard
+            .placements
+            .iter()
+            .zip(&slots)
+            .filter(|(p, _)| matches!(p, crate::sharding::Placement::Replicated))
+            .map(|(_, &s)| s)
+            .sum();
         let exchange = ShardedExchange {
             lookup_bytes: bytes,
             grad_bytes: bytes,
+            replicated_share: replicated_slots as f64 / all_slots.max(1) as f64,
         };
         let sharded = (bytes > 0.0).then_some(&exchange);
         println!(
-            "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop; tables {}):",
+            "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop), tables replicated (as CUDA ranks train){}:",
             batch,
             link.bus_bw / 1e9,
             link.latency_s * 1e6,
             if sharded.is_some() {
-                "sharded as placed below"
+                format!(
+                    " and sharded as `--sharding {}` places them below (as CPU ranks train)",
+                    a.sharding.as_str()
+                )
             } else {
-                "replicated"
+                String::new()
             }
         );
         for (v, d) in &dp {
@@ -460,29 +474,36 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 (true, "early all-reduce"),
                 (false, "one all-reduce at the end"),
             ] {
-                let predict = |k: usize| {
-                    predict_sharded_step(
-                        d.join_s,
-                        d.optimizer_s,
-                        d.update_s,
-                        &d.buckets,
-                        &link,
-                        k,
-                        early,
-                        sharded,
-                    )
-                };
-                let (one, pn) = (predict(1), predict(n));
-                println!(
-                    "  {:<9} {:<26} {n} GPUs: {:8.1} µs, {:>9.0} ex/s, scaling {:5.1} %, exposed communication {:7.1} µs of {:7.1}",
-                    v.as_str(),
-                    label,
-                    pn.step_s * 1e6,
-                    (n * batch) as f64 / pn.step_s,
-                    100.0 * one.step_s / pn.step_s,
-                    pn.exposed_comm_s * 1e6,
-                    pn.comm_s * 1e6
-                );
+                for tables in [None, sharded].into_iter().enumerate() {
+                    let (k, x) = tables;
+                    if k == 1 && x.is_none() {
+                        continue;
+                    }
+                    let predict = |ranks: usize| {
+                        predict_sharded_step(
+                            d.join_s,
+                            d.optimizer_s,
+                            d.update_s,
+                            &d.buckets,
+                            &link,
+                            ranks,
+                            early,
+                            x,
+                        )
+                    };
+                    let (one, pn) = (predict(1), predict(n));
+                    println!(
+                        "  {:<9} {:<26} {:<10} {n} GPUs: {:8.1} µs, {:>9.0} ex/s, scaling {:5.1} %, exposed communication {:7.1} µs of {:7.1}",
+                        v.as_str(),
+                        label,
+                        if x.is_some() { "sharded" } else { "replicated" },
+                        pn.step_s * 1e6,
+                        (n * batch) as f64 / pn.step_s,
+                        100.0 * one.step_s / pn.step_s,
+                        pn.exposed_comm_s * 1e6,
+                        pn.comm_s * 1e6
+                    );
+                }
             }
         }
         {

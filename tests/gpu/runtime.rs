@@ -574,5 +574,7 @@ fn nccl_all_to_all_v_lands_each_part_at_its_offset() {
         let e = r.expect_err("bad offsets accepted");
         assert!(format!("{e}").contains("offsets"), "{e}");
     }
+    // a refused call is not logged: every rank's log stays the same
+    assert_eq!(comm.log().len(), 1);
     comm.unwatch(&wd);
 }

@@ -230,8 +230,7 @@ impl NcclComm {
     ) -> Result<CollectiveRecord, RuntimeError> {
         let bytes = parts.iter().map(|p| p.1 * 4).sum();
         let rec = self.record("all_reduce", bucket, bytes);
-        let issue = || -> Result<(), cudarc::nccl::result::NcclError> {
-            cudarc::nccl::result::group_start()?;
+        let reduce = || -> Result<(), cudarc::nccl::result::NcclError> {
             for &(ptr, n) in parts {
                 // SAFETY: the caller's contract; in place is allowed by NCCL.
                 unsafe {
@@ -246,7 +245,15 @@ impl NcclComm {
                     )
                 }?;
             }
-            cudarc::nccl::result::group_end()?;
+            Ok(())
+        };
+        let issue = || -> Result<(), cudarc::nccl::result::NcclError> {
+            cudarc::nccl::result::group_start()?;
+            // the group is ended even when a part fails to be queued
+            let queued = reduce();
+            let ended = cudarc::nccl::result::group_end();
+            queued?;
+            ended?;
             Ok(())
         };
         issue().map_err(|e| nccl_err(&format!("{rec}"), e))?;
@@ -302,15 +309,17 @@ impl NcclComm {
         recv_at: &[usize],
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<CollectiveRecord, RuntimeError> {
-        let rec = self.record("all_to_all", bucket, 0);
+        // checked before anything is logged or issued: a refused call is no collective
         for (what, at) in [("send", send_at), ("receive", recv_at)] {
             if at.len() != self.world + 1 || at.windows(2).any(|w| w[0] > w[1]) {
                 return Err(RuntimeError::Device(format!(
-                    "{rec}: the {what} offsets must be {} ascending byte offsets (one part per rank and the end), got {at:?}",
+                    "rank {}: all_to_all '{bucket}': the {what} offsets must be {} ascending byte offsets (one part per rank and the end), got {at:?}",
+                    self.rank,
                     self.world + 1
                 )));
             }
         }
+        let rec = self.record("all_to_all", bucket, 0);
         let parts = || -> Result<(), cudarc::nccl::result::NcclError> {
             for peer in 0..self.world {
                 let (s0, s1) = (send_at[peer], send_at[peer + 1]);

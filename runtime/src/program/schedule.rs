@@ -11,7 +11,8 @@
 //! join before the optimizer where `updates_by_data` is off, or the start of an
 //! inputs-only program) and carries a sentence saying why, so the plan can be audited.
 //! Every executor joins all streams into the main stream at the end of a step.
-//! Priorities ([`Priorities::RANKED`], what `--occupancy off` runs): main first, then the
+//! Priorities ([`Priorities::RANKED`], what `--occupancy off` runs unless
+//! `--stream-priorities` says otherwise): main first, then the
 //! late stream, the pool, and the weight-gradient companions last
 //! (`StepProgram::stream_rank`); the occupancy model may choose fewer levels
 //! (`simulate::choose_occupancy`).
@@ -65,7 +66,7 @@ pub struct Priorities {
 
 impl Priorities {
     /// Every level: main, then the late stream, the pool, the companions (the default,
-    /// and what `--occupancy off` and `on` run).
+    /// and what `--occupancy off` and `on` run unless `--stream-priorities` says otherwise).
     pub const RANKED: Priorities = Priorities {
         main_first: true,
         late_first: true,
@@ -77,7 +78,11 @@ impl Priorities {
         late_first: false,
         companions_last: false,
     };
-    /// Every stream at one priority: the device shares itself by footprint.
+    /// Every stream of the step at the greatest priority: a full device goes to the launch
+    /// that started first. (The data-parallel communication stream and the input copies
+    /// stay at the least, so they fall below every compute stream, where under
+    /// [`Priorities::RANKED`] they share the companions' level; the model does not see
+    /// those streams.)
     pub const FLAT: Priorities = Priorities {
         main_first: false,
         late_first: false,

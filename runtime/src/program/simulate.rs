@@ -3,10 +3,11 @@
 //! Kernels that run at once share the device: while the footprints of the running
 //! kernels add up to more than the whole device, the device goes to them by their
 //! streams' priorities (the most urgent level gets what it fills first, the next level
-//! what is left; within a level each gets its share by footprint), each slowed by what
-//! sharing costs it beside the others (the device model's contention cost of each pair,
-//! by whether each is compute- or memory-bound, in proportion to how far the device is
-//! oversubscribed). This is how we plan past the machines we have: more
+//! what is left; within a level the launch that started first, as the CTA dispatcher hands
+//! out SMs), each slowed by what sharing costs it beside the others that hold part of the
+//! device (the device model's contention cost of each pair, by whether each is compute-
+//! or memory-bound, in proportion to how far they oversubscribe it). A launch that
+//! arrives takes its share at once (the model does not wait for resident CTAs to end). This is how we plan past the machines we have: more
 //! streams, other devices.
 
 use crate::program::occupancy::DeviceModel;
@@ -72,15 +73,15 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
     // each running launch's rate of progress (1: as fast as alone), into `rate`
     let rates = |running: &[usize], out: &[SimLaunch], rate: &mut Vec<f64>| {
         rate.clear();
-        let total: f64 = running.iter().map(|&r| foot[r]).sum();
-        if total <= 1.0 {
+        let demand: f64 = running.iter().map(|&r| foot[r]).sum();
+        if demand <= 1.0 {
             rate.resize(running.len(), 1.0);
             return;
         }
-        let over = (total - 1.0).min(1.0);
+        // the share of its footprint each gets: the device left once the launches ahead
+        // of it have what they fill (those of more urgent streams, then, within its
+        // level, those started before it)
         rate.extend(running.iter().map(|&i| {
-            // the device left to i once the launches ahead of it have what they fill:
-            // those of more urgent streams, then (within i's level) those started before it
             let ahead = |j: usize| (level[j], out[j].start, j) < (level[i], out[i].start, i);
             let above: f64 = running
                 .iter()
@@ -88,19 +89,31 @@ pub fn simulate_with(p: &StepProgram, cfg: &SimConfig, work: &[f64]) -> SimResul
                 .map(|&j| foot[j])
                 .sum();
             let left = (1.0 - above).max(0.0);
-            let share = if foot[i] <= left || foot[i] <= 0.0 {
+            if foot[i] <= left || foot[i] <= 0.0 {
                 1.0
             } else {
                 left / foot[i]
-            };
-            let (mut w, mut k) = (0.0, 0.0);
-            for &j in running.iter().filter(|&&j| j != i) {
-                w += foot[j];
-                k += foot[j] * cfg.device.pair_cost(memory[i], memory[j]);
             }
-            let kappa = if w > 0.0 { k / w } else { 0.0 };
-            (share / (1.0 + over * kappa)).min(1.0)
         }));
+        // only launches that hold part of the device contend: one that gets none has no
+        // CTA resident
+        let total: f64 = (0..running.len())
+            .filter(|&k| rate[k] > 0.0)
+            .map(|k| foot[running[k]])
+            .fold(0.0, |a, b| a + b);
+        let over = (total - 1.0).clamp(0.0, 1.0);
+        for k in 0..running.len() {
+            let i = running[k];
+            let (mut w, mut c) = (0.0, 0.0);
+            for (q, &j) in running.iter().enumerate() {
+                if q != k && rate[q] > 0.0 {
+                    w += foot[j];
+                    c += foot[j] * cfg.device.pair_cost(memory[i], memory[j]);
+                }
+            }
+            let kappa = if w > 0.0 { c / w } else { 0.0 };
+            rate[k] = (rate[k] / (1.0 + over * kappa)).min(1.0);
+        }
     };
     let mut rate = Vec::new();
     let recorder = p.recorders();
@@ -334,6 +347,10 @@ pub struct ShardedExchange {
     pub lookup_bytes: f64,
     /// Bytes a rank sends in the gradients' all-to-all to the owners.
     pub grad_bytes: f64,
+    /// The share of the sparse gradients (their bytes and occurrences) that belongs to
+    /// tables that stay replicated: those are still gathered, and their update still
+    /// grows with the ranks.
+    pub replicated_share: f64,
 }
 
 /// [`predict_data_parallel`] with the embedding tables replicated (`sharded: None`) or
@@ -343,7 +360,9 @@ pub struct ShardedExchange {
 /// occurrences, `n` times one rank's. Sharded: the rows' all-to-all delays the lookup,
 /// and so the whole step, by its time; the gradients' all-to-all replaces the gather
 /// (ready when the tables' gradient is); each owner updates about one rank's occurrences
-/// (the rows it owns, from every rank).
+/// (the rows it owns, from every rank). Tables that stay replicated
+/// (`ShardedExchange::replicated_share` of the sparse gradients) keep their share of the
+/// gather and of the growing update.
 #[allow(clippy::too_many_arguments)]
 pub fn predict_sharded_step(
     join_s: f64,
@@ -364,28 +383,36 @@ pub fn predict_sharded_step(
     } else {
         0.0
     };
+    let share = x.replicated_share.clamp(0.0, 1.0);
     let mut moved: Vec<Bucket> = buckets
         .iter()
-        .filter(|b| b.kind != BucketKind::AllGather)
+        .filter(|b| b.kind != BucketKind::AllGather || share > 0.0)
         .map(|b| Bucket {
             ready_s: b.ready_s + lookup,
+            bytes: if b.kind == BucketKind::AllGather {
+                b.bytes * share
+            } else {
+                b.bytes
+            },
             ..*b
         })
         .collect();
-    if let Some(ready) = buckets
+    // the gradients' exchange when the tables' gradient is complete (at the join if no
+    // bucket says when)
+    let ready = buckets
         .iter()
         .filter(|b| b.kind == BucketKind::AllGather)
         .map(|b| b.ready_s)
         .reduce(f64::max)
-    {
-        if x.grad_bytes > 0.0 {
-            moved.push(Bucket {
-                bytes: x.grad_bytes,
-                ready_s: ready + lookup,
-                kind: BucketKind::AllToAll,
-            });
-        }
+        .unwrap_or(join_s);
+    if x.grad_bytes > 0.0 {
+        moved.push(Bucket {
+            bytes: x.grad_bytes,
+            ready_s: ready + lookup,
+            kind: BucketKind::AllToAll,
+        });
     }
+    let optimizer_s = optimizer_s + update_s * share * n.saturating_sub(1) as f64;
     let p = predict_data_parallel(join_s + lookup, optimizer_s, &moved, link, n, early);
     DataParallelPrediction {
         exposed_comm_s: p.exposed_comm_s + lookup,
@@ -443,6 +470,7 @@ mod dp_tests {
         let x = ShardedExchange {
             lookup_bytes: 20e6,
             grad_bytes: 20e6,
+            replicated_share: 0.0,
         };
         let one_rep = predict_sharded_step(5e-3, 2e-4, 1e-4, &buckets, &link, 1, true, None);
         assert_eq!(one_rep, one_sharded_free(&buckets, &link));
@@ -461,6 +489,24 @@ mod dp_tests {
                 // at 64 ranks the gather of 20 MB from every rank costs far more
                 assert!(sh.step_s < rep.step_s, "{sh:?} against {rep:?}");
             }
+            // tables that stay replicated keep their gather and their growing update:
+            // a placement that shards nothing costs the replicated step plus its lookup
+            let none = ShardedExchange {
+                replicated_share: 1.0,
+                ..x
+            };
+            let mixed =
+                predict_sharded_step(5e-3, 2e-4, 1e-4, &buckets, &link, n, true, Some(&none));
+            assert!(mixed.step_s >= rep.step_s, "{n}: {mixed:?} against {rep:?}");
+            let half = ShardedExchange {
+                replicated_share: 0.5,
+                ..x
+            };
+            let h = predict_sharded_step(5e-3, 2e-4, 1e-4, &buckets, &link, n, true, Some(&half));
+            assert!(
+                h.step_s >= sh.step_s && h.step_s <= mixed.step_s,
+                "{n}: {h:?}"
+            );
         }
         // a ring all-reduce moves 2(n-1)/n of the data: more ranks, more time, bounded
         let a2 = link.all_reduce_s(1e9, 2);
@@ -486,7 +532,8 @@ pub struct OccupancyChoice {
     /// The streams' priority levels chosen.
     pub priorities: Priorities,
     /// Each set of priority levels tried, with the step predicted with it (and the
-    /// constraints kept for it), in the order tried: [`Priorities::RANKED`] first.
+    /// constraints kept for it), in the order tried: the default first (ranked, unless a set
+    /// was forced).
     pub tried: Vec<(Priorities, f64)>,
     /// What the chosen priorities gain over [`Priorities::RANKED`] without constraints.
     pub priority_gain_s: f64,
@@ -503,9 +550,10 @@ pub struct OccupancyChoice {
 pub const MIN_GAIN: f64 = 1e-3;
 
 /// Least predicted gain, as a share of the step, for which other stream priorities
-/// replace the ranked ones: the noise of alternated runs on an H200 (0.5 %). Changes of
-/// priorities measured there so far moved the CTR step by under 1 % either way
-/// (docs/benchmarks-history.md), so a smaller predicted gain could not be confirmed.
+/// replace the ranked ones: the noise of alternated runs on an H200 (0.5 %). The model's
+/// predictions of what a change of priorities does are smaller than its error on the step
+/// (main-first measured -0.8 % to +0.9 % on the CTR step where it predicted about
+/// +0.1 %; BENCHMARKS.md), so a smaller predicted gain could not be confirmed.
 pub const PRIORITY_MIN_GAIN: f64 = 5e-3;
 
 /// The stream priorities the occupancy model chooses among, the default first.
