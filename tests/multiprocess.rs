@@ -4,7 +4,7 @@
 //! in-process backend's), every rank logs the same collectives, and a rank that fails,
 //! crashes or hangs takes the job down with an error naming it, within the timeout.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -106,24 +106,24 @@ fn threads_state_hash(steps: usize, sharding: erase::sharding::Sharding) -> Stri
     format!("{:016x}", fnv64(&threads[0].as_ref().unwrap().state))
 }
 
-#[test]
-fn two_processes_keep_replicas_bit_identical_and_log_the_same_collectives() {
-    let logs = tmp("logs");
-    let mut a = args(20);
-    a.extend(
-        [
-            "--gpus",
-            "2",
-            "--collective-timeout",
-            "30",
-            "--collective-log",
-        ]
-        .map(String::from),
-    );
+/// `steps` steps on two processes with `extra` flags, each rank's collectives logged into
+/// `logs`; the run must succeed. Returns its stdout, stderr and how long it took.
+fn two_ranks_logged(steps: usize, extra: &[&str], logs: &Path) -> (String, String, Duration) {
+    let mut a = args(steps);
+    a.extend(["--gpus", "2"].map(String::from));
+    a.extend(extra.iter().map(|x| x.to_string()));
+    a.extend(["--collective-timeout", "30", "--collective-log"].map(String::from));
     a.push(logs.display().to_string());
     let (out, took) = run(&a, &[]);
     let (so, se) = text(&out);
     assert!(out.status.success(), "{so}\n{se}");
+    (so, se, took)
+}
+
+#[test]
+fn two_processes_keep_replicas_bit_identical_and_log_the_same_collectives() {
+    let logs = tmp("logs");
+    let (so, se, took) = two_ranks_logged(20, &[], &logs);
     assert!(
         so.contains("replicas bit-identical on all 2 ranks"),
         "{so}\n{se}"
@@ -336,23 +336,7 @@ fn options_no_cpu_rank_takes_are_refused_before_the_workers_start() {
 #[test]
 fn row_sharded_tables_over_tcp_end_with_the_replicated_bits() {
     let logs = tmp("sharded-logs");
-    let mut a = args(8);
-    a.extend(
-        [
-            "--gpus",
-            "2",
-            "--sharding",
-            "row",
-            "--collective-timeout",
-            "30",
-            "--collective-log",
-        ]
-        .map(String::from),
-    );
-    a.push(logs.display().to_string());
-    let (out, _) = run(&a, &[]);
-    let (so, se) = text(&out);
-    assert!(out.status.success(), "{so}\n{se}");
+    let (so, _, _) = two_ranks_logged(8, &["--sharding", "row"], &logs);
     let hashes = state_hashes(&so);
     assert_eq!(hashes.len(), 2, "{so}");
     let l0 = std::fs::read_to_string(logs.join("rank-0.log")).unwrap();

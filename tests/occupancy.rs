@@ -234,7 +234,7 @@ fn the_model_orders_launches_that_contend_and_only_those() {
 
 /// A launch of `foot` of the device (its grid against one wave of 256-thread CTAs) on
 /// `stream`, waiting for `wait`'s event and recording `record`.
-fn launch(node: usize, stream: u16, foot: f64, wait: Option<u32>, record: Option<u32>) -> Launch {
+fn launch(index: usize, stream: u16, foot: f64, wait: Option<u32>, record: Option<u32>) -> Launch {
     let m = DeviceModel::h200_measured();
     let mut spec = erase::ops::LaunchSpec {
         kernel: "test",
@@ -250,7 +250,7 @@ fn launch(node: usize, stream: u16, foot: f64, wait: Option<u32>, record: Option
     };
     spec.grid = (foot * m.wave(&spec) as f64).round() as u64;
     Launch {
-        node: node_id(node),
+        node: node(index),
         stream: StreamId(stream),
         waits: wait
             .map(|e| Wait {
@@ -262,17 +262,13 @@ fn launch(node: usize, stream: u16, foot: f64, wait: Option<u32>, record: Option
             .collect(),
         record: record.map(EventId),
         label: Label {
-            block: format!("l{node}"),
+            block: format!("l{index}"),
             phase: "fwd",
             op: "test".into(),
         },
         spec: Some(spec),
         exclusive: false,
     }
-}
-
-fn node_id(i: usize) -> NodeId {
-    node(i)
 }
 
 fn two_streams(launches: Vec<Launch>, events: usize, priorities: Priorities) -> StepProgram {

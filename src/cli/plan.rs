@@ -474,11 +474,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 (true, "early all-reduce"),
                 (false, "one all-reduce at the end"),
             ] {
-                for tables in [None, sharded].into_iter().enumerate() {
-                    let (k, x) = tables;
-                    if k == 1 && x.is_none() {
-                        continue;
-                    }
+                for x in std::iter::once(None).chain(sharded.map(Some)) {
                     let predict = |ranks: usize| {
                         predict_sharded_step(
                             d.join_s,

@@ -24,6 +24,18 @@ fn nccl_err(what: &str, e: cudarc::nccl::result::NcclError) -> RuntimeError {
     RuntimeError::Device(format!("NCCL {what}: {:?}", e.0))
 }
 
+/// `queue`'s NCCL calls as one group, ended even when queuing one of them fails.
+fn grouped(
+    queue: impl FnOnce() -> Result<(), cudarc::nccl::result::NcclError>,
+) -> Result<(), cudarc::nccl::result::NcclError> {
+    cudarc::nccl::result::group_start()?;
+    let queued = queue();
+    let ended = cudarc::nccl::result::group_end();
+    queued?;
+    ended?;
+    Ok(())
+}
+
 /// Whether NCCL can be loaded; `Err` says why not. Looking for it panics inside cudarc
 /// when the library lacks a symbol it expects: that becomes an error too.
 pub fn nccl_check() -> Result<i32, RuntimeError> {
@@ -247,16 +259,7 @@ impl NcclComm {
             }
             Ok(())
         };
-        let issue = || -> Result<(), cudarc::nccl::result::NcclError> {
-            cudarc::nccl::result::group_start()?;
-            // the group is ended even when a part fails to be queued
-            let queued = reduce();
-            let ended = cudarc::nccl::result::group_end();
-            queued?;
-            ended?;
-            Ok(())
-        };
-        issue().map_err(|e| nccl_err(&format!("{rec}"), e))?;
+        grouped(reduce).map_err(|e| nccl_err(&format!("{rec}"), e))?;
         Ok(rec)
     }
 
@@ -350,16 +353,7 @@ impl NcclComm {
             }
             Ok(())
         };
-        let issue = || -> Result<(), cudarc::nccl::result::NcclError> {
-            cudarc::nccl::result::group_start()?;
-            // the group is ended even when a part fails to be queued
-            let queued = parts();
-            let ended = cudarc::nccl::result::group_end();
-            queued?;
-            ended?;
-            Ok(())
-        };
-        issue().map_err(|e| nccl_err(&format!("{rec}"), e))?;
+        grouped(parts).map_err(|e| nccl_err(&format!("{rec}"), e))?;
         Ok(rec)
     }
 

@@ -586,8 +586,8 @@ pub fn choose_occupancy(
         occupancy: true,
         ..off.clone()
     };
-    let off_prog = schedule(g, part, &off);
-    let off_s = simulate(&off_prog, sim).step_s;
+    let mut probe = schedule(g, part, &off);
+    let off_s = simulate(&probe, sim).step_s;
     let candidates: Vec<(NodeId, String)> = schedule(g, part, &on)
         .launches
         .iter()
@@ -595,13 +595,11 @@ pub fn choose_occupancy(
         .map(|l| (l.node, format!("{} '{}'", l.label, g.node(l.node).name)))
         .collect();
     // the priority sets that rank this program's streams differently
-    let ranks = |p: Priorities| -> Vec<u32> {
-        let prog = StepProgram {
-            priorities: p,
-            ..off_prog.clone()
-        };
-        (0..prog.streams)
-            .map(|s| prog.stream_rank(StreamId(s as u16)))
+    // (the off program, its priorities set in turn)
+    let mut ranks = |p: Priorities| -> Vec<u32> {
+        probe.priorities = p;
+        (0..probe.streams)
+            .map(|s| probe.stream_rank(StreamId(s as u16)))
             .collect()
     };
     let mut sets: Vec<(Priorities, Vec<u32>)> = Vec::new();
