@@ -21,6 +21,11 @@ use erase_ops::Buffer;
 pub trait TensorStore {
     fn read(&self, t: Tensor) -> Result<Buffer>;
     fn write(&mut self, t: Tensor, b: Buffer) -> Result<()>;
+    /// The shape `t` is read and written with: its shape in `g`, unless the store keeps
+    /// it otherwise (a sharded rank's tables are read and written whole).
+    fn dims(&self, g: &Graph, t: Tensor) -> Vec<usize> {
+        g.shape(t).dims().to_vec()
+    }
 }
 
 impl TensorStore for erase_runtime::cpu::runner::ProgramRunner<'_> {
@@ -224,7 +229,7 @@ pub fn save(
     let views: Vec<(String, TensorView)> = bufs
         .iter()
         .map(|(name, t, b)| {
-            let view = TensorView::new(st_dtype(b.dtype()), g.shape(*t).dims().to_vec(), b.bytes())
+            let view = TensorView::new(st_dtype(b.dtype()), store.dims(g, *t), b.bytes())
                 .map_err(|e| anyhow!("tensor '{name}': {e}"))?;
             Ok((name.clone(), view))
         })
@@ -403,8 +408,8 @@ pub fn load(
         let view = st
             .tensor(&name)
             .map_err(|_| anyhow!("{}: tensor '{name}' is missing{}", path.display(), hint()))?;
-        let want = g.shape(t).dims();
-        if view.shape() != want || view.dtype() != st_dtype(g.dtype(t)) {
+        let want = store.dims(g, t);
+        if view.shape() != want.as_slice() || view.dtype() != st_dtype(g.dtype(t)) {
             bail!(
                 "{}: tensor '{name}' is {:?} {:?}, the model needs {:?} {}{}",
                 path.display(),

@@ -37,6 +37,10 @@ pub struct RankResult {
     /// The periodic held-out evaluations of the rank's replica (`--eval-every`), at the
     /// rank's batch.
     pub evals: Vec<crate::train::Eval>,
+    /// Bytes of embedding tables and their row-wise Adagrad state the rank stored while
+    /// it trained: the whole tables, or with sharded tables its own rows and the landing
+    /// slots of the rows it fetches.
+    pub table_bytes: u64,
 }
 
 /// The tensors of a replica's state in order: name, element type, element count.
@@ -234,9 +238,24 @@ pub fn run_rank<C: Collective>(
         bf16_copies: false,
         ..cfg.schedule.clone()
     };
-    let plan = plan_step_data_parallel(local, DType::F32, &cfg.optimizer, &sched)?;
+    // where the tables live: a rank of sharded tables stores only its rows (and landing
+    // slots for the rows it fetches), and its step graph is built with those sizes
+    let store = crate::sharded::Storage::plan(
+        &local.field_rows(),
+        &local.bag_slots(),
+        (local.dim, local.batch),
+        (rank, world),
+        cfg.rank_memory,
+        cfg.sharding,
+    )
+    .with_context(|| format!("rank {rank}: placing the embedding tables"))?;
+    let stored = crate::model::ctr::CtrConfig {
+        storage_rows: store.as_ref().map_or(Vec::new(), |s| s.stored_rows()),
+        ..local.clone()
+    };
+    let plan = plan_step_data_parallel(&stored, DType::F32, &cfg.optimizer, &sched)?;
     let g = &plan.model.graph;
-    let runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
+    let mut runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
     // launches before the optimizer, and the dense optimizer's (row-wise Adagrad is
     // applied by the rank, on the gathered sparse gradients)
     let (mut before, mut dense_opt, mut sparse_opt) = (Vec::new(), Vec::new(), Vec::new());
@@ -249,17 +268,22 @@ pub fn run_rank<C: Collective>(
         }
     }
     let share = Share { rank, world };
-    let sharded = crate::sharded::ShardedTables::plan(
-        g,
-        &sparse_opt,
-        (rank, world),
-        cfg.rank_memory,
-        cfg.sharding,
-    )
-    .with_context(|| format!("rank {rank}: placing the embedding tables"))?;
+    let sparse_opt_all = sparse_opt.clone();
+    let sharded = store
+        .map(|st| crate::sharded::ShardedTables::new(g, &sparse_opt, st, &mut runner, cfg.seed))
+        .transpose()
+        .with_context(|| format!("rank {rank}: the sharded embedding tables"))?;
     // sharded tables are updated by their owners, not by the gathered update
     if sharded.is_some() {
         sparse_opt.clear();
+    }
+    let table_bytes = stored_table_bytes(g, &sparse_opt_all);
+    if sharded.is_some() {
+        eprintln!(
+            "rank {rank}: stores {} of embedding tables and their state (the whole tables: {})",
+            crate::sharding::size(table_bytes),
+            crate::sharding::size(local.table_bytes().0 + local.table_bytes().1)
+        );
     }
     let (report, state, layout) = {
         let exec = RankExec {
@@ -296,6 +320,7 @@ pub fn run_rank<C: Collective>(
         log: comm.log().to_vec(),
         step_secs: report.step_secs,
         evals: report.evals,
+        table_bytes,
     })
 }
 
@@ -325,7 +350,7 @@ impl<C: Collective> RankExec<'_, C> {
         let rank = self.comm.rank();
         let scale = 1.0 / world as f32;
         let runner = self.cpu.runner();
-        if let Some(sh) = &self.sharded {
+        if let Some(sh) = &mut self.sharded {
             sh.fetch(runner, &mut *self.comm)
                 .with_context(|| format!("rank {rank}, step {step}: the sharded lookup"))?;
         }
@@ -353,7 +378,7 @@ impl<C: Collective> RankExec<'_, C> {
                 at += n;
             }
         }
-        if let Some(sh) = &self.sharded {
+        if let Some(sh) = &mut self.sharded {
             sh.update(runner, &mut *self.comm, scale)
                 .with_context(|| format!("rank {rank}, step {step}: the sharded update"))?;
         }
@@ -427,7 +452,7 @@ impl<C: Collective> RankExec<'_, C> {
         runner
             .run_order(&self.dense_opt)
             .with_context(|| format!("rank {rank}, step {step}: optimizer"))?;
-        if let Some(sh) = &self.sharded {
+        if let Some(sh) = &mut self.sharded {
             if self.whole_at.needs(step as usize + 1) {
                 sh.assemble(runner, &mut *self.comm)
                     .with_context(|| format!("rank {rank}, step {step}: the whole tables"))?;
@@ -437,13 +462,21 @@ impl<C: Collective> RankExec<'_, C> {
     }
 }
 
-/// After which steps a sharded rank makes its tables whole: before an evaluation or a
-/// checkpoint, and at the end (so that every replica is whole and identical), as
-/// [`drive`] asks for them.
+/// Bytes of the tables (and state) that the row-wise Adagrad updates `nodes` update.
+pub(crate) fn stored_table_bytes(g: &erase_graph::Graph, nodes: &[erase_graph::NodeId]) -> u64 {
+    nodes
+        .iter()
+        .flat_map(|&n| g.node(n).updates.iter())
+        .map(|&t| (g.shape(t).numel() * g.dtype(t).size_bytes()) as u64)
+        .sum()
+}
+
+/// After which steps a sharded rank makes its tables whole: before a checkpoint and at
+/// the end (so that every replica is whole and identical), as [`drive`] asks for them.
+/// An evaluation looks its rows up as a step does.
 struct WholeAt {
     steps: usize,
     checkpoint_every: Option<usize>,
-    eval_every: usize,
 }
 
 impl WholeAt {
@@ -451,37 +484,62 @@ impl WholeAt {
         WholeAt {
             steps: cfg.steps,
             checkpoint_every: cfg.checkpoint.as_ref().map(|_| cfg.checkpoint_every),
-            eval_every: cfg.eval_every,
         }
     }
 
     fn needs(&self, done: usize) -> bool {
         let every = |n: usize| n > 0 && done.is_multiple_of(n);
-        done == self.steps || self.checkpoint_every.is_some_and(every) || every(self.eval_every)
+        done == self.steps || self.checkpoint_every.is_some_and(every)
     }
 }
 
 impl<C: Collective> crate::checkpoint::TensorStore for RankExec<'_, C> {
     fn read(&self, t: Tensor) -> Result<Buffer> {
-        self.cpu.read(t)
+        match &self.sharded {
+            Some(sh) if sh.holds(t) => sh.read_whole(t),
+            _ => self.cpu.read(t),
+        }
     }
     fn write(&mut self, t: Tensor, b: Buffer) -> Result<()> {
-        self.cpu.write(t, b)
+        match &mut self.sharded {
+            Some(sh) if sh.holds(t) => sh.write_whole(self.cpu.runner(), t, b),
+            _ => self.cpu.write(t, b),
+        }
+    }
+    fn dims(&self, g: &erase_graph::Graph, t: Tensor) -> Vec<usize> {
+        match &self.sharded {
+            Some(sh) if sh.holds(t) => sh.whole_dims(g, t),
+            _ => g.shape(t).dims().to_vec(),
+        }
     }
 }
 
 impl<C: Collective> StepExec for RankExec<'_, C> {
     fn feed(&mut self, t: Tensor, b: Buffer) -> Result<()> {
-        self.cpu.feed(t, b)
+        self.cpu.feed(t, b)?;
+        if let Some(sh) = self.sharded.as_mut().filter(|sh| sh.ids() == t) {
+            sh.fed();
+        }
+        Ok(())
     }
     fn step(&mut self) -> Result<f64> {
         bail!("a data-parallel rank steps from the loader's batches only")
     }
     fn run_launches(&mut self, which: &[usize]) -> Result<()> {
+        // a forward (an evaluation's) looks its rows up as a step does: every rank
+        // evaluates the same batches, so every rank issues the same all-to-alls
+        if let Some(sh) = &mut self.sharded {
+            let rank = self.comm.rank();
+            sh.fetch(self.cpu.runner(), &mut *self.comm)
+                .with_context(|| format!("rank {rank}: the sharded lookup of a forward"))?;
+        }
         self.cpu.run_launches(which)
     }
     fn get(&self, t: Tensor) -> Result<Buffer> {
-        self.cpu.get(t)
+        match &self.sharded {
+            Some(sh) if sh.holds(t) => sh.read_whole(t),
+            _ => self.cpu.get(t),
+        }
     }
     fn slots(
         &mut self,
@@ -494,6 +552,9 @@ impl<C: Collective> StepExec for RankExec<'_, C> {
     fn issue(&mut self, step: u64, _slot: usize, mem: &crate::loader::SlotMem) -> Result<()> {
         FailAt::check(self.fail, self.comm.rank(), step as usize)?;
         self.cpu.load(mem)?;
+        if let Some(sh) = &mut self.sharded {
+            sh.fed();
+        }
         let t0 = std::time::Instant::now();
         self.run_step(step)?;
         self.cpu.done_at(step, t0.elapsed().as_secs_f64());

@@ -95,6 +95,18 @@ fn train(
         crate::sharding::Sharding::Auto => crate::sharding::Sharding::Replicated,
         m => m,
     };
+    if crate::sharded::Storage::plan(
+        &local.field_rows(),
+        &local.bag_slots(),
+        (local.dim, local.batch),
+        (rank, world),
+        cfg.rank_memory,
+        mode,
+    )?
+    .is_some()
+    {
+        bail!("--sharding {mode:?}: sharded tables train on CPU ranks only for now (CUDA ranks need NCCL's all-to-all in the step); use --sharding replicated or auto");
+    }
     let sparse: Vec<_> = plan
         .program
         .launches
@@ -102,11 +114,7 @@ fn train(
         .map(|l| l.node)
         .filter(|&n| matches!(g.node(n).op, erase_graph::Op::RowwiseAdagrad { .. }))
         .collect();
-    if crate::sharded::ShardedTables::plan(g, &sparse, (rank, world), cfg.rank_memory, mode)?
-        .is_some()
-    {
-        bail!("--sharding {mode:?}: sharded tables train on CPU ranks only for now (CUDA ranks need NCCL's all-to-all in the step); use --sharding replicated or auto");
-    }
+    let table_bytes = crate::distributed::stored_table_bytes(g, &sparse);
     let mut prog = CudaProgram::new(dev, g, &plan.program, &plan.memory, cfg.seed)?;
     let dp = DataParallel::new(
         &prog,
@@ -182,6 +190,7 @@ fn train(
         log,
         step_secs: report.step_secs,
         evals: report.evals,
+        table_bytes,
     })
 }
 

@@ -1,32 +1,34 @@
 //! Sharded embedding tables on CPU ranks: each table (a field of the stacked table) is
 //! replicated, whole on one rank (table-wise) or split by rows over every rank
-//! (row-wise), as [`crate::sharding::plan`] places it. In each step:
+//! (row-wise), as [`crate::sharding::plan`] places it. A rank stores only the rows it
+//! owns (and every row of a replicated field), followed, for each field it does not
+//! hold whole, by a landing area of one row per id slot of its batch: its step graph is
+//! built with those storage sizes (`CtrConfig::storage_rows`). In each step:
 //!
-//! 1. **Lookup.** Every rank sends each owner the rows its batch needs from it (one
-//!    jagged all-to-all of ids), the owners answer with the rows (a second one), and the
-//!    rank writes them into its copy of the table, which the step's lookup then reads:
-//!    each bag sums its rows in its own order, as on one process.
+//! 1. **Lookup.** The rank maps each id of its batch into its storage: an owned row to
+//!    its place, any other row to a landing slot (one per distinct row). It sends each
+//!    owner the rows it needs from it (one jagged all-to-all of ids), the owners answer
+//!    with the rows (a second one), the rows land in their slots, and the step's lookup
+//!    reads the remapped ids: each bag sums the same rows in its own order, as on one
+//!    process.
 //! 2. **Update.** After the backward, every rank sends each owner the occurrences of its
 //!    rows (row, pooled gradient) in bag order (a third all-to-all; a replicated row's go
 //!    to every rank); each owner concatenates them in rank order and applies the fused
 //!    row-wise Adagrad to the rows it owns. Every row's gradient sums the same terms in
 //!    the same order as the replicated update, which gathers every rank's occurrences:
 //!    the same bits.
-//! 3. **Whole tables** where a step needs them (an evaluation, a checkpoint, the end):
-//!    every owner sends its rows and their Adagrad state to every rank (a fourth
-//!    all-to-all), so a checkpoint holds each table whole, whatever the sharding, and
-//!    resumes on any rank count.
-//!
-//! The rows a rank does not own are a landing buffer for step 1: the CPU ranks still
-//! allocate the whole table (the owner's rows are the only ones updated and trusted);
-//! holding only the owned rows is what the CUDA ranks' sharding needs next.
+//! 3. **Whole tables** where a step needs them (a checkpoint, the end): every owner
+//!    sends its rows and their Adagrad state to every rank (a fourth all-to-all), which
+//!    assembles a whole copy beside its storage until the next step, so a checkpoint
+//!    holds each table whole, whatever the sharding, and resumes on any rank count. An
+//!    evaluation needs none: its forward looks rows up as a step does.
 
-use std::collections::BTreeSet;
+use std::collections::HashMap;
 
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::sharding::{Placement, Sharding, Table};
-use erase_graph::{Graph, NodeId, Op, Shape, Tensor};
+use erase_graph::{Graph, Leaf, NodeId, Op, Shape, Tensor};
 use erase_ops::cpu::embedding::{Bags, PAD};
 use erase_ops::{Buffer, NodeCall};
 use erase_runtime::collective::Collective;
@@ -39,369 +41,661 @@ enum Owner {
     One(usize),
 }
 
-/// One stacked table (a `RowwiseAdagrad` node's) and where its fields live.
-struct ShardedTable {
+/// Where one field's rows live in a rank's storage.
+#[derive(Clone, Debug, PartialEq)]
+struct FieldStore {
+    placement: Placement,
+    /// Rows of the whole field, and where it starts in the whole stacked table.
+    rows: usize,
+    base: usize,
+    /// The rows of the field this rank holds (`own_start ..+ own_len`: all of them for a
+    /// replicated field or one placed here, a range of them row-wise, none otherwise).
+    own_start: usize,
+    own_len: usize,
+    /// Where the field starts in this rank's storage, and its landing slots after the
+    /// rows it holds.
+    local_base: usize,
+    landing: usize,
+}
+
+impl FieldStore {
+    /// Rows of the field in this rank's storage (at least one: a table of no rows is
+    /// not a table).
+    fn stored(&self) -> usize {
+        (self.own_len + self.landing).max(1)
+    }
+}
+
+/// Where every field of the trainer's stacked table lives on one rank: the placement
+/// of [`crate::sharding::plan`] and the storage it gives this rank.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Storage {
+    fields: Vec<FieldStore>,
+    rank: usize,
+    world: usize,
+}
+
+impl Storage {
+    /// The fields of `field_rows` rows (width `dim`, `slots[f]` ids of field `f` in each
+    /// of the rank's `batch` examples) placed for rank `rank` of `world`, each rank
+    /// holding at most `budget` bytes of tables (`mode`): `None` when every table stays
+    /// replicated (the step then gathers the sparse gradients as it always has).
+    pub(crate) fn plan(
+        field_rows: &[usize],
+        slots: &[usize],
+        (dim, batch): (usize, usize),
+        (rank, world): (usize, usize),
+        budget: u64,
+        mode: Sharding,
+    ) -> Result<Option<Storage>> {
+        let tables: Vec<Table> = field_rows
+            .iter()
+            .enumerate()
+            .map(|(i, &rows)| Table {
+                name: format!("C{}", i + 1),
+                rows,
+                dim,
+            })
+            .collect();
+        let placements = crate::sharding::plan(&tables, world, budget, mode)?.placements;
+        if placements.iter().all(|p| *p == Placement::Replicated) {
+            return Ok(None);
+        }
+        let (mut base, mut local_base) = (0, 0);
+        let mut fields = Vec::with_capacity(field_rows.len());
+        for (f, (&rows, &placement)) in field_rows.iter().zip(&placements).enumerate() {
+            let (own_start, own_len) = match placement {
+                Placement::Replicated => (0, rows),
+                Placement::Table(k) if k == rank => (0, rows),
+                Placement::Table(_) => (0, 0),
+                Placement::Row => {
+                    let per = row_share(rows, world);
+                    let start = (rank * per).min(rows);
+                    (start, ((rank + 1) * per).min(rows) - start)
+                }
+            };
+            let landing = if own_len == rows {
+                0
+            } else {
+                batch * slots.get(f).copied().unwrap_or(1)
+            };
+            let fs = FieldStore {
+                placement,
+                rows,
+                base,
+                own_start,
+                own_len,
+                local_base,
+                landing,
+            };
+            base += rows;
+            local_base += fs.stored();
+            fields.push(fs);
+        }
+        Ok(Some(Storage {
+            fields,
+            rank,
+            world,
+        }))
+    }
+
+    /// Rows of each field in this rank's storage (`CtrConfig::storage_rows`).
+    pub(crate) fn stored_rows(&self) -> Vec<usize> {
+        self.fields.iter().map(FieldStore::stored).collect()
+    }
+
+    fn field_rows(&self) -> Vec<usize> {
+        self.fields.iter().map(|f| f.rows).collect()
+    }
+
+    fn whole_rows(&self) -> usize {
+        self.fields.iter().map(|f| f.rows).sum()
+    }
+
+    fn stored_total(&self) -> usize {
+        self.fields.iter().map(FieldStore::stored).sum()
+    }
+
+    /// The field of a row of the whole stacked table.
+    fn field_of(&self, row: usize) -> usize {
+        self.fields
+            .partition_point(|f| f.base <= row)
+            .saturating_sub(1)
+    }
+
+    /// The owner of row `row` of the whole stacked table.
+    fn owner(&self, row: usize) -> Owner {
+        let f = &self.fields[self.field_of(row)];
+        match f.placement {
+            Placement::Replicated => Owner::Every,
+            Placement::Table(k) => Owner::One(k),
+            Placement::Row => Owner::One((row - f.base) / row_share(f.rows, self.world)),
+        }
+    }
+
+    /// Where row `row` of the whole stacked table is in this rank's storage, if it holds
+    /// it (owned or replicated).
+    fn local(&self, row: usize) -> Option<usize> {
+        let f = &self.fields[self.field_of(row)];
+        let id = row.checked_sub(f.base)?;
+        (id >= f.own_start && id < f.own_start + f.own_len).then(|| f.local_base + id - f.own_start)
+    }
+
+    /// The rows of the whole stacked table this rank holds, with their places in its
+    /// storage, in row order.
+    fn held(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.fields
+            .iter()
+            .flat_map(|f| (0..f.own_len).map(move |i| (f.base + f.own_start + i, f.local_base + i)))
+    }
+
+    /// The rows rank `k` owns alone (not replicated ones), in row order.
+    fn owned_by(&self, k: usize) -> impl Iterator<Item = usize> + '_ {
+        self.fields.iter().flat_map(move |f| {
+            let range = match f.placement {
+                Placement::Replicated => 0..0,
+                Placement::Table(o) if o == k => 0..f.rows,
+                Placement::Table(_) => 0..0,
+                Placement::Row => {
+                    let per = row_share(f.rows, self.world);
+                    (k * per).min(f.rows)..((k + 1) * per).min(f.rows)
+                }
+            };
+            range.map(move |r| f.base + r)
+        })
+    }
+}
+
+/// Rows of a row-wise field each rank owns (the last ones may own fewer, or none).
+fn row_share(rows: usize, world: usize) -> usize {
+    rows.div_ceil(world.max(1)).max(1)
+}
+
+/// The trainer's stacked table (its `RowwiseAdagrad` node's tensors) on a rank that
+/// stores only its own rows, and what the current step needs of it.
+pub(crate) struct ShardedTables {
+    store: Storage,
     name: String,
     ids: Tensor,
     offsets: Tensor,
     dpooled: Tensor,
     table: Tensor,
     acc: Tensor,
-    field_rows: Vec<usize>,
-    bases: Vec<usize>,
-    placements: Vec<Placement>,
     dim: usize,
     lr: f64,
     eps: f64,
-}
-
-/// The sharded tables of a rank's step program.
-pub(crate) struct ShardedTables {
-    tables: Vec<ShardedTable>,
-    rank: usize,
-    world: usize,
+    /// The whole-table ids of the batch last looked up (the runner holds them remapped).
+    step_ids: Option<Vec<i32>>,
+    /// Whether the runner's ids are a fed batch's, not yet remapped.
+    fresh: bool,
+    /// A whole copy of the table and its state, from [`ShardedTables::assemble`] until
+    /// the next update.
+    whole: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl ShardedTables {
-    /// The row-wise Adagrad tables of `nodes` placed field by field for rank `rank` of
-    /// `world`, each rank holding at most `budget` bytes of tables (`mode`, as
-    /// [`crate::sharding::plan`] places them): `None` when every table stays replicated
-    /// (the step then gathers the sparse gradients as it always has).
-    pub(crate) fn plan(
+    /// The sharded tables of a rank's step program `g` (built with `store`'s storage
+    /// rows), whose row-wise Adagrad updates are `nodes`: the trainer's one stacked
+    /// table. Initialises the rows the rank holds to the whole table's initial values
+    /// (parameters drawn from `seed`).
+    pub(crate) fn new(
         g: &Graph,
         nodes: &[NodeId],
-        (rank, world): (usize, usize),
-        budget: u64,
-        mode: Sharding,
-    ) -> Result<Option<ShardedTables>> {
-        let mut tables = Vec::new();
-        for &id in nodes {
-            let n = g.node(id);
-            let Op::RowwiseAdagrad {
-                lr,
-                eps,
-                field_rows,
-            } = &n.op
-            else {
-                bail!("'{}' is not a row-wise Adagrad update", n.name);
-            };
-            let (&[ids, offsets, dpooled], &[table, acc]) = (&n.inputs[..], &n.updates[..]) else {
-                bail!(
-                    "'{}': sharding takes a row-wise Adagrad of (ids, offsets, pooled gradient) on (table, state)",
-                    n.name
-                );
-            };
-            let dim = g.shape(table).dims()[1];
-            let fields: Vec<Table> = field_rows
-                .iter()
-                .enumerate()
-                .map(|(i, &rows)| Table {
-                    name: format!("C{}", i + 1),
-                    rows,
-                    dim,
-                })
-                .collect();
-            let placements = crate::sharding::plan(&fields, world, budget, mode)?.placements;
-            let bases = field_rows
-                .iter()
-                .scan(0, |at, &r| {
-                    let base = *at;
-                    *at += r;
-                    Some(base)
-                })
-                .collect();
-            tables.push(ShardedTable {
-                name: n.name.clone(),
-                ids,
-                offsets,
-                dpooled,
-                table,
-                acc,
-                field_rows: field_rows.clone(),
-                bases,
-                placements,
-                dim,
-                lr: *lr,
-                eps: *eps,
-            });
+        store: Storage,
+        runner: &mut ProgramRunner,
+        seed: u64,
+    ) -> Result<ShardedTables> {
+        let &[id] = nodes else {
+            bail!(
+                "sharding takes the trainer's one set of embedding tables; the step has {} row-wise Adagrad updates",
+                nodes.len()
+            );
+        };
+        let n = g.node(id);
+        let Op::RowwiseAdagrad {
+            lr,
+            eps,
+            field_rows,
+        } = &n.op
+        else {
+            bail!("'{}' is not a row-wise Adagrad update", n.name);
+        };
+        let (&[ids, offsets, dpooled], &[table, acc]) = (&n.inputs[..], &n.updates[..]) else {
+            bail!(
+                "'{}': sharding takes a row-wise Adagrad of (ids, offsets, pooled gradient) on (table, state)",
+                n.name
+            );
+        };
+        if *field_rows != store.stored_rows() {
+            bail!(
+                "'{}': the step stores {field_rows:?} rows of each field, its placement {:?}",
+                n.name,
+                store.stored_rows()
+            );
         }
-        let any = tables
-            .iter()
-            .any(|t| t.placements.iter().any(|p| *p != Placement::Replicated));
-        Ok(any.then_some(ShardedTables {
-            tables,
-            rank,
-            world,
-        }))
+        let dim = g.shape(table).dims()[1];
+        let t = ShardedTables {
+            name: n.name.clone(),
+            ids,
+            offsets,
+            dpooled,
+            table,
+            acc,
+            dim,
+            lr: *lr,
+            eps: *eps,
+            step_ids: None,
+            fresh: false,
+            whole: None,
+            store,
+        };
+        // the rows held start at the whole table's values, the landing slots at zero
+        let index = param_index(g, table)?;
+        let held: Vec<(usize, usize)> = t.store.held().collect();
+        let rows: Vec<usize> = held.iter().map(|h| h.0).collect();
+        let init =
+            erase_runtime::init::init_table_rows(&t.store.field_rows(), dim, seed, index, &rows);
+        let mut local = vec![0f32; t.store.stored_total() * dim];
+        for (i, &(_, at)) in held.iter().enumerate() {
+            for (o, &v) in local[at * dim..(at + 1) * dim]
+                .iter_mut()
+                .zip(&init[i * dim..(i + 1) * dim])
+            {
+                *o = v as f32;
+            }
+        }
+        runner.feed(table, Buffer::F32(local))?;
+        Ok(t)
     }
 
-    /// Step 1: the rows this rank's batch needs from other ranks, fetched into its table.
+    /// The batch's ids tensor: a batch fed to it is looked up by the next
+    /// [`ShardedTables::fetch`].
+    pub(crate) fn ids(&self) -> Tensor {
+        self.ids
+    }
+
+    /// Marks the runner's ids as a newly fed batch's.
+    pub(crate) fn fed(&mut self) {
+        self.fresh = true;
+    }
+
+    /// Step 1: the rows this rank's batch needs from other ranks fetched into its landing
+    /// slots, and the batch's ids remapped into its storage.
     pub(crate) fn fetch<C: Collective>(
-        &self,
+        &mut self,
         runner: &mut ProgramRunner,
         comm: &mut C,
     ) -> Result<()> {
-        for t in &self.tables {
-            let (ids, offsets) = (i32s(runner, t.ids)?, i32s(runner, t.offsets)?);
-            let bags = Bags::new(&ids, &offsets, &t.field_rows)
-                .map_err(|e| anyhow!("'{}': {e}", t.name))?;
-            let mut want: Vec<BTreeSet<u32>> = vec![BTreeSet::new(); self.world];
-            for bag in 0..bags.num_bags() {
-                for &id in bags.bag_ids(bag).iter().filter(|&&id| id != PAD) {
-                    let row = bags.row(bag, id);
-                    if let Owner::One(k) = t.owner(row, self.world) {
-                        if k != self.rank {
-                            want[k].insert(row as u32);
-                        }
-                    }
-                }
-            }
-            let asks: Vec<Vec<u8>> = want
-                .iter()
-                .map(|rows| rows.iter().flat_map(|r| r.to_le_bytes()).collect())
-                .collect();
-            let asked = comm.all_to_all(&format!("{}.lookup ids", t.name), &asks)?;
-            let mut table = take_f32(runner, t.table)?;
-            let d = t.dim;
-            let mut answers = Vec::with_capacity(self.world);
-            for (k, b) in asked.iter().enumerate() {
-                let mut rows = Vec::with_capacity(b.len() / 4 * d * 4);
-                for r in u32s(b) {
-                    let r = r as usize;
-                    if t.owner(r, self.world) != Owner::One(self.rank) {
-                        bail!(
-                            "'{}': rank {k} asked rank {} for row {r}, which it does not own",
-                            t.name,
-                            self.rank
-                        );
-                    }
-                    rows.extend(
-                        table[r * d..(r + 1) * d]
-                            .iter()
-                            .flat_map(|v| v.to_le_bytes()),
-                    );
-                }
-                answers.push(rows);
-            }
-            let got = comm.all_to_all(&format!("{}.lookup rows", t.name), &answers)?;
-            for (k, rows) in want.iter().enumerate() {
-                let vals = f32s_of(&got[k]);
-                if vals.len() != rows.len() * d {
-                    bail!(
-                        "'{}': rank {k} answered {} values for {} rows of {d}",
-                        t.name,
-                        vals.len(),
-                        rows.len()
-                    );
-                }
-                for (i, &r) in rows.iter().enumerate() {
-                    let r = r as usize;
-                    table[r * d..(r + 1) * d].copy_from_slice(&vals[i * d..(i + 1) * d]);
-                }
-            }
-            runner.feed(t.table, Buffer::F32(table))?;
+        if !self.fresh {
+            bail!(
+                "'{}': the lookup needs a newly fed batch (its ids were looked up already)",
+                self.name
+            );
         }
+        let st = &self.store;
+        let (ids, offsets) = (i32s(runner, self.ids)?, i32s(runner, self.offsets)?);
+        let field_rows = st.field_rows();
+        let bags =
+            Bags::new(&ids, &offsets, &field_rows).map_err(|e| anyhow!("'{}': {e}", self.name))?;
+        let nf = field_rows.len();
+        // per owner: the rows asked of it and the storage slots they land in
+        let mut want: Vec<Vec<u32>> = vec![Vec::new(); st.world];
+        let mut land: Vec<Vec<usize>> = vec![Vec::new(); st.world];
+        let mut slot_of: HashMap<usize, usize> = HashMap::new();
+        let mut used = vec![0usize; nf];
+        let mut local_ids = ids.clone();
+        for bag in 0..bags.num_bags() {
+            let (lo, hi) = (offsets[bag] as usize, offsets[bag + 1] as usize);
+            for j in lo..hi {
+                let id = ids[j];
+                if id == PAD {
+                    continue;
+                }
+                let row = bags.row(bag, id);
+                let f = &st.fields[bag % nf];
+                let at = match st.local(row) {
+                    Some(at) => at,
+                    None => {
+                        let Owner::One(k) = st.owner(row) else {
+                            bail!("'{}': row {row} is replicated but not held", self.name);
+                        };
+                        *slot_of.entry(row).or_insert_with(|| {
+                            let s = f.local_base + f.own_len + used[bag % nf];
+                            used[bag % nf] += 1;
+                            want[k].push(row as u32);
+                            land[k].push(s);
+                            s
+                        })
+                    }
+                };
+                local_ids[j] = (at - f.local_base) as i32;
+            }
+        }
+        if let Some(f) = (0..nf).find(|&f| used[f] > st.fields[f].landing) {
+            bail!(
+                "'{}': field {f} needs {} landing rows, it has {}",
+                self.name,
+                used[f],
+                st.fields[f].landing
+            );
+        }
+        let asks: Vec<Vec<u8>> = want
+            .iter()
+            .map(|rows| rows.iter().flat_map(|r| r.to_le_bytes()).collect())
+            .collect();
+        let asked = comm.all_to_all(&format!("{}.lookup ids", self.name), &asks)?;
+        let mut table = take_f32(runner, self.table)?;
+        let d = self.dim;
+        let mut answers = Vec::with_capacity(st.world);
+        for (k, b) in asked.iter().enumerate() {
+            let mut rows = Vec::with_capacity(b.len() / 4 * d * 4);
+            for r in u32s(b) {
+                let r = r as usize;
+                let at = (r < st.whole_rows() && st.owner(r) == Owner::One(st.rank))
+                    .then(|| st.local(r))
+                    .flatten();
+                let Some(at) = at else {
+                    runner.feed(self.table, Buffer::F32(table))?;
+                    bail!(
+                        "'{}': rank {k} asked rank {} for row {r}, which it does not own",
+                        self.name,
+                        st.rank
+                    );
+                };
+                rows.extend(
+                    table[at * d..(at + 1) * d]
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes()),
+                );
+            }
+            answers.push(rows);
+        }
+        let got = match comm.all_to_all(&format!("{}.lookup rows", self.name), &answers) {
+            Ok(g) => g,
+            Err(e) => {
+                runner.feed(self.table, Buffer::F32(table))?;
+                return Err(e.into());
+            }
+        };
+        let mut bad = None;
+        for (k, slots) in land.iter().enumerate() {
+            let vals = f32s_of(&got[k]);
+            if vals.len() != slots.len() * d {
+                bad = Some(anyhow!(
+                    "'{}': rank {k} answered {} values for {} rows of {d}",
+                    self.name,
+                    vals.len(),
+                    slots.len()
+                ));
+                break;
+            }
+            for (i, &s) in slots.iter().enumerate() {
+                table[s * d..(s + 1) * d].copy_from_slice(&vals[i * d..(i + 1) * d]);
+            }
+        }
+        runner.feed(self.table, Buffer::F32(table))?;
+        if let Some(e) = bad {
+            return Err(e);
+        }
+        runner.feed(self.ids, Buffer::I32(local_ids))?;
+        self.step_ids = Some(ids);
+        self.fresh = false;
         Ok(())
     }
 
     /// Step 2: the occurrences' gradients to their owners, who apply row-wise Adagrad
     /// (each gradient scaled by `scale`, the mean over ranks, as the replicated update).
     pub(crate) fn update<C: Collective>(
-        &self,
+        &mut self,
         runner: &mut ProgramRunner,
         comm: &mut C,
         scale: f32,
     ) -> Result<()> {
-        for t in &self.tables {
-            let (ids, offsets) = (i32s(runner, t.ids)?, i32s(runner, t.offsets)?);
-            let dp = f32s(runner, t.dpooled)?;
-            let bags = Bags::new(&ids, &offsets, &t.field_rows)
-                .map_err(|e| anyhow!("'{}': {e}", t.name))?;
-            let d = t.dim;
-            if dp.len() != bags.num_bags() * d {
-                bail!(
-                    "'{}': {} pooled-gradient values for {} bags of {d}",
-                    t.name,
-                    dp.len(),
-                    bags.num_bags()
-                );
-            }
-            // per destination: the rows, then their gradients, in bag order
-            let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.world];
-            let mut grads: Vec<Vec<f32>> = vec![Vec::new(); self.world];
-            for bag in 0..bags.num_bags() {
-                for &id in bags.bag_ids(bag).iter().filter(|&&id| id != PAD) {
-                    let row = bags.row(bag, id);
-                    let g = &dp[bag * d..(bag + 1) * d];
-                    let to = match t.owner(row, self.world) {
-                        Owner::Every => 0..self.world,
-                        Owner::One(k) => k..k + 1,
-                    };
-                    for k in to {
-                        rows[k].push(row as u32);
-                        grads[k].extend_from_slice(g);
-                    }
-                }
-            }
-            let parts: Vec<Vec<u8>> = rows
-                .iter()
-                .zip(&grads)
-                .map(|(r, g)| {
-                    let mut b = (r.len() as u32).to_le_bytes().to_vec();
-                    b.extend(r.iter().flat_map(|x| x.to_le_bytes()));
-                    b.extend(g.iter().flat_map(|x| x.to_le_bytes()));
-                    b
-                })
-                .collect();
-            let got = comm.all_to_all(&format!("{}.grad", t.name), &parts)?;
-            // every rank's occurrences of this rank's rows, in rank order
-            let (mut all_rows, mut all_grads) = (Vec::<i32>::new(), Vec::<f32>::new());
-            for (k, b) in got.iter().enumerate() {
-                let bad = || anyhow!("'{}': rank {k} sent a malformed gradient part", t.name);
-                let n = u32::from_le_bytes(b.get(..4).ok_or_else(bad)?.try_into()?) as usize;
-                let (r, g) = b[4..].split_at_checked(4 * n).ok_or_else(bad)?;
-                let g = f32s_of(g);
-                if g.len() != n * d {
-                    return Err(bad());
-                }
-                for r in u32s(r) {
-                    let r = r as usize;
-                    let owner = t.owner(r, self.world);
-                    if owner != Owner::Every && owner != Owner::One(self.rank) {
-                        bail!(
-                            "'{}': rank {k} sent rank {} the gradient of row {r}, which it does not own",
-                            t.name,
-                            self.rank
-                        );
-                    }
-                    all_rows.push(r as i32);
-                }
-                all_grads.extend(g.into_iter().map(|v| v * scale));
-            }
-            // the fused row-wise Adagrad of the op, on one "field" of every row: each
-            // occurrence its own bag, so its rows sort stably in the order received
-            let total: usize = t.field_rows.iter().sum();
-            let op = Op::RowwiseAdagrad {
-                lr: t.lr,
-                eps: t.eps,
-                field_rows: vec![total],
-            };
-            let n = all_rows.len();
-            let offs: Vec<i32> = (0..=n as i32).collect();
-            let (ids_s, off_s, dp_s) = (
-                Shape::new(&[n]),
-                Shape::new(&[n + 1]),
-                Shape::new(&[n, 1, d]),
+        // the whole copy is stale once the rows change
+        self.whole = None;
+        let st = &self.store;
+        let ids = self
+            .step_ids
+            .take()
+            .ok_or_else(|| anyhow!("'{}': the update has no lookup of its step", self.name))?;
+        let offsets = i32s(runner, self.offsets)?;
+        let dp = f32s(runner, self.dpooled)?;
+        let field_rows = st.field_rows();
+        let bags =
+            Bags::new(&ids, &offsets, &field_rows).map_err(|e| anyhow!("'{}': {e}", self.name))?;
+        let d = self.dim;
+        if dp.len() != bags.num_bags() * d {
+            bail!(
+                "'{}': {} pooled-gradient values for {} bags of {d}",
+                self.name,
+                dp.len(),
+                bags.num_bags()
             );
-            let call = NodeCall {
-                op: &op,
-                name: &t.name,
-                in_shapes: vec![&ids_s, &off_s, &dp_s],
-                out_shapes: Vec::new(),
-                bf16_gemm: false,
-            };
-            let ins = [
-                Buffer::I32(all_rows),
-                Buffer::I32(offs),
-                Buffer::F32(all_grads),
-            ];
-            let refs: Vec<&Buffer> = ins.iter().collect();
-            let mut upd = vec![
-                Buffer::F32(take_f32(runner, t.table)?),
-                Buffer::F32(take_f32(runner, t.acc)?),
-            ];
-            erase_ops::execute(&call, &refs, &mut [], &mut upd)
-                .with_context(|| format!("rank {}: the sharded update", self.rank))?;
-            let [table, acc] =
-                <[Buffer; 2]>::try_from(upd).map_err(|_| anyhow!("the update lost a tensor"))?;
-            runner.feed(t.table, table)?;
-            runner.feed(t.acc, acc)?;
         }
-        Ok(())
+        // per destination: the rows, then their gradients, in bag order
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); st.world];
+        let mut grads: Vec<Vec<f32>> = vec![Vec::new(); st.world];
+        for bag in 0..bags.num_bags() {
+            for &id in bags.bag_ids(bag).iter().filter(|&&id| id != PAD) {
+                let row = bags.row(bag, id);
+                let g = &dp[bag * d..(bag + 1) * d];
+                let to = match st.owner(row) {
+                    Owner::Every => 0..st.world,
+                    Owner::One(k) => k..k + 1,
+                };
+                for k in to {
+                    rows[k].push(row as u32);
+                    grads[k].extend_from_slice(g);
+                }
+            }
+        }
+        let parts: Vec<Vec<u8>> = rows
+            .iter()
+            .zip(&grads)
+            .map(|(r, g)| {
+                let mut b = (r.len() as u32).to_le_bytes().to_vec();
+                b.extend(r.iter().flat_map(|x| x.to_le_bytes()));
+                b.extend(g.iter().flat_map(|x| x.to_le_bytes()));
+                b
+            })
+            .collect();
+        let got = comm.all_to_all(&format!("{}.grad", self.name), &parts)?;
+        // every rank's occurrences of the rows this rank holds, in rank order, at their
+        // places in its storage
+        let (mut all_rows, mut all_grads) = (Vec::<i32>::new(), Vec::<f32>::new());
+        for (k, b) in got.iter().enumerate() {
+            let bad = || anyhow!("'{}': rank {k} sent a malformed gradient part", self.name);
+            let n = u32::from_le_bytes(b.get(..4).ok_or_else(bad)?.try_into()?) as usize;
+            let (r, g) = b[4..].split_at_checked(4 * n).ok_or_else(bad)?;
+            let g = f32s_of(g);
+            if g.len() != n * d {
+                return Err(bad());
+            }
+            for r in u32s(r) {
+                let r = r as usize;
+                let at = (r < st.whole_rows()).then(|| st.local(r)).flatten();
+                let Some(at) = at else {
+                    bail!(
+                        "'{}': rank {k} sent rank {} the gradient of row {r}, which it does not hold",
+                        self.name,
+                        st.rank
+                    );
+                };
+                all_rows.push(at as i32);
+            }
+            all_grads.extend(g.into_iter().map(|v| v * scale));
+        }
+        // the fused row-wise Adagrad of the op, on one "field" of every stored row: each
+        // occurrence its own bag, so its rows sort stably in the order received
+        let total = st.stored_total();
+        let op = Op::RowwiseAdagrad {
+            lr: self.lr,
+            eps: self.eps,
+            field_rows: vec![total],
+        };
+        let n = all_rows.len();
+        let offs: Vec<i32> = (0..=n as i32).collect();
+        let (ids_s, off_s, dp_s) = (
+            Shape::new(&[n]),
+            Shape::new(&[n + 1]),
+            Shape::new(&[n, 1, d]),
+        );
+        let call = NodeCall {
+            op: &op,
+            name: &self.name,
+            in_shapes: vec![&ids_s, &off_s, &dp_s],
+            out_shapes: Vec::new(),
+            bf16_gemm: false,
+        };
+        let ins = [
+            Buffer::I32(all_rows),
+            Buffer::I32(offs),
+            Buffer::F32(all_grads),
+        ];
+        let refs: Vec<&Buffer> = ins.iter().collect();
+        let mut upd = vec![
+            Buffer::F32(take_f32(runner, self.table)?),
+            Buffer::F32(take_f32(runner, self.acc)?),
+        ];
+        let r = erase_ops::execute(&call, &refs, &mut [], &mut upd)
+            .with_context(|| format!("rank {}: the sharded update", st.rank));
+        let [table, acc] =
+            <[Buffer; 2]>::try_from(upd).map_err(|_| anyhow!("the update lost a tensor"))?;
+        runner.feed(self.table, table)?;
+        runner.feed(self.acc, acc)?;
+        r.map(|_| ())
     }
 
     /// Step 3: every owner's rows and their state to every rank, so that every rank holds
-    /// every table whole (and the replicas are identical).
+    /// a whole copy of the table (the copies identical) until its next update.
     pub(crate) fn assemble<C: Collective>(
-        &self,
+        &mut self,
         runner: &mut ProgramRunner,
         comm: &mut C,
     ) -> Result<()> {
-        for t in &self.tables {
-            let d = t.dim;
-            let (mut table, mut acc) = (take_f32(runner, t.table)?, take_f32(runner, t.acc)?);
-            let mine: Vec<u8> = t
-                .owned_rows(self.rank, self.world)
-                .flat_map(|r| {
-                    table[r * d..(r + 1) * d]
-                        .iter()
-                        .chain(std::iter::once(&acc[r]))
-                        .flat_map(|v| v.to_le_bytes())
-                        .collect::<Vec<u8>>()
-                })
-                .collect();
-            let parts = vec![mine; self.world];
-            let got = comm.all_to_all(&format!("{}.whole", t.name), &parts)?;
-            for (k, b) in got.iter().enumerate() {
-                if k == self.rank {
-                    continue;
-                }
-                let vals = f32s_of(b);
-                let rows: Vec<usize> = t.owned_rows(k, self.world).collect();
-                if vals.len() != rows.len() * (d + 1) {
-                    bail!(
-                        "'{}': rank {k} sent {} values for its {} rows",
-                        t.name,
-                        vals.len(),
-                        rows.len()
-                    );
-                }
-                for (i, r) in rows.into_iter().enumerate() {
-                    let v = &vals[i * (d + 1)..(i + 1) * (d + 1)];
-                    table[r * d..(r + 1) * d].copy_from_slice(&v[..d]);
-                    acc[r] = v[d];
-                }
-            }
-            runner.feed(t.table, Buffer::F32(table))?;
-            runner.feed(t.acc, Buffer::F32(acc))?;
+        let st = &self.store;
+        let d = self.dim;
+        let (table, acc) = (f32s(runner, self.table)?, f32s(runner, self.acc)?);
+        let mine: Vec<u8> = st
+            .owned_by(st.rank)
+            .flat_map(|r| {
+                let at = st.local(r).unwrap_or(0);
+                table[at * d..(at + 1) * d]
+                    .iter()
+                    .chain(std::iter::once(&acc[at]))
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>()
+            })
+            .collect();
+        let parts = vec![mine; st.world];
+        let got = comm.all_to_all(&format!("{}.whole", self.name), &parts)?;
+        let n = st.whole_rows();
+        let (mut wt, mut wa) = (vec![0f32; n * d], vec![0f32; n]);
+        for (r, at) in st.held() {
+            wt[r * d..(r + 1) * d].copy_from_slice(&table[at * d..(at + 1) * d]);
+            wa[r] = acc[at];
         }
+        for (k, b) in got.iter().enumerate() {
+            if k == st.rank {
+                continue;
+            }
+            let vals = f32s_of(b);
+            let rows: Vec<usize> = st.owned_by(k).collect();
+            if vals.len() != rows.len() * (d + 1) {
+                bail!(
+                    "'{}': rank {k} sent {} values for its {} rows",
+                    self.name,
+                    vals.len(),
+                    rows.len()
+                );
+            }
+            for (i, r) in rows.into_iter().enumerate() {
+                let v = &vals[i * (d + 1)..(i + 1) * (d + 1)];
+                wt[r * d..(r + 1) * d].copy_from_slice(&v[..d]);
+                wa[r] = v[d];
+            }
+        }
+        self.whole = Some((wt, wa));
+        Ok(())
+    }
+
+    /// Whether `t` is the table or its state (read and written whole).
+    pub(crate) fn holds(&self, t: Tensor) -> bool {
+        t == self.table || t == self.acc
+    }
+
+    /// The whole table's shape of `t` (the table or its state) in graph `g`.
+    pub(crate) fn whole_dims(&self, g: &Graph, t: Tensor) -> Vec<usize> {
+        let mut dims = g.shape(t).dims().to_vec();
+        if let Some(first) = dims.first_mut() {
+            *first = self.store.whole_rows();
+        }
+        dims
+    }
+
+    /// The whole table or its state, as [`ShardedTables::assemble`] left it.
+    pub(crate) fn read_whole(&self, t: Tensor) -> Result<Buffer> {
+        let (table, acc) = self.whole.as_ref().ok_or_else(|| {
+            anyhow!(
+                "'{}' is sharded: it is whole only after a checkpoint's or the last step",
+                self.name
+            )
+        })?;
+        Ok(Buffer::F32(if t == self.table {
+            table.clone()
+        } else {
+            acc.clone()
+        }))
+    }
+
+    /// Writes a whole table or its state (a resumed checkpoint's) into this rank's
+    /// storage: the rows it holds.
+    pub(crate) fn write_whole(
+        &mut self,
+        runner: &mut ProgramRunner,
+        t: Tensor,
+        b: Buffer,
+    ) -> Result<()> {
+        let st = &self.store;
+        let width = if t == self.table { self.dim } else { 1 };
+        let Buffer::F32(v) = b else {
+            bail!(
+                "'{}' must be f32, not {}",
+                runner.graph().name(t),
+                b.dtype()
+            );
+        };
+        if v.len() != st.whole_rows() * width {
+            bail!(
+                "'{}' has {} values; the whole table needs {}",
+                runner.graph().name(t),
+                v.len(),
+                st.whole_rows() * width
+            );
+        }
+        let mut local = take_f32(runner, t)?;
+        for (r, at) in st.held() {
+            local[at * width..(at + 1) * width].copy_from_slice(&v[r * width..(r + 1) * width]);
+        }
+        runner.feed(t, Buffer::F32(local))?;
+        self.whole = None;
         Ok(())
     }
 }
 
-impl ShardedTable {
-    /// The owner of global row `row` of the stacked table.
-    fn owner(&self, row: usize, world: usize) -> Owner {
-        let f = self.bases.partition_point(|&b| b <= row).saturating_sub(1);
-        match self.placements[f] {
-            Placement::Replicated => Owner::Every,
-            Placement::Table(k) => Owner::One(k),
-            Placement::Row => {
-                let per = self.field_rows[f].div_ceil(world.max(1)).max(1);
-                Owner::One((row - self.bases[f]) / per)
+/// The position of parameter `t` among the graph's parameters (what its initial
+/// values are drawn with).
+fn param_index(g: &Graph, t: Tensor) -> Result<u64> {
+    let mut index = 0u64;
+    for node in g.nodes() {
+        if let Op::Leaf(Leaf::Param { .. }) = &node.op {
+            if node.outputs.first() == Some(&t) {
+                return Ok(index);
             }
+            index += 1;
         }
     }
-
-    /// The rows rank `k` owns alone, in row order.
-    fn owned_rows(&self, k: usize, world: usize) -> impl Iterator<Item = usize> + '_ {
-        self.field_rows
-            .iter()
-            .enumerate()
-            .flat_map(move |(f, &rows)| {
-                let base = self.bases[f];
-                let range = match self.placements[f] {
-                    Placement::Replicated => 0..0,
-                    Placement::Table(o) if o == k => 0..rows,
-                    Placement::Table(_) => 0..0,
-                    Placement::Row => {
-                        let per = rows.div_ceil(world.max(1)).max(1);
-                        (k * per).min(rows)..((k + 1) * per).min(rows)
-                    }
-                };
-                range.map(move |r| base + r)
-            })
-    }
+    bail!("'{}' is not a parameter", g.name(t))
 }
 
 fn i32s(runner: &ProgramRunner, t: Tensor) -> Result<Vec<i32>> {

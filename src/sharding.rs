@@ -193,7 +193,7 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
 }
 
 /// Bytes for people: GB, or MB below 0.1 GB.
-fn size(b: u64) -> String {
+pub(crate) fn size(b: u64) -> String {
     if b >= 100_000_000 {
         format!("{:.2} GB", b as f64 / 1e9)
     } else {

@@ -19,6 +19,7 @@ fn cfg(steps: usize, sharding: Sharding) -> TrainConfig {
         seed: 7,
         data_seed: 3,
         eval_examples: 64,
+        eval_every: 10,
         sharding,
         ..TrainConfig::new(model, steps)
     }
@@ -72,6 +73,9 @@ fn table_row_and_auto_sharding_train_to_the_bits_of_replicated_tables() {
                     r.rank
                 );
                 assert_eq!(r.losses, replicated[r.rank].losses, "{name} on {world}");
+                // the periodic evaluations look their rows up as the steps do
+                assert_eq!(r.evals.len(), 2, "{name} on {world}");
+                assert_eq!(r.evals, replicated[r.rank].evals, "{name} on {world}");
             }
         }
     }
@@ -97,6 +101,21 @@ fn a_table_set_over_the_budget_trains_row_wise_where_replicated_refuses_it() {
     let ranks = run(&c, 4);
     assert!(ranks.iter().all(|r| r.state == ranks[0].state));
     assert!(sharded_calls(&ranks[0]) > 0);
+    // each rank stores a quarter of the rows and a landing slot per id of its batch of
+    // 16 (26 fields): (75 + 16) rows of 16 values and their state, under the budget
+    let whole = 26 * 300 * 17 * 4;
+    for r in &ranks {
+        assert_eq!(r.table_bytes, 26 * (75 + 16) * 17 * 4, "rank {}", r.rank);
+        assert!(r.table_bytes < budget, "rank {}", r.rank);
+    }
+    // and the whole tables come back at the end: the state has every row
+    let replicated = {
+        let mut c = cfg(3, Sharding::Replicated);
+        c.rank_memory = 1 << 30;
+        run(&c, 4)
+    };
+    assert_eq!(replicated[0].table_bytes, whole);
+    assert!(ranks[0].state == replicated[0].state);
 }
 
 #[test]

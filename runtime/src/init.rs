@@ -20,9 +20,8 @@ pub fn to_unit(u: u64) -> f64 {
 /// The initial values of a parameter, row-major.
 pub fn init_param(init: &Init, shape: &Shape, seed: u64, param_index: u64) -> Vec<f64> {
     let n = shape.numel();
-    let base = splitmix64(splitmix64(seed).wrapping_add(param_index));
-    let uniform =
-        |e: usize, slot: u64| to_unit(splitmix64(base.wrapping_add((e as u64) * 2 + slot)));
+    let base = param_base(seed, param_index);
+    let uniform = |e: usize, slot: u64| uniform_at(base, e, slot);
     match init {
         Init::Zeros => vec![0.0; n],
         Init::Ones => vec![1.0; n],
@@ -40,7 +39,7 @@ pub fn init_param(init: &Init, shape: &Shape, seed: u64, param_index: u64) -> Ve
             let d = shape.last();
             let mut v = Vec::with_capacity(n);
             for &rows in field_rows {
-                let bound = 1.0 / (rows as f64).sqrt();
+                let bound = table_bound(rows);
                 for _ in 0..rows * d {
                     let e = v.len();
                     v.push((2.0 * uniform(e, 0) - 1.0) * bound);
@@ -48,5 +47,79 @@ pub fn init_param(init: &Init, shape: &Shape, seed: u64, param_index: u64) -> Ve
             }
             v
         }
+    }
+}
+
+/// The initial values of some rows of an `Init::Tables` parameter of `field_rows` (its
+/// fields stacked) and width `d`: the values [`init_param`] gives rows `rows` (indices
+/// into the stacked table), row after row in the order asked. A rank that stores only
+/// the rows it owns initialises them to the whole table's values without building it.
+pub fn init_table_rows(
+    field_rows: &[usize],
+    d: usize,
+    seed: u64,
+    param_index: u64,
+    rows: &[usize],
+) -> Vec<f64> {
+    let base = param_base(seed, param_index);
+    let starts: Vec<usize> = field_rows
+        .iter()
+        .scan(0, |at, &r| {
+            let s = *at;
+            *at += r;
+            Some(s)
+        })
+        .collect();
+    let mut v = Vec::with_capacity(rows.len() * d);
+    for &r in rows {
+        let f = starts.partition_point(|&s| s <= r).saturating_sub(1);
+        let bound = field_rows.get(f).map_or(0.0, |&n| table_bound(n));
+        v.extend((0..d).map(|j| (2.0 * uniform_at(base, r * d + j, 0) - 1.0) * bound));
+    }
+    v
+}
+
+/// The generator's state for the `param_index`-th parameter.
+fn param_base(seed: u64, param_index: u64) -> u64 {
+    splitmix64(splitmix64(seed).wrapping_add(param_index))
+}
+
+/// Uniform draw `slot` of element `e` of a parameter.
+fn uniform_at(base: u64, e: usize, slot: u64) -> f64 {
+    to_unit(splitmix64(base.wrapping_add((e as u64) * 2 + slot)))
+}
+
+/// The bound of a field's uniform initialisation: `1/sqrt(rows)`.
+fn table_bound(rows: usize) -> f64 {
+    1.0 / (rows as f64).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_rows_get_the_values_of_the_whole_table() {
+        let (fields, d) = (vec![5usize, 1, 9], 3);
+        let whole = init_param(
+            &Init::Tables {
+                field_rows: fields.clone(),
+            },
+            &Shape::new(&[15, d]),
+            11,
+            4,
+        );
+        let rows = [14usize, 0, 5, 6, 5, 9];
+        let some = init_table_rows(&fields, d, 11, 4, &rows);
+        for (i, &r) in rows.iter().enumerate() {
+            assert_eq!(
+                some[i * d..(i + 1) * d],
+                whole[r * d..(r + 1) * d],
+                "row {r}"
+            );
+        }
+        // another parameter index or seed draws other values
+        assert_ne!(init_table_rows(&fields, d, 11, 5, &rows), some);
+        assert_ne!(init_table_rows(&fields, d, 12, 4, &rows), some);
     }
 }

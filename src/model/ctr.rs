@@ -116,6 +116,12 @@ pub struct CtrConfig {
     pub rows: usize,
     /// Rows of each field's table, in field order; empty: every table has `rows`.
     pub table_rows: Vec<usize>,
+    /// Rows this process stores of each field's table, where they differ from
+    /// [`CtrConfig::field_rows`]: a rank of sharded training holds the rows it owns and a
+    /// landing area for the rows it fetches (see `crate::sharded`), and its lookup reads
+    /// ids remapped into that storage. Empty: the whole tables. The data and its ids are
+    /// always those of the whole tables.
+    pub storage_rows: Vec<usize>,
     /// Ids per field (multi-hot bag size, sum-pooled), where `field_hot` is empty.
     pub hot: usize,
     /// Slots of each field's bag, in field order (variable-length multi-hot data: a bag
@@ -155,6 +161,7 @@ impl Default for CtrConfig {
             num_sparse: 26,
             rows: 100_000,
             table_rows: Vec::new(),
+            storage_rows: Vec::new(),
             hot: 1,
             field_hot: Vec::new(),
             mean_fields: Vec::new(),
@@ -186,6 +193,7 @@ impl CtrConfig {
             num_sparse: 26,
             rows: 1000,
             table_rows: Vec::new(),
+            storage_rows: Vec::new(),
             hot: 1,
             field_hot: Vec::new(),
             mean_fields: Vec::new(),
@@ -233,6 +241,16 @@ impl CtrConfig {
             vec![self.rows; self.num_sparse]
         } else {
             self.table_rows.clone()
+        }
+    }
+
+    /// Rows of each field's table as this process stores them: `storage_rows`, or the
+    /// whole tables.
+    pub fn stored_rows(&self) -> Vec<usize> {
+        if self.storage_rows.is_empty() {
+            self.field_rows()
+        } else {
+            self.storage_rows.clone()
         }
     }
 
@@ -335,6 +353,15 @@ impl CtrConfig {
                     self.table_rows[j]
                 );
             }
+        }
+        if !self.storage_rows.is_empty() {
+            ensure!(
+                self.storage_rows.len() == self.num_sparse
+                    && self.storage_rows.iter().all(|&r| r >= 1 && r <= i32_max),
+                "ctr config: storage_rows {:?} must give 1 to {i32_max} rows for each of the {} categorical fields",
+                self.storage_rows,
+                self.num_sparse
+            );
         }
         self.batch
             .checked_mul(self.bag_slots().iter().sum::<usize>())
@@ -876,7 +903,7 @@ fn graph_inputs_and_table(
         offsets: g.input("offsets", &[b * ns + 1], DType::I32)?,
         label: g.input("label", &[b], float)?,
     };
-    let field_rows = cfg.field_rows();
+    let field_rows = cfg.stored_rows();
     let table = g.scoped("embedding", |g| {
         g.embedding_tables("tables", &field_rows, cfg.dim)
     })?;
@@ -886,7 +913,7 @@ fn graph_inputs_and_table(
 /// The fields' pooled embeddings `[B, F, D]`: each bag summed, or mean-pooled for the
 /// fields of `cfg.mean_fields`.
 fn pool(g: &mut Graph, cfg: &CtrConfig, inputs: &CtrInputs, table: Tensor) -> Result<Tensor> {
-    let field_rows = cfg.field_rows();
+    let field_rows = cfg.stored_rows();
     g.scoped("embedding", |g| -> Result<Tensor> {
         let sum = g.embedding_bag(table, inputs.ids, inputs.offsets, &field_rows)?;
         if cfg.mean_fields.iter().any(|&m| m) {
