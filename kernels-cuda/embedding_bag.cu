@@ -647,3 +647,55 @@ ERASE_KERNEL void emb_bag_mean(const float* __restrict__ y, const int* __restric
         for (int c = lane; c < d; c += 32) zr[c] = scaled ? erase_mul(__ldg(yr + c), scale) : __ldg(yr + c);
     }
 }
+
+// ---- sharded tables: the lookup's ids on a rank that holds some rows -------------------
+
+// A rank `me` of `world` holds, of each field f, the rows placed on it (all of them when
+// the field is replicated) and landing slots for the rows other ranks own. For id slot s
+// of its batch (bags of `hot` slots, bag = example · nf + f, so n = examples · nf · hot),
+// with id = ids[s] and pos its slot within the field (example · hot + s % hot):
+//   ids[s]           <- the id in this rank's storage of field f: a row it holds, or the
+//                       landing slot (landing offset for the owner) + pos; PAD stays PAD;
+//   ubm[k·n + s]     <- where rank k stores the row (k's stacked storage index) if k holds
+//                       it, else PAD: the update's occurrences, in bag order;
+//   ufm[k·n + f·(n/nf) + pos] <- the same where k owns the row alone and this rank does not
+//                       hold it, else PAD: the rows asked of k, field-major, so that each
+//                       field's answers are one contiguous block.
+// kind[3f ..]: 0 replicated, 1 table-wise (then the owner) or 2 row-wise (then rows a
+// rank), and the field's rows. geo[4(k·nf + f) ..]: held start, held length and storage
+// base of field f on rank k, and this rank's landing offset within field f for the rows
+// k owns (-1: none). An id outside its field (bad data, never from the loader) becomes
+// PAD.
+ERASE_KERNEL void shard_ids(int* __restrict__ ids, const int* __restrict__ kind, const int* __restrict__ geo,
+                            int* __restrict__ ubm, int* __restrict__ ufm, int n, int nf, int hot, int world,
+                            int me) {
+    const int per_field = n / nf;
+    for (long long ii = erase_gtid(); ii < n; ii += erase_gstride()) {
+        const int s = (int)ii;
+        const int bag = s / hot, f = bag % nf;
+        const int pos = (bag / nf) * hot + s % hot;
+        const int fm = f * per_field + pos;
+        const int id = ids[s];
+        int owner = -2;  // -2: no row; -1: replicated
+        if (id >= 0 && id < __ldg(kind + 3 * f + 2)) {
+            const int k = __ldg(kind + 3 * f), p = __ldg(kind + 3 * f + 1);
+            owner = k == 0 ? -1 : (k == 1 ? p : id / max(p, 1));
+            if (owner >= world) owner = -2;
+        }
+        for (int k = 0; k < world; ++k) {
+            const int* g = geo + 4 * (k * nf + f);
+            const bool held = owner == -1 || owner == k;
+            const int at = held ? __ldg(g + 2) + id - __ldg(g) : -1;
+            ubm[(long long)k * n + s] = held ? at : -1;
+            ufm[(long long)k * n + fm] = (owner == k && k != me) ? at : -1;
+        }
+        int local = -1;
+        if (owner == -1 || owner == me) {
+            local = id - __ldg(geo + 4 * (me * nf + f));
+        } else if (owner >= 0) {
+            const int land = __ldg(geo + 4 * (owner * nf + f) + 3);
+            local = land >= 0 ? land + pos : -1;
+        }
+        ids[s] = local;
+    }
+}

@@ -3,7 +3,8 @@
 # 1), from a bundle made by scripts/gpu-bundle.sh: a Criteo-layout file trained by
 # `train --gpus N --dispatch graph` through each rank's loader thread, with a periodic
 # held-out evaluation and --metrics; the same run killed after its checkpoint and
-# resumed, which must end with the bits of the run that never stopped. Logs go to $OUT
+# resumed, which must end with the bits of the run that never stopped; then sharded
+# tables (`--sharding row` and `table`, graph and blocking dispatch, killed and resumed). Logs go to $OUT
 # (default <bundle>/out-dp); a short summary is printed last.
 #   bash dp-check.sh [BUNDLE] [LINES]     LINES of the Criteo file, default 400000
 set -u
@@ -32,6 +33,30 @@ a=$(fnv "$out/whole.txt"); b=$(fnv "$out/resumed.txt")
 verdict="DIFFERENT bits"
 [ -n "$a" ] && [ "$a" = "$b" ] && verdict="the same bits"
 summary+=("resumed to 80: rc $rc state $b: $verdict as the run that never stopped")
+# sharded tables: with one rank it holds every row, so its lookup (ids mapped into its
+# storage, the owners' exchange) and its update of the rows it holds must end with the
+# bits of replicated tables; with several, each rank stores only its rows and the bits
+# differ from replicated in the grouping of a row's gradient sums
+for mode in row table; do
+  for dispatch in graph blocking; do
+    "$B" "${dp[@]}" --sharding "$mode" --dispatch "$dispatch" \
+      >"$out/sharded-$mode-$dispatch.txt" 2>"$out/sharded-$mode-$dispatch.log"
+    rc=$?
+    c=$(fnv "$out/sharded-$mode-$dispatch.txt")
+    v="other bits than"
+    [ -n "$c" ] && [ "$c" = "$a" ] && v="the same bits as"
+    summary+=("--sharding $mode, $dispatch dispatch: rc $rc state $c: $v replicated tables; $(grep -E 'stores|examples/s' "$out/sharded-$mode-$dispatch.txt" "$out/sharded-$mode-$dispatch.log" | head -2 | sed 's/.*: //' | tr '\n' ';')")
+  done
+done
+ERASE_FAIL_AT_STEP=0:60 "$B" "${dp[@]}" --sharding row --checkpoint "$work/sh.st" --checkpoint-every 40 \
+  >"$out/sharded-killed.txt" 2>"$out/sharded-killed.log"
+summary+=("--sharding row killed at step 60: rc $? (non-zero expected)")
+"$B" "${dp[@]}" --sharding row --resume "$work/sh.st" >"$out/sharded-resumed.txt" 2>"$out/sharded-resumed.log"
+rc=$?
+c=$(fnv "$out/sharded-row-graph.txt"); d=$(fnv "$out/sharded-resumed.txt")
+v="DIFFERENT bits"
+[ -n "$c" ] && [ "$c" = "$d" ] && v="the same bits"
+summary+=("--sharding row resumed to 80: rc $rc state $d: $v as the sharded run that never stopped")
 echo
 echo "== summary =="
 for s in "${summary[@]}"; do echo "  $s"; done

@@ -246,7 +246,7 @@ pub fn run_rank<C: Collective>(
         (local.dim, local.batch),
         (rank, world),
         cfg.rank_memory,
-        cfg.sharding,
+        (cfg.sharding, crate::sharded::Landing::Distinct),
     )
     .with_context(|| format!("rank {rank}: placing the embedding tables"))?;
     let stored = crate::model::ctr::CtrConfig {
@@ -474,20 +474,20 @@ pub(crate) fn stored_table_bytes(g: &erase_graph::Graph, nodes: &[erase_graph::N
 /// After which steps a sharded rank makes its tables whole: before a checkpoint and at
 /// the end (so that every replica is whole and identical), as [`drive`] asks for them.
 /// An evaluation looks its rows up as a step does.
-struct WholeAt {
+pub(crate) struct WholeAt {
     steps: usize,
     checkpoint_every: Option<usize>,
 }
 
 impl WholeAt {
-    fn of(cfg: &TrainConfig) -> WholeAt {
+    pub(crate) fn of(cfg: &TrainConfig) -> WholeAt {
         WholeAt {
             steps: cfg.steps,
             checkpoint_every: cfg.checkpoint.as_ref().map(|_| cfg.checkpoint_every),
         }
     }
 
-    fn needs(&self, done: usize) -> bool {
+    pub(crate) fn needs(&self, done: usize) -> bool {
         let every = |n: usize| n > 0 && done.is_multiple_of(n);
         done == self.steps || self.checkpoint_every.is_some_and(every)
     }

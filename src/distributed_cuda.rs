@@ -58,7 +58,17 @@ pub fn run_worker_cuda(
         "rank {rank}: {} (device {}), NCCL communicator of {world} ranks",
         dev.name, env.local_rank
     );
-    let r = train(cfg, env, opts, fail, &dev, &mut comm, &wd, progress);
+    let r = train(
+        cfg,
+        env,
+        opts,
+        fail,
+        &dev,
+        &mut comm,
+        &mut control,
+        &wd,
+        progress,
+    );
     comm.unwatch(&wd);
     match r {
         Ok(r) => report(&mut control, &r, cfg, opts, "CUDA", || {
@@ -80,33 +90,47 @@ fn train(
     fail: Option<FailAt>,
     dev: &erase_runtime::cuda::CudaDevice,
     comm: &mut NcclComm,
+    control: &mut TcpCollective,
     wd: &Watchdog,
     progress: &mut dyn Progress,
 ) -> Result<RankResult> {
     let (rank, world) = (env.rank, env.world);
     let mut local = cfg.model.clone();
     local.batch = cfg.model.batch / world;
-    let plan = plan_step_data_parallel(&local, DType::F32, &cfg.optimizer, &cfg.schedule)?;
+    // where the tables live: every rank's storage (a sharded rank holds its rows and a
+    // landing block per owner of each field it does not hold whole)
+    let storages = (0..world)
+        .map(|k| {
+            crate::sharded::Storage::plan(
+                &local.field_rows(),
+                &local.bag_slots(),
+                (local.dim, local.batch),
+                (k, world),
+                cfg.rank_memory,
+                (cfg.sharding, crate::sharded::Landing::PerOwner),
+            )
+        })
+        .collect::<Result<Vec<_>>>()
+        .with_context(|| format!("rank {rank}: placing the embedding tables"))?;
+    let shards = match storages.iter().cloned().collect::<Option<Vec<_>>>() {
+        Some(all) => {
+            let slots = local.bag_slots();
+            let hot = slots.first().copied().unwrap_or(1);
+            if slots.iter().any(|&h| h != hot) {
+                bail!("sharded tables on CUDA ranks need bags of one size in every field (field_hot {slots:?}); use --sharding replicated");
+            }
+            let geo = all[rank].geometry(&all, local.batch, hot)?;
+            Some((all[rank].clone(), geo))
+        }
+        None => None,
+    };
+    let stored = crate::model::ctr::CtrConfig {
+        storage_rows: shards.as_ref().map_or(Vec::new(), |s| s.0.stored_rows()),
+        ..local.clone()
+    };
+    let plan = plan_step_data_parallel(&stored, DType::F32, &cfg.optimizer, &cfg.schedule)?;
     crate::train::check_memory(&plan, Some(dev))?;
     let g = &plan.model.graph;
-    // sharded tables need NCCL's all-to-all in the step, which is not written yet: `auto`
-    // replicates where the tables fit, a forced sharding is refused
-    let mode = match cfg.sharding {
-        crate::sharding::Sharding::Auto => crate::sharding::Sharding::Replicated,
-        m => m,
-    };
-    if crate::sharded::Storage::plan(
-        &local.field_rows(),
-        &local.bag_slots(),
-        (local.dim, local.batch),
-        (rank, world),
-        cfg.rank_memory,
-        mode,
-    )?
-    .is_some()
-    {
-        bail!("--sharding {mode:?}: sharded tables train on CPU ranks only for now (CUDA ranks need NCCL's all-to-all in the step); use --sharding replicated or auto");
-    }
     let sparse: Vec<_> = plan
         .program
         .launches
@@ -116,12 +140,39 @@ fn train(
         .collect();
     let table_bytes = crate::distributed::stored_table_bytes(g, &sparse);
     let mut prog = CudaProgram::new(dev, g, &plan.program, &plan.memory, cfg.seed)?;
-    let dp = DataParallel::new(
+    let sharded = match &shards {
+        Some((store, _)) => {
+            let &[node] = &sparse[..] else {
+                bail!("sharded tables need the trainer's one table; the step has {} row-wise Adagrad updates", sparse.len());
+            };
+            let n = g.node(node);
+            let (Some(&table), Some(&acc)) = (n.updates.first(), n.updates.get(1)) else {
+                bail!("'{}' updates no table and state", n.name);
+            };
+            prog.feed(table, &Buffer::F32(store.initial(g, table, cfg.seed)?))?;
+            eprintln!(
+                "rank {rank}: stores {} of embedding tables and their state (the whole tables: {})",
+                crate::sharding::size(table_bytes),
+                crate::sharding::size(local.table_bytes().0 + local.table_bytes().1)
+            );
+            Some(CudaShards {
+                store: store.clone(),
+                name: n.name.clone(),
+                table,
+                acc,
+                whole: None,
+                whole_at: crate::distributed::WholeAt::of(cfg),
+            })
+        }
+        None => None,
+    };
+    let dp = DataParallel::with_shards(
         &prog,
         &plan.partition,
         &plan.training.grads,
         world,
         opts.allreduce == AllReduce::Early,
+        shards.as_ref().map(|s| &s.1),
     )?;
     prog.set_threaded(cfg.dispatch == Dispatch::Threaded);
     let graph = cfg.dispatch == Dispatch::Graph;
@@ -133,6 +184,8 @@ fn train(
         wd.leave();
     }
     let share = Share { rank, world };
+    // every collective the rank issues, in order (a captured step's as it replays)
+    let mut log: Vec<CollectiveRecord> = Vec::new();
     let (report, state, layout) = {
         let what = format!(
             "{} collectives{}",
@@ -146,9 +199,12 @@ fn train(
             prog,
             dp: &dp,
             comm: &mut *comm,
+            control: &mut *control,
             wd,
             rank,
             fail,
+            sharded,
+            log: &mut log,
         };
         // two steps in flight, as on one device: the loader's pinned slots feed them
         let mut s = Session::with_exec(
@@ -163,18 +219,6 @@ fn train(
         let (state, layout) = crate::distributed::persistent_state(g, |t| s.read(t))?;
         (report, state, layout)
     };
-    // every step issued the plan's collectives (a captured step's are logged once)
-    let mut log: Vec<CollectiveRecord> = Vec::new();
-    for _ in 0..report.losses.len() {
-        for (kind, bucket, bytes) in &dp.per_step {
-            log.push(CollectiveRecord {
-                seq: log.len() as u64,
-                kind,
-                bucket: bucket.clone(),
-                bytes: *bytes,
-            });
-        }
-    }
     if !graph && comm.log().len() != log.len() {
         bail!(
             "rank {rank}: issued {} collectives, the plan says {}",
@@ -201,19 +245,120 @@ struct RankExec<'a> {
     prog: CudaProgram<'a>,
     dp: &'a DataParallel,
     comm: &'a mut NcclComm,
+    /// The rendezvous' TCP connections: the whole tables are assembled over them.
+    control: &'a mut TcpCollective,
     wd: &'a Watchdog,
     rank: usize,
     fail: Option<FailAt>,
     /// The step's collectives, for the watchdog: "N collectives, first KIND 'BUCKET'".
     what: String,
+    sharded: Option<CudaShards>,
+    log: &'a mut Vec<CollectiveRecord>,
+}
+
+/// A CUDA rank's sharded table: its placement, and the whole copy assembled for a
+/// checkpoint or the end.
+struct CudaShards {
+    store: crate::sharded::Storage,
+    name: String,
+    table: Tensor,
+    acc: Tensor,
+    whole: Option<(Vec<f32>, Vec<f32>)>,
+    whole_at: crate::distributed::WholeAt,
+}
+
+impl RankExec<'_> {
+    fn push_log<'b>(&mut self, records: impl Iterator<Item = &'b (&'static str, String, usize)>) {
+        for (kind, bucket, bytes) in records {
+            self.log.push(CollectiveRecord {
+                seq: self.log.len() as u64,
+                kind,
+                bucket: bucket.clone(),
+                bytes: *bytes,
+            });
+        }
+    }
+
+    /// Every rank's rows of the sharded table gathered into a whole copy (after step
+    /// `step`, which is waited for), over the TCP connections.
+    fn assemble(&mut self, step: u64) -> Result<()> {
+        let Some(sh) = self.sharded.as_mut() else {
+            return Ok(());
+        };
+        self.wd
+            .enter(format!("step {step}: assembling the whole tables"));
+        self.prog.synchronize()?;
+        let f32s = |b: Buffer, what: &str| match b {
+            Buffer::F32(v) => Ok(v),
+            b => Err(anyhow::anyhow!("'{what}' is {}, expected f32", b.dtype())),
+        };
+        let table = f32s(self.prog.get(sh.table)?, &sh.name)?;
+        let acc = f32s(self.prog.get(sh.acc)?, &sh.name)?;
+        let d = table.len() / sh.store.stored_rows().iter().sum::<usize>().max(1);
+        sh.whole = Some(
+            sh.store
+                .assemble(&sh.name, &table, &acc, d, &mut *self.control)
+                .with_context(|| format!("rank {}, step {step}: the whole tables", self.rank))?,
+        );
+        self.wd.leave();
+        Ok(())
+    }
+}
+
+impl CudaShards {
+    fn read_whole(&self, t: Tensor) -> Result<Buffer> {
+        let (table, acc) = self.whole.as_ref().ok_or_else(|| {
+            anyhow::anyhow!(
+                "'{}' is sharded: it is whole only after a checkpoint's or the last step",
+                self.name
+            )
+        })?;
+        Ok(Buffer::F32(if t == self.table {
+            table.clone()
+        } else {
+            acc.clone()
+        }))
+    }
 }
 
 impl crate::checkpoint::TensorStore for RankExec<'_> {
     fn read(&self, t: Tensor) -> Result<Buffer> {
-        crate::checkpoint::TensorStore::read(&self.prog, t)
+        match &self.sharded {
+            Some(sh) if t == sh.table || t == sh.acc => sh.read_whole(t),
+            _ => crate::checkpoint::TensorStore::read(&self.prog, t),
+        }
     }
     fn write(&mut self, t: Tensor, b: Buffer) -> Result<()> {
-        crate::checkpoint::TensorStore::write(&mut self.prog, t, b)
+        match &mut self.sharded {
+            Some(sh) if t == sh.table || t == sh.acc => {
+                // a resumed whole table: the rows this rank holds, into its storage
+                let width = if t == sh.table {
+                    self.prog
+                        .graph()
+                        .shape(t)
+                        .dims()
+                        .get(1)
+                        .copied()
+                        .unwrap_or(1)
+                } else {
+                    1
+                };
+                let mut local = match self.prog.get(t)? {
+                    Buffer::F32(v) => v,
+                    other => bail!("'{}' is {}, expected f32", sh.name, other.dtype()),
+                };
+                sh.store.scatter(&sh.name, &b, width, &mut local)?;
+                sh.whole = None;
+                Ok(self.prog.feed(t, &Buffer::F32(local))?)
+            }
+            _ => crate::checkpoint::TensorStore::write(&mut self.prog, t, b),
+        }
+    }
+    fn dims(&self, g: &erase_graph::Graph, t: Tensor) -> Vec<usize> {
+        match &self.sharded {
+            Some(sh) if t == sh.table || t == sh.acc => sh.store.whole_dims(g, t),
+            _ => g.shape(t).dims().to_vec(),
+        }
     }
 }
 
@@ -225,10 +370,24 @@ impl StepExec for RankExec<'_> {
         bail!("a data-parallel rank steps from the loader's batches only")
     }
     fn run_launches(&mut self, which: &[usize]) -> Result<()> {
+        // a forward (an evaluation's) looks its rows up as a step does: every rank
+        // evaluates the same batches, so every rank issues the same exchange
+        if self.sharded.is_some() {
+            self.wd.enter("an evaluation's sharded lookup");
+            self.prog
+                .look_up(self.dp, self.comm)
+                .with_context(|| format!("rank {}: the sharded lookup of a forward", self.rank))?;
+            self.wd.leave();
+            let dp = self.dp;
+            self.push_log(dp.per_step.iter().take(2));
+        }
         StepExec::run_launches(&mut self.prog, which)
     }
     fn get(&self, t: Tensor) -> Result<Buffer> {
-        StepExec::get(&self.prog, t)
+        match &self.sharded {
+            Some(sh) if t == sh.table || t == sh.acc => sh.read_whole(t),
+            _ => StepExec::get(&self.prog, t),
+        }
     }
     fn slots(
         &mut self,
@@ -252,6 +411,14 @@ impl StepExec for RankExec<'_> {
             .step_from_with(step, slot, p, |p| p.run_data_parallel(dp, comm))
             .with_context(|| format!("rank {}, step {step}", self.rank))?;
         self.wd.leave();
+        self.push_log(dp.per_step.iter());
+        // a checkpoint or the end needs the whole tables after this step
+        if let Some(sh) = self.sharded.as_mut() {
+            sh.whole = None;
+            if sh.whole_at.needs(step as usize + 1) {
+                self.assemble(step)?;
+            }
+        }
         Ok(())
     }
     fn finish(&mut self, step: u64) -> Result<(Vec<f64>, f64)> {

@@ -56,6 +56,35 @@ struct FieldStore {
     /// rows it holds.
     local_base: usize,
     landing: usize,
+    /// With [`Landing::PerOwner`]: where (within the field's storage) the block of the
+    /// rows each rank owns lands; empty with [`Landing::Distinct`].
+    landing_at: Vec<Option<usize>>,
+}
+
+/// How a rank lays out the landing slots of a field it does not hold whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Landing {
+    /// One slot per id slot of its batch, filled with the distinct rows it fetches (CPU
+    /// ranks: the lookup maps ids on the host).
+    Distinct,
+    /// One block of a slot per id slot of its batch for each other rank that owns rows of
+    /// the field, each id landing at its own position in its owner's block (CUDA ranks:
+    /// every position fixed by the batch's shape, so the exchange can be captured).
+    PerOwner,
+}
+
+/// The rows of a field placed `placement` that rank `k` of `world` holds: (start, len).
+fn held_range(placement: Placement, rows: usize, k: usize, world: usize) -> (usize, usize) {
+    match placement {
+        Placement::Replicated => (0, rows),
+        Placement::Table(o) if o == k => (0, rows),
+        Placement::Table(_) => (0, 0),
+        Placement::Row => {
+            let per = row_share(rows, world);
+            let start = (k * per).min(rows);
+            (start, ((k + 1) * per).min(rows) - start)
+        }
+    }
 }
 
 impl FieldStore {
@@ -78,15 +107,16 @@ pub(crate) struct Storage {
 impl Storage {
     /// The fields of `field_rows` rows (width `dim`, `slots[f]` ids of field `f` in each
     /// of the rank's `batch` examples) placed for rank `rank` of `world`, each rank
-    /// holding at most `budget` bytes of tables (`mode`): `None` when every table stays
-    /// replicated (the step then gathers the sparse gradients as it always has).
+    /// holding at most `budget` bytes of tables (`mode`), with landing slots laid out
+    /// `landing_kind`: `None` when every table stays replicated (the step then gathers
+    /// the sparse gradients as it always has).
     pub(crate) fn plan(
         field_rows: &[usize],
         slots: &[usize],
         (dim, batch): (usize, usize),
         (rank, world): (usize, usize),
         budget: u64,
-        mode: Sharding,
+        (mode, landing_kind): (Sharding, Landing),
     ) -> Result<Option<Storage>> {
         let tables: Vec<Table> = field_rows
             .iter()
@@ -104,21 +134,28 @@ impl Storage {
         let (mut base, mut local_base) = (0, 0);
         let mut fields = Vec::with_capacity(field_rows.len());
         for (f, (&rows, &placement)) in field_rows.iter().zip(&placements).enumerate() {
-            let (own_start, own_len) = match placement {
-                Placement::Replicated => (0, rows),
-                Placement::Table(k) if k == rank => (0, rows),
-                Placement::Table(_) => (0, 0),
-                Placement::Row => {
-                    let per = row_share(rows, world);
-                    let start = (rank * per).min(rows);
-                    (start, ((rank + 1) * per).min(rows) - start)
+            let (own_start, own_len) = held_range(placement, rows, rank, world);
+            let block = batch * slots.get(f).copied().unwrap_or(1);
+            let (mut landing, mut landing_at) = (0, Vec::new());
+            if own_len < rows {
+                match landing_kind {
+                    Landing::Distinct => landing = block,
+                    Landing::PerOwner => {
+                        landing_at = (0..world)
+                            .map(|k| {
+                                let owns = k != rank
+                                    && placement != Placement::Replicated
+                                    && held_range(placement, rows, k, world).1 > 0;
+                                owns.then(|| {
+                                    let at = own_len + landing;
+                                    landing += block;
+                                    at
+                                })
+                            })
+                            .collect();
+                    }
                 }
-            };
-            let landing = if own_len == rows {
-                0
-            } else {
-                batch * slots.get(f).copied().unwrap_or(1)
-            };
+            }
             let fs = FieldStore {
                 placement,
                 rows,
@@ -127,6 +164,7 @@ impl Storage {
                 own_len,
                 local_base,
                 landing,
+                landing_at,
             };
             base += rows;
             local_base += fs.stored();
@@ -144,8 +182,196 @@ impl Storage {
         self.fields.iter().map(FieldStore::stored).collect()
     }
 
+    /// The CUDA kernels' view of the placement (laid out [`Landing::PerOwner`]), as rank
+    /// `self.rank` sees it: `all[k]` is rank `k`'s storage, `hot` the slots of every bag.
+    pub(crate) fn geometry(
+        &self,
+        all: &[Storage],
+        examples: usize,
+        hot: usize,
+    ) -> Result<erase_runtime::cuda::sharded::ShardGeometry> {
+        use erase_runtime::cuda::sharded::{FieldKind, FieldOnRank, ShardGeometry};
+        if all.len() != self.world || all.iter().any(|s| s.fields.len() != self.fields.len()) {
+            bail!("the ranks' table placements disagree");
+        }
+        let kinds = self
+            .fields
+            .iter()
+            .map(|f| match f.placement {
+                Placement::Replicated => FieldKind::Replicated,
+                Placement::Table(k) => FieldKind::Table(k),
+                Placement::Row => FieldKind::Row {
+                    per: row_share(f.rows, self.world),
+                },
+            })
+            .collect();
+        let on = all
+            .iter()
+            .map(|s| {
+                s.fields
+                    .iter()
+                    .map(|f| FieldOnRank {
+                        start: f.own_start,
+                        len: f.own_len,
+                        base: f.local_base,
+                    })
+                    .collect()
+            })
+            .collect();
+        let landing = self
+            .fields
+            .iter()
+            .map(|f| {
+                (0..self.world)
+                    .map(|k| f.landing_at.get(k).copied().flatten())
+                    .collect()
+            })
+            .collect();
+        let g = ShardGeometry {
+            rank: self.rank,
+            world: self.world,
+            examples,
+            hot,
+            rows: self.field_rows(),
+            kinds,
+            on,
+            landing,
+            stored: self.stored_rows(),
+        };
+        if g.stored_total() >= i32::MAX as usize {
+            bail!(
+                "a rank's {} stored rows do not fit the kernels' i32 ids",
+                g.stored_total()
+            );
+        }
+        Ok(g)
+    }
+
     fn field_rows(&self) -> Vec<usize> {
         self.fields.iter().map(|f| f.rows).collect()
+    }
+
+    /// This rank's initial storage of table `table` of `g` (width from `g`): the rows it
+    /// holds at the whole table's initial values (parameters drawn from `seed`), the
+    /// landing slots at zero.
+    pub(crate) fn initial(&self, g: &Graph, table: Tensor, seed: u64) -> Result<Vec<f32>> {
+        let d = g.shape(table).dims().get(1).copied().unwrap_or(1);
+        let index = param_index(g, table)?;
+        let held: Vec<(usize, usize)> = self.held().collect();
+        let rows: Vec<usize> = held.iter().map(|h| h.0).collect();
+        let init = erase_runtime::init::init_table_rows(&self.field_rows(), d, seed, index, &rows);
+        let mut local = vec![0f32; self.stored_total() * d];
+        for (i, &(_, at)) in held.iter().enumerate() {
+            for (o, &v) in local[at * d..(at + 1) * d]
+                .iter_mut()
+                .zip(&init[i * d..(i + 1) * d])
+            {
+                *o = v as f32;
+            }
+        }
+        Ok(local)
+    }
+
+    /// Step 3 of the module documentation: every rank's rows of the table `name` (this
+    /// rank's storage `table` of width `d`, its row-wise Adagrad state `acc`) exchanged
+    /// over `comm`, so that every rank returns the same whole table and state.
+    pub(crate) fn assemble<C: Collective>(
+        &self,
+        name: &str,
+        table: &[f32],
+        acc: &[f32],
+        d: usize,
+        comm: &mut C,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        if table.len() != self.stored_total() * d || acc.len() != self.stored_total() {
+            bail!(
+                "'{name}': {} and {} stored values, the placement stores {} rows of {d}",
+                table.len(),
+                acc.len(),
+                self.stored_total()
+            );
+        }
+        let mine: Vec<u8> = self
+            .owned_by(self.rank)
+            .flat_map(|r| {
+                let at = self.local(r).unwrap_or(0);
+                table[at * d..(at + 1) * d]
+                    .iter()
+                    .chain(std::iter::once(&acc[at]))
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>()
+            })
+            .collect();
+        let parts = vec![mine; self.world];
+        let got = comm.all_to_all(&format!("{name}.whole"), &parts)?;
+        let n = self.whole_rows();
+        let (mut wt, mut wa) = (vec![0f32; n * d], vec![0f32; n]);
+        for (r, at) in self.held() {
+            wt[r * d..(r + 1) * d].copy_from_slice(&table[at * d..(at + 1) * d]);
+            wa[r] = acc[at];
+        }
+        for (k, b) in got.iter().enumerate() {
+            if k == self.rank {
+                continue;
+            }
+            let vals = f32s_of(b);
+            let rows: Vec<usize> = self.owned_by(k).collect();
+            if vals.len() != rows.len() * (d + 1) {
+                bail!(
+                    "'{name}': rank {k} sent {} values for its {} rows",
+                    vals.len(),
+                    rows.len()
+                );
+            }
+            for (i, r) in rows.into_iter().enumerate() {
+                let v = &vals[i * (d + 1)..(i + 1) * (d + 1)];
+                wt[r * d..(r + 1) * d].copy_from_slice(&v[..d]);
+                wa[r] = v[d];
+            }
+        }
+        Ok((wt, wa))
+    }
+
+    /// A whole table `b` of rows of `width` values (a resumed checkpoint's table, or its
+    /// state with `width` 1) written into this rank's storage `local`: the rows it holds.
+    pub(crate) fn scatter(
+        &self,
+        name: &str,
+        b: &Buffer,
+        width: usize,
+        local: &mut [f32],
+    ) -> Result<()> {
+        let Buffer::F32(v) = b else {
+            bail!("'{name}' must be f32, not {}", b.dtype());
+        };
+        if v.len() != self.whole_rows() * width {
+            bail!(
+                "'{name}' has {} values; the whole table needs {}",
+                v.len(),
+                self.whole_rows() * width
+            );
+        }
+        if local.len() != self.stored_total() * width {
+            bail!(
+                "'{name}': {} stored values, the placement stores {} rows of {width}",
+                local.len(),
+                self.stored_total()
+            );
+        }
+        for (r, at) in self.held() {
+            local[at * width..(at + 1) * width].copy_from_slice(&v[r * width..(r + 1) * width]);
+        }
+        Ok(())
+    }
+
+    /// The whole table's shape of `t` (a table or its state) in graph `g`: its storage
+    /// shape with the whole table's rows.
+    pub(crate) fn whole_dims(&self, g: &Graph, t: Tensor) -> Vec<usize> {
+        let mut dims = g.shape(t).dims().to_vec();
+        if let Some(first) = dims.first_mut() {
+            *first = self.whole_rows();
+        }
+        dims
     }
 
     fn whole_rows(&self) -> usize {
@@ -289,22 +515,7 @@ impl ShardedTables {
             whole: None,
             store,
         };
-        // the rows held start at the whole table's values, the landing slots at zero
-        let index = param_index(g, table)?;
-        let held: Vec<(usize, usize)> = t.store.held().collect();
-        let rows: Vec<usize> = held.iter().map(|h| h.0).collect();
-        let init =
-            erase_runtime::init::init_table_rows(&t.store.field_rows(), dim, seed, index, &rows);
-        let mut local = vec![0f32; t.store.stored_total() * dim];
-        for (i, &(_, at)) in held.iter().enumerate() {
-            for (o, &v) in local[at * dim..(at + 1) * dim]
-                .iter_mut()
-                .zip(&init[i * dim..(i + 1) * dim])
-            {
-                *o = v as f32;
-            }
-        }
-        runner.feed(table, Buffer::F32(local))?;
+        runner.feed(table, Buffer::F32(t.store.initial(g, table, seed)?))?;
         Ok(t)
     }
 
@@ -573,49 +784,11 @@ impl ShardedTables {
         runner: &mut ProgramRunner,
         comm: &mut C,
     ) -> Result<()> {
-        let st = &self.store;
-        let d = self.dim;
         let (table, acc) = (f32s(runner, self.table)?, f32s(runner, self.acc)?);
-        let mine: Vec<u8> = st
-            .owned_by(st.rank)
-            .flat_map(|r| {
-                let at = st.local(r).unwrap_or(0);
-                table[at * d..(at + 1) * d]
-                    .iter()
-                    .chain(std::iter::once(&acc[at]))
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect::<Vec<u8>>()
-            })
-            .collect();
-        let parts = vec![mine; st.world];
-        let got = comm.all_to_all(&format!("{}.whole", self.name), &parts)?;
-        let n = st.whole_rows();
-        let (mut wt, mut wa) = (vec![0f32; n * d], vec![0f32; n]);
-        for (r, at) in st.held() {
-            wt[r * d..(r + 1) * d].copy_from_slice(&table[at * d..(at + 1) * d]);
-            wa[r] = acc[at];
-        }
-        for (k, b) in got.iter().enumerate() {
-            if k == st.rank {
-                continue;
-            }
-            let vals = f32s_of(b);
-            let rows: Vec<usize> = st.owned_by(k).collect();
-            if vals.len() != rows.len() * (d + 1) {
-                bail!(
-                    "'{}': rank {k} sent {} values for its {} rows",
-                    self.name,
-                    vals.len(),
-                    rows.len()
-                );
-            }
-            for (i, r) in rows.into_iter().enumerate() {
-                let v = &vals[i * (d + 1)..(i + 1) * (d + 1)];
-                wt[r * d..(r + 1) * d].copy_from_slice(&v[..d]);
-                wa[r] = v[d];
-            }
-        }
-        self.whole = Some((wt, wa));
+        self.whole = Some(
+            self.store
+                .assemble(&self.name, &table, &acc, self.dim, comm)?,
+        );
         Ok(())
     }
 
@@ -626,11 +799,7 @@ impl ShardedTables {
 
     /// The whole table's shape of `t` (the table or its state) in graph `g`.
     pub(crate) fn whole_dims(&self, g: &Graph, t: Tensor) -> Vec<usize> {
-        let mut dims = g.shape(t).dims().to_vec();
-        if let Some(first) = dims.first_mut() {
-            *first = self.store.whole_rows();
-        }
-        dims
+        self.store.whole_dims(g, t)
     }
 
     /// The whole table or its state, as [`ShardedTables::assemble`] left it.
@@ -656,30 +825,13 @@ impl ShardedTables {
         t: Tensor,
         b: Buffer,
     ) -> Result<()> {
-        let st = &self.store;
         let width = if t == self.table { self.dim } else { 1 };
-        let Buffer::F32(v) = b else {
-            bail!(
-                "'{}' must be f32, not {}",
-                runner.graph().name(t),
-                b.dtype()
-            );
-        };
-        if v.len() != st.whole_rows() * width {
-            bail!(
-                "'{}' has {} values; the whole table needs {}",
-                runner.graph().name(t),
-                v.len(),
-                st.whole_rows() * width
-            );
-        }
+        let name = runner.graph().name(t).to_string();
         let mut local = take_f32(runner, t)?;
-        for (r, at) in st.held() {
-            local[at * width..(at + 1) * width].copy_from_slice(&v[r * width..(r + 1) * width]);
-        }
+        let r = self.store.scatter(&name, &b, width, &mut local);
         runner.feed(t, Buffer::F32(local))?;
         self.whole = None;
-        Ok(())
+        r
     }
 }
 
@@ -742,4 +894,164 @@ fn u32s(b: &[u8]) -> Vec<u32> {
 
 fn f32s_of(b: &[u8]) -> Vec<f32> {
     bytemuck::pod_collect_to_vec(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank's storage of the same placement, laid out for CUDA ranks.
+    fn ranks(
+        rows: &[usize],
+        (examples, hot): (usize, usize),
+        world: usize,
+        (mode, budget): (Sharding, u64),
+    ) -> Vec<Storage> {
+        let slots = vec![hot; rows.len()];
+        (0..world)
+            .map(|k| {
+                Storage::plan(
+                    rows,
+                    &slots,
+                    (4, examples),
+                    (k, world),
+                    budget,
+                    (mode, Landing::PerOwner),
+                )
+                .unwrap()
+                .expect("sharded")
+            })
+            .collect()
+    }
+
+    /// The CUDA ranks' exchange played on the CPU with the kernel's reference: every
+    /// rank's lookup through its storage and landing blocks reads the rows of the whole
+    /// table, and each owner's update occurrences are exactly the occurrences of the rows
+    /// it holds, in rank and bag order.
+    #[test]
+    fn the_cuda_exchange_looks_up_the_whole_tables_rows_and_updates_each_row_once() {
+        let rows = [7usize, 1, 12, 5];
+        let (examples, hot, d) = (6usize, 2usize, 3usize);
+        let big = 1 << 40;
+        for (world, mode, budget) in [
+            (3, Sharding::Row, big),
+            (3, Sharding::Table, big),
+            (2, Sharding::Row, big),
+            (4, Sharding::Row, big),
+            // the largest field sharded, the others replicated
+            (3, Sharding::Auto, 300),
+        ] {
+            let all = ranks(&rows, (examples, hot), world, (mode, budget));
+            if mode == Sharding::Auto {
+                let kinds: Vec<Placement> = all[0].fields.iter().map(|f| f.placement).collect();
+                assert!(
+                    kinds.contains(&Placement::Replicated)
+                        && kinds.iter().any(|p| *p != Placement::Replicated),
+                    "{kinds:?}"
+                );
+            }
+            let geo: Vec<_> = all
+                .iter()
+                .map(|s| s.geometry(&all, examples, hot).unwrap())
+                .collect();
+            let whole: Vec<f32> = (0..rows.iter().sum::<usize>() * d)
+                .map(|i| i as f32 * 0.5 + 1.0)
+                .collect();
+            // each rank's storage: its rows at their whole-table values, landing poisoned
+            let mut store: Vec<Vec<f32>> = all
+                .iter()
+                .map(|s| {
+                    let mut v = vec![f32::NAN; s.stored_total() * d];
+                    for (r, at) in s.held() {
+                        v[at * d..(at + 1) * d].copy_from_slice(&whole[r * d..(r + 1) * d]);
+                    }
+                    v
+                })
+                .collect();
+            let n = geo[0].n_ids();
+            let nf = rows.len();
+            // random ids (some padding) for every rank's batch
+            let mut x = 12345u64 + world as u64;
+            let batch: Vec<Vec<i32>> = (0..world)
+                .map(|_| {
+                    (0..n)
+                        .map(|s| {
+                            x = x
+                                .wrapping_mul(6364136223846793005)
+                                .wrapping_add(1442695040888963407);
+                            let f = (s / hot) % nf;
+                            if (x >> 60) == 0 {
+                                PAD
+                            } else {
+                                ((x >> 33) % rows[f] as u64) as i32
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            let refs: Vec<_> = (0..world).map(|j| geo[j].reference(&batch[j])).collect();
+            // each owner answers every rank's asks from its storage
+            let answers: Vec<Vec<f32>> = (0..world)
+                .map(|k| {
+                    let mut a = vec![0f32; world * n * d];
+                    for (j, r) in refs.iter().enumerate() {
+                        for (p, &at) in r.2[k * n..(k + 1) * n].iter().enumerate() {
+                            if at != PAD {
+                                let at = at as usize;
+                                a[(j * n + p) * d..(j * n + p + 1) * d]
+                                    .copy_from_slice(&store[k][at * d..(at + 1) * d]);
+                            }
+                        }
+                    }
+                    a
+                })
+                .collect();
+            // the blocks pair up: owner k's sends to j are j's receives from k, in order
+            for j in 0..world {
+                for k in (0..world).filter(|&k| k != j) {
+                    let sends: Vec<_> =
+                        geo[k].sends().into_iter().filter(|b| b.peer == j).collect();
+                    let recvs: Vec<_> = geo[j]
+                        .receives()
+                        .into_iter()
+                        .filter(|b| b.peer == k)
+                        .collect();
+                    assert_eq!(sends.len(), recvs.len(), "{mode:?} {world}: {k} -> {j}");
+                    for (s, r) in sends.iter().zip(&recvs) {
+                        assert_eq!((s.field, s.rows), (r.field, r.rows));
+                        store[j][r.at * d..(r.at + s.rows) * d]
+                            .copy_from_slice(&answers[k][s.at * d..(s.at + s.rows) * d]);
+                    }
+                }
+            }
+            for j in 0..world {
+                let (local, ubm, _) = &refs[j];
+                let bases: Vec<usize> = all[j].fields.iter().map(|f| f.local_base).collect();
+                let gbases: Vec<usize> = all[j].fields.iter().map(|f| f.base).collect();
+                for s in 0..n {
+                    let f = (s / hot) % nf;
+                    if batch[j][s] == PAD {
+                        assert_eq!(local[s], PAD);
+                        continue;
+                    }
+                    assert!((local[s] as usize) < all[j].fields[f].stored());
+                    let at = bases[f] + local[s] as usize;
+                    let r = gbases[f] + batch[j][s] as usize;
+                    assert_eq!(
+                        store[j][at * d..(at + 1) * d],
+                        whole[r * d..(r + 1) * d],
+                        "{mode:?} on {world}: rank {j}, slot {s}"
+                    );
+                    // each rank that holds the row gets this occurrence at the row's place
+                    for k in 0..world {
+                        let u = ubm[k * n + s];
+                        match all[k].local(r) {
+                            Some(place) => assert_eq!(u, place as i32),
+                            None => assert_eq!(u, PAD),
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -213,6 +213,36 @@ fn split_rows(rank_bytes: &mut [u64], t: &Table) {
     }
 }
 
+/// How rank `rank` of `world` sees the tables of `field_rows` rows (width `dim`, `hot`
+/// ids a bag, `examples` examples a rank) placed by `mode` within `budget` bytes a rank,
+/// laid out for CUDA ranks' sharded lookup (`erase_runtime::cuda::sharded`): `None` when
+/// every table stays replicated.
+pub fn cuda_geometry(
+    field_rows: &[usize],
+    (dim, hot, examples): (usize, usize, usize),
+    (rank, world): (usize, usize),
+    budget: u64,
+    mode: Sharding,
+) -> Result<Option<erase_runtime::cuda::sharded::ShardGeometry>> {
+    let slots = vec![hot; field_rows.len()];
+    let all = (0..world)
+        .map(|k| {
+            crate::sharded::Storage::plan(
+                field_rows,
+                &slots,
+                (dim, examples),
+                (k, world),
+                budget,
+                (mode, crate::sharded::Landing::PerOwner),
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    match all.into_iter().collect::<Option<Vec<_>>>() {
+        Some(all) => Ok(Some(all[rank].geometry(&all, examples, hot)?)),
+        None => Ok(None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

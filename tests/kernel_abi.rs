@@ -166,3 +166,22 @@ fn a_wrong_argument_list_fails_the_check() {
     let e = check_call(&kind, k.params).unwrap_err();
     assert!(e.contains("parameter 3 is .f32"), "{e}");
 }
+
+#[test]
+fn the_sharded_lookups_kernel_matches_its_parameters() {
+    let Some(lib) = library() else { return };
+    let geo = erase::sharding::cuda_geometry(
+        &[10, 3, 70],
+        (16, 2, 8),
+        (1, 3),
+        1 << 40,
+        erase::sharding::Sharding::Row,
+    )
+    .unwrap()
+    .expect("row-wise tables are sharded");
+    let c = geo.shard_ids_call();
+    let k = lib
+        .find(c.kernel)
+        .unwrap_or_else(|| panic!("kernel '{}' is not in the PTX", c.kernel));
+    check_call(&c, k.params).unwrap();
+}

@@ -120,8 +120,10 @@ pub(crate) struct TrainArgs {
     /// With several ranks: where each embedding table lives (`auto`: by its size, the
     /// ranks' memory and the communication, as `plan --gpus N --sharding` prints;
     /// `replicated`, `table` (whole on one rank) or `row` (rows split over the ranks) to
-    /// force one). Sharded tables exchange ids, rows and gradients by all-to-all in the
-    /// step and train to the same bits as replicated ones; CPU ranks only for now.
+    /// force one). A rank stores only the rows it holds; the step exchanges ids, rows and
+    /// gradients by all-to-all (on CUDA ranks NCCL's, inside the step and its graph).
+    /// CPU ranks train to the bits of replicated tables; CUDA ranks sum a row's
+    /// gradients in another grouping, so their bits differ slightly from replicated.
     #[arg(long, value_enum, default_value = "auto")]
     sharding: super::plan::ShardingArg,
     /// With several ranks: each rank's memory for embedding tables and their optimizer

@@ -578,3 +578,77 @@ fn nccl_all_to_all_v_lands_each_part_at_its_offset() {
     assert_eq!(comm.log().len(), 1);
     comm.unwatch(&wd);
 }
+
+/// The sharded lookup's id mapping (`shard_ids`) against its CPU reference, on random ids
+/// (padding and out-of-range ones among them) of a rank of 3 under row-wise, table-wise
+/// and mixed placements, with every output poisoned first so unwritten elements fail.
+#[test]
+fn shard_ids_matches_its_reference_for_every_placement() {
+    use erase::ops::cuda::KArg;
+    use erase::sharding::{cuda_geometry, Sharding};
+    let Some(dev) = super::device("shard_ids_matches_its_reference_for_every_placement") else {
+        return;
+    };
+    let rows = [37usize, 1, 500, 64, 9];
+    let (examples, hot) = (33usize, 2usize);
+    for (rank, mode, budget) in [
+        (1, Sharding::Row, 1u64 << 40),
+        (2, Sharding::Table, 1 << 40),
+        (0, Sharding::Auto, 10_000),
+    ] {
+        let geo = cuda_geometry(&rows, (8, hot, examples), (rank, 3), budget, mode)
+            .unwrap()
+            .expect("sharded");
+        let n = geo.n_ids();
+        let r = super::rand_f32(91 + rank as u64, n, 0.0, 1.0);
+        let ids: Vec<i32> = (0..n)
+            .map(|s| {
+                let f = (s / hot) % rows.len();
+                match r[s] {
+                    x if x < 0.05 => -1,
+                    x if x < 0.08 => rows[f] as i32 + 3,
+                    x => ((x - 0.08) / 0.92 * rows[f] as f32) as i32 % rows[f] as i32,
+                }
+            })
+            .collect();
+        let (want_ids, want_ubm, want_ufm) = geo.reference(&ids);
+        let (kind, geo_t) = geo.tables();
+        let buf = |v: &[i32]| {
+            let b = dev.alloc(v.len() * 4).unwrap();
+            dev.upload(&b, 0, bytemuck::cast_slice(v)).unwrap();
+            b
+        };
+        let (ids_b, kind_b, geo_b) = (buf(&ids), buf(&kind), buf(&geo_t));
+        let (ubm, ufm) = (dev.alloc(3 * n * 4).unwrap(), dev.alloc(3 * n * 4).unwrap());
+        dev.fill(&ubm, 0x7B).unwrap();
+        dev.fill(&ufm, 0x7B).unwrap();
+        let call = geo.shard_ids_call();
+        let l = dev
+            .prepare(&call, &|a| match a {
+                KArg::In(0) => Some(ids_b.ptr()),
+                KArg::In(1) => Some(kind_b.ptr()),
+                KArg::In(2) => Some(geo_b.ptr()),
+                KArg::Out(0) => Some(ubm.ptr()),
+                KArg::Out(1) => Some(ufm.ptr()),
+                _ => None,
+            })
+            .unwrap();
+        let s = dev.stream(false).unwrap();
+        dev.launch_prepared(&l, &s).unwrap();
+        s.synchronize().unwrap();
+        let get = |b: &erase::runtime::cuda::DeviceBuffer, len: usize| {
+            let mut bytes = vec![0u8; len * 4];
+            dev.download(b, 0, &mut bytes).unwrap();
+            bytemuck::pod_collect_to_vec::<u8, i32>(&bytes)
+        };
+        assert_eq!(get(&ids_b, n), want_ids, "{mode:?}: storage ids");
+        assert_eq!(get(&ubm, 3 * n), want_ubm, "{mode:?}: occurrences");
+        assert_eq!(get(&ufm, 3 * n), want_ufm, "{mode:?}: asks");
+        // the placement moved something: some ids land, some are asked of another rank
+        assert!(want_ufm.iter().any(|&v| v >= 0), "{mode:?}: nothing asked");
+        assert!(
+            want_ids.iter().zip(&ids).any(|(a, b)| a != b),
+            "{mode:?}: no id moved"
+        );
+    }
+}

@@ -43,6 +43,34 @@ struct SparseExchange {
     /// The row-wise Adagrad at the global batch's shape, and its scratch.
     update: Vec<PreparedLaunch>,
     _scratch: Vec<DeviceBuffer>,
+    /// A sharded table's update reads the owners' occurrences from the lookup (the ids
+    /// are not gathered).
+    sharded: bool,
+}
+
+/// The lookup of a sharded table, at the start of each step on the communication stream
+/// (see [`crate::cuda::sharded`]): the ids mapped into this rank's storage, the asks and
+/// occurrences sent to their owners, the owners' rows sent into the askers' landing
+/// blocks. The launches that read the ids or the table wait for it.
+struct ShardedLookup {
+    name: String,
+    /// `shard_ids` on the batch's ids, and the owner's gather of the rows asked of it.
+    remap: PreparedLaunch,
+    gather: Vec<PreparedLaunch>,
+    /// The ids' exchange (asks and occurrences) and the rows' (answers into landing
+    /// blocks), in the order every rank issues them.
+    ids_parts: Vec<crate::cuda::nccl::Transfer>,
+    rows_parts: Vec<crate::cuda::nccl::Transfer>,
+    /// The launches that read the ids or the table.
+    readers: BTreeSet<usize>,
+    done: Event,
+    /// The owners' occurrences received (every rank's `ubm` part for this rank, in rank
+    /// order): the update's ids.
+    occurrences: u64,
+    /// This rank's own part: (source, destination) of its copy, and a part's bytes.
+    own: (u64, u64),
+    part: usize,
+    _buffers: Vec<DeviceBuffer>,
 }
 
 /// One bucket: what the ranks exchange after launch `after` (early) or at the join (end).
@@ -65,6 +93,8 @@ pub struct DataParallel {
     skip: BTreeSet<usize>,
     first_optimizer: usize,
     end: bool,
+    /// The sharded table's lookup, when the tables are sharded.
+    lookup: Option<ShardedLookup>,
     /// The collectives one step issues, for the logs: (kind, bucket, bytes).
     pub per_step: Vec<(&'static str, String, usize)>,
 }
@@ -78,6 +108,20 @@ impl DataParallel {
         grads: &Gradients,
         world: usize,
         early: bool,
+    ) -> Result<Self, RuntimeError> {
+        Self::with_shards(p, part, grads, world, early, None)
+    }
+
+    /// [`DataParallel::new`] for a rank whose table is sharded as `shards` places it
+    /// (the program built with its storage's rows): the lookup exchange at the start of
+    /// the step, and the update of the rows it holds from every rank's occurrences.
+    pub fn with_shards(
+        p: &CudaProgram<'_>,
+        part: &Partition,
+        grads: &Gradients,
+        world: usize,
+        early: bool,
+        shards: Option<&crate::cuda::sharded::ShardGeometry>,
     ) -> Result<Self, RuntimeError> {
         let (g, prog, dev) = (p.g, p.prog, p.dev);
         let err = |m: String| RuntimeError::Device(format!("data parallel: {m}"));
@@ -119,6 +163,25 @@ impl DataParallel {
             .filter(|(_, l)| matches!(g.node(l.node).op, Op::RowwiseAdagrad { .. }))
             .map(|(i, l)| (g.node(l.node).inputs[2], i))
             .collect();
+        // the sharded table's lookup, built first: its update reads the owners'
+        // occurrences that the lookup receives
+        let lookup = match shards {
+            Some(geo) => {
+                let mut nodes = rowwise.values().map(|&i| prog.launches[i].node);
+                let (Some(node), None) = (nodes.next(), nodes.next()) else {
+                    return Err(err(format!(
+                        "sharded tables need the trainer's one table; the step has {} row-wise Adagrad updates",
+                        rowwise.len()
+                    )));
+                };
+                let n = g.node(node);
+                let (Some(&ids), Some(&table)) = (n.inputs.first(), n.updates.first()) else {
+                    return Err(err(format!("'{}' has no ids or table", n.name)));
+                };
+                Some(ShardedLookup::new(p, geo, ids, table, &n.name)?)
+            }
+            None => None,
+        };
         let mut by_program: BTreeMap<usize, (Vec<Tensor>, Vec<usize>)> = BTreeMap::new();
         let mut sparse = Vec::new();
         let mut skip = BTreeSet::new();
@@ -154,12 +217,38 @@ impl DataParallel {
                     let dims = g.shape(*dpooled).dims().to_vec();
                     let mut gdims = dims.clone();
                     gdims[0] *= world;
+                    // a sharded table: the owner's occurrences at their places in its
+                    // storage, every bag one "field" of the stacked storage
+                    let (op, sharded) = match shards {
+                        Some(geo) => {
+                            let Op::RowwiseAdagrad { lr, eps, .. } = node.op else {
+                                return Err(err(format!(
+                                    "'{}' is not row-wise Adagrad",
+                                    node.name
+                                )));
+                            };
+                            gdims = vec![
+                                gdims.iter().take(2).product(),
+                                1,
+                                *dims.last().unwrap_or(&1),
+                            ];
+                            (
+                                Op::RowwiseAdagrad {
+                                    lr,
+                                    eps,
+                                    field_rows: vec![geo.stored_total()],
+                                },
+                                true,
+                            )
+                        }
+                        None => (node.op.clone(), false),
+                    };
                     let ids_s = erase_graph::Shape::new(&[n_ids * world]);
                     let off_s = erase_graph::Shape::new(&[n_bags * world + 1]);
                     let dp_s = erase_graph::Shape::new(&gdims);
                     let upd: Vec<_> = node.updates.iter().map(|&t| g.shape(t)).collect();
                     let plan = cuda_plan(
-                        &node.op,
+                        &op,
                         &Operands {
                             opts: dev.plan_options(),
                             ins: &[&ids_s, &off_s, &dp_s],
@@ -188,7 +277,10 @@ impl DataParallel {
                         .collect::<Result<Vec<_>, _>>()?;
                     let ptr = |a: KArg| -> Option<u64> {
                         match a {
-                            KArg::In(0) => Some(all_ids.ptr()),
+                            KArg::In(0) => Some(match (&lookup, sharded) {
+                                (Some(lk), true) => lk.occurrences,
+                                _ => all_ids.ptr(),
+                            }),
                             KArg::In(1) => Some(all_offsets.ptr()),
                             KArg::In(2) => Some(all_dp.ptr()),
                             KArg::Upd(j) => node.updates.get(j).and_then(|&t| tensor_ptr(p, t)),
@@ -213,6 +305,7 @@ impl DataParallel {
                         _all_offsets: all_offsets,
                         update,
                         _scratch: scratch,
+                        sharded,
                     });
                 }
             }
@@ -243,6 +336,10 @@ impl DataParallel {
             buckets = vec![all];
         }
         let mut per_step = Vec::new();
+        if let Some(lk) = &lookup {
+            per_step.push(("all_to_all", format!("{}.lookup ids", lk.name), 0));
+            per_step.push(("all_to_all", format!("{}.lookup rows", lk.name), 0));
+        }
         for b in &buckets {
             if !b.dense.is_empty() {
                 let bytes = b.dense.iter().map(|&t| g.shape(t).numel() * 4).sum();
@@ -250,7 +347,9 @@ impl DataParallel {
             }
             for &s in &b.sparse {
                 let x = &sparse[s];
-                per_step.push(("all_gather", format!("{}.ids", x.name), x.ids_bytes));
+                if !x.sharded {
+                    per_step.push(("all_gather", format!("{}.ids", x.name), x.ids_bytes));
+                }
                 per_step.push(("all_gather", format!("{}.grad", x.name), x.dp_bytes));
             }
         }
@@ -266,8 +365,227 @@ impl DataParallel {
             skip,
             first_optimizer,
             end: !early,
+            lookup,
             per_step,
         })
+    }
+}
+
+impl ShardedLookup {
+    /// The lookup of table `table` (read through ids `ids`) of `p`'s program, sharded as
+    /// `geo` places it.
+    fn new(
+        p: &CudaProgram<'_>,
+        geo: &crate::cuda::sharded::ShardGeometry,
+        ids: Tensor,
+        table: Tensor,
+        name: &str,
+    ) -> Result<ShardedLookup, RuntimeError> {
+        use crate::cuda::nccl::Transfer;
+        let (g, dev) = (p.g, p.dev);
+        let err = |m: String| RuntimeError::Device(format!("sharded lookup of '{name}': {m}"));
+        let (n, world, me) = (geo.n_ids(), geo.world, geo.rank);
+        let d = match g.shape(table).dims() {
+            [rows, d] if *rows == geo.stored_total() => *d,
+            dims => {
+                return Err(err(format!(
+                    "the table is {dims:?}, the placement stores {} rows",
+                    geo.stored_total()
+                )))
+            }
+        };
+        if g.shape(ids).numel() != n {
+            return Err(err(format!(
+                "{} ids, the placement's batch has {n}",
+                g.shape(ids).numel()
+            )));
+        }
+        let missing = |t: Tensor| err(format!("'{}' has no address", g.name(t)));
+        let ids_ptr = tensor_ptr(p, ids).ok_or_else(|| missing(ids))?;
+        let table_ptr = tensor_ptr(p, table).ok_or_else(|| missing(table))?;
+        let (kind, geo_t) = geo.tables();
+        let up = |v: &[i32]| -> Result<DeviceBuffer, RuntimeError> {
+            let b = dev.alloc(v.len().max(1) * 4)?;
+            dev.upload(&b, 0, bytemuck::cast_slice(v))?;
+            Ok(b)
+        };
+        let (kind_b, geo_b) = (up(&kind)?, up(&geo_t)?);
+        let part = n * 4;
+        let alloc = || dev.alloc((world * part).max(4));
+        let (ubm_send, ufm_send, ubm_recv, ufm_recv) = (alloc()?, alloc()?, alloc()?, alloc()?);
+        // the asks this rank sends itself are none: PAD
+        dev.fill(&ufm_recv, 0xFF)?;
+        dev.fill(&ubm_recv, 0xFF)?;
+        let answers = dev.alloc((world * n * d * 4).max(4))?;
+        let iota: Vec<i32> = (0..=(world * n) as i32).collect();
+        let offsets = up(&iota)?;
+        let remap_call = geo.shard_ids_call();
+        let remap = dev.prepare(&remap_call, &|a| match a {
+            KArg::In(0) => Some(ids_ptr),
+            KArg::In(1) => Some(kind_b.ptr()),
+            KArg::In(2) => Some(geo_b.ptr()),
+            KArg::Out(0) => Some(ubm_send.ptr()),
+            KArg::Out(1) => Some(ufm_send.ptr()),
+            _ => None,
+        })?;
+        // the owner's gather: the lookup kernel, one id a bag, over its whole storage
+        let gop = Op::EmbeddingBag {
+            field_rows: vec![geo.stored_total()],
+        };
+        let (t_s, i_s, o_s, y_s) = (
+            erase_graph::Shape::new(&[geo.stored_total(), d]),
+            erase_graph::Shape::new(&[world * n]),
+            erase_graph::Shape::new(&[world * n + 1]),
+            erase_graph::Shape::new(&[world * n, 1, d]),
+        );
+        use erase_graph::DType::{F32, I32};
+        let plan = cuda_plan(
+            &gop,
+            &Operands {
+                opts: dev.plan_options(),
+                ins: &[&t_s, &i_s, &o_s],
+                in_dtypes: &[F32, I32, I32],
+                outs: &[&y_s],
+                out_dtypes: &[F32],
+                upd: &[],
+            },
+        )
+        .map_err(|e| err(format!("the owner's gather: {e}")))?;
+        let scratch = plan
+            .scratch
+            .iter()
+            .map(|&b| dev.alloc(b))
+            .collect::<Result<Vec<_>, _>>()?;
+        let gather = plan
+            .calls
+            .iter()
+            .map(|c| {
+                dev.prepare(c, &|a| match a {
+                    KArg::In(0) => Some(table_ptr),
+                    KArg::In(1) => Some(ufm_recv.ptr()),
+                    KArg::In(2) => Some(offsets.ptr()),
+                    KArg::Out(0) => Some(answers.ptr()),
+                    KArg::Scratch(j) => scratch.get(j).map(|b| b.ptr()),
+                    _ => None,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // every peer: its asks and its occurrences, both ways (this rank's own
+        // occurrences are copied, not sent)
+        let mut ids_parts = Vec::new();
+        for peer in (0..world).filter(|&k| k != me) {
+            let at = (peer * part) as u64;
+            ids_parts.extend([
+                Transfer::Send {
+                    peer,
+                    ptr: ufm_send.ptr() + at,
+                    bytes: part,
+                },
+                Transfer::Recv {
+                    peer,
+                    ptr: ufm_recv.ptr() + at,
+                    bytes: part,
+                },
+                Transfer::Send {
+                    peer,
+                    ptr: ubm_send.ptr() + at,
+                    bytes: part,
+                },
+                Transfer::Recv {
+                    peer,
+                    ptr: ubm_recv.ptr() + at,
+                    bytes: part,
+                },
+            ]);
+        }
+        let row = (d * 4) as u64;
+        let mut rows_parts: Vec<Transfer> = geo
+            .sends()
+            .iter()
+            .map(|b| Transfer::Send {
+                peer: b.peer,
+                ptr: answers.ptr() + b.at as u64 * row,
+                bytes: b.rows * d * 4,
+            })
+            .collect();
+        rows_parts.extend(geo.receives().iter().map(|b| Transfer::Recv {
+            peer: b.peer,
+            ptr: table_ptr + b.at as u64 * row,
+            bytes: b.rows * d * 4,
+        }));
+        let readers = p
+            .prog
+            .launches
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| {
+                let node = g.node(l.node);
+                node.inputs.contains(&ids) || node.inputs.contains(&table)
+            })
+            .map(|(i, _)| i)
+            .collect();
+        let occurrences = ubm_recv.ptr();
+        let own = (
+            ubm_send.ptr() + (me * part) as u64,
+            ubm_recv.ptr() + (me * part) as u64,
+        );
+        Ok(ShardedLookup {
+            name: name.to_string(),
+            remap,
+            gather,
+            ids_parts,
+            rows_parts,
+            readers,
+            done: dev.event(false)?,
+            occurrences,
+            own,
+            part,
+            _buffers: [
+                kind_b, geo_b, ubm_send, ufm_send, ubm_recv, ufm_recv, answers, offsets,
+            ]
+            .into_iter()
+            .chain(scratch)
+            .collect(),
+        })
+    }
+
+    /// Issues the lookup on `cs` (the communication stream), after the work issued so
+    /// far on it; `done` completes with it.
+    fn issue(
+        &self,
+        dev: &crate::cuda::CudaDevice,
+        comm: &mut NcclComm,
+        cs: &Stream,
+    ) -> Result<(), RuntimeError> {
+        dev.launch_prepared(&self.remap, cs)?;
+        // SAFETY: both are live device buffers of this lookup, `part` bytes apart from
+        // their ends; ordered on `cs` after the remap that wrote the source.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(self.own.1, self.own.0, self.part, cs.raw()) }
+            .result()
+            .map_err(|e| {
+                RuntimeError::Device(format!("copying the rank's own occurrences: {e:?}"))
+            })?;
+        // SAFETY: every part lies inside this lookup's buffers or the table's storage
+        // (its landing blocks), which only this stream touches until `done`.
+        unsafe {
+            comm.exchange(
+                &format!("{}.lookup ids", self.name),
+                &self.ids_parts,
+                cs.raw(),
+            )
+        }?;
+        for c in &self.gather {
+            dev.launch_prepared(c, cs)?;
+        }
+        // SAFETY: as above.
+        unsafe {
+            comm.exchange(
+                &format!("{}.lookup rows", self.name),
+                &self.rows_parts,
+                cs.raw(),
+            )
+        }?;
+        self.done.record(cs)
     }
 }
 
@@ -331,6 +649,12 @@ impl CudaProgram<'_> {
         let progress = [AtomicUsize::new(0), AtomicUsize::new(0)];
         let next_bucket = AtomicUsize::new(0);
         let failed = AtomicBool::new(false);
+        let main = &self.streams[0];
+        dp.begin.record(main)?;
+        dp.begin.wait_on(&dp.comm_stream)?;
+        if let Some(lk) = &dp.lookup {
+            lk.issue(self.dev, comm, &dp.comm_stream)?;
+        }
         let comm = std::sync::Mutex::new(comm);
         let (dev, prog, prepared, streams, events, g) = (
             self.dev,
@@ -340,9 +664,6 @@ impl CudaProgram<'_> {
             &self.events,
             self.g,
         );
-        let main = &streams[0];
-        dp.begin.record(main)?;
-        dp.begin.wait_on(&dp.comm_stream)?;
         let spin = |until: &dyn Fn() -> bool| -> Result<(), RuntimeError> {
             while !until() {
                 if failed.load(Ordering::Relaxed) {
@@ -380,6 +701,9 @@ impl CudaProgram<'_> {
                         }
                     }
                     events[w.event.0 as usize].wait_on(s)?;
+                }
+                if let Some(lk) = dp.lookup.as_ref().filter(|lk| lk.readers.contains(&i)) {
+                    lk.done.wait_on(s)?;
                 }
                 if i == dp.first_optimizer {
                     if dp.end {
@@ -427,14 +751,21 @@ impl CudaProgram<'_> {
         comm: &mut NcclComm,
     ) -> Result<(), RuntimeError> {
         let main = &self.streams[0];
-        // the communication stream joins the step where it begins
+        // the communication stream joins the step where it begins, and looks the
+        // sharded table's rows up first
         dp.begin.record(main)?;
         dp.begin.wait_on(&dp.comm_stream)?;
+        if let Some(lk) = &dp.lookup {
+            lk.issue(self.dev, comm, &dp.comm_stream)?;
+        }
         for i in 0..self.prog.launches.len() {
             let l = &self.prog.launches[i];
             let s = &self.streams[l.stream.0 as usize];
             for w in &l.waits {
                 self.events[w.event.0 as usize].wait_on(s)?;
+            }
+            if let Some(lk) = dp.lookup.as_ref().filter(|lk| lk.readers.contains(&i)) {
+                lk.done.wait_on(s)?;
             }
             if i == dp.first_optimizer {
                 if dp.end {
@@ -526,10 +857,29 @@ impl CudaProgram<'_> {
         let main = &self.streams[0];
         dp.begin.record(main)?;
         dp.begin.wait_on(&dp.comm_stream)?;
+        if let Some(lk) = &dp.lookup {
+            lk.issue(self.dev, comm, &dp.comm_stream)?;
+        }
         for b in 0..dp.buckets.len() {
             self.exchange(dp, b, comm, main)?;
         }
         dp.comm_stream.synchronize()
+    }
+
+    /// The sharded table's lookup alone (a forward outside a step: an evaluation's),
+    /// with every stream of the program waiting for it; nothing when no table is sharded.
+    /// Every rank must issue it at the same point.
+    pub fn look_up(&mut self, dp: &DataParallel, comm: &mut NcclComm) -> Result<(), RuntimeError> {
+        let Some(lk) = &dp.lookup else {
+            return Ok(());
+        };
+        dp.begin.record(&self.streams[0])?;
+        dp.begin.wait_on(&dp.comm_stream)?;
+        lk.issue(self.dev, comm, &dp.comm_stream)?;
+        for s in &self.streams {
+            lk.done.wait_on(s)?;
+        }
+        Ok(())
     }
 
     /// Captures the data-parallel step (every stream, the communication stream and its
@@ -594,13 +944,15 @@ fn exchange_resolved(
         // SAFETY: the sources stay live until the optimizer reads them (it waits for this
         // stream); the destinations are `dp`'s, of `world` times the size.
         unsafe {
-            comm.all_gather(
-                &format!("{}.ids", x.name),
-                ids,
-                x.all_ids.ptr(),
-                x.ids_bytes,
-                cs,
-            )?;
+            if !x.sharded {
+                comm.all_gather(
+                    &format!("{}.ids", x.name),
+                    ids,
+                    x.all_ids.ptr(),
+                    x.ids_bytes,
+                    cs,
+                )?;
+            }
             comm.all_gather(
                 &format!("{}.grad", x.name),
                 dpd,

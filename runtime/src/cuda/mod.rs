@@ -16,6 +16,7 @@ pub mod graph;
 pub mod nccl;
 pub mod nvtx;
 pub mod program;
+pub mod sharded;
 pub mod trace;
 
 use std::collections::BTreeMap;

@@ -24,6 +24,22 @@ fn nccl_err(what: &str, e: cudarc::nccl::result::NcclError) -> RuntimeError {
     RuntimeError::Device(format!("NCCL {what}: {:?}", e.0))
 }
 
+/// One transfer of [`NcclComm::exchange`]: `bytes` at device address `ptr` sent to, or
+/// received from, rank `peer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transfer {
+    Send { peer: usize, ptr: u64, bytes: usize },
+    Recv { peer: usize, ptr: u64, bytes: usize },
+}
+
+impl Transfer {
+    pub fn peer(&self) -> usize {
+        match *self {
+            Transfer::Send { peer, .. } | Transfer::Recv { peer, .. } => peer,
+        }
+    }
+}
+
 /// `queue`'s NCCL calls as one group, ended even when queuing one of them fails.
 fn grouped(
     queue: impl FnOnce() -> Result<(), cudarc::nccl::result::NcclError>,
@@ -354,6 +370,64 @@ impl NcclComm {
             Ok(())
         };
         grouped(parts).map_err(|e| nccl_err(&format!("{rec}"), e))?;
+        Ok(rec)
+    }
+
+    /// Issues `parts` as one group of NCCL sends and receives on `stream` (one log record,
+    /// of 0 bytes as a jagged all-to-all's: the sizes differ by rank). Each rank's sends
+    /// to a peer must match the peer's receives from it, in count, size and order.
+    /// Peers out of range are refused before anything is logged or issued.
+    ///
+    /// # Safety
+    /// Every part's `bytes` lie inside live device memory that other streams leave alone
+    /// until the work on `stream` completes.
+    pub unsafe fn exchange(
+        &mut self,
+        bucket: &str,
+        parts: &[Transfer],
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<CollectiveRecord, RuntimeError> {
+        if let Some(t) = parts.iter().find(|t| t.peer() >= self.world) {
+            return Err(RuntimeError::Device(format!(
+                "rank {}: exchange '{bucket}': peer {} of a communicator of {} ranks",
+                self.rank,
+                t.peer(),
+                self.world
+            )));
+        }
+        let rec = self.record("all_to_all", bucket, 0);
+        let queue = || -> Result<(), cudarc::nccl::result::NcclError> {
+            for t in parts {
+                // SAFETY: the caller's contract: each part lies inside live memory.
+                unsafe {
+                    match *t {
+                        Transfer::Send { peer, ptr, bytes } if bytes > 0 => {
+                            cudarc::nccl::result::send(
+                                ptr as *const _,
+                                bytes,
+                                sys::ncclDataType_t::ncclUint8,
+                                peer as i32,
+                                self.comm,
+                                stream as sys::cudaStream_t,
+                            )?;
+                        }
+                        Transfer::Recv { peer, ptr, bytes } if bytes > 0 => {
+                            cudarc::nccl::result::recv(
+                                ptr as *mut _,
+                                bytes,
+                                sys::ncclDataType_t::ncclUint8,
+                                peer as i32,
+                                self.comm,
+                                stream as sys::cudaStream_t,
+                            )?;
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            Ok(())
+        };
+        grouped(queue).map_err(|e| nccl_err(&format!("{rec}"), e))?;
         Ok(rec)
     }
 
