@@ -656,11 +656,13 @@ ERASE_KERNEL void emb_bag_mean(const float* __restrict__ y, const int* __restric
 // with id = ids[s] and pos its slot within the field (example · hot + s % hot):
 //   ids[s]           <- the id in this rank's storage of field f: a row it holds, or the
 //                       landing slot (landing offset for the owner) + pos; PAD stays PAD;
-//   ubm[k·n + s]     <- where rank k stores the row (k's stacked storage index) if k holds
-//                       it, else PAD: the update's occurrences, in bag order;
-//   ufm[k·n + f·(n/nf) + pos] <- the same where k owns the row alone and this rank does not
-//                       hold it, else PAD: the rows asked of k, field-major, so that each
-//                       field's answers are one contiguous block.
+//   ubm[k·n + s]     <- where rank k stores the row (k's stacked storage index) if the
+//                       row is replicated, else PAD: the occurrences every rank updates,
+//                       in bag order;
+//   ufm[k·n + f·(n/nf) + pos] <- the same where k owns the row alone, else PAD: for another
+//                       rank k the rows asked of it, field-major so that each field's
+//                       answers are one contiguous block; for every k (this rank too) the
+//                       occurrences k updates, in the order of the gradient blocks.
 // kind[3f ..]: 0 replicated, 1 table-wise (then the owner) or 2 row-wise (then rows a
 // rank), and the field's rows. geo[4(k·nf + f) ..]: held start, held length and storage
 // base of field f on rank k, and this rank's landing offset within field f for the rows
@@ -686,8 +688,8 @@ ERASE_KERNEL void shard_ids(int* __restrict__ ids, const int* __restrict__ kind,
             const int* g = geo + 4 * (k * nf + f);
             const bool held = owner == -1 || owner == k;
             const int at = held ? __ldg(g + 2) + id - __ldg(g) : -1;
-            ubm[(long long)k * n + s] = held ? at : -1;
-            ufm[(long long)k * n + fm] = (owner == k && k != me) ? at : -1;
+            ubm[(long long)k * n + s] = owner == -1 ? at : -1;
+            ufm[(long long)k * n + fm] = owner == k ? at : -1;
         }
         int local = -1;
         if (owner == -1 || owner == me) {

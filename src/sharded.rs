@@ -1024,6 +1024,58 @@ mod tests {
                     }
                 }
             }
+            // the backward: each rank's pooled gradients of the fields an owner has rows
+            // of go to that owner (the row blocks' pairs the other way), its own block
+            // stays; the owner's occurrence j·n + f·(n/nf) + e·hot + p pairs with bag
+            // (j, f, e) of its received gradients
+            let bags = geo[0].bags();
+            let dp: Vec<Vec<f32>> = (0..world)
+                .map(|j| (0..bags * d).map(|i| (j * 1000 + i) as f32).collect())
+                .collect();
+            let mut grads: Vec<Vec<f32>> = vec![vec![f32::NAN; world * bags * d]; world];
+            for k in 0..world {
+                for (i, &b) in geo[k].grad_own_bags().iter().enumerate() {
+                    if b != PAD {
+                        let (b, to) = (b as usize, (k * bags + i) * d);
+                        grads[k][to..to + d].copy_from_slice(&dp[k][b * d..(b + 1) * d]);
+                    }
+                }
+            }
+            for j in 0..world {
+                let packed = geo[j].grad_send_bags();
+                let mut at = 0;
+                for blk in geo[j].receives() {
+                    // the owner's matching receive: its send block to j of the same field
+                    let k = blk.peer;
+                    assert!(geo[k]
+                        .sends()
+                        .iter()
+                        .any(|s| s.peer == j && s.field == blk.field));
+                    for e in 0..examples {
+                        let b = packed[at + e] as usize;
+                        let to = (j * bags + blk.field * examples + e) * d;
+                        grads[k][to..to + d].copy_from_slice(&dp[j][b * d..(b + 1) * d]);
+                    }
+                    at += examples;
+                }
+            }
+            for (k, got) in grads.iter().enumerate() {
+                for j in 0..world {
+                    for (q, &u) in refs[j].2[k * n..(k + 1) * n].iter().enumerate() {
+                        if u == PAD {
+                            continue;
+                        }
+                        let (f, e) = (q / (examples * hot), (q % (examples * hot)) / hot);
+                        let g = &got[(j * bags + f * examples + e) * d..][..d];
+                        let b = e * nf + f;
+                        assert_eq!(
+                            g,
+                            &dp[j][b * d..(b + 1) * d],
+                            "{mode:?}: owner {k}, rank {j}, occurrence {q}"
+                        );
+                    }
+                }
+            }
             for j in 0..world {
                 let (local, ubm, _) = &refs[j];
                 let bases: Vec<usize> = all[j].fields.iter().map(|f| f.local_base).collect();
@@ -1042,12 +1094,16 @@ mod tests {
                         whole[r * d..(r + 1) * d],
                         "{mode:?} on {world}: rank {j}, slot {s}"
                     );
-                    // each rank that holds the row gets this occurrence at the row's place
+                    // a replicated row's occurrence goes to every rank (`ubm`), an owned
+                    // row's to its owner alone (`ufm`, field-major), at the row's place
+                    let fm = f * (n / nf) + (s / hot / nf) * hot + s % hot;
                     for k in 0..world {
-                        let u = ubm[k * n + s];
-                        match all[k].local(r) {
-                            Some(place) => assert_eq!(u, place as i32),
-                            None => assert_eq!(u, PAD),
+                        let (u, v) = (ubm[k * n + s], refs[j].2[k * n + fm]);
+                        let place = all[k].local(r).map_or(PAD, |p| p as i32);
+                        match all[k].owner(r) {
+                            Owner::Every => assert_eq!((u, v), (place, PAD)),
+                            Owner::One(o) if o == k => assert_eq!((u, v), (PAD, place)),
+                            Owner::One(_) => assert_eq!((u, v), (PAD, PAD)),
                         }
                     }
                 }

@@ -455,14 +455,43 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             replicated_share: replicated_slots as f64 / all_slots.max(1) as f64,
         };
         let sharded = (bytes > 0.0).then_some(&exchange);
+        // what CUDA ranks exchange for the same placement: fixed blocks (every position
+        // set by the batch's shape, so the step can be captured), the most any rank sends
+        let hot = slots.first().copied().unwrap_or(1);
+        let cuda_bytes = if sharded.is_some() && slots.iter().all(|&h| h == hot) {
+            let (mut rows_most, mut grads_most) = (0f64, 0f64);
+            for k in 0..n {
+                if let Some(geo) = crate::sharding::cuda_geometry(
+                    &mc.field_rows(),
+                    (mc.dim, hot, batch),
+                    (k, n),
+                    a.rank_memory,
+                    a.sharding.into(),
+                )? {
+                    let rows: usize = geo.sends().iter().map(|b| b.rows).sum();
+                    let ids = 2 * geo.n_ids() * 4 * (n - 1);
+                    rows_most = rows_most.max((rows * mc.dim * 4 + ids) as f64);
+                    let grads = geo.receives().len() * geo.examples * mc.dim * 4;
+                    grads_most = grads_most.max(grads as f64);
+                }
+            }
+            Some((rows_most, grads_most))
+        } else {
+            None
+        };
+        let cuda_exchange = cuda_bytes.map(|(rows, grads)| ShardedExchange {
+            lookup_bytes: rows,
+            grad_bytes: grads,
+            ..exchange
+        });
         println!(
-            "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop), tables replicated (as CUDA ranks train){}:",
+            "predicted data-parallel steps ({} examples per GPU; ring collectives at {:.0} GB/s bus bandwidth, {:.0} µs per hop), tables replicated{}:",
             batch,
             link.bus_bw / 1e9,
             link.latency_s * 1e6,
             if sharded.is_some() {
                 format!(
-                    " and sharded as `--sharding {}` places them below (as CPU ranks train)",
+                    " and sharded as `--sharding {}` places them below (`sharded`: a jagged exchange, as CPU ranks run it; `sharded-cuda`: the fixed blocks CUDA ranks exchange)",
                     a.sharding.as_str()
                 )
             } else {
@@ -474,7 +503,15 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 (true, "early all-reduce"),
                 (false, "one all-reduce at the end"),
             ] {
-                for x in std::iter::once(None).chain(sharded.map(Some)) {
+                let kinds = [
+                    (None, "replicated"),
+                    (sharded, "sharded"),
+                    (cuda_exchange.as_ref(), "sharded-cuda"),
+                ];
+                for (x, kind) in kinds
+                    .into_iter()
+                    .filter(|(x, k)| x.is_some() || *k == "replicated")
+                {
                     let predict = |ranks: usize| {
                         predict_sharded_step(
                             d.join_s,
@@ -492,7 +529,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                         "  {:<9} {:<26} {:<10} {n} GPUs: {:8.1} µs, {:>9.0} ex/s, scaling {:5.1} %, exposed communication {:7.1} µs of {:7.1}",
                         v.as_str(),
                         label,
-                        if x.is_some() { "sharded" } else { "replicated" },
+                        kind,
                         pn.step_s * 1e6,
                         (n * batch) as f64 / pn.step_s,
                         100.0 * one.step_s / pn.step_s,
@@ -510,7 +547,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             let lo = p.rank_bytes.iter().min().copied().unwrap_or(0) as f64 / 1e6;
             let hi = p.rank_bytes.iter().max().copied().unwrap_or(0) as f64 / 1e6;
             println!(
-                "  sharding {} (as `train --sharding` places them on CPU ranks; CUDA ranks replicate): {} replicated, {} table-wise, {} row-wise; tables on a rank {:.1} to {:.1} MB of {:.1} GB; the lookup's all-to-all moves {:.1} MB per rank each way, {:.1} µs, and the gradients' as much",
+                "  sharding {} (as `train --sharding` places them): {} replicated, {} table-wise, {} row-wise; tables on a rank {:.1} to {:.1} MB of {:.1} GB; the lookup's jagged all-to-all moves {:.1} MB per rank each way, {:.1} µs, and the gradients' as much",
                 a.sharding.as_str(),
                 count(|x| matches!(x, crate::sharding::Placement::Replicated)),
                 count(|x| matches!(x, crate::sharding::Placement::Table(_))),
@@ -520,6 +557,22 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 a.rank_memory as f64 / 1e9,
                 bytes / 1e6,
                 if bytes > 0.0 { link.all_to_all_s(bytes, n) * 1e6 } else { 0.0 }
+            );
+        }
+        if let Some((rows, grads)) = cuda_bytes {
+            let t = |b: f64| {
+                if b > 0.0 {
+                    link.all_to_all_s(b, n) * 1e6
+                } else {
+                    0.0
+                }
+            };
+            println!(
+                "  CUDA ranks exchange fixed blocks (every position set by the batch's shape, so the step is captured whole): the lookup sends at most {:.1} MB per rank (one row per id slot of a field to each rank that asks it, and the ids both ways), {:.1} µs; the gradients {:.1} MB (each field's bags to each owner of its rows), {:.1} µs",
+                rows / 1e6,
+                t(rows),
+                grads / 1e6,
+                t(grads)
             );
         }
         if let Some((_, d)) = dp.first() {

@@ -594,7 +594,7 @@ fn shard_ids_matches_its_reference_for_every_placement() {
     for (rank, mode, budget) in [
         (1, Sharding::Row, 1u64 << 40),
         (2, Sharding::Table, 1 << 40),
-        (0, Sharding::Auto, 10_000),
+        (0, Sharding::Auto, 12_000),
     ] {
         let geo = cuda_geometry(&rows, (8, hot, examples), (rank, 3), budget, mode)
             .unwrap()

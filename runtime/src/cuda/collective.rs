@@ -48,13 +48,16 @@ struct SparseExchange {
     sharded: bool,
 }
 
-/// The lookup of a sharded table, at the start of each step on the communication stream
-/// (see [`crate::cuda::sharded`]): the ids mapped into this rank's storage, the asks and
+/// A sharded table's exchanges (see [`crate::cuda::sharded`]). At the start of each step,
+/// on the communication stream: the ids mapped into this rank's storage, the asks and
 /// occurrences sent to their owners, the owners' rows sent into the askers' landing
-/// blocks. The launches that read the ids or the table wait for it.
+/// blocks; the launches that read the ids or the table wait for it. Once the table's
+/// gradient is complete: each rank's pooled gradients to the owners of the fields, and
+/// at the update, each owner's row-wise Adagrad of the occurrences of its rows.
 struct ShardedLookup {
     name: String,
-    /// `shard_ids` on the batch's ids, and the owner's gather of the rows asked of it.
+    /// `shard_ids` on the batch's ids, and the owner's gather of the rows asked of it
+    /// (one per other rank).
     remap: PreparedLaunch,
     gather: Vec<PreparedLaunch>,
     /// The ids' exchange (asks and occurrences) and the rows' (answers into landing
@@ -64,12 +67,20 @@ struct ShardedLookup {
     /// The launches that read the ids or the table.
     readers: BTreeSet<usize>,
     done: Event,
-    /// The owners' occurrences received (every rank's `ubm` part for this rank, in rank
-    /// order): the update's ids.
+    /// The replicated fields' occurrences received (every rank's `ubm` part for this
+    /// rank, in rank order): the gathered update's ids.
     occurrences: u64,
-    /// This rank's own part: (source, destination) of its copy, and a part's bytes.
-    own: (u64, u64),
+    /// This rank's own parts of `ubm` and `ufm`: (source, destination) of their copies,
+    /// and a part's bytes.
+    own: [(u64, u64); 2],
     part: usize,
+    /// The backward: the pooled gradients packed for the owners and this rank's own
+    /// block, their exchange, and the owner's update of its rows.
+    grad_pack: Vec<PreparedLaunch>,
+    grad_parts: Vec<crate::cuda::nccl::Transfer>,
+    update_owned: Vec<PreparedLaunch>,
+    /// Whether some fields are replicated: their gradients are gathered as before.
+    replicated: bool,
     _buffers: Vec<DeviceBuffer>,
 }
 
@@ -175,10 +186,22 @@ impl DataParallel {
                     )));
                 };
                 let n = g.node(node);
-                let (Some(&ids), Some(&table)) = (n.inputs.first(), n.updates.first()) else {
-                    return Err(err(format!("'{}' has no ids or table", n.name)));
+                let (&[ids, _, dpooled], &[table, acc]) = (&n.inputs[..], &n.updates[..]) else {
+                    return Err(err(format!(
+                        "'{}' is not a row-wise Adagrad of (ids, offsets, pooled gradient) on (table, state)",
+                        n.name
+                    )));
                 };
-                Some(ShardedLookup::new(p, geo, ids, table, &n.name)?)
+                let Op::RowwiseAdagrad { lr, eps, .. } = n.op else {
+                    return Err(err(format!("'{}' is not row-wise Adagrad", n.name)));
+                };
+                Some(ShardedLookup::new(
+                    p,
+                    geo,
+                    (ids, dpooled),
+                    (table, acc),
+                    (&n.name, lr, eps),
+                )?)
             }
             None => None,
         };
@@ -288,11 +311,17 @@ impl DataParallel {
                             _ => None,
                         }
                     };
-                    let update = plan
-                        .calls
-                        .iter()
-                        .map(|c| dev.prepare(c, &ptr))
-                        .collect::<Result<Vec<_>, _>>()?;
+                    // a sharded table without replicated fields gathers nothing: its
+                    // owners update their rows from the gradients' exchange
+                    let gathered = !sharded || lookup.as_ref().is_some_and(|lk| lk.replicated);
+                    let update = if gathered {
+                        plan.calls
+                            .iter()
+                            .map(|c| dev.prepare(c, &ptr))
+                            .collect::<Result<Vec<_>, _>>()?
+                    } else {
+                        Vec::new()
+                    };
                     by_program.entry(k).or_default().1.push(sparse.len());
                     sparse.push(SparseExchange {
                         name: node.name.clone(),
@@ -349,8 +378,17 @@ impl DataParallel {
                 let x = &sparse[s];
                 if !x.sharded {
                     per_step.push(("all_gather", format!("{}.ids", x.name), x.ids_bytes));
+                    per_step.push(("all_gather", format!("{}.grad", x.name), x.dp_bytes));
+                    continue;
                 }
-                per_step.push(("all_gather", format!("{}.grad", x.name), x.dp_bytes));
+                per_step.push(("all_to_all", format!("{}.grad", x.name), 0));
+                if lookup.as_ref().is_some_and(|lk| lk.replicated) {
+                    per_step.push((
+                        "all_gather",
+                        format!("{}.grad of the replicated fields", x.name),
+                        x.dp_bytes,
+                    ));
+                }
             }
         }
         Ok(DataParallel {
@@ -372,146 +410,265 @@ impl DataParallel {
 }
 
 impl ShardedLookup {
-    /// The lookup of table `table` (read through ids `ids`) of `p`'s program, sharded as
-    /// `geo` places it.
+    /// The exchanges of table `table` (its state `acc`; read through ids `ids`, its pooled
+    /// gradient `dpooled`) of `p`'s program, sharded as `geo` places it.
     fn new(
         p: &CudaProgram<'_>,
         geo: &crate::cuda::sharded::ShardGeometry,
-        ids: Tensor,
-        table: Tensor,
-        name: &str,
+        (ids, dpooled): (Tensor, Tensor),
+        (table, acc): (Tensor, Tensor),
+        (name, lr, eps): (&str, f64, f64),
     ) -> Result<ShardedLookup, RuntimeError> {
         use crate::cuda::nccl::Transfer;
+        use erase_graph::DType::{F32, I32};
+        use erase_graph::Shape;
         let (g, dev) = (p.g, p.dev);
-        let err = |m: String| RuntimeError::Device(format!("sharded lookup of '{name}': {m}"));
+        let err = |m: String| RuntimeError::Device(format!("sharded table '{name}': {m}"));
         let (n, world, me) = (geo.n_ids(), geo.world, geo.rank);
+        let (stored, nf, bags) = (geo.stored_total(), geo.rows.len(), geo.bags());
         let d = match g.shape(table).dims() {
-            [rows, d] if *rows == geo.stored_total() => *d,
+            [rows, d] if *rows == stored => *d,
             dims => {
                 return Err(err(format!(
-                    "the table is {dims:?}, the placement stores {} rows",
-                    geo.stored_total()
+                    "the table is {dims:?}, the placement stores {stored} rows"
                 )))
             }
         };
-        if g.shape(ids).numel() != n {
+        if g.shape(ids).numel() != n || g.shape(dpooled).numel() != bags * d {
             return Err(err(format!(
-                "{} ids, the placement's batch has {n}",
-                g.shape(ids).numel()
+                "{} ids and {} pooled-gradient values, the placement's batch has {n} ids in {bags} bags of {d}",
+                g.shape(ids).numel(),
+                g.shape(dpooled).numel()
             )));
         }
         let missing = |t: Tensor| err(format!("'{}' has no address", g.name(t)));
-        let ids_ptr = tensor_ptr(p, ids).ok_or_else(|| missing(ids))?;
-        let table_ptr = tensor_ptr(p, table).ok_or_else(|| missing(table))?;
-        let (kind, geo_t) = geo.tables();
-        let up = |v: &[i32]| -> Result<DeviceBuffer, RuntimeError> {
+        let ptr_of = |t: Tensor| tensor_ptr(p, t).ok_or_else(|| missing(t));
+        let (ids_ptr, dp_ptr) = (ptr_of(ids)?, ptr_of(dpooled)?);
+        let (table_ptr, acc_ptr) = (ptr_of(table)?, ptr_of(acc)?);
+        let mut keep: Vec<DeviceBuffer> = Vec::new();
+        let mut up = |v: &[i32]| -> Result<u64, RuntimeError> {
             let b = dev.alloc(v.len().max(1) * 4)?;
             dev.upload(&b, 0, bytemuck::cast_slice(v))?;
-            Ok(b)
+            let ptr = b.ptr();
+            keep.push(b);
+            Ok(ptr)
         };
-        let (kind_b, geo_b) = (up(&kind)?, up(&geo_t)?);
-        let part = n * 4;
-        let alloc = || dev.alloc((world * part).max(4));
-        let (ubm_send, ufm_send, ubm_recv, ufm_recv) = (alloc()?, alloc()?, alloc()?, alloc()?);
-        // the asks this rank sends itself are none: PAD
-        dev.fill(&ufm_recv, 0xFF)?;
-        dev.fill(&ubm_recv, 0xFF)?;
-        let answers = dev.alloc((world * n * d * 4).max(4))?;
+        let (kind, geo_t) = geo.tables();
+        let (kind_p, geo_p) = (up(&kind)?, up(&geo_t)?);
         let iota: Vec<i32> = (0..=(world * n) as i32).collect();
-        let offsets = up(&iota)?;
-        let remap_call = geo.shard_ids_call();
-        let remap = dev.prepare(&remap_call, &|a| match a {
+        let iota_p = up(&iota)?;
+        let hot = geo.hot as i32;
+        let bag_offsets: Vec<i32> = (0..=(world * bags) as i32).map(|i| i * hot).collect();
+        let bag_offsets_p = up(&bag_offsets)?;
+        let send_bags = geo.grad_send_bags();
+        let own_bags = geo.grad_own_bags();
+        let (send_bags_p, own_bags_p) = (up(&send_bags)?, up(&own_bags)?);
+        let part = n * 4;
+        let mut alloc = |bytes: usize, fill: Option<u8>| -> Result<u64, RuntimeError> {
+            let b = dev.alloc(bytes.max(4))?;
+            if let Some(v) = fill {
+                dev.fill(&b, v)?;
+            }
+            let ptr = b.ptr();
+            keep.push(b);
+            Ok(ptr)
+        };
+        let (ubm_send, ufm_send) = (alloc(world * part, None)?, alloc(world * part, None)?);
+        // the parts no peer sends stay PAD
+        let (ubm_recv, ufm_recv) = (
+            alloc(world * part, Some(0xFF))?,
+            alloc(world * part, Some(0xFF))?,
+        );
+        let row = d * 4;
+        let answers = alloc(world * n * row, None)?;
+        let g_send = alloc(send_bags.len() * row, None)?;
+        let g_recv = alloc(world * bags * row, Some(0))?;
+        let remap = dev.prepare(&geo.shard_ids_call(), &|a| match a {
             KArg::In(0) => Some(ids_ptr),
-            KArg::In(1) => Some(kind_b.ptr()),
-            KArg::In(2) => Some(geo_b.ptr()),
-            KArg::Out(0) => Some(ubm_send.ptr()),
-            KArg::Out(1) => Some(ufm_send.ptr()),
+            KArg::In(1) => Some(kind_p),
+            KArg::In(2) => Some(geo_p),
+            KArg::Out(0) => Some(ubm_send),
+            KArg::Out(1) => Some(ufm_send),
             _ => None,
         })?;
-        // the owner's gather: the lookup kernel, one id a bag, over its whole storage
-        let gop = Op::EmbeddingBag {
-            field_rows: vec![geo.stored_total()],
+        // a gather of rows by index (the lookup kernel, one index a bag) from `rows` rows
+        // of `src`, `count` indices at `idx`, into `out`
+        let mut scratch: Vec<DeviceBuffer> = Vec::new();
+        let mut gather_rows = |src: u64,
+                               rows: usize,
+                               idx: u64,
+                               count: usize,
+                               out: u64|
+         -> Result<Vec<PreparedLaunch>, RuntimeError> {
+            if count == 0 {
+                return Ok(Vec::new());
+            }
+            let op = Op::EmbeddingBag {
+                field_rows: vec![rows],
+            };
+            let (t_s, i_s, o_s, y_s) = (
+                Shape::new(&[rows, d]),
+                Shape::new(&[count]),
+                Shape::new(&[count + 1]),
+                Shape::new(&[count, 1, d]),
+            );
+            let plan = cuda_plan(
+                &op,
+                &Operands {
+                    opts: dev.plan_options(),
+                    ins: &[&t_s, &i_s, &o_s],
+                    in_dtypes: &[F32, I32, I32],
+                    outs: &[&y_s],
+                    out_dtypes: &[F32],
+                    upd: &[],
+                },
+            )
+            .map_err(|e| err(format!("a gather of {count} rows: {e}")))?;
+            let mine: Vec<DeviceBuffer> = plan
+                .scratch
+                .iter()
+                .map(|&b| dev.alloc(b))
+                .collect::<Result<_, _>>()?;
+            let calls = plan
+                .calls
+                .iter()
+                .map(|c| {
+                    dev.prepare(c, &|a| match a {
+                        KArg::In(0) => Some(src),
+                        KArg::In(1) => Some(idx),
+                        KArg::In(2) => Some(iota_p),
+                        KArg::Out(0) => Some(out),
+                        KArg::Scratch(j) => mine.get(j).map(|b| b.ptr()),
+                        _ => None,
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            scratch.extend(mine);
+            Ok(calls)
         };
-        let (t_s, i_s, o_s, y_s) = (
-            erase_graph::Shape::new(&[geo.stored_total(), d]),
-            erase_graph::Shape::new(&[world * n]),
-            erase_graph::Shape::new(&[world * n + 1]),
-            erase_graph::Shape::new(&[world * n, 1, d]),
+        // the owner's answers to every other rank's asks
+        let mut gather = Vec::new();
+        for k in (0..world).filter(|&k| k != me) {
+            let at = (k * part) as u64;
+            gather.extend(gather_rows(
+                table_ptr,
+                stored,
+                ufm_recv + at,
+                n,
+                answers + (k * n * row) as u64,
+            )?);
+        }
+        // the backward's packs: the gradients for the owners, and this rank's own block
+        let mut grad_pack = gather_rows(dp_ptr, bags, send_bags_p, send_bags.len(), g_send)?;
+        grad_pack.extend(gather_rows(
+            dp_ptr,
+            bags,
+            own_bags_p,
+            own_bags.len(),
+            g_recv + (me * bags * row) as u64,
+        )?);
+        // the owner's update: every rank's occurrences of its rows (field-major), each
+        // bag's gradient from its block
+        let op = Op::RowwiseAdagrad {
+            lr,
+            eps,
+            field_rows: vec![stored],
+        };
+        let (i_s, o_s, dp_s) = (
+            Shape::new(&[world * n]),
+            Shape::new(&[world * bags + 1]),
+            Shape::new(&[world * bags, 1, d]),
         );
-        use erase_graph::DType::{F32, I32};
+        let upd = [g.shape(table), g.shape(acc)];
         let plan = cuda_plan(
-            &gop,
+            &op,
             &Operands {
                 opts: dev.plan_options(),
-                ins: &[&t_s, &i_s, &o_s],
-                in_dtypes: &[F32, I32, I32],
-                outs: &[&y_s],
-                out_dtypes: &[F32],
-                upd: &[],
+                ins: &[&i_s, &o_s, &dp_s],
+                in_dtypes: &[I32, I32, F32],
+                outs: &[],
+                out_dtypes: &[],
+                upd: &upd,
             },
         )
-        .map_err(|e| err(format!("the owner's gather: {e}")))?;
-        let scratch = plan
+        .map_err(|e| err(format!("the owner's update: {e}")))?;
+        let upd_scratch: Vec<DeviceBuffer> = plan
             .scratch
             .iter()
             .map(|&b| dev.alloc(b))
-            .collect::<Result<Vec<_>, _>>()?;
-        let gather = plan
+            .collect::<Result<_, _>>()?;
+        let update_owned = plan
             .calls
             .iter()
             .map(|c| {
                 dev.prepare(c, &|a| match a {
-                    KArg::In(0) => Some(table_ptr),
-                    KArg::In(1) => Some(ufm_recv.ptr()),
-                    KArg::In(2) => Some(offsets.ptr()),
-                    KArg::Out(0) => Some(answers.ptr()),
-                    KArg::Scratch(j) => scratch.get(j).map(|b| b.ptr()),
+                    KArg::In(0) => Some(ufm_recv),
+                    KArg::In(1) => Some(bag_offsets_p),
+                    KArg::In(2) => Some(g_recv),
+                    KArg::Upd(0) => Some(table_ptr),
+                    KArg::Upd(1) => Some(acc_ptr),
+                    KArg::Scratch(j) => upd_scratch.get(j).map(|b| b.ptr()),
                     _ => None,
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        // every peer: its asks and its occurrences, both ways (this rank's own
-        // occurrences are copied, not sent)
+        // every peer: its asks and its occurrences, both ways (this rank's own parts are
+        // copied, not sent)
         let mut ids_parts = Vec::new();
         for peer in (0..world).filter(|&k| k != me) {
             let at = (peer * part) as u64;
             ids_parts.extend([
                 Transfer::Send {
                     peer,
-                    ptr: ufm_send.ptr() + at,
+                    ptr: ufm_send + at,
                     bytes: part,
                 },
                 Transfer::Recv {
                     peer,
-                    ptr: ufm_recv.ptr() + at,
+                    ptr: ufm_recv + at,
                     bytes: part,
                 },
                 Transfer::Send {
                     peer,
-                    ptr: ubm_send.ptr() + at,
+                    ptr: ubm_send + at,
                     bytes: part,
                 },
                 Transfer::Recv {
                     peer,
-                    ptr: ubm_recv.ptr() + at,
+                    ptr: ubm_recv + at,
                     bytes: part,
                 },
             ]);
         }
-        let row = (d * 4) as u64;
-        let mut rows_parts: Vec<Transfer> = geo
-            .sends()
+        let (sends, receives) = (geo.sends(), geo.receives());
+        let mut rows_parts: Vec<Transfer> = sends
             .iter()
             .map(|b| Transfer::Send {
                 peer: b.peer,
-                ptr: answers.ptr() + b.at as u64 * row,
-                bytes: b.rows * d * 4,
+                ptr: answers + (b.at * row) as u64,
+                bytes: b.rows * row,
             })
             .collect();
-        rows_parts.extend(geo.receives().iter().map(|b| Transfer::Recv {
+        rows_parts.extend(receives.iter().map(|b| Transfer::Recv {
             peer: b.peer,
-            ptr: table_ptr + b.at as u64 * row,
-            bytes: b.rows * d * 4,
+            ptr: table_ptr + (b.at * row) as u64,
+            bytes: b.rows * row,
+        }));
+        // the backward runs the rows' pairs the other way, a block of bags each
+        let ex = geo.examples;
+        let mut grad_parts: Vec<Transfer> = receives
+            .iter()
+            .enumerate()
+            .map(|(i, b)| Transfer::Send {
+                peer: b.peer,
+                ptr: g_send + (i * ex * row) as u64,
+                bytes: ex * row,
+            })
+            .collect();
+        grad_parts.extend(sends.iter().map(|b| Transfer::Recv {
+            peer: b.peer,
+            ptr: g_recv + ((b.peer * nf + b.field) * ex * row) as u64,
+            bytes: ex * row,
         }));
         let readers = p
             .prog
@@ -524,11 +681,9 @@ impl ShardedLookup {
             })
             .map(|(i, _)| i)
             .collect();
-        let occurrences = ubm_recv.ptr();
-        let own = (
-            ubm_send.ptr() + (me * part) as u64,
-            ubm_recv.ptr() + (me * part) as u64,
-        );
+        let mine = (me * part) as u64;
+        keep.extend(scratch);
+        keep.extend(upd_scratch);
         Ok(ShardedLookup {
             name: name.to_string(),
             remap,
@@ -537,15 +692,17 @@ impl ShardedLookup {
             rows_parts,
             readers,
             done: dev.event(false)?,
-            occurrences,
-            own,
+            occurrences: ubm_recv,
+            own: [
+                (ubm_send + mine, ubm_recv + mine),
+                (ufm_send + mine, ufm_recv + mine),
+            ],
             part,
-            _buffers: [
-                kind_b, geo_b, ubm_send, ufm_send, ubm_recv, ufm_recv, answers, offsets,
-            ]
-            .into_iter()
-            .chain(scratch)
-            .collect(),
+            grad_pack,
+            grad_parts,
+            update_owned,
+            replicated: geo.any_replicated(),
+            _buffers: keep,
         })
     }
 
@@ -558,13 +715,15 @@ impl ShardedLookup {
         cs: &Stream,
     ) -> Result<(), RuntimeError> {
         dev.launch_prepared(&self.remap, cs)?;
-        // SAFETY: both are live device buffers of this lookup, `part` bytes apart from
-        // their ends; ordered on `cs` after the remap that wrote the source.
-        unsafe { sys::cuMemcpyDtoDAsync_v2(self.own.1, self.own.0, self.part, cs.raw()) }
-            .result()
-            .map_err(|e| {
-                RuntimeError::Device(format!("copying the rank's own occurrences: {e:?}"))
-            })?;
+        for &(from, to) in &self.own {
+            // SAFETY: both lie inside live buffers of this lookup, `part` bytes from their
+            // ends; ordered on `cs` after the remap that wrote the source.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, self.part, cs.raw()) }
+                .result()
+                .map_err(|e| {
+                    RuntimeError::Device(format!("copying the rank's own occurrences: {e:?}"))
+                })?;
+        }
         // SAFETY: every part lies inside this lookup's buffers or the table's storage
         // (its landing blocks), which only this stream touches until `done`.
         unsafe {
@@ -586,6 +745,23 @@ impl ShardedLookup {
             )
         }?;
         self.done.record(cs)
+    }
+
+    /// Issues the gradients' exchange on `cs`, after the work that completed the pooled
+    /// gradient (the caller's wait).
+    fn issue_grads(
+        &self,
+        dev: &crate::cuda::CudaDevice,
+        comm: &mut NcclComm,
+        cs: &Stream,
+    ) -> Result<(), RuntimeError> {
+        for c in &self.grad_pack {
+            dev.launch_prepared(c, cs)?;
+        }
+        // SAFETY: every part lies inside this lookup's gradient buffers, which only this
+        // stream touches until the update (which waits for it).
+        unsafe { comm.exchange(&format!("{}.grad", self.name), &self.grad_parts, cs.raw()) }
+            .map(|_| ())
     }
 }
 
@@ -680,7 +856,7 @@ impl CudaProgram<'_> {
             let mut c = comm
                 .lock()
                 .map_err(|_| RuntimeError::Device("the NCCL lock is poisoned".into()))?;
-            exchange_resolved(dp, b, &resolved[b], &mut c, from)?;
+            exchange_resolved(dev, dp, b, &resolved[b], &mut c, from)?;
             next_bucket.store(b + 1, Ordering::Release);
             Ok(())
         };
@@ -717,6 +893,9 @@ impl CudaProgram<'_> {
                         for call in &x.update {
                             dev.launch_prepared(call, s)?;
                         }
+                    }
+                    for call in dp.lookup.iter().flat_map(|lk| &lk.update_owned) {
+                        dev.launch_prepared(call, s)?;
                     }
                 }
                 if !dp.skip.contains(&i) {
@@ -780,6 +959,9 @@ impl CudaProgram<'_> {
                         self.dev.launch_prepared(call, s)?;
                     }
                 }
+                for call in dp.lookup.iter().flat_map(|lk| &lk.update_owned) {
+                    self.dev.launch_prepared(call, s)?;
+                }
             }
             if !dp.skip.contains(&i) {
                 for call in &self.prepared[i].calls {
@@ -812,7 +994,7 @@ impl CudaProgram<'_> {
         from: &Stream,
     ) -> Result<(), RuntimeError> {
         let r = self.resolve_bucket(dp, b)?;
-        exchange_resolved(dp, b, &r, comm, from)
+        exchange_resolved(self.dev, dp, b, &r, comm, from)
     }
 
     /// The device addresses bucket `b` exchanges.
@@ -923,6 +1105,7 @@ struct ResolvedBucket {
 /// Bucket `b`'s collectives on the communication stream, after the work issued so far on
 /// `from` (the addresses resolved beforehand, so that any dispatch thread can issue it).
 fn exchange_resolved(
+    dev: &crate::cuda::CudaDevice,
     dp: &DataParallel,
     b: usize,
     r: &ResolvedBucket,
@@ -941,18 +1124,36 @@ fn exchange_resolved(
     }
     for &(k, ids, dpd) in &r.sparse {
         let x = &dp.sparse[k];
+        if x.sharded {
+            // the owners' blocks first, then (with replicated fields) the gather
+            let lk = dp.lookup.as_ref().ok_or_else(|| {
+                RuntimeError::Device(format!("'{}' is sharded but has no lookup", x.name))
+            })?;
+            lk.issue_grads(dev, comm, &dp.comm_stream)?;
+            if lk.replicated {
+                // SAFETY: as below.
+                unsafe {
+                    comm.all_gather(
+                        &format!("{}.grad of the replicated fields", x.name),
+                        dpd,
+                        x.all_dp.ptr(),
+                        x.dp_bytes,
+                        cs,
+                    )
+                }?;
+            }
+            continue;
+        }
         // SAFETY: the sources stay live until the optimizer reads them (it waits for this
         // stream); the destinations are `dp`'s, of `world` times the size.
         unsafe {
-            if !x.sharded {
-                comm.all_gather(
-                    &format!("{}.ids", x.name),
-                    ids,
-                    x.all_ids.ptr(),
-                    x.ids_bytes,
-                    cs,
-                )?;
-            }
+            comm.all_gather(
+                &format!("{}.ids", x.name),
+                ids,
+                x.all_ids.ptr(),
+                x.ids_bytes,
+                cs,
+            )?;
             comm.all_gather(
                 &format!("{}.grad", x.name),
                 dpd,

@@ -13,9 +13,12 @@
 //! 3. each owner gathers the rows asked of it (the lookup kernel with one id a bag) and a
 //!    second all-to-all sends each field's block straight into the asker's landing block,
 //!    which the step's lookup then reads;
-//! 4. after the backward, the pooled gradients are gathered as with replicated tables and
-//!    each owner applies row-wise Adagrad to the occurrences it holds (`ubm` of every rank,
-//!    in rank order), at their places in its storage.
+//! 4. once the table's gradient is complete, each rank sends every owner the pooled
+//!    gradients of its bags of the fields the owner has rows of (the rows' pairs in the
+//!    other direction), and each owner applies row-wise Adagrad to the occurrences of the
+//!    rows it owns (`ufm` of every rank, in rank order) at their places in its storage.
+//!    Replicated fields' occurrences (`ubm`) and gradients are gathered from every rank,
+//!    as with replicated tables, and applied by every rank.
 //!
 //! Every position is fixed by the batch's shape, so the step is the same sequence of
 //! launches and NCCL calls every time, and can be captured in a CUDA graph.
@@ -134,7 +137,8 @@ impl ShardGeometry {
     }
 
     /// What `shard_ids` computes, on the CPU: the storage ids of `ids` (a rank's batch)
-    /// and every rank's `ubm` and `ufm` (see the kernel).
+    /// and every rank's `ubm` (occurrences of replicated rows, bag order) and `ufm` (of
+    /// the rows the rank owns alone, field-major; see the kernel).
     pub fn reference(&self, ids: &[i32]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
         let (n, nf, hot) = (ids.len(), self.rows.len(), self.hot);
         let per_field = n / nf.max(1);
@@ -156,14 +160,12 @@ impl ShardGeometry {
                 continue;
             }
             for k in 0..self.world {
-                let held = owner.is_none() || owner == Some(k);
-                if held {
-                    let x = self.on[k][f];
-                    let at = (x.base + id as usize - x.start) as i32;
-                    ubm[k * n + s] = at;
-                    if owner == Some(k) && k != self.rank {
-                        ufm[k * n + fm] = at;
-                    }
+                let x = self.on[k][f];
+                let at = || (x.base + id as usize - x.start) as i32;
+                match owner {
+                    None => ubm[k * n + s] = at(),
+                    Some(o) if o == k => ufm[k * n + fm] = at(),
+                    Some(_) => {}
                 }
             }
             local[s] = match owner {
@@ -201,7 +203,9 @@ impl ShardGeometry {
     }
 
     /// The blocks this rank sends: to each other rank, each field it owns rows of that
-    /// the other does not hold whole (its answers to that rank's asks of the field).
+    /// the other does not hold whole (its answers to that rank's asks of the field). In
+    /// the backward the same pairs run the other way: this rank receives those ranks'
+    /// bags' gradients of the field.
     pub fn sends(&self) -> Vec<RowBlock> {
         let (n, pf) = (self.n_ids(), self.per_field());
         let mut v = Vec::new();
@@ -222,8 +226,43 @@ impl ShardGeometry {
         v
     }
 
+    /// Bags of one rank's batch.
+    pub fn bags(&self) -> usize {
+        self.examples * self.rows.len()
+    }
+
+    /// The bags (rows of the pooled gradient `[examples · fields, D]`) this rank sends
+    /// its owners in the backward, block after block in the order of
+    /// [`ShardGeometry::receives`]: each block the field's bags, example by example.
+    pub fn grad_send_bags(&self) -> Vec<i32> {
+        let nf = self.rows.len();
+        self.receives()
+            .iter()
+            .flat_map(|b| (0..self.examples).map(move |e| (e * nf + b.field) as i32))
+            .collect()
+    }
+
+    /// The bags of this rank's own gradient block, field-major (`[fields][examples]`):
+    /// a field's bags where this rank owns rows of it alone, PAD elsewhere.
+    pub fn grad_own_bags(&self) -> Vec<i32> {
+        let nf = self.rows.len();
+        (0..nf)
+            .flat_map(|f| {
+                let owns = self.kinds[f] != FieldKind::Replicated && self.on[self.rank][f].len > 0;
+                (0..self.examples).map(move |e| if owns { (e * nf + f) as i32 } else { PAD })
+            })
+            .collect()
+    }
+
+    /// Whether any field is replicated (its occurrences are then gathered from every
+    /// rank, as with replicated tables).
+    pub fn any_replicated(&self) -> bool {
+        self.kinds.contains(&FieldKind::Replicated)
+    }
+
     /// The blocks this rank receives: from each owner, each field it has a landing block
-    /// for, into that block of its storage.
+    /// for, into that block of its storage. In the backward the same pairs run the other
+    /// way: this rank sends each of those owners its bags' gradients of the field.
     pub fn receives(&self) -> Vec<RowBlock> {
         let pf = self.per_field();
         let mut v = Vec::new();
