@@ -41,6 +41,24 @@ pub struct RankResult {
     /// it trained: the whole tables, or with sharded tables its own rows and the landing
     /// slots of the rows it fetches.
     pub table_bytes: u64,
+    /// The rank's own held-out evaluation after the last step, where it makes one (a
+    /// rank of sharded tables: its lookups fetch the rows as its steps do); otherwise
+    /// rank 0 evaluates the gathered replica at the global batch.
+    pub final_eval: Option<crate::train::Eval>,
+}
+
+impl RankResult {
+    /// The run's held-out evaluation: the rank's own after the last step, or `whole`
+    /// (the replica's at the global batch).
+    pub fn evaluation(
+        &self,
+        whole: impl FnOnce() -> Result<crate::train::Eval>,
+    ) -> Result<(crate::train::Eval, &'static str)> {
+        match self.final_eval {
+            Some(e) => Ok((e, "each rank's sharded lookup, at the rank's batch")),
+            None => Ok((whole()?, "rank 0's replica at the global batch")),
+        }
+    }
 }
 
 /// The tensors of a replica's state in order: name, element type, element count.
@@ -274,7 +292,8 @@ pub fn run_rank<C: Collective>(
         .transpose()
         .with_context(|| format!("rank {rank}: the sharded embedding tables"))?;
     // sharded tables are updated by their owners, not by the gathered update
-    if sharded.is_some() {
+    let sharded_run = sharded.is_some();
+    if sharded_run {
         sparse_opt.clear();
     }
     let table_bytes = stored_table_bytes(g, &sparse_opt_all);
@@ -307,6 +326,7 @@ pub fn run_rank<C: Collective>(
             cfg.data_seed,
             Some(share),
         )?;
+        s.evaluate_at_end = sharded_run;
         let report = drive(cfg, &mut s, progress, Some(share))?;
         let (state, layout) = persistent_state(g, |t| s.read(t))?;
         (report, state, layout)
@@ -319,6 +339,7 @@ pub fn run_rank<C: Collective>(
         losses: report.losses,
         log: comm.log().to_vec(),
         step_secs: report.step_secs,
+        final_eval: final_eval(sharded_run, &report.evals, cfg.steps),
         evals: report.evals,
         table_bytes,
     })
@@ -460,6 +481,15 @@ impl<C: Collective> RankExec<'_, C> {
         }
         Ok(())
     }
+}
+
+/// A rank's own evaluation after the last step (`steps`), when it made one.
+pub(crate) fn final_eval(
+    made: bool,
+    evals: &[crate::train::Eval],
+    steps: usize,
+) -> Option<crate::train::Eval> {
+    evals.last().copied().filter(|e| made && e.step == steps)
 }
 
 /// Bytes of the tables (and state) that the row-wise Adagrad updates `nodes` update.

@@ -72,7 +72,7 @@ pub fn run_worker_cuda(
     comm.unwatch(&wd);
     match r {
         Ok(r) => report(&mut control, &r, cfg, opts, "CUDA", || {
-            crate::distributed::evaluate_replica(cfg, &r, Some(&dev))
+            r.evaluation(|| crate::distributed::evaluate_replica(cfg, &r, Some(&dev)))
         }),
         Err(e) => {
             comm.abort();
@@ -166,6 +166,7 @@ fn train(
         }
         None => None,
     };
+    let sharded_run = sharded.is_some();
     let dp = DataParallel::with_shards(
         &prog,
         &plan.partition,
@@ -215,6 +216,7 @@ fn train(
             cfg.data_seed,
             Some(share),
         )?;
+        s.evaluate_at_end = sharded_run;
         let report = drive(cfg, &mut s, progress, Some(share))?;
         let (state, layout) = crate::distributed::persistent_state(g, |t| s.read(t))?;
         (report, state, layout)
@@ -233,6 +235,7 @@ fn train(
         losses: report.losses,
         log,
         step_secs: report.step_secs,
+        final_eval: crate::distributed::final_eval(sharded_run, &report.evals, cfg.steps),
         evals: report.evals,
         table_bytes,
     })

@@ -156,7 +156,7 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
         }
     };
     report(&mut comm, &r, cfg, opts, "CPU", || {
-        crate::distributed::evaluate_replica(cfg, &r, None)
+        r.evaluation(|| crate::distributed::evaluate_replica(cfg, &r, None))
     })
 }
 
@@ -170,7 +170,7 @@ pub fn report<C: Collective>(
     cfg: &TrainConfig,
     opts: &WorkerOptions,
     device: &str,
-    eval: impl FnOnce() -> Result<crate::train::Eval>,
+    eval: impl FnOnce() -> Result<(crate::train::Eval, &'static str)>,
 ) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world());
     if let Some(dir) = &opts.collective_log {
@@ -229,9 +229,9 @@ pub fn report<C: Collective>(
             );
         }
         let _ = std::io::stdout().flush();
-        let e = eval().context("rank 0: evaluating its replica")?;
+        let (e, what) = eval().context("rank 0: evaluating its replica")?;
         println!(
-            "  held-out NE {:.4}  AUC {:.4} ({} examples, rank 0's replica at the global batch)",
+            "  held-out NE {:.4}  AUC {:.4} ({} examples, {what})",
             e.ne, e.auc, e.examples
         );
     }

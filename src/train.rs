@@ -903,6 +903,10 @@ pub struct Session<'a> {
     labels: Vec<f32>,
     /// Steps issued.
     pub step: usize,
+    /// Whether a rank evaluates its own replica after the last step (a rank of sharded
+    /// tables, whose whole model may not fit one device) instead of rank 0 evaluating
+    /// the gathered replica at the global batch.
+    pub evaluate_at_end: bool,
 }
 
 /// How the host issues a step's launches.
@@ -1030,6 +1034,7 @@ impl<'a> Session<'a> {
             rows: vec![0; mc.ids_per_batch()],
             labels: vec![0.0; mc.batch],
             step: 0,
+            evaluate_at_end: false,
         })
     }
 
@@ -1527,8 +1532,8 @@ pub fn drive(
         let save = writes
             && cfg.checkpoint.is_some()
             && (last || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)));
-        let eval =
-            (last && rank.is_none()) || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every));
+        let eval = (last && (rank.is_none() || s.evaluate_at_end))
+            || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every));
         if save || eval {
             if let Some(r) = s.drain()? {
                 record(r, &mut report, progress);

@@ -348,6 +348,11 @@ fn row_sharded_tables_over_tcp_end_with_the_replicated_bits() {
         !l0.lines().any(|l| l.starts_with("all_gather")),
         "a sharded step gathers no gradients:\n{l0}"
     );
+    // the ranks evaluate through their own lookups, not a whole model on rank 0
+    assert!(
+        so.contains("held-out NE ") && so.contains("each rank's sharded lookup"),
+        "{so}"
+    );
     assert_eq!(
         threads_state_hash(8, erase::sharding::Sharding::Replicated),
         hashes[0].1,

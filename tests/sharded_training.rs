@@ -73,9 +73,12 @@ fn table_row_and_auto_sharding_train_to_the_bits_of_replicated_tables() {
                     r.rank
                 );
                 assert_eq!(r.losses, replicated[r.rank].losses, "{name} on {world}");
-                // the periodic evaluations look their rows up as the steps do
+                // the periodic evaluations look their rows up as the steps do; the last
+                // is the run's (no rank builds the whole model to evaluate it)
                 assert_eq!(r.evals.len(), 2, "{name} on {world}");
                 assert_eq!(r.evals, replicated[r.rank].evals, "{name} on {world}");
+                assert_eq!(r.final_eval, r.evals.last().copied(), "{name} on {world}");
+                assert!(replicated[r.rank].final_eval.is_none());
             }
         }
     }
