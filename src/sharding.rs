@@ -3,7 +3,8 @@
 //! row-wise (its rows split evenly over the ranks, for a table too large for one). The
 //! planner is a pure function of the tables' sizes, the rank count and each rank's
 //! memory budget, so every rank computes the same placement; `erase-ctr plan --gpus N
-//! --sharding MODE` prints it, and CPU ranks train with it (`crate::sharded`).
+//! --sharding MODE` prints it, and CPU and CUDA ranks train with it (`crate::sharded`,
+//! `erase_runtime::cuda::sharded`).
 
 use anyhow::{bail, Result};
 

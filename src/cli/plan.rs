@@ -50,7 +50,8 @@ pub(crate) struct PlanArgs {
     gpus: Option<usize>,
     /// With --gpus: where the embedding tables would live (`auto`: by size, the ranks'
     /// memory and the communication; `replicated`, `table` or `row` to force one), as
-    /// `train --sharding` places them on CPU ranks.
+    /// `train --sharding` places them; the prediction shows both exchanges, the jagged
+    /// one of CPU ranks and the fixed blocks of CUDA ranks.
     #[arg(long, value_enum, default_value = "auto")]
     sharding: ShardingArg,
     /// With --gpus: each rank's memory for embedding tables and their optimizer state, GB.

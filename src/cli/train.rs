@@ -122,8 +122,10 @@ pub(crate) struct TrainArgs {
     /// `replicated`, `table` (whole on one rank) or `row` (rows split over the ranks) to
     /// force one). A rank stores only the rows it holds; the step exchanges ids, rows and
     /// gradients by all-to-all (on CUDA ranks NCCL's, inside the step and its graph).
-    /// CPU ranks train to the bits of replicated tables; CUDA ranks sum a row's
-    /// gradients in another grouping, so their bits differ slightly from replicated.
+    /// CPU ranks train to the bits of replicated tables. CUDA ranks exchange fixed blocks
+    /// (table-wise about as much as a jagged all-to-all, row-wise growing with the
+    /// ranks: `plan --gpus N` predicts both) and, with several of them, group a row's
+    /// gradient sums otherwise, so their bits differ slightly from replicated tables.
     #[arg(long, value_enum, default_value = "auto")]
     sharding: super::plan::ShardingArg,
     /// With several ranks: each rank's memory for embedding tables and their optimizer
