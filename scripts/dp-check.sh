@@ -37,17 +37,20 @@ summary+=("resumed to 80: rc $rc state $b: $verdict as the run that never stoppe
 # storage, the owners' exchange) and its update of the rows it holds must end with the
 # bits of replicated tables; with several, each rank stores only its rows and the bits
 # differ from replicated in the grouping of a row's gradient sums
+sharded() { # NAME FLAGS...: one sharded run, its state against the replicated one's
+  local name="$1"; shift
+  "$B" "${dp[@]}" "$@" >"$out/sharded-$name.txt" 2>"$out/sharded-$name.log"
+  local rc=$? c v="other bits than"
+  c=$(fnv "$out/sharded-$name.txt")
+  [ -n "$c" ] && [ "$c" = "$a" ] && v="the same bits as"
+  summary+=("$*: rc $rc state $c: $v replicated tables; $(grep -E 'examples/s' "$out/sharded-$name.txt" | sed 's/.*: //' | tr -s ' ')")
+}
 for mode in row table; do
-  for dispatch in graph blocking; do
-    "$B" "${dp[@]}" --sharding "$mode" --dispatch "$dispatch" \
-      >"$out/sharded-$mode-$dispatch.txt" 2>"$out/sharded-$mode-$dispatch.log"
-    rc=$?
-    c=$(fnv "$out/sharded-$mode-$dispatch.txt")
-    v="other bits than"
-    [ -n "$c" ] && [ "$c" = "$a" ] && v="the same bits as"
-    summary+=("--sharding $mode, $dispatch dispatch: rc $rc state $c: $v replicated tables; $(grep -E 'stores|examples/s' "$out/sharded-$mode-$dispatch.txt" "$out/sharded-$mode-$dispatch.log" | head -2 | sed 's/.*: //' | tr '\n' ';')")
+  for dispatch in graph blocking threaded; do
+    sharded "$mode-$dispatch" --sharding "$mode" --dispatch "$dispatch"
   done
 done
+sharded table-end --sharding table --allreduce end
 ERASE_FAIL_AT_STEP=0:60 "$B" "${dp[@]}" --sharding row --checkpoint "$work/sh.st" --checkpoint-every 40 \
   >"$out/sharded-killed.txt" 2>"$out/sharded-killed.log"
 summary+=("--sharding row killed at step 60: rc $? (non-zero expected)")
