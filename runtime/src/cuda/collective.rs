@@ -293,11 +293,6 @@ impl DataParallel {
                     let offs: Vec<i32> = (0..=n_bags * world).map(|i| (i * hot) as i32).collect();
                     let all_offsets = dev.alloc(offs.len() * 4)?;
                     dev.upload(&all_offsets, 0, bytemuck::cast_slice(&offs))?;
-                    let scratch = plan
-                        .scratch
-                        .iter()
-                        .map(|&b| dev.alloc(b))
-                        .collect::<Result<Vec<_>, _>>()?;
                     let ptr = |a: KArg| -> Option<u64> {
                         match a {
                             KArg::In(0) => Some(match (&lookup, sharded) {
@@ -307,20 +302,16 @@ impl DataParallel {
                             KArg::In(1) => Some(all_offsets.ptr()),
                             KArg::In(2) => Some(all_dp.ptr()),
                             KArg::Upd(j) => node.updates.get(j).and_then(|&t| tensor_ptr(p, t)),
-                            KArg::Scratch(j) => scratch.get(j).map(|b| b.ptr()),
                             _ => None,
                         }
                     };
                     // a sharded table without replicated fields gathers nothing: its
                     // owners update their rows from the gradients' exchange
                     let gathered = !sharded || lookup.as_ref().is_some_and(|lk| lk.replicated);
-                    let update = if gathered {
-                        plan.calls
-                            .iter()
-                            .map(|c| dev.prepare(c, &ptr))
-                            .collect::<Result<Vec<_>, _>>()?
+                    let (update, scratch) = if gathered {
+                        prepare_plan(dev, &plan, &ptr)?
                     } else {
-                        Vec::new()
+                        (Vec::new(), Vec::new())
                     };
                     by_program.entry(k).or_default().1.push(sparse.len());
                     sparse.push(SparseExchange {
@@ -524,25 +515,13 @@ impl ShardedLookup {
                 },
             )
             .map_err(|e| err(format!("a gather of {count} rows: {e}")))?;
-            let mine: Vec<DeviceBuffer> = plan
-                .scratch
-                .iter()
-                .map(|&b| dev.alloc(b))
-                .collect::<Result<_, _>>()?;
-            let calls = plan
-                .calls
-                .iter()
-                .map(|c| {
-                    dev.prepare(c, &|a| match a {
-                        KArg::In(0) => Some(src),
-                        KArg::In(1) => Some(idx),
-                        KArg::In(2) => Some(iota_p),
-                        KArg::Out(0) => Some(out),
-                        KArg::Scratch(j) => mine.get(j).map(|b| b.ptr()),
-                        _ => None,
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
+            let (calls, mine) = prepare_plan(dev, &plan, &|a| match a {
+                KArg::In(0) => Some(src),
+                KArg::In(1) => Some(idx),
+                KArg::In(2) => Some(iota_p),
+                KArg::Out(0) => Some(out),
+                _ => None,
+            })?;
             scratch.extend(mine);
             Ok(calls)
         };
@@ -592,26 +571,14 @@ impl ShardedLookup {
             },
         )
         .map_err(|e| err(format!("the owner's update: {e}")))?;
-        let upd_scratch: Vec<DeviceBuffer> = plan
-            .scratch
-            .iter()
-            .map(|&b| dev.alloc(b))
-            .collect::<Result<_, _>>()?;
-        let update_owned = plan
-            .calls
-            .iter()
-            .map(|c| {
-                dev.prepare(c, &|a| match a {
-                    KArg::In(0) => Some(ufm_recv),
-                    KArg::In(1) => Some(bag_offsets_p),
-                    KArg::In(2) => Some(g_recv),
-                    KArg::Upd(0) => Some(table_ptr),
-                    KArg::Upd(1) => Some(acc_ptr),
-                    KArg::Scratch(j) => upd_scratch.get(j).map(|b| b.ptr()),
-                    _ => None,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let (update_owned, upd_scratch) = prepare_plan(dev, &plan, &|a| match a {
+            KArg::In(0) => Some(ufm_recv),
+            KArg::In(1) => Some(bag_offsets_p),
+            KArg::In(2) => Some(g_recv),
+            KArg::Upd(0) => Some(table_ptr),
+            KArg::Upd(1) => Some(acc_ptr),
+            _ => None,
+        })?;
         // every peer: its asks and its occurrences, both ways (this rank's own parts are
         // copied, not sent)
         let mut ids_parts = Vec::new();
@@ -763,6 +730,31 @@ impl ShardedLookup {
         unsafe { comm.exchange(&format!("{}.grad", self.name), &self.grad_parts, cs.raw()) }
             .map(|_| ())
     }
+}
+
+/// `plan`'s launches prepared with `ptr` giving its operands' addresses, and the scratch
+/// buffers allocated for it (kept alive by the caller as long as the launches).
+fn prepare_plan(
+    dev: &crate::cuda::CudaDevice,
+    plan: &erase_ops::cuda::CudaPlan,
+    ptr: &dyn Fn(KArg) -> Option<u64>,
+) -> Result<(Vec<PreparedLaunch>, Vec<DeviceBuffer>), RuntimeError> {
+    let scratch = plan
+        .scratch
+        .iter()
+        .map(|&b| dev.alloc(b))
+        .collect::<Result<Vec<_>, _>>()?;
+    let calls = plan
+        .calls
+        .iter()
+        .map(|c| {
+            dev.prepare(c, &|a| match a {
+                KArg::Scratch(j) => scratch.get(j).map(|b| b.ptr()),
+                a => ptr(a),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((calls, scratch))
 }
 
 /// A tensor's device address in `p` (arena or leaf).

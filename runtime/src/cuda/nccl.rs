@@ -338,39 +338,26 @@ impl NcclComm {
                 )));
             }
         }
-        let rec = self.record("all_to_all", bucket, 0);
-        let parts = || -> Result<(), cudarc::nccl::result::NcclError> {
-            for peer in 0..self.world {
+        let parts: Vec<Transfer> = (0..self.world)
+            .flat_map(|peer| {
                 let (s0, s1) = (send_at[peer], send_at[peer + 1]);
                 let (r0, r1) = (recv_at[peer], recv_at[peer + 1]);
-                // SAFETY: the caller's contract: each part lies inside its buffer.
-                unsafe {
-                    if s1 > s0 {
-                        cudarc::nccl::result::send(
-                            (send + s0 as u64) as *const _,
-                            s1 - s0,
-                            sys::ncclDataType_t::ncclUint8,
-                            peer as i32,
-                            self.comm,
-                            stream as sys::cudaStream_t,
-                        )?;
-                    }
-                    if r1 > r0 {
-                        cudarc::nccl::result::recv(
-                            (recv + r0 as u64) as *mut _,
-                            r1 - r0,
-                            sys::ncclDataType_t::ncclUint8,
-                            peer as i32,
-                            self.comm,
-                            stream as sys::cudaStream_t,
-                        )?;
-                    }
-                }
-            }
-            Ok(())
-        };
-        grouped(parts).map_err(|e| nccl_err(&format!("{rec}"), e))?;
-        Ok(rec)
+                [
+                    Transfer::Send {
+                        peer,
+                        ptr: send + s0 as u64,
+                        bytes: s1 - s0,
+                    },
+                    Transfer::Recv {
+                        peer,
+                        ptr: recv + r0 as u64,
+                        bytes: r1 - r0,
+                    },
+                ]
+            })
+            .collect();
+        // SAFETY: the caller's contract: each part lies inside its buffer.
+        unsafe { self.exchange(bucket, &parts, stream) }
     }
 
     /// Issues `parts` as one group of NCCL sends and receives on `stream` (one log record,
