@@ -99,20 +99,16 @@ fn train(
     local.batch = cfg.model.batch / world;
     // where the tables live: every rank's storage (a sharded rank holds its rows and a
     // landing block per owner of each field it does not hold whole)
-    let storages = (0..world)
-        .map(|k| {
-            crate::sharded::Storage::plan(
-                &local.field_rows(),
-                &local.bag_slots(),
-                (local.dim, local.batch),
-                (k, world),
-                cfg.rank_memory,
-                (cfg.sharding, crate::sharded::Landing::PerOwner),
-            )
-        })
-        .collect::<Result<Vec<_>>>()
-        .with_context(|| format!("rank {rank}: placing the embedding tables"))?;
-    let shards = match storages.iter().cloned().collect::<Option<Vec<_>>>() {
+    let storages = crate::sharded::Storage::all_ranks(
+        &local.field_rows(),
+        &local.bag_slots(),
+        (local.dim, local.batch),
+        world,
+        cfg.rank_memory,
+        cfg.sharding,
+    )
+    .with_context(|| format!("rank {rank}: placing the embedding tables"))?;
+    let shards = match storages {
         Some(all) => {
             let slots = local.bag_slots();
             let hot = slots.first().copied().unwrap_or(1);
@@ -185,8 +181,8 @@ fn train(
         wd.leave();
     }
     let share = Share { rank, world };
-    // every collective the rank issues, in order (a captured step's as it replays)
-    let mut log: Vec<CollectiveRecord> = Vec::new();
+    // what the rank issued, in order (a captured step's collectives as it replays)
+    let mut issued: Vec<Issued> = Vec::new();
     let (report, state, layout) = {
         let what = format!(
             "{} collectives{}",
@@ -205,7 +201,7 @@ fn train(
             rank,
             fail,
             sharded,
-            log: &mut log,
+            issued: &mut issued,
         };
         // two steps in flight, as on one device: the loader's pinned slots feed them
         let mut s = Session::with_exec(
@@ -221,6 +217,21 @@ fn train(
         let (state, layout) = crate::distributed::persistent_state(g, |t| s.read(t))?;
         (report, state, layout)
     };
+    let mut log: Vec<CollectiveRecord> = Vec::new();
+    for i in &issued {
+        let records = match i {
+            Issued::Step => &dp.per_step[..],
+            Issued::Lookup => &dp.per_step[..2],
+        };
+        for (kind, bucket, bytes) in records {
+            log.push(CollectiveRecord {
+                seq: log.len() as u64,
+                kind,
+                bucket: bucket.clone(),
+                bytes: *bytes,
+            });
+        }
+    }
     if !graph && comm.log().len() != log.len() {
         bail!(
             "rank {rank}: issued {} collectives, the plan says {}",
@@ -256,7 +267,15 @@ struct RankExec<'a> {
     /// The step's collectives, for the watchdog: "N collectives, first KIND 'BUCKET'".
     what: String,
     sharded: Option<CudaShards>,
-    log: &'a mut Vec<CollectiveRecord>,
+    issued: &'a mut Vec<Issued>,
+}
+
+/// What a CUDA rank issued, for its log of collectives (built once at the end).
+enum Issued {
+    /// A step: the plan's collectives.
+    Step,
+    /// A sharded table's lookup alone (an evaluation's): its first two.
+    Lookup,
 }
 
 /// A CUDA rank's sharded table: its placement, and the whole copy assembled for a
@@ -271,17 +290,6 @@ struct CudaShards {
 }
 
 impl RankExec<'_> {
-    fn push_log<'b>(&mut self, records: impl Iterator<Item = &'b (&'static str, String, usize)>) {
-        for (kind, bucket, bytes) in records {
-            self.log.push(CollectiveRecord {
-                seq: self.log.len() as u64,
-                kind,
-                bucket: bucket.clone(),
-                bytes: *bytes,
-            });
-        }
-    }
-
     /// Every rank's rows of the sharded table gathered into a whole copy (after step
     /// `step`, which is waited for), over the TCP connections.
     fn assemble(&mut self, step: u64) -> Result<()> {
@@ -310,17 +318,7 @@ impl RankExec<'_> {
 
 impl CudaShards {
     fn read_whole(&self, t: Tensor) -> Result<Buffer> {
-        let (table, acc) = self.whole.as_ref().ok_or_else(|| {
-            anyhow::anyhow!(
-                "'{}' is sharded: it is whole only after a checkpoint's or the last step",
-                self.name
-            )
-        })?;
-        Ok(Buffer::F32(if t == self.table {
-            table.clone()
-        } else {
-            acc.clone()
-        }))
+        crate::sharded::read_whole(&self.whole, &self.name, t == self.table)
     }
 }
 
@@ -381,8 +379,7 @@ impl StepExec for RankExec<'_> {
                 .look_up(self.dp, self.comm)
                 .with_context(|| format!("rank {}: the sharded lookup of a forward", self.rank))?;
             self.wd.leave();
-            let dp = self.dp;
-            self.push_log(dp.per_step.iter().take(2));
+            self.issued.push(Issued::Lookup);
         }
         StepExec::run_launches(&mut self.prog, which)
     }
@@ -414,7 +411,7 @@ impl StepExec for RankExec<'_> {
             .step_from_with(step, slot, p, |p| p.run_data_parallel(dp, comm))
             .with_context(|| format!("rank {}, step {step}", self.rank))?;
         self.wd.leave();
-        self.push_log(dp.per_step.iter());
+        self.issued.push(Issued::Step);
         // a checkpoint or the end needs the whole tables after this step
         if let Some(sh) = self.sharded.as_mut() {
             sh.whole = None;

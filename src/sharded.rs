@@ -177,6 +177,30 @@ impl Storage {
         }))
     }
 
+    /// Every rank's storage of the placement, laid out for CUDA ranks
+    /// ([`Landing::PerOwner`]), in rank order: `None` when every table stays replicated.
+    pub(crate) fn all_ranks(
+        field_rows: &[usize],
+        slots: &[usize],
+        (dim, batch): (usize, usize),
+        world: usize,
+        budget: u64,
+        mode: Sharding,
+    ) -> Result<Option<Vec<Storage>>> {
+        (0..world)
+            .map(|k| {
+                Storage::plan(
+                    field_rows,
+                    slots,
+                    (dim, batch),
+                    (k, world),
+                    budget,
+                    (mode, Landing::PerOwner),
+                )
+            })
+            .collect::<Result<Option<Vec<_>>>>()
+    }
+
     /// Rows of each field in this rank's storage (`CtrConfig::storage_rows`).
     pub(crate) fn stored_rows(&self) -> Vec<usize> {
         self.fields.iter().map(FieldStore::stored).collect()
@@ -784,11 +808,21 @@ impl ShardedTables {
         runner: &mut ProgramRunner,
         comm: &mut C,
     ) -> Result<()> {
-        let (table, acc) = (f32s(runner, self.table)?, f32s(runner, self.acc)?);
-        self.whole = Some(
-            self.store
-                .assemble(&self.name, &table, &acc, self.dim, comm)?,
-        );
+        // taken out of the runner (no copy) and fed back, whatever the exchange gave
+        let table = take_f32(runner, self.table)?;
+        let acc = match take_f32(runner, self.acc) {
+            Ok(a) => a,
+            Err(e) => {
+                runner.feed(self.table, Buffer::F32(table))?;
+                return Err(e);
+            }
+        };
+        let whole = self
+            .store
+            .assemble(&self.name, &table, &acc, self.dim, comm);
+        runner.feed(self.table, Buffer::F32(table))?;
+        runner.feed(self.acc, Buffer::F32(acc))?;
+        self.whole = Some(whole?);
         Ok(())
     }
 
@@ -804,17 +838,7 @@ impl ShardedTables {
 
     /// The whole table or its state, as [`ShardedTables::assemble`] left it.
     pub(crate) fn read_whole(&self, t: Tensor) -> Result<Buffer> {
-        let (table, acc) = self.whole.as_ref().ok_or_else(|| {
-            anyhow!(
-                "'{}' is sharded: it is whole only after a checkpoint's or the last step",
-                self.name
-            )
-        })?;
-        Ok(Buffer::F32(if t == self.table {
-            table.clone()
-        } else {
-            acc.clone()
-        }))
+        read_whole(&self.whole, &self.name, t == self.table)
     }
 
     /// Writes a whole table or its state (a resumed checkpoint's) into this rank's
@@ -833,6 +857,19 @@ impl ShardedTables {
         self.whole = None;
         r
     }
+}
+
+/// The whole table (`table`) or its state from a rank's whole copy of sharded table
+/// `name`, which [`Storage::assemble`] made for a checkpoint or the end.
+pub(crate) fn read_whole(
+    whole: &Option<(Vec<f32>, Vec<f32>)>,
+    name: &str,
+    table: bool,
+) -> Result<Buffer> {
+    let (t, a) = whole.as_ref().ok_or_else(|| {
+        anyhow!("'{name}' is sharded: it is whole only after a checkpoint's or the last step")
+    })?;
+    Ok(Buffer::F32(if table { t.clone() } else { a.clone() }))
 }
 
 /// The position of parameter `t` among the graph's parameters (what its initial
@@ -908,20 +945,9 @@ mod tests {
         (mode, budget): (Sharding, u64),
     ) -> Vec<Storage> {
         let slots = vec![hot; rows.len()];
-        (0..world)
-            .map(|k| {
-                Storage::plan(
-                    rows,
-                    &slots,
-                    (4, examples),
-                    (k, world),
-                    budget,
-                    (mode, Landing::PerOwner),
-                )
-                .unwrap()
-                .expect("sharded")
-            })
-            .collect()
+        Storage::all_ranks(rows, &slots, (4, examples), world, budget, mode)
+            .unwrap()
+            .expect("sharded")
     }
 
     /// The CUDA ranks' exchange played on the CPU with the kernel's reference: every

@@ -225,23 +225,36 @@ pub fn cuda_geometry(
     budget: u64,
     mode: Sharding,
 ) -> Result<Option<erase_runtime::cuda::sharded::ShardGeometry>> {
+    Ok(
+        cuda_geometries(field_rows, (dim, hot, examples), world, budget, mode)?
+            .and_then(|mut all| (rank < all.len()).then(|| all.swap_remove(rank))),
+    )
+}
+
+/// [`cuda_geometry`] of every rank, in rank order.
+pub fn cuda_geometries(
+    field_rows: &[usize],
+    (dim, hot, examples): (usize, usize, usize),
+    world: usize,
+    budget: u64,
+    mode: Sharding,
+) -> Result<Option<Vec<erase_runtime::cuda::sharded::ShardGeometry>>> {
     let slots = vec![hot; field_rows.len()];
-    let all = (0..world)
-        .map(|k| {
-            crate::sharded::Storage::plan(
-                field_rows,
-                &slots,
-                (dim, examples),
-                (k, world),
-                budget,
-                (mode, crate::sharded::Landing::PerOwner),
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
-    match all.into_iter().collect::<Option<Vec<_>>>() {
-        Some(all) => Ok(Some(all[rank].geometry(&all, examples, hot)?)),
-        None => Ok(None),
-    }
+    let Some(all) = crate::sharded::Storage::all_ranks(
+        field_rows,
+        &slots,
+        (dim, examples),
+        world,
+        budget,
+        mode,
+    )?
+    else {
+        return Ok(None);
+    };
+    all.iter()
+        .map(|s| s.geometry(&all, examples, hot))
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }
 
 #[cfg(test)]

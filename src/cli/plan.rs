@@ -461,20 +461,19 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         let hot = slots.first().copied().unwrap_or(1);
         let cuda_bytes = if sharded.is_some() && slots.iter().all(|&h| h == hot) {
             let (mut rows_most, mut grads_most) = (0f64, 0f64);
-            for k in 0..n {
-                if let Some(geo) = crate::sharding::cuda_geometry(
-                    &mc.field_rows(),
-                    (mc.dim, hot, batch),
-                    (k, n),
-                    a.rank_memory,
-                    a.sharding.into(),
-                )? {
-                    let rows: usize = geo.sends().iter().map(|b| b.rows).sum();
-                    let ids = 2 * geo.n_ids() * 4 * (n - 1);
-                    rows_most = rows_most.max((rows * mc.dim * 4 + ids) as f64);
-                    let grads = geo.receives().len() * geo.examples * mc.dim * 4;
-                    grads_most = grads_most.max(grads as f64);
-                }
+            let all = crate::sharding::cuda_geometries(
+                &mc.field_rows(),
+                (mc.dim, hot, batch),
+                n,
+                a.rank_memory,
+                a.sharding.into(),
+            )?;
+            for geo in all.iter().flatten() {
+                let rows: usize = geo.sends().iter().map(|b| b.rows).sum();
+                let ids = 2 * geo.n_ids() * 4 * (n - 1);
+                rows_most = rows_most.max((rows * mc.dim * 4 + ids) as f64);
+                let grads = geo.receives().len() * geo.examples * mc.dim * 4;
+                grads_most = grads_most.max(grads as f64);
             }
             Some((rows_most, grads_most))
         } else {
