@@ -8,9 +8,10 @@
 //! against one after the other (compute-bound GEMMs, memory-bound adds, one of each), the
 //! occupancy model's contention cost.
 //!
-//! `cargo bench --bench kernels -- [--json FILE] [--quick] [--only WORD]` (`--only gemm`
-//! runs only the benchmarks whose kind or name holds WORD; `--only "gemm dx M=4096 N=64
-//! K=1728"` one GEMM shape, for a profiler).
+//! `cargo bench --bench kernels -- [--json FILE] [--quick] [--only WORD] [--model NAME]`
+//! (`--only gemm` runs only the benchmarks whose kind or name holds WORD; `--only "gemm dx
+//! M=4096 N=64 K=1728"` one GEMM shape, for a profiler; `--model dcnv2` takes the GEMM
+//! shapes of that model at the spec preset's sizes instead of the spec model's).
 
 use std::collections::BTreeSet;
 use std::io::Write as _;
@@ -407,8 +408,31 @@ fn main() {
     b.copy(1 << 28);
     b.gemm("mm", 4096, 4096, 4096, false);
     b.gemm_bf16_kernel(4096);
-    // every GEMM shape of the spec's CTR model at batch 4096
-    let cfg = CtrConfig::default();
+    // every GEMM shape of the spec's CTR model (or --model's, at the spec preset's sizes)
+    // at batch 4096
+    let model = args
+        .iter()
+        .position(|a| a == "--model")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| "spec".into());
+    let cfg = if model == "spec" {
+        CtrConfig::default()
+    } else {
+        match erase::model::api::find(&model) {
+            Ok(m) => m.sizes(
+                CtrConfig {
+                    model: model.clone(),
+                    ..CtrConfig::default()
+                },
+                true,
+            ),
+            Err(e) => {
+                eprintln!("--model {model}: {e:#}");
+                std::process::exit(2);
+            }
+        }
+    };
     let mut shapes = BTreeSet::new();
     if let Ok(p) = plan_step(
         &cfg,

@@ -25,7 +25,7 @@ cargo build --release -j2 --example mlp30 --example nanochat
 cp target/release/examples/mlp30 target/release/examples/nanochat "$dest/"
 strip "$dest/erase-ctr" "$dest/gpu-tests" "$dest/kernels-bench" "$dest/mlp30" "$dest/nanochat" 2>/dev/null || true
 cp scripts/gpu-check.sh scripts/gpu2-check.sh scripts/nvtx-check.sh scripts/ctr-compare.sh scripts/examples-compare.sh \
-  scripts/data-check.sh scripts/dp-check.sh scripts/zoo-compare.sh scripts/ab-bench.sh scripts/flags-bench.sh scripts/torch_kernels.py scripts/torch_ctr.py scripts/torch_zoo.py \
+  scripts/data-check.sh scripts/dp-check.sh scripts/zoo-compare.sh scripts/ab-bench.sh scripts/flags-bench.sh scripts/torch_kernels.py scripts/torch_ctr.py scripts/torch_zoo.py scripts/torch_profile.py \
   README.md "$dest/"
 # the data samples and configs data-check.sh trains, and the build's name
 mkdir -p "$dest/testdata" "$dest/configs"
