@@ -211,9 +211,61 @@ __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], 
                                                  __nv_bfloat16* __restrict__ Cb = nullptr) {
     const int g = lane >> 2, t = lane & 3;
     const bool vec_c = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & 7) == 0;
-    // the mask is read NC mma tiles at a time, all loads issued before the stores (one
-    // at a time, each load waited for before its store, left the epilogue latency-bound);
-    // NC divides NI, so no group runs past the warp's tiles
+    // one pair of C's columns (2t, 2t+1 of mma tile ni) as v, stored as one float2 where C's
+    // alignment allows, and its bf16 copy
+    auto store = [&](int m, int n, float (&v)[2]) {
+        float* crow = C + static_cast<long long>(m) * ldc;
+        if (vec_c && n + 1 < N) {
+            *reinterpret_cast<float2*>(crow + n) = make_float2(v[0], v[1]);
+        } else {
+            if (n < N) crow[n] = v[0];
+            if (n + 1 < N) crow[n + 1] = v[1];
+        }
+        if constexpr (COPY) {
+            // the bf16 copy of C (C's layout) that a later GEMM reads
+            __nv_bfloat16* brow = Cb + static_cast<long long>(m) * ldc;
+            if (vec_c && n + 1 < N) {
+                *reinterpret_cast<__nv_bfloat162*>(brow + n) = __floats2bfloat162_rn(v[0], v[1]);
+            } else {
+                if (n < N) brow[n] = __float2bfloat16_rn(v[0]);
+                if (n + 1 < N) brow[n + 1] = __float2bfloat16_rn(v[1]);
+            }
+        }
+    };
+    if constexpr (!MASK) {
+        // a column pair's bias is read once for all the warp's rows (read per element
+        // between the stores, each load waited for before its store, it left the epilogue
+        // of wide outputs latency-bound)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+            const int n = col0 + ni * 8 + 2 * t;  // even
+            float b[2] = {0.f, 0.f};
+            if (flags & 1) {
+                if (n < N) b[0] = __ldg(bias + n);
+                if (n + 1 < N) b[1] = __ldg(bias + n + 1);
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int m = row0 + mi * 16 + g + half * 8;
+                    if (m >= M) continue;
+                    float v[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        v[e] = acc[mi][ni][half * 2 + e];
+                        if (flags & 1) v[e] += b[e];
+                        if (flags & 2) v[e] = fmaxf(v[e], 0.f);
+                    }
+                    store(m, n, v);
+                }
+        }
+        return;
+    }
+    // the mask form (no bias: `bias` is the mask): the mask is read NC mma tiles at a time,
+    // all loads issued before the stores (one at a time, each load waited for before its
+    // store, left the epilogue latency-bound); NC divides NI, so no group runs past the
+    // warp's tiles
     constexpr int NC = NI % 4 == 0 ? 4 : (NI % 2 == 0 ? 2 : 1);
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
@@ -221,7 +273,6 @@ __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], 
         for (int half = 0; half < 2; ++half) {
             const int m = row0 + mi * 16 + g + half * 8;
             if (m >= M) continue;
-            float* crow = C + static_cast<long long>(m) * ldc;
 #pragma unroll
             for (int n0 = 0; n0 < NI; n0 += NC) {
                 float keep[NC][2];
@@ -230,8 +281,7 @@ __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], 
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int n = col0 + (n0 + c) * 8 + 2 * t + e;
-                        keep[c][e] = 1.f;
-                        if (MASK && n < N) keep[c][e] = __ldg(bias + static_cast<long long>(m) * ldc + n);
+                        keep[c][e] = n < N ? __ldg(bias + static_cast<long long>(m) * ldc + n) : 1.f;
                     }
 #pragma unroll
                 for (int c = 0; c < NC; ++c) {
@@ -241,26 +291,10 @@ __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], 
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         v[e] = acc[mi][ni][half * 2 + e];
-                        if ((flags & 1) && n + e < N) v[e] += __ldg(bias + n + e);
                         if (flags & 2) v[e] = fmaxf(v[e], 0.f);
-                        if (MASK && !(keep[c][e] > 0.f)) v[e] = 0.f;
+                        if (!(keep[c][e] > 0.f)) v[e] = 0.f;
                     }
-                    if (vec_c && n + 1 < N) {
-                        *reinterpret_cast<float2*>(crow + n) = make_float2(v[0], v[1]);
-                    } else {
-                        if (n < N) crow[n] = v[0];
-                        if (n + 1 < N) crow[n + 1] = v[1];
-                    }
-                    if constexpr (COPY) {
-                        // the bf16 copy of C (C's layout) that a later GEMM reads
-                        __nv_bfloat16* brow = Cb + static_cast<long long>(m) * ldc;
-                        if (vec_c && n + 1 < N) {
-                            *reinterpret_cast<__nv_bfloat162*>(brow + n) = __floats2bfloat162_rn(v[0], v[1]);
-                        } else {
-                            if (n < N) brow[n] = __float2bfloat16_rn(v[0]);
-                            if (n + 1 < N) brow[n + 1] = __float2bfloat16_rn(v[1]);
-                        }
-                    }
+                    store(m, n, v);
                 }
             }
         }
@@ -1068,6 +1102,47 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
     gemm_cluster_sync();
 }
 
+// The epilogue of a whole wgmma tile through shared memory: the fragments into the free
+// ring as [BM][BN + 4] f32 (gemm_cluster_epilogue's layout), then read back a float4 a
+// lane, a warp storing 512 contiguous bytes of a row an instruction (the fragments' own
+// stores write 8 rows x 32 bytes each). A thread's four columns are the same in every row
+// it stores, so its bias is read once, before the stores.
+template <int BN, bool COPY = false>
+__device__ __forceinline__ void gemm_staged_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
+                                                     const float* __restrict__ bias, int M, int N, long long ldc,
+                                                     int m0, int n0, int flags, uint32_t base, unsigned char* smem,
+                                                     __nv_bfloat16* __restrict__ Cb) {
+    constexpr int BM = 128, LDT = BN + 4, C4 = BN / 4, ROWS = 256 / C4;
+    static_assert(256 % C4 == 0, "a thread's columns are the same in every row it stores");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    float* T = reinterpret_cast<float*>(smem + (base - gemm_smem_addr(smem)));
+    __syncthreads();  // every warpgroup is past its last wgmma: the ring is free
+    const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+    for (int ni = 0; ni < BN / 8; ++ni) {
+        const int c = ni * 8 + 2 * t;
+        *reinterpret_cast<float2*>(T + r0 * LDT + c) = make_float2(acc[0][ni][0], acc[0][ni][1]);
+        *reinterpret_cast<float2*>(T + (r0 + 8) * LDT + c) = make_float2(acc[0][ni][2], acc[0][ni][3]);
+    }
+    const int c = (tid % C4) * 4, n = n0 + c;
+    float b[4] = {0.f, 0.f, 0.f, 0.f};
+    if (flags & 1) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (n + e < N) b[e] = __ldg(bias + n + e);
+    }
+    __syncthreads();
+    const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
+    for (int r = tid / C4; r < BM; r += ROWS) {
+        const int m = m0 + r;
+        if (m >= M) break;
+        const float4 x = *reinterpret_cast<const float4*>(T + r * LDT + c);
+        float v[4] = {x.x + b[0], x.y + b[1], x.z + b[2], x.w + b[3]};
+        // the bias is in; gemm_store4 applies the ReLU and the mask
+        gemm_store4<COPY>(C, bias, N, ldc, m, n, v, flags & ~1, vec, Cb);
+    }
+}
+
 // One operand's tiles of the wgmma k steps (BK = 64) into the stages, 16-byte cp.async
 // chunks in the 128-byte swizzle: K-major (TR false), ROWS rows of 128 bytes (row r at
 // r·128, from src[row·ld + k], rows past `lim` reading row lim-1); MN-major (TR true),
@@ -1130,7 +1205,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
     extern __shared__ __align__(16) unsigned char gemm_smem[];
     const uint32_t base = (gemm_smem_addr(gemm_smem) + 1023u) & ~1023u;
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int tid = threadIdx.x, wg = tid >> 7;
     const int split = blockIdx.z / batch, bi = blockIdx.z % batch;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const long long kb = static_cast<long long>(split) * k_split;
@@ -1154,21 +1229,28 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
 #pragma unroll
     for (int i = 0; i < NACC; ++i) d[i] = 0.f;
 
-    // as gemm_pipe_body: tile kt in slot kt % STAGES, STAGES-1 tiles in flight; the
+    // as gemm_pipe_body: tile kt in slot kt % STAGES, AHEAD tiles in flight; the
     // cp.async writes (generic proxy) are fenced before the barrier for wgmma's reads
-    // (async proxy); every warpgroup waits for its wgmma before the next barrier, so the
-    // slot refilled after that barrier is no longer read.
+    // (async proxy). The 128x128 tile (two CTAs an SM, whose k steps interleave) keeps
+    // STAGES-1 tiles in flight and waits for each k step's wgmma before the next barrier,
+    // so the slot refilled after that barrier, step kt-1's, is no longer read. The
+    // 128x256 tile (one CTA an SM) keeps a k step's wgmma running while the next is
+    // issued: it waits only for the one before (wait_group 1), so it refills step kt-2's
+    // slot, STAGES-2 tiles ahead.
+    constexpr bool OVERLAP = BN == 256;
+    constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;
+    static_assert(AHEAD >= 1, "a pipeline needs a tile in flight");
     const int nk = (k_end - k_begin) / BK;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < AHEAD; ++s) {
         if (s < nk) load_stage(s, s);
         gemm_cp_commit();
     }
     for (int kt = 0; kt < nk; ++kt) {
-        gemm_cp_wait<STAGES - 2>();
+        gemm_cp_wait<AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        const int next = kt + STAGES - 1;
+        const int next = kt + AHEAD;
         if (next < nk) load_stage(next % STAGES, next);
         gemm_cp_commit();
         // a warpgroup's 64 rows of A: rows wg·64.. (K-major) or m block wg (MN-major), both
@@ -1185,6 +1267,11 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
             else gemm_wgmma_n256<TA, TB>(d, da, db);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if constexpr (OVERLAP) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        gemm_wgmma_hold(d);
+    }
+    if constexpr (OVERLAP) {
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         gemm_wgmma_hold(d);
     }
@@ -1194,8 +1281,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
         return;
     }
 
-    // wgmma's accumulator layout is mma.sync's, per warp: rows 16·(warp % 4) + g (+8)
-    gemm_epilogue<1, BN / 8, COPY>(acc, C, bias, M, N, ldc, m0 + wg * 64 + (warp & 3) * 16, n0, lane, flags, Cb);
+    gemm_staged_epilogue<BN, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -1314,8 +1400,9 @@ ERASE_GEMM_TALL_KERNEL_A16(256, 2)
 // (K-major, and C's bf16 copy written by the epilogue: a separate instantiation, so the
 // other kernels' code is that of no copy) or _kmc (_km with the copy: a data gradient
 // that is the next layer down's dy).
-// gemm_bf16p<LAYOUT>_128x128_k<S>: the 128x128 kernel with its S splits (grid z = S,
-// batch 1) summed inside a cluster of S CTAs (gemm_cluster_epilogue): C is the output,
+// gemm_bf16p<LAYOUT>_128x128_k<S> and _128x256_k<S>: the kernel with its S splits (grid
+// z = S, batch 1) summed inside a cluster of S CTAs (gemm_cluster_epilogue, its f32 tile
+// in the ring: 66 KB of 96 KB at 128x128, 130 KB of 192 KB at 128x256): C is the output,
 // `flags` the whole epilogue. Clusters need sm_90; the sm_80 form computes the whole K in
 // the CTA of split 0 (the others return), the same result without the split. The plan
 // passes split_c = 0 (the kernel body offsets C by split·split_c).
@@ -1331,6 +1418,10 @@ ERASE_GEMM_TALL_KERNEL_A16(256, 2)
     ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 2)                                    \
         gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {                                            \
         gemm_wgmma_body<128, 3, S, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
+    }                                                                                                        \
+    ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 1)                                    \
+        gemm_bf16p##LAYOUT##_128x256_k##S(ERASE_GEMM_PIPE_ARGS) {                                            \
+        gemm_wgmma_body<256, 4, S, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
     }
 #else
 #define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB, COPY)                                                                 \
@@ -1344,6 +1435,11 @@ ERASE_GEMM_TALL_KERNEL_A16(256, 2)
     ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {    \
         if (blockIdx.z != 0) return;                                                                         \
         gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB, COPY>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
+                                                    batch_c, 1, Kp, 0, flags, Cb);                               \
+    }                                                                                                        \
+    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256_k##S(ERASE_GEMM_PIPE_ARGS) {    \
+        if (blockIdx.z != 0) return;                                                                         \
+        gemm_pipe_body<128, 256, 32, 2, 4, 4, TA, TB, COPY>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
                                                     batch_c, 1, Kp, 0, flags, Cb);                               \
     }
 #endif

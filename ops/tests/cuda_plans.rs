@@ -431,6 +431,82 @@ fn plan_options_switch_paths_and_follow_the_device() {
 }
 
 #[test]
+fn a_forced_pipelined_tile_is_taken_by_every_large_gemm() {
+    // DCNv2's cross layer: y [4096, 3456] = u [4096, 512]·wᵀ, its data gradient and
+    // weight gradient; each takes the forced tile whatever the wave model would choose
+    type Args<const N: usize> = [(&'static [usize], DType); N];
+    let cases: [(Op, Args<2>, Args<1>); 3] = [
+        (
+            Op::Linear {
+                bias: false,
+                relu: false,
+            },
+            [(&[4096, 512], F), (&[3456, 512], F)],
+            [(&[4096, 3456], F)],
+        ),
+        (
+            Op::LinearGradInput { relu_mask: false },
+            [(&[4096, 512], F), (&[512, 3456], F)],
+            [(&[4096, 3456], F)],
+        ),
+        (
+            Op::LinearGradWeight { bias: false },
+            [(&[4096, 3456], F), (&[4096, 512], F)],
+            [(&[3456, 512], F)],
+        ),
+    ];
+    for (op, ins, outs) in &cases {
+        for n in [128, 256] {
+            let o = PlanOptions {
+                gemm_tile_n: Some(n),
+                ..PlanOptions::H200
+            };
+            let ks = kernels(&plan_with(o, op, ins, outs).unwrap());
+            let main: Vec<_> = ks.iter().filter(|k| k.starts_with("gemm_bf16p")).collect();
+            assert_eq!(main.len(), 1, "{op:?}: {ks:?}");
+            assert!(
+                main[0].contains(&format!("_128x{n}")),
+                "{op:?} with the 128x{n} tile forced: {ks:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn split_gemms_of_either_tile_sum_their_splits_in_a_cluster() {
+    // few tiles and a long K: MLPerf DCNv2's top layer's weight gradient, dw [1024, 1024]
+    // over 4096 rows, splits of either tile summed on chip, or through partials and the
+    // reduction launch when clusters are switched off
+    let op = Op::LinearGradWeight { bias: false };
+    let ins: [(&[usize], DType); 2] = [(&[4096, 1024], F), (&[4096, 1024], F)];
+    let outs: [(&[usize], DType); 1] = [(&[1024, 1024], F)];
+    for n in [128, 256] {
+        for cluster in [true, false] {
+            let o = PlanOptions {
+                gemm_tile_n: Some(n),
+                gemm_cluster: cluster,
+                ..PlanOptions::H200
+            };
+            let ks = kernels(&plan_with(o, &op, &ins, &outs).unwrap());
+            let main: Vec<_> = ks.iter().filter(|k| k.starts_with("gemm_bf16p")).collect();
+            assert_eq!(main.len(), 1, "{ks:?}");
+            let tile = format!("_128x{n}");
+            assert!(main[0].contains(&tile), "128x{n}: {ks:?}");
+            assert_eq!(
+                main[0].contains(&format!("{tile}_k")),
+                cluster,
+                "128x{n}, clusters {cluster}: {ks:?}"
+            );
+            assert_eq!(
+                ks.contains(&"gemm_splitk_reduce"),
+                !cluster,
+                "128x{n}, clusters {cluster}: {ks:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
     let env = |pairs: &'static [(&'static str, &'static str)]| {
         move |k: &str| {
@@ -448,10 +524,16 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
             ("ERASE_GEMM_TALL", "0"),
             ("ERASE_GEMM_TALL_STORE", "direct"),
             ("ERASE_GRAPH_NODE_PRIORITY", "0"),
+            ("ERASE_GEMM_TILE", "128x256"),
         ]))
         .unwrap();
     assert!(!o.gemm_pipeline && !o.gemm_cluster && !o.gemm_tall && !o.graph_node_priority);
     assert!(o.gemm_tall_store_direct);
+    assert_eq!(o.gemm_tile_n, Some(256));
+    let e = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_TILE", "256x128")]))
+        .unwrap_err();
+    assert!(e.contains("ERASE_GEMM_TILE=256x128"), "{e}");
     assert_eq!(o.sms, 132);
     let e = PlanOptions::H200
         .with_env(env(&[("ERASE_GEMM_TALL", "off")]))

@@ -1499,3 +1499,156 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
         );
     }
 }
+
+/// The 128x256 pipelined tile (the one that keeps a k step's wgmma running while the next
+/// is issued), forced on every pipelined GEMM through a second handle on the device:
+/// Linear on rounded scratch with ragged M, N, K and a bias; on bf16 copies with the
+/// output's copy (`_c`); the data gradient on copies, w MN-major (`_km`) and with dx's
+/// copy (`_kmc`); the weight gradient on copies, both MN-major (`_mm`), split-K summed in
+/// a cluster and through partials; a split linear with a bias and its copy and a split
+/// data gradient, in clusters (`_c_128x256_k8`, `_km_128x256_k8`); each against the bf16
+/// reference, outputs poisoned by the runner, and the copies bit for bit the rounding of
+/// the outputs.
+#[test]
+fn the_wide_pipelined_tile_matches_the_bf16_reference() {
+    let Some(shared) = device("the_wide_pipelined_tile_matches_the_bf16_reference") else {
+        return;
+    };
+    let mut wide = erase::gpu::open_device().expect("the device opened for the shared handle");
+    wide.set_plan_options(erase::ops::cuda::PlanOptions {
+        gemm_tile_n: Some(256),
+        ..shared.plan_options()
+    });
+    let dev = &wide;
+    // scratch operands: y = x·wᵀ + b, ragged against 128 x 256 and K = 1620 (padded; 2·M·N·K
+    // over the pipelined path's bound)
+    let (m, n, k) = (1001, 700, 1620);
+    let (x, xv) = f32_arg(&[m, k], 2000, -1.0, 1.0);
+    let (w, wv) = f32_arg(&[n, k], 2001, -1.0, 1.0);
+    let (b, bv) = f32_arg(&[n], 2002, -1.0, 1.0);
+    let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+    let op = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let got = run_gpu(dev, &op, &[x, w, b], &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+    assert_within("wide tile: linear", &got[0].to_f64(), &want, &tol);
+    // copies: y = relu(x·wᵀ + b) and its bf16 copy, DCNv2's cross shape at fewer rows
+    let (m, n, k) = (1001, 3456, 512);
+    let xv = rand_f32(2010, m * k, -1.0, 1.0);
+    let wv = rand_f32(2011, n * k, -1.0, 1.0);
+    let (b, bv) = f32_arg(&[n], 2012, -1.0, 1.0);
+    let outs: [(&[usize], DType); 2] = [(&[m, n], DType::F32), (&[m, n], DType::Bf16)];
+    let op = Op::Linear {
+        bias: true,
+        relu: true,
+    };
+    let ins = [bf16_copy(&[m, k], &xv), bf16_copy(&[n, k], &wv), b];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+    let want: Vec<f64> = want.iter().map(|v| v.max(0.0)).collect();
+    assert_within("wide tile: linear on copies", &got[0].to_f64(), &want, &tol);
+    let copy = bf16_copy(&[m, n], f32s(&got[0]));
+    assert!(
+        got[1].bytes() == copy.value.bytes(),
+        "wide tile: the linear's copy is not its output rounded to bf16"
+    );
+    // dx = dy·w on copies (w MN-major), without and with dx's copy
+    let (m, n, k) = (1001, 512, 1736);
+    let dyv = rand_f32(2020, m * n, -1.0, 1.0);
+    let wv = rand_f32(2021, n * k, -1.0, 1.0);
+    let ins = [bf16_copy(&[m, n], &dyv), bf16_copy(&[n, k], &wv)];
+    let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+    let op = Op::LinearGradInput { relu_mask: false };
+    let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    assert_within(
+        "wide tile: linear_grad_input",
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
+    let outs: [(&[usize], DType); 2] = [(&[m, k], DType::F32), (&[m, k], DType::Bf16)];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    assert_within(
+        "wide tile: linear_grad_input with its copy",
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
+    let copy = bf16_copy(&[m, k], f32s(&got[0]));
+    assert!(
+        got[1].bytes() == copy.value.bytes(),
+        "wide tile: dx's copy is not dx rounded to bf16"
+    );
+    // dw = dyᵀ·x over 2048 rows on copies (both MN-major): few tiles, so split-K, summed
+    // in a cluster and (clusters off) through partials, the same bits twice
+    let (rows, n, k) = (2048, 512, 1736);
+    let dyv = rand_f32(2030, rows * n, -1.0, 1.0);
+    let xv = rand_f32(2031, rows * k, -1.0, 1.0);
+    let ins = [bf16_copy(&[rows, n], &dyv), bf16_copy(&[rows, k], &xv)];
+    let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+    let op = Op::LinearGradWeight { bias: false };
+    let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
+    let mut partials = erase::gpu::open_device().expect("the device opened for the third handle");
+    partials.set_plan_options(erase::ops::cuda::PlanOptions {
+        gemm_cluster: false,
+        ..wide.plan_options()
+    });
+    for (how, d) in [("in a cluster", &wide), ("through partials", &partials)] {
+        let got = run_gpu(d, &op, &ins, &outs, &mut []);
+        assert_within(
+            &format!("wide tile: linear_grad_weight {how}"),
+            &got[0].to_f64(),
+            &want,
+            &tol,
+        );
+        let again = run_gpu(d, &op, &ins, &outs, &mut []);
+        assert_eq!(
+            bits(&got[0]),
+            bits(&again[0]),
+            "wide tile: linear_grad_weight {how}, two runs differ"
+        );
+    }
+    // split linear on copies, y = x·wᵀ + b and its copy: 16 tiles, K = 4096 in 8 splits
+    let (m, n, k) = (1000, 300, 4096);
+    let xv = rand_f32(2040, m * k, -1.0, 1.0);
+    let wv = rand_f32(2041, n * k, -1.0, 1.0);
+    let (b, bv) = f32_arg(&[n], 2042, -1.0, 1.0);
+    let outs: [(&[usize], DType); 2] = [(&[m, n], DType::F32), (&[m, n], DType::Bf16)];
+    let op = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let ins = [bf16_copy(&[m, k], &xv), bf16_copy(&[n, k], &wv), b];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+    assert_within(
+        "wide tile: split linear on copies",
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
+    let copy = bf16_copy(&[m, n], f32s(&got[0]));
+    assert!(
+        got[1].bytes() == copy.value.bytes(),
+        "wide tile: the split linear's copy is not its output rounded to bf16"
+    );
+    // split dx = dy·w on copies (w MN-major, rows of whole 16-byte chunks): dy [1000,
+    // 4096], dx [1000, 304]
+    let n = 304;
+    let dyv = rand_f32(2050, m * k, -1.0, 1.0);
+    let wv = rand_f32(2051, k * n, -1.0, 1.0);
+    let ins = [bf16_copy(&[m, k], &dyv), bf16_copy(&[k, n], &wv)];
+    let (want, tol) = gemm_ref((1, m, n, k), &dyv, false, &wv, false, None);
+    let op = Op::LinearGradInput { relu_mask: false };
+    let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    assert_within(
+        "wide tile: split linear_grad_input",
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
+}

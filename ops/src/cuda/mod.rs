@@ -117,6 +117,9 @@ pub struct PlanOptions {
     pub gemm_tall_store_direct: bool,
     /// Nodes of a captured graph get the priority of their stream's rank.
     pub graph_node_priority: bool,
+    /// The pipelined GEMMs' tile: `None`, the wave model's choice for each GEMM;
+    /// `Some(n)`, the 128 x n tile (128 or 256) for every one (to compare them on a model).
+    pub gemm_tile_n: Option<usize>,
 }
 
 impl PlanOptions {
@@ -128,6 +131,7 @@ impl PlanOptions {
         gemm_tall: true,
         gemm_tall_store_direct: false,
         graph_node_priority: true,
+        gemm_tile_n: None,
     };
 
     /// These options for a device of `sms` SMs.
@@ -141,7 +145,8 @@ impl PlanOptions {
     /// These options with the documented overrides `var` returns (the process's
     /// environment, read once at start, in the trainer): `ERASE_GEMM_PIPELINE=0`,
     /// `ERASE_GEMM_CLUSTER=0`, `ERASE_GEMM_TALL=0`, `ERASE_GEMM_TALL_STORE=direct`,
-    /// `ERASE_GRAPH_NODE_PRIORITY=0`. Any other value of a variable is an error naming it.
+    /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_TILE=128x128` or `128x256`. Any other
+    /// value of a variable is an error naming it.
     pub fn with_env(self, var: impl Fn(&str) -> Option<String>) -> Result<PlanOptions, String> {
         let mut o = self;
         let flag = |name: &str, off: &str, on: &str| -> Result<Option<bool>, String> {
@@ -166,6 +171,9 @@ impl PlanOptions {
         }
         if let Some(v) = flag("ERASE_GRAPH_NODE_PRIORITY", "0", "1")? {
             o.graph_node_priority = v;
+        }
+        if let Some(v) = flag("ERASE_GEMM_TILE", "128x128", "128x256")? {
+            o.gemm_tile_n = Some(if v { 256 } else { 128 });
         }
         Ok(o)
     }

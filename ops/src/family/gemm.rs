@@ -136,26 +136,41 @@ pub(crate) mod cuda {
         "gemm_bf16p_128x128_k2",
         "gemm_bf16p_128x128_k4",
         "gemm_bf16p_128x128_k8",
+        "gemm_bf16p_128x256_k2",
+        "gemm_bf16p_128x256_k4",
+        "gemm_bf16p_128x256_k8",
         "gemm_bf16p_mm_128x128",
         "gemm_bf16p_mm_128x256",
         "gemm_bf16p_mm_128x128_k2",
         "gemm_bf16p_mm_128x128_k4",
         "gemm_bf16p_mm_128x128_k8",
+        "gemm_bf16p_mm_128x256_k2",
+        "gemm_bf16p_mm_128x256_k4",
+        "gemm_bf16p_mm_128x256_k8",
         "gemm_bf16p_km_128x128",
         "gemm_bf16p_km_128x256",
         "gemm_bf16p_km_128x128_k2",
         "gemm_bf16p_km_128x128_k4",
         "gemm_bf16p_km_128x128_k8",
+        "gemm_bf16p_km_128x256_k2",
+        "gemm_bf16p_km_128x256_k4",
+        "gemm_bf16p_km_128x256_k8",
         "gemm_bf16p_c_128x128",
         "gemm_bf16p_c_128x256",
         "gemm_bf16p_c_128x128_k2",
         "gemm_bf16p_c_128x128_k4",
         "gemm_bf16p_c_128x128_k8",
+        "gemm_bf16p_c_128x256_k2",
+        "gemm_bf16p_c_128x256_k4",
+        "gemm_bf16p_c_128x256_k8",
         "gemm_bf16p_kmc_128x128",
         "gemm_bf16p_kmc_128x256",
         "gemm_bf16p_kmc_128x128_k2",
         "gemm_bf16p_kmc_128x128_k4",
         "gemm_bf16p_kmc_128x128_k8",
+        "gemm_bf16p_kmc_128x256_k2",
+        "gemm_bf16p_kmc_128x256_k4",
+        "gemm_bf16p_kmc_128x256_k8",
         "gemm_round_colsum",
         "gemm_tall_n64",
         "gemm_tall_n128",
@@ -641,7 +656,6 @@ pub(crate) mod cuda {
     /// memory).
     #[derive(Clone, Copy, Debug)]
     struct PipeTile {
-        kernel: &'static str,
         bm: usize,
         bn: usize,
         /// k step: the padded K and a split's K range are multiples of it.
@@ -657,7 +671,6 @@ pub(crate) mod cuda {
     const PIPE_TILES: [PipeTile; 2] = [
         // wgmma on sm_90a (99 KB used), mma.sync otherwise (108 KB)
         PipeTile {
-            kernel: "gemm_bf16p_128x128",
             bm: 128,
             bn: 128,
             bk: 64,
@@ -667,7 +680,6 @@ pub(crate) mod cuda {
         },
         // wgmma on sm_90a (4 stages of 64, 1 KB for alignment), mma.sync otherwise (120 KB)
         PipeTile {
-            kernel: "gemm_bf16p_128x256",
             bm: 128,
             bn: 256,
             bk: 64,
@@ -714,7 +726,10 @@ pub(crate) mod cuda {
         let ctas = g.m.div_ceil(t.bm) * g.n.div_ceil(t.bn) * g.batch * splits;
         let waves = ctas.div_ceil(g.opts.sms * t.per_sm) as f64;
         let wave = 2.0 * (t.bm * t.bn * t.per_sm * k_split) as f64 / (SM_FLOPS * t.speed);
-        let reduce = if splits > 1 {
+        let reduce = if splits > 1 && cluster_size(&g.opts, g.batch, splits).is_some() {
+            // the partials summed in the cluster's shared memory
+            1e-6
+        } else if splits > 1 {
             (2 * splits + 1) as f64 * (g.m * g.n * g.batch * 4) as f64 / MEM_BW + 2e-6
         } else {
             0.0
@@ -738,6 +753,16 @@ pub(crate) mod cuda {
         let big = m.max(n).next_multiple_of(256) * k.next_multiple_of(64);
         if k.div_ceil(64) > GRID_YZ || n.div_ceil(64) > GRID_YZ || big >= i32::MAX as usize {
             return None;
+        }
+        choose_pipe_tile(g)
+    }
+
+    /// The tile `opts.gemm_tile_n` forces, else the one of least estimated cost.
+    fn choose_pipe_tile(g: &Gemm) -> Option<PipeTile> {
+        if let Some(n) = g.opts.gemm_tile_n {
+            if let Some(t) = PIPE_TILES.iter().find(|t| t.bn == n) {
+                return Some(*t);
+            }
         }
         PIPE_TILES
             .iter()
@@ -784,48 +809,105 @@ pub(crate) mod cuda {
                 ));
             }
         }
-        let t = PIPE_TILES
-            .iter()
-            .min_by(|x, y| pipe_cost(x, g).total_cmp(&pipe_cost(y, g)))
-            .copied()
-            .ok_or("no pipelined tile")?;
+        let t = choose_pipe_tile(g).ok_or("no pipelined tile")?;
         gemm_pipe(g, t)
     }
 
-    /// A pipelined kernel's name for its operands' layouts (`a_mn`, `b_mn`: MN-major): both
-    /// K-major (the rounded scratch, or bf16 copies read K-major), both MN-major (`_mm`), or
-    /// A K-major and B MN-major (`_km`).
-    fn pipe_kernel(kernel: &'static str, a_mn: bool, b_mn: bool) -> &'static str {
-        match (a_mn || b_mn, a_mn, kernel) {
-            (false, _, k) => k,
-            (true, true, "gemm_bf16p_128x128") => "gemm_bf16p_mm_128x128",
-            (true, true, "gemm_bf16p_128x256") => "gemm_bf16p_mm_128x256",
-            (true, true, "gemm_bf16p_128x128_k2") => "gemm_bf16p_mm_128x128_k2",
-            (true, true, "gemm_bf16p_128x128_k4") => "gemm_bf16p_mm_128x128_k4",
-            (true, true, _) => "gemm_bf16p_mm_128x128_k8",
-            (true, false, "gemm_bf16p_128x128") => "gemm_bf16p_km_128x128",
-            (true, false, "gemm_bf16p_128x256") => "gemm_bf16p_km_128x256",
-            (true, false, "gemm_bf16p_128x128_k2") => "gemm_bf16p_km_128x128_k2",
-            (true, false, "gemm_bf16p_128x128_k4") => "gemm_bf16p_km_128x128_k4",
-            (true, false, _) => "gemm_bf16p_km_128x128_k8",
-        }
-    }
+    /// The pipelined kernels' names by layout (K-major operands, both MN-major `_mm`, A
+    /// K-major and B MN-major `_km`, K-major with C's bf16 copy `_c`, `_km` with the copy
+    /// `_kmc`), tile (128x128, 128x256) and cluster (none, 2, 4 or 8 CTAs: `_k<S>`).
+    const PIPE_NAMES: [[[&str; 4]; 2]; 5] = [
+        [
+            [
+                "gemm_bf16p_128x128",
+                "gemm_bf16p_128x128_k2",
+                "gemm_bf16p_128x128_k4",
+                "gemm_bf16p_128x128_k8",
+            ],
+            [
+                "gemm_bf16p_128x256",
+                "gemm_bf16p_128x256_k2",
+                "gemm_bf16p_128x256_k4",
+                "gemm_bf16p_128x256_k8",
+            ],
+        ],
+        [
+            [
+                "gemm_bf16p_mm_128x128",
+                "gemm_bf16p_mm_128x128_k2",
+                "gemm_bf16p_mm_128x128_k4",
+                "gemm_bf16p_mm_128x128_k8",
+            ],
+            [
+                "gemm_bf16p_mm_128x256",
+                "gemm_bf16p_mm_128x256_k2",
+                "gemm_bf16p_mm_128x256_k4",
+                "gemm_bf16p_mm_128x256_k8",
+            ],
+        ],
+        [
+            [
+                "gemm_bf16p_km_128x128",
+                "gemm_bf16p_km_128x128_k2",
+                "gemm_bf16p_km_128x128_k4",
+                "gemm_bf16p_km_128x128_k8",
+            ],
+            [
+                "gemm_bf16p_km_128x256",
+                "gemm_bf16p_km_128x256_k2",
+                "gemm_bf16p_km_128x256_k4",
+                "gemm_bf16p_km_128x256_k8",
+            ],
+        ],
+        [
+            [
+                "gemm_bf16p_c_128x128",
+                "gemm_bf16p_c_128x128_k2",
+                "gemm_bf16p_c_128x128_k4",
+                "gemm_bf16p_c_128x128_k8",
+            ],
+            [
+                "gemm_bf16p_c_128x256",
+                "gemm_bf16p_c_128x256_k2",
+                "gemm_bf16p_c_128x256_k4",
+                "gemm_bf16p_c_128x256_k8",
+            ],
+        ],
+        [
+            [
+                "gemm_bf16p_kmc_128x128",
+                "gemm_bf16p_kmc_128x128_k2",
+                "gemm_bf16p_kmc_128x128_k4",
+                "gemm_bf16p_kmc_128x128_k8",
+            ],
+            [
+                "gemm_bf16p_kmc_128x256",
+                "gemm_bf16p_kmc_128x256_k2",
+                "gemm_bf16p_kmc_128x256_k4",
+                "gemm_bf16p_kmc_128x256_k8",
+            ],
+        ],
+    ];
 
-    /// The form of a pipelined kernel that also writes C's bf16 copy: `_c` for K-major
-    /// operands, `_kmc` for an MN-major B (`_km`).
-    fn copy_kernel(kernel: &'static str, b_mn: bool) -> &'static str {
-        match (b_mn, kernel) {
-            (false, "gemm_bf16p_128x128") => "gemm_bf16p_c_128x128",
-            (false, "gemm_bf16p_128x256") => "gemm_bf16p_c_128x256",
-            (false, "gemm_bf16p_128x128_k2") => "gemm_bf16p_c_128x128_k2",
-            (false, "gemm_bf16p_128x128_k4") => "gemm_bf16p_c_128x128_k4",
-            (false, _) => "gemm_bf16p_c_128x128_k8",
-            (true, "gemm_bf16p_128x128") => "gemm_bf16p_kmc_128x128",
-            (true, "gemm_bf16p_128x256") => "gemm_bf16p_kmc_128x256",
-            (true, "gemm_bf16p_128x128_k2") => "gemm_bf16p_kmc_128x128_k2",
-            (true, "gemm_bf16p_128x128_k4") => "gemm_bf16p_kmc_128x128_k4",
-            (true, _) => "gemm_bf16p_kmc_128x128_k8",
-        }
+    /// A pipelined kernel's name: the operands' layouts (`a_mn`, `b_mn`: MN-major; both, or
+    /// B alone), whether the epilogue writes C's bf16 copy (K-major A only), the tile's width
+    /// and the CTAs of its cluster (1: none).
+    fn pipe_name(a_mn: bool, b_mn: bool, copy: bool, bn: usize, cluster: usize) -> &'static str {
+        let layout = match (copy, a_mn, b_mn) {
+            (false, false, false) => 0,
+            (false, true, _) => 1,
+            (false, false, true) => 2,
+            (true, _, false) => 3,
+            (true, _, true) => 4,
+        };
+        let tile = usize::from(bn == 256);
+        let c = match cluster {
+            0 | 1 => 0,
+            2 => 1,
+            4 => 2,
+            _ => 3,
+        };
+        PIPE_NAMES[layout][tile][c]
     }
 
     /// The pipelined plan: each f32 operand rounded to bf16 into scratch (K-major, padded
@@ -836,8 +918,8 @@ pub(crate) mod cuda {
         let (mut k_split, mut splits) = pipe_splits(&t, g);
         // split-K summed inside a cluster of 2, 4 or 8 CTAs (the 128x128 tile, batch 1): the
         // split count rounded up to one of those, no partials and no reduction launch
-        let cluster = cluster_kernel(&g.opts, &t, batch, splits);
-        if let Some((s, _)) = cluster {
+        let cluster = cluster_size(&g.opts, batch, splits);
+        if let Some(s) = cluster {
             k_split = k.next_multiple_of(t.bk).div_ceil(s).next_multiple_of(t.bk);
             splits = s;
         }
@@ -957,15 +1039,10 @@ pub(crate) mod cuda {
         }
         let flags = g.flags();
         let out = part_at.map_or(KArg::Out(0), KArg::Scratch);
-        let kernel = cluster.map_or(t.kernel, |(_, kernel)| kernel);
         // C's bf16 copy from the epilogue: a K-major A, C written whole by one launch
         let fused_copy = g.copy.filter(|_| !partials && !a_mn);
         calls.push(KernelCall {
-            kernel: if fused_copy.is_some() {
-                copy_kernel(kernel, b_mn)
-            } else {
-                pipe_kernel(kernel, a_mn, b_mn)
-            },
+            kernel: pipe_name(a_mn, b_mn, fused_copy.is_some(), t.bn, cluster.unwrap_or(1)),
             grid: [blocks(mp, t.bm), blocks(np, t.bn), (splits * batch) as u32],
             block: [256, 1, 1],
             smem: t.smem,
@@ -1088,25 +1165,17 @@ pub(crate) mod cuda {
         })
     }
 
-    /// The cluster form of a split pipelined GEMM, `(CTAs a cluster, kernel)`: for the
-    /// 128x128 tile at batch 1 with 2-8 splits (more are taken as 8), unless
-    /// `gemm_cluster: false` keeps the partials and the reduction launch (a way to compare).
-    fn cluster_kernel(
-        opts: &PlanOptions,
-        t: &PipeTile,
-        batch: usize,
-        splits: usize,
-    ) -> Option<(usize, &'static str)> {
-        if !opts.gemm_cluster {
-            return None;
-        }
-        if t.kernel != "gemm_bf16p_128x128" || batch != 1 || splits < 2 {
+    /// The CTAs of a cluster that sums a split pipelined GEMM's partials on chip (either
+    /// tile, batch 1, 2-8 splits; more are taken as 8), unless `gemm_cluster: false` keeps
+    /// the partials and the reduction launch (a way to compare).
+    fn cluster_size(opts: &PlanOptions, batch: usize, splits: usize) -> Option<usize> {
+        if !opts.gemm_cluster || batch != 1 || splits < 2 {
             return None;
         }
         Some(match splits {
-            2 => (2, "gemm_bf16p_128x128_k2"),
-            3 | 4 => (4, "gemm_bf16p_128x128_k4"),
-            _ => (8, "gemm_bf16p_128x128_k8"),
+            2 => 2,
+            3 | 4 => 4,
+            _ => 8,
         })
     }
 
