@@ -83,14 +83,15 @@ fn side_stream_count(s: &str) -> std::result::Result<usize, String> {
     name = "erase-ctr",
     args_override_self = true,
     version,
-    about = "Train the reference CTR model with early backward (ERASE), or print its step plan",
-    long_about = "Train the reference CTR model of the spec (bottom MLP, DLRM interaction, DCNv2 cross, \
-AutoInt, deep MLP and MaskNet over 26 embedding tables, then a top MLP) on synthetic data, \
-as one of three variants:\n\
+    about = "Train a CTR model with early backward (ERASE), or print its step plan",
+    long_about = "Train a CTR model (--model: the spec's, a bottom MLP, DLRM interaction, DCNv2 cross, \
+AutoInt, deep MLP and MaskNet over 26 embedding tables, then a top MLP; or dlrm, dcnv2, \
+deepfm, or your own) on synthetic data or your files, as one of three variants:\n\
   baseline  one graph, one backward at the end of the step\n\
   detached  each block cut off by a detach, with an auxiliary loss per block\n\
   erase     as detached, with each block's backward started early on a pool stream\n\n\
-Runs on the CUDA device when there is one (blocking dispatch), else on the CPU backend."
+Runs on the CUDA device when there is one (graph dispatch, the fastest measured), else on the \
+CPU backend."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -99,7 +100,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Train on synthetic data and report loss, NE, AUC and examples per second.
+    /// Train on synthetic data or your files (`--data`) and report loss, NE, AUC and examples per second.
     Train(Box<TrainArgs>),
     /// Evaluate a checkpoint: NE and AUC of its main logit on held-out data.
     Eval(EvalArgs),
