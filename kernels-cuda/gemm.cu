@@ -28,10 +28,12 @@
 //
 // Split-K (a fixed range of k per split, the grid's z) writes f32 partials to scratch;
 // `gemm_splitk_reduce` sums them in split order (deterministic, no atomics) and applies
-// the bias and ReLU. The pipelined 128x128 kernel instead sums its splits inside a
-// thread-block cluster on sm_90 (gemm_bf16p_128x128_k<S>, gemm_cluster_epilogue). Epilogue flags: bit 0 adds bias[n], bit 1 applies ReLU, bit 3 the
-// ReLU gradient's mask (the `bias` pointer then being the ReLU's output). The epilogue
-// writes each thread's two adjacent columns as one float2 where C's alignment allows.
+// the bias and ReLU. The pipelined kernels (either tile) instead sum their splits inside
+// a thread-block cluster on sm_90 (gemm_bf16p_128x128_k<S>, _128x256_k<S>,
+// gemm_cluster_epilogue). Epilogue flags: bit 0 adds bias[n], bit 1 applies ReLU, bit 3
+// the ReLU gradient's mask (the `bias` pointer then being the ReLU's output). The direct
+// epilogue writes each thread's two adjacent columns as one float2 where C's alignment
+// allows; the wgmma tile's (gemm_staged_epilogue) a float4 a lane through shared memory.
 //
 // Bound: 2·M·N·K FLOPs on tensor cores against 4·(M·K·ceil(N/BN) + N·K·ceil(M/BM) + M·N)
 // bytes; the model's small shapes (K = 13..351, N small) are memory-bound and run these
@@ -1373,7 +1375,7 @@ ERASE_GEMM_TALL_KERNEL_A16(256, 2)
 //   C, bias, M, N, Kp (i32; Kp a multiple of 64: the k range read, rows of A and B past M
 //   and N read as row M-1 or N-1, and in `_mm` M, N are multiples of 8),
 //   lda, ldb, ldc (i64), batch_a, batch_b, batch_c (i64, elements), batch (i32),
-//   k_split (i32, multiple of 64), split_c (i64), flags (i32: 1 bias, 2 relu), Cb (bf16:
+//   k_split (i32, multiple of 64), split_c (i64), flags (i32: 1 bias, 2 relu, 8 the mask), Cb (bf16:
 //   the `_c` kernels, K-major operands, also store C's bf16 copy there, C's layout, the
 //   operand of a later GEMM; the others never touch it).
 // The operands are either the plan's rounded scratch (K-major, [Mp][Kp] and [Np][Kp],

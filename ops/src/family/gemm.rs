@@ -916,7 +916,7 @@ pub(crate) mod cuda {
     fn gemm_pipe(g: &Gemm, t: PipeTile) -> Result<CudaPlan, String> {
         let Gemm { batch, m, n, k, .. } = *g;
         let (mut k_split, mut splits) = pipe_splits(&t, g);
-        // split-K summed inside a cluster of 2, 4 or 8 CTAs (the 128x128 tile, batch 1): the
+        // split-K summed inside a cluster of 2, 4 or 8 CTAs (either tile, batch 1): the
         // split count rounded up to one of those, no partials and no reduction launch
         let cluster = cluster_size(&g.opts, batch, splits);
         if let Some(s) = cluster {
