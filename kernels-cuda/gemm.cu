@@ -1058,16 +1058,16 @@ __device__ __forceinline__ void gemm_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-template <int BN, int S, bool COPY = false>
-__device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
-                                                      const float* __restrict__ bias, int M, int N, long long ldc,
-                                                      int m0, int n0, int flags, uint32_t base,
-                                                      unsigned char* smem, __nv_bfloat16* __restrict__ Cb) {
-    constexpr int BM = 128, LDT = BN + 4, RP = BM / S, C4 = BN / 4;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    // [BM][BN + 4] f32: the fragments' float2 writes (row g, column 2t) hit banks 4g + 2t
+// A wgmma tile's f32 accumulators into the free ring at `base` as [128][BN + 4] (the
+// fragments' float2 writes, row g and column 2t, hit banks 4g + 2t), after a barrier
+// that every warpgroup reaches past its last wgmma; the caller syncs before reading it.
+template <int BN>
+__device__ __forceinline__ float* gemm_stage_tile(const float (&acc)[1][BN / 8][4], uint32_t base,
+                                                  unsigned char* smem) {
+    constexpr int LDT = BN + 4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     float* T = reinterpret_cast<float*>(smem + (base - gemm_smem_addr(smem)));
-    __syncthreads();  // every warpgroup is past its last wgmma: the ring is free
+    __syncthreads();  // the ring is free
     const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + g;
 #pragma unroll
     for (int ni = 0; ni < BN / 8; ++ni) {
@@ -1075,6 +1075,17 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
         *reinterpret_cast<float2*>(T + r0 * LDT + c) = make_float2(acc[0][ni][0], acc[0][ni][1]);
         *reinterpret_cast<float2*>(T + (r0 + 8) * LDT + c) = make_float2(acc[0][ni][2], acc[0][ni][3]);
     }
+    return T;
+}
+
+template <int BN, int S, bool COPY = false>
+__device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
+                                                      const float* __restrict__ bias, int M, int N, long long ldc,
+                                                      int m0, int n0, int flags, uint32_t base,
+                                                      unsigned char* smem, __nv_bfloat16* __restrict__ Cb) {
+    constexpr int BM = 128, LDT = BN + 4, RP = BM / S, C4 = BN / 4;
+    const int tid = threadIdx.x;
+    gemm_stage_tile<BN>(acc, base, smem);
     gemm_cluster_sync();
     uint32_t rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
@@ -1105,7 +1116,7 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
 }
 
 // The epilogue of a whole wgmma tile through shared memory: the fragments into the free
-// ring as [BM][BN + 4] f32 (gemm_cluster_epilogue's layout), then read back a float4 a
+// ring (gemm_stage_tile), then read back a float4 a
 // lane, a warp storing 512 contiguous bytes of a row an instruction (the fragments' own
 // stores write 8 rows x 32 bytes each). A thread's four columns are the same in every row
 // it stores, so its bias is read once, before the stores.
@@ -1116,16 +1127,8 @@ __device__ __forceinline__ void gemm_staged_epilogue(const float (&acc)[1][BN / 
                                                      __nv_bfloat16* __restrict__ Cb) {
     constexpr int BM = 128, LDT = BN + 4, C4 = BN / 4, ROWS = 256 / C4;
     static_assert(256 % C4 == 0, "a thread's columns are the same in every row it stores");
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    float* T = reinterpret_cast<float*>(smem + (base - gemm_smem_addr(smem)));
-    __syncthreads();  // every warpgroup is past its last wgmma: the ring is free
-    const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + g;
-#pragma unroll
-    for (int ni = 0; ni < BN / 8; ++ni) {
-        const int c = ni * 8 + 2 * t;
-        *reinterpret_cast<float2*>(T + r0 * LDT + c) = make_float2(acc[0][ni][0], acc[0][ni][1]);
-        *reinterpret_cast<float2*>(T + (r0 + 8) * LDT + c) = make_float2(acc[0][ni][2], acc[0][ni][3]);
-    }
+    const int tid = threadIdx.x;
+    const float* T = gemm_stage_tile<BN>(acc, base, smem);
     const int c = (tid % C4) * 4, n = n0 + c;
     float b[4] = {0.f, 0.f, 0.f, 0.f};
     if (flags & 1) {

@@ -1215,6 +1215,51 @@ fn bf16_copy(shape: &[usize], x: &[f32]) -> Arg {
     arg(shape, out[0].clone())
 }
 
+/// Output 1 of `got` is output 0 (of `shape`) rounded to bf16, bit for bit: the copy a
+/// GEMM's epilogue writes beside its f32 output.
+fn assert_copy_is_rounding(what: &str, shape: &[usize], got: &[Buffer]) {
+    let copy = bf16_copy(shape, f32s(&got[0]));
+    assert!(
+        got[1].bytes() == copy.value.bytes(),
+        "{what}: the copy is not the output rounded to bf16"
+    );
+}
+
+/// y = x·wᵀ + b (ReLU'd with `relu`) written with its bf16 copy, x [m, k] and w [n, k]
+/// random from `seed` (b from seed + 2), read as bf16 copies with `copies` (else f32):
+/// y against the bf16 reference, the copy bit for bit its rounding.
+fn check_linear_with_copy(
+    dev: &erase::runtime::cuda::CudaDevice,
+    what: &str,
+    (m, n, k): (usize, usize, usize),
+    seed: u64,
+    relu: bool,
+    copies: bool,
+) {
+    let xv = rand_f32(seed, m * k, -1.0, 1.0);
+    let wv = rand_f32(seed + 1, n * k, -1.0, 1.0);
+    let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+    let (x, w) = if copies {
+        (bf16_copy(&[m, k], &xv), bf16_copy(&[n, k], &wv))
+    } else {
+        (
+            arg(&[m, k], Buffer::F32(xv.clone())),
+            arg(&[n, k], Buffer::F32(wv.clone())),
+        )
+    };
+    let outs: [(&[usize], DType); 2] = [(&[m, n], DType::F32), (&[m, n], DType::Bf16)];
+    let op = Op::Linear { bias: true, relu };
+    let got = run_gpu(dev, &op, &[x, w, b], &outs, &mut []);
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+    let want: Vec<f64> = if relu {
+        want.iter().map(|v| v.max(0.0)).collect()
+    } else {
+        want
+    };
+    assert_within(what, &got[0].to_f64(), &want, &tol);
+    assert_copy_is_rounding(what, &[m, n], &got);
+}
+
 /// A bf16 dy with f32 weights and inputs (AutoInt's dqkv, written in bf16 by its
 /// attention gradient), too small a GEMM for the pipelined path: the data gradient in the
 /// tall kernel (K = 192 and 64) and the single-launch kernels (K not a multiple of 8, a
@@ -1413,34 +1458,8 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
     .iter()
     .enumerate()
     {
-        let seed = 1350 + 10 * i as u64;
-        let xv = rand_f32(seed, m * k, -1.0, 1.0);
-        let wv = rand_f32(seed + 1, n * k, -1.0, 1.0);
-        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
-        let (x, w) = if copies {
-            (bf16_copy(&[m, k], &xv), bf16_copy(&[n, k], &wv))
-        } else {
-            (
-                arg(&[m, k], Buffer::F32(xv.clone())),
-                arg(&[n, k], Buffer::F32(wv.clone())),
-            )
-        };
-        let outs: [(&[usize], DType); 2] = [(&[m, n], DType::F32), (&[m, n], DType::Bf16)];
-        let op = Op::Linear {
-            bias: true,
-            relu: true,
-        };
-        let got = run_gpu(dev, &op, &[x, w, b], &outs, &mut []);
-        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
-        let want: Vec<f64> = want.iter().map(|v| v.max(0.0)).collect();
         let what = format!("linear {m}x{k} -> {n} with its output's bf16 copy");
-        assert_within(&what, &got[0].to_f64(), &want, &tol);
-        let y = f32s(&got[0]).to_vec();
-        let copy = bf16_copy(&[m, n], &y);
-        assert!(
-            got[1].bytes() == copy.value.bytes(),
-            "{what}: the copy is not the output rounded to bf16"
-        );
+        check_linear_with_copy(dev, &what, (m, n, k), 1350 + 10 * i as u64, true, copies);
     }
     // a data gradient that writes its bf16 copy too (the dy of a copied layer below it):
     // dy and w bf16 copies, w read MN-major (the _kmc kernels): cross's [4096, 1728] ·
@@ -1460,12 +1479,7 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
         let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
         let what = format!("linear_grad_input {m}x{n} · {n}x{k} with its bf16 copy");
         assert_within(&what, &got[0].to_f64(), &want, &tol);
-        let dx = f32s(&got[0]).to_vec();
-        let copy = bf16_copy(&[m, k], &dx);
-        assert!(
-            got[1].bytes() == copy.value.bytes(),
-            "{what}: the copy is not dx rounded to bf16"
-        );
+        assert_copy_is_rounding(&what, &[m, k], &got);
     }
     // dw = dyᵀ·x over 4096 rows, both bf16 copies read MN-major: ragged [1000, 1736]
     // (split-K in a cluster), the model's [256, 1728] and [1024, 1728]
@@ -1535,24 +1549,13 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
     assert_within("wide tile: linear", &got[0].to_f64(), &want, &tol);
     // copies: y = relu(x·wᵀ + b) and its bf16 copy, DCNv2's cross shape at fewer rows
-    let (m, n, k) = (1001, 3456, 512);
-    let xv = rand_f32(2010, m * k, -1.0, 1.0);
-    let wv = rand_f32(2011, n * k, -1.0, 1.0);
-    let (b, bv) = f32_arg(&[n], 2012, -1.0, 1.0);
-    let outs: [(&[usize], DType); 2] = [(&[m, n], DType::F32), (&[m, n], DType::Bf16)];
-    let op = Op::Linear {
-        bias: true,
-        relu: true,
-    };
-    let ins = [bf16_copy(&[m, k], &xv), bf16_copy(&[n, k], &wv), b];
-    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
-    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
-    let want: Vec<f64> = want.iter().map(|v| v.max(0.0)).collect();
-    assert_within("wide tile: linear on copies", &got[0].to_f64(), &want, &tol);
-    let copy = bf16_copy(&[m, n], f32s(&got[0]));
-    assert!(
-        got[1].bytes() == copy.value.bytes(),
-        "wide tile: the linear's copy is not its output rounded to bf16"
+    check_linear_with_copy(
+        dev,
+        "wide tile: linear on copies",
+        (1001, 3456, 512),
+        2010,
+        true,
+        true,
     );
     // dx = dy·w on copies (w MN-major), without and with dx's copy
     let (m, n, k) = (1001, 512, 1736);
@@ -1571,17 +1574,9 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     );
     let outs: [(&[usize], DType); 2] = [(&[m, k], DType::F32), (&[m, k], DType::Bf16)];
     let got = run_gpu(dev, &op, &ins, &outs, &mut []);
-    assert_within(
-        "wide tile: linear_grad_input with its copy",
-        &got[0].to_f64(),
-        &want,
-        &tol,
-    );
-    let copy = bf16_copy(&[m, k], f32s(&got[0]));
-    assert!(
-        got[1].bytes() == copy.value.bytes(),
-        "wide tile: dx's copy is not dx rounded to bf16"
-    );
+    let what = "wide tile: linear_grad_input with its copy";
+    assert_within(what, &got[0].to_f64(), &want, &tol);
+    assert_copy_is_rounding(what, &[m, k], &got);
     // dw = dyᵀ·x over 2048 rows on copies (both MN-major): few tiles, so split-K, summed
     // in a cluster and (clusters off) through partials, the same bits twice
     let (rows, n, k) = (2048, 512, 1736);
@@ -1612,28 +1607,14 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
         );
     }
     // split linear on copies, y = x·wᵀ + b and its copy: 16 tiles, K = 4096 in 8 splits
-    let (m, n, k) = (1000, 300, 4096);
-    let xv = rand_f32(2040, m * k, -1.0, 1.0);
-    let wv = rand_f32(2041, n * k, -1.0, 1.0);
-    let (b, bv) = f32_arg(&[n], 2042, -1.0, 1.0);
-    let outs: [(&[usize], DType); 2] = [(&[m, n], DType::F32), (&[m, n], DType::Bf16)];
-    let op = Op::Linear {
-        bias: true,
-        relu: false,
-    };
-    let ins = [bf16_copy(&[m, k], &xv), bf16_copy(&[n, k], &wv), b];
-    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
-    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
-    assert_within(
+    let (m, k) = (1000, 4096);
+    check_linear_with_copy(
+        dev,
         "wide tile: split linear on copies",
-        &got[0].to_f64(),
-        &want,
-        &tol,
-    );
-    let copy = bf16_copy(&[m, n], f32s(&got[0]));
-    assert!(
-        got[1].bytes() == copy.value.bytes(),
-        "wide tile: the split linear's copy is not its output rounded to bf16"
+        (m, 300, k),
+        2040,
+        false,
+        true,
     );
     // split dx = dy·w on copies (w MN-major, rows of whole 16-byte chunks): dy [1000,
     // 4096], dx [1000, 304]
