@@ -416,21 +416,11 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .cloned()
         .unwrap_or_else(|| "spec".into());
-    let cfg = if model == "spec" {
-        CtrConfig::default()
-    } else {
-        match erase::model::api::find(&model) {
-            Ok(m) => m.sizes(
-                CtrConfig {
-                    model: model.clone(),
-                    ..CtrConfig::default()
-                },
-                true,
-            ),
-            Err(e) => {
-                eprintln!("--model {model}: {e:#}");
-                std::process::exit(2);
-            }
+    let cfg = match erase::model::api::configure(&model, CtrConfig::default(), true) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("--model {model}: {e:#}");
+            std::process::exit(2);
         }
     };
     let mut shapes = BTreeSet::new();

@@ -453,11 +453,8 @@ impl ModelArgs {
             .clone()
             .or_else(|| DEFAULT_MODEL.get().cloned())
             .unwrap_or_else(|| "spec".to_string());
-        if name != "spec" {
-            let m = crate::model::api::find(&name).context("--model")?;
-            c = m.sizes(c, self.preset == Preset::Spec);
-            c.model = name;
-        }
+        c = crate::model::api::configure(&name, c, self.preset == Preset::Spec)
+            .context("--model")?;
         if let Some(b) = self.batch {
             c.batch = b;
         }

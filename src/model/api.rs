@@ -151,6 +151,17 @@ pub fn find(name: &str) -> Result<Arc<dyn Model>> {
     bail!("unknown model '{name}' (models: {})", names.join(", "))
 }
 
+/// `base` made model `name`'s: its sizes (its own at the spec preset when `spec`, else
+/// `base`'s as it chooses) and its name; `spec`, the spec's model, leaves `base` as it is.
+pub fn configure(name: &str, base: CtrConfig, spec: bool) -> Result<CtrConfig> {
+    if name == "spec" {
+        return Ok(base);
+    }
+    let mut c = find(name)?.sizes(base, spec);
+    c.model = name.to_string();
+    Ok(c)
+}
+
 /// Every model name: `spec` and the registered ones.
 pub fn names() -> Vec<String> {
     let mut names = vec!["spec".to_string()];
