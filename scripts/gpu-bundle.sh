@@ -9,17 +9,20 @@ dest="${1:-$root/.device}"
 cd "$root"
 scripts/install-nvcc.sh >/dev/null
 mkdir -p "$dest"
-exe_of() { # the executable a cargo --message-format=json build reports last
+exe_of() { # the executable of target $1 that a cargo --message-format=json build reports
+  # (not the crate's binaries, which cargo builds beside an integration test)
   python3 -c 'import json,sys
-p=[json.loads(l).get("executable") for l in sys.stdin if l.startswith("{")]
+want=sys.argv[1]
+p=[j.get("executable") for j in map(json.loads, (l for l in sys.stdin if l.startswith("{")))
+   if j.get("reason")=="compiler-artifact" and j.get("target",{}).get("name")==want]
 p=[x for x in p if x]
-print(p[-1] if p else "")'
+print(p[-1] if p else "")' "$1"
 }
 cargo build --release -j2 --bin erase-ctr
 cp target/release/erase-ctr "$dest/"
-t=$(cargo test --release -j2 --test gpu --no-run --message-format=json 2>/dev/null | exe_of)
+t=$(cargo test --release -j2 --test gpu --no-run --message-format=json 2>/dev/null | exe_of gpu)
 cp "$t" "$dest/gpu-tests"
-b=$(cargo bench -j2 --bench kernels --no-run --message-format=json 2>/dev/null | exe_of)
+b=$(cargo bench -j2 --bench kernels --no-run --message-format=json 2>/dev/null | exe_of kernels)
 cp "$b" "$dest/kernels-bench"
 cargo build --release -j2 --example mlp30 --example nanochat
 cp target/release/examples/mlp30 target/release/examples/nanochat "$dest/"
