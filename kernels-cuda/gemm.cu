@@ -1639,41 +1639,42 @@ ERASE_KERNEL void __launch_bounds__(256)
 
 // C[i] = Σ_s part[s·split_stride + i] (+ bias[i % N]) (ReLU) (zero where flags & 8 and
 // bias[i], then the ReLU's output, is not > 0), for i < count; C is
-// contiguous. Block (32, Y), Y = 1, 2, 4, .. 32 (at most the split count): thread (x, y)
-// owns 4 consecutive elements (float4 loads when count and split_stride are multiples of
-// 4, as the plan arranges, else 4 scalar loads) and sums splits y, y+Y, y+2Y, .. of them
-// in that order; then thread (x, 0) adds the Y lane sums in lane order: a fixed order for
-// a given split count and Y (deterministic), Y float4 loads in flight per element group.
-// Grid ceil(count / 128) + ceil(rs_n / 32).
+// contiguous. Block (X, Y), Y = 1, 2, 4, .. 32 (at most the split count) lanes of splits
+// and X = max(32, 256 / Y) threads of element groups: thread (x, y) owns 4 consecutive
+// elements (float4 loads when count and split_stride are multiples of 4, as the plan
+// arranges, else 4 scalar loads) and sums splits y, y+Y, y+2Y, .. of them in that order;
+// then thread (x, 0) adds the Y lane sums in lane order: a fixed order for a given split
+// count and Y (deterministic), Y float4 loads in flight per element group. Dynamic
+// shared memory: X·Y float4. Grid ceil(count / 4X) + ceil(rs_n / X).
 //
-// The CTAs past ceil(count / 128) add a weight gradient's bias-gradient partials in the
+// The CTAs past ceil(count / 4X) add a weight gradient's bias-gradient partials in the
 // same launch (rs_slices > 0; one launch fewer than colsum_final after the reduction):
 // rs_out[j] = Σ_{s < rs_slices} rs_part[s·rs_n + j], thread (x, y) of CTA b taking column
-// j = 32·b + x and slices y, y+Y, .. in order, then thread (x, 0) adding the Y sums in
+// j = X·b + x and slices y, y+Y, .. in order, then thread (x, 0) adding the Y sums in
 // lane order.
 ERASE_KERNEL void __launch_bounds__(1024)
     gemm_splitk_reduce(const float* __restrict__ part, const float* __restrict__ bias, float* __restrict__ C,
                        long long count, int N, int splits, long long split_stride, int flags,
                        const float* __restrict__ rs_part, float* __restrict__ rs_out, int rs_slices,
                        long long rs_n) {
-    __shared__ float4 lanes[1024];
-    const int ny = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
-    const long long c_blocks = (count + 127) / 128;
+    extern __shared__ float4 lanes[];
+    const int nx = blockDim.x, ny = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+    const long long c_blocks = (count + 4 * nx - 1) / (4 * nx);
     if (blockIdx.x >= c_blocks) {
-        const long long j = (blockIdx.x - c_blocks) * 32 + tx;
+        const long long j = (blockIdx.x - c_blocks) * nx + tx;
         float t = 0.f;
         if (j < rs_n)
             for (int sl = ty; sl < rs_slices; sl += ny) t += __ldg(rs_part + sl * rs_n + j);
-        lanes[ty * 32 + tx].x = t;
+        lanes[ty * nx + tx].x = t;
         __syncthreads();
         if (ty == 0 && j < rs_n) {
             float r = lanes[tx].x;
-            for (int y = 1; y < ny; ++y) r += lanes[y * 32 + tx].x;
+            for (int y = 1; y < ny; ++y) r += lanes[y * nx + tx].x;
             rs_out[j] = r;
         }
         return;
     }
-    const long long i0 = (static_cast<long long>(blockIdx.x) * 32 + tx) * 4;
+    const long long i0 = (static_cast<long long>(blockIdx.x) * nx + tx) * 4;
     const bool vec = (count & 3) == 0 && (split_stride & 3) == 0;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     // the ReLU gradient's mask, loaded before the partials (its latency hidden by theirs)
@@ -1704,12 +1705,12 @@ ERASE_KERNEL void __launch_bounds__(1024)
         }
     }
     if (ny > 1) {
-        lanes[ty * 32 + tx] = s;
+        lanes[ty * nx + tx] = s;
         __syncthreads();
         if (ty == 0) {
             s = lanes[tx];
             for (int y = 1; y < ny; ++y) {
-                const float4 v = lanes[y * 32 + tx];
+                const float4 v = lanes[y * nx + tx];
                 s.x += v.x;
                 s.y += v.y;
                 s.z += v.z;

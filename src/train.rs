@@ -134,7 +134,7 @@ pub struct ScheduleOptions {
 
 /// Least FLOPs of a layer given bf16 operand copies: the size from which the CUDA plans
 /// round GEMM operands in passes of their own (the pipelined kernels).
-pub const BF16_COPY_MIN_FLOPS: usize = 1 << 31;
+pub const BF16_COPY_MIN_FLOPS: usize = 1 << 29;
 
 impl Default for ScheduleOptions {
     fn default() -> Self {

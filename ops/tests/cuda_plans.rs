@@ -195,8 +195,12 @@ fn the_single_launch_weight_gradient_sums_the_bias_gradient_itself() {
             assert_eq!(r.args[9], KArg::Out(1), "db from the reduction");
             assert_eq!(r.args[10], KArg::I32(splits as i32));
             assert_eq!(r.args[11], KArg::I64(n as i64));
-            let c_blocks = (n * k).div_ceil(128) as u32;
-            assert_eq!(r.grid[0], c_blocks + n.div_ceil(32) as u32);
+            // element groups of 4 by `width` threads, 256 in all where the lanes are few
+            let (width, lanes) = (r.block[0] as usize, r.block[1] as usize);
+            assert_eq!(width, (256 / lanes).max(32), "{rows}x{n}x{k}");
+            assert_eq!(r.smem as usize, width * lanes * 16, "the lanes' sums");
+            let c_blocks = (n * k).div_ceil(4 * width) as u32;
+            assert_eq!(r.grid[0], c_blocks + n.div_ceil(width) as u32);
         }
     }
     // no input features: no GEMM launch to sum in, db still written by SumToShape
@@ -380,7 +384,9 @@ fn without_clusters_the_reduction_launch_also_adds_the_bias_gradient() {
     assert_eq!(r.args[10], KArg::I32((rows / 64) as i32));
     assert_eq!(r.args[11], KArg::I64(n as i64));
     assert_eq!(p.scratch[3], rows / 64 * n * 4);
-    assert_eq!(r.grid[0] as usize, (n * k).div_ceil(128) + n.div_ceil(32));
+    // the two splits summed by one lane: 256 threads of element groups of 4
+    assert_eq!((r.block[0], r.block[1]), (256, 1));
+    assert_eq!(r.grid[0] as usize, (n * k).div_ceil(1024) + n.div_ceil(256));
 }
 
 #[test]
@@ -525,8 +531,36 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
             ("ERASE_GEMM_TALL_STORE", "direct"),
             ("ERASE_GRAPH_NODE_PRIORITY", "0"),
             ("ERASE_GEMM_TILE", "128x256"),
+            ("ERASE_GEMM_MIN_K_SPLIT", "128"),
+            ("ERASE_GEMM_MIN_K_SPLIT_FEW", "32"),
+            ("ERASE_GEMM_PIPE_MIN_K_SPLIT", "256"),
+            ("ERASE_GEMM_PIPE_MIN_FLOPS", "0"),
+            ("ERASE_GEMM_PIPE_MIN_MN", "64"),
         ]))
         .unwrap();
+    assert_eq!(
+        (
+            o.gemm_min_k_per_split,
+            o.gemm_min_k_per_split_few,
+            o.gemm_pipe_min_k_per_split,
+            o.gemm_pipe_min_flops,
+            o.gemm_pipe_min_mn
+        ),
+        (128, 32, 256, 0, 64)
+    );
+    for (name, bad) in [
+        ("ERASE_GEMM_PIPE_MIN_FLOPS", "2^29"),
+        ("ERASE_GEMM_MIN_K_SPLIT", "0"),
+        ("ERASE_GEMM_PIPE_MIN_MN", "8"),
+    ] {
+        let pairs: &'static [(&'static str, &'static str)] =
+            Box::leak(vec![(name, bad)].into_boxed_slice());
+        let e = PlanOptions::H200.with_env(env(pairs)).unwrap_err();
+        assert!(
+            e.contains(&format!("{name}={bad}")) && e.contains("whole number"),
+            "{e}"
+        );
+    }
     assert!(!o.gemm_pipeline && !o.gemm_cluster && !o.gemm_tall && !o.graph_node_priority);
     assert!(o.gemm_tall_store_direct);
     assert_eq!(o.gemm_tile_n, Some(256));

@@ -258,6 +258,10 @@ struct ModelArgs {
     /// each GEMM: the same values in fewer passes. CUDA only (the CPU's GEMMs are f32).
     #[arg(long, value_enum, default_value = "on")]
     bf16_copies: OnOff,
+    /// Least FLOPs (2 x rows x inputs x outputs) of a layer given bf16 copies by
+    /// --bf16-copies (its sizes must also be multiples of 64, at least 128).
+    #[arg(long, value_name = "FLOPS", default_value_t = crate::train::BF16_COPY_MIN_FLOPS)]
+    bf16_copy_min_flops: usize,
     /// Rows of each categorical field's table, instead of --rows for all: a list in field
     /// order (`3,1000,100000,..`), `NAME=ROWS` pairs by column name (`C1=3,C7=1000`; the
     /// other fields keep --rows; Criteo's fields are C1..C26), or `auto`: each field's
@@ -491,7 +495,7 @@ impl ModelArgs {
                 PrioritiesArg::Flat => Some(Priorities::FLAT),
             },
             bf16_copies: self.bf16_copies == OnOff::On,
-            ..ScheduleOptions::default()
+            bf16_copy_min_flops: self.bf16_copy_min_flops,
         }
     }
 }

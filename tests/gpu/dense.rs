@@ -1050,7 +1050,7 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
         return;
     };
     // shapes large enough for the bf16 pre-rounding and the cp.async pipeline (2·M·N·K
-    // ≥ 2^31): ragged M, N, K against the tiles and K = 1337 (odd leading dims, scalar
+    // ≥ 2^29): ragged M, N, K against the tiles and K = 1337 (odd leading dims, scalar
     // conversion) with bias; the model's deep forward (float4 conversion)
     let cases: &[(usize, usize, usize, bool)] = &[
         (1101, 730, 1337, true),
@@ -1141,67 +1141,106 @@ fn the_ctr_models_large_gemms_match_the_bf16_reference() {
     let Some(dev) = device("the_ctr_models_large_gemms_match_the_bf16_reference") else {
         return;
     };
-    for (i, &(m, n, k)) in [(4096usize, 1024usize, 1728usize), (4096, 256, 1728)]
+    // the CTR model's layers on the pipelined path: the large ones, the mid-size ones
+    // over its FLOP bound (K = 351 and 384 ragged against the k step), and a narrow
+    // output whose weight gradient splits its 4096 rows 64 ways (a few output tiles)
+    for (i, &(m, n, k)) in [
+        (4096usize, 1024usize, 1728usize),
+        (4096, 256, 1728),
+        (4096, 256, 351),
+        (4096, 512, 384),
+        (4096, 256, 512),
+        (4096, 1, 256),
+    ]
+    .iter()
+    .enumerate()
+    {
+        check_linear_passes(dev, (m, n, k), 900 + 10 * i as u64);
+    }
+}
+
+#[test]
+fn narrow_gemms_on_the_pipelined_path_match_the_bf16_reference() {
+    let Some(shared) = device("narrow_gemms_on_the_pipelined_path_match_the_bf16_reference") else {
+        return;
+    };
+    // outputs of 64 columns (and a weight gradient of 64 rows) on the pipelined path,
+    // their tiles padded to 128
+    let mut narrow = erase::gpu::open_device().expect("the device opened for the shared handle");
+    narrow.set_plan_options(erase::ops::cuda::PlanOptions {
+        gemm_pipe_min_mn: 64,
+        ..shared.plan_options()
+    });
+    for (i, &(m, n, k)) in [(4096usize, 64usize, 1728usize), (1000, 64, 4500)]
         .iter()
         .enumerate()
     {
-        let seed = 900 + 10 * i as u64;
-        let (x, xv) = f32_arg(&[m, k], seed, -1.0, 1.0);
-        let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
-        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
-        let (dy, dyv) = f32_arg(&[m, n], seed + 3, -1.0, 1.0);
-        // y = x·wᵀ + b
-        let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
-        let got = run_gpu(
-            dev,
-            &Op::Linear {
-                bias: true,
-                relu: false,
-            },
-            &[x.clone(), w.clone(), b],
-            &outs,
-            &mut [],
-        );
-        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
-        assert_within(
-            &format!("linear {m}x{k} -> {n}"),
-            &got[0].to_f64(),
-            &want,
-            &tol,
-        );
-        // dx = dy·w
-        let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
-        let got = run_gpu(
-            dev,
-            &Op::LinearGradInput { relu_mask: false },
-            &[dy.clone(), w],
-            &outs,
-            &mut [],
-        );
-        let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
-        assert_within(
-            &format!("linear dx {m}x{n} -> {k}"),
-            &got[0].to_f64(),
-            &want,
-            &tol,
-        );
-        // dw = dyᵀ·x
-        let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
-        let got = run_gpu(
-            dev,
-            &Op::LinearGradWeight { bias: false },
-            &[dy, x],
-            &outs,
-            &mut [],
-        );
-        let (want, tol) = gemm_ref((1, n, k, m), &dyv, true, &xv, false, None);
-        assert_within(
-            &format!("linear dw {n}x{k} over {m}"),
-            &got[0].to_f64(),
-            &want,
-            &tol,
-        );
+        check_linear_passes(&narrow, (m, n, k), 960 + 10 * i as u64);
     }
+}
+
+/// A linear layer x [m, k] -> [m, n] with a bias, its data gradient and its weight
+/// gradient on `dev`, each against the bf16 reference (outputs poisoned by `run_gpu`).
+fn check_linear_passes(
+    dev: &erase::runtime::cuda::CudaDevice,
+    (m, n, k): (usize, usize, usize),
+    seed: u64,
+) {
+    let (x, xv) = f32_arg(&[m, k], seed, -1.0, 1.0);
+    let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+    let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+    let (dy, dyv) = f32_arg(&[m, n], seed + 3, -1.0, 1.0);
+    // y = x·wᵀ + b
+    let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+    let got = run_gpu(
+        dev,
+        &Op::Linear {
+            bias: true,
+            relu: false,
+        },
+        &[x.clone(), w.clone(), b],
+        &outs,
+        &mut [],
+    );
+    let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+    assert_within(
+        &format!("linear {m}x{k} -> {n}"),
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
+    // dx = dy·w
+    let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+    let got = run_gpu(
+        dev,
+        &Op::LinearGradInput { relu_mask: false },
+        &[dy.clone(), w],
+        &outs,
+        &mut [],
+    );
+    let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+    assert_within(
+        &format!("linear dx {m}x{n} -> {k}"),
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
+    // dw = dyᵀ·x
+    let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+    let got = run_gpu(
+        dev,
+        &Op::LinearGradWeight { bias: false },
+        &[dy, x],
+        &outs,
+        &mut [],
+    );
+    let (want, tol) = gemm_ref((1, n, k, m), &dyv, true, &xv, false, None);
+    assert_within(
+        &format!("linear dw {n}x{k} over {m}"),
+        &got[0].to_f64(),
+        &want,
+        &tol,
+    );
 }
 
 /// `x` rounded to bf16 by RoundBf16 on the CPU: the copy a GEMM reads in place.

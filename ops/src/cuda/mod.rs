@@ -120,7 +120,30 @@ pub struct PlanOptions {
     /// The pipelined GEMMs' tile: `None`, the wave model's choice for each GEMM;
     /// `Some(n)`, the 128 x n tile (128 or 256) for every one (to compare them on a model).
     pub gemm_tile_n: Option<usize>,
+    /// Fewest k one split of a single-launch GEMM gets (the split-K of small outputs with
+    /// a long K: weight gradients over the batch's rows).
+    pub gemm_min_k_per_split: usize,
+    /// The same for an output of at most [`FEW_TILES`] 64x64 tiles (a weight gradient of
+    /// a narrow layer), which splits its K far more to fill the device.
+    pub gemm_min_k_per_split_few: usize,
+    /// Fewest k one split of a pipelined GEMM gets (1024 on the H200: a weight gradient
+    /// over 4096 rows in 4 splits, not 8; under ERASE the early backward's weight gradients
+    /// share the device with the forward, and fewer CTAs each made the CTR step 4.8 %
+    /// faster, 2048 or 4096 less so; see BENCHMARKS.md).
+    pub gemm_pipe_min_k_per_split: usize,
+    /// Fewest FLOPs (2·M·N·K·batch) for which a GEMM takes the pipelined path (its
+    /// operands rounded to bf16 by separate launches); smaller ones run the single-launch
+    /// kernels. 2^29 on the H200: the CTR model's mid-size layers (4096 x 256, K = 351 or
+    /// 512) are 10-25 % faster pipelined; at 2^28 its 2^28-FLOP ones were slower.
+    pub gemm_pipe_min_flops: usize,
+    /// Least M and N of a GEMM on the pipelined path (128, one tile; 64 made the CTR
+    /// step 6 % slower on the H200).
+    pub gemm_pipe_min_mn: usize,
 }
+
+/// Output tiles (64x64) up to which a single-launch GEMM's K splits by
+/// [`PlanOptions::gemm_min_k_per_split_few`].
+pub const FEW_TILES: usize = 8;
 
 impl PlanOptions {
     /// The H200's 132 SMs and every fast path on.
@@ -132,6 +155,11 @@ impl PlanOptions {
         gemm_tall_store_direct: false,
         graph_node_priority: true,
         gemm_tile_n: None,
+        gemm_min_k_per_split: 256,
+        gemm_min_k_per_split_few: 64,
+        gemm_pipe_min_k_per_split: 1024,
+        gemm_pipe_min_flops: 1 << 29,
+        gemm_pipe_min_mn: 128,
     };
 
     /// These options for a device of `sms` SMs.
@@ -145,7 +173,10 @@ impl PlanOptions {
     /// These options with the documented overrides `var` returns (the process's
     /// environment, read once at start, in the trainer): `ERASE_GEMM_PIPELINE=0`,
     /// `ERASE_GEMM_CLUSTER=0`, `ERASE_GEMM_TALL=0`, `ERASE_GEMM_TALL_STORE=direct`,
-    /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_TILE=128x128` or `128x256`. Any other
+    /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_TILE=128x128` or `128x256`, and the
+    /// GEMM planner's thresholds as whole numbers: `ERASE_GEMM_MIN_K_SPLIT`,
+    /// `ERASE_GEMM_MIN_K_SPLIT_FEW`, `ERASE_GEMM_PIPE_MIN_K_SPLIT` (each at least 1),
+    /// `ERASE_GEMM_PIPE_MIN_FLOPS` and `ERASE_GEMM_PIPE_MIN_MN` (at least 16). Any other
     /// value of a variable is an error naming it.
     pub fn with_env(self, var: impl Fn(&str) -> Option<String>) -> Result<PlanOptions, String> {
         let mut o = self;
@@ -174,6 +205,32 @@ impl PlanOptions {
         }
         if let Some(v) = flag("ERASE_GEMM_TILE", "128x128", "128x256")? {
             o.gemm_tile_n = Some(if v { 256 } else { 128 });
+        }
+        let number = |name: &str, least: usize| -> Result<Option<usize>, String> {
+            match var(name).as_deref() {
+                None | Some("") => Ok(None),
+                Some(v) => match v.parse::<usize>() {
+                    Ok(n) if n >= least => Ok(Some(n)),
+                    _ => Err(format!(
+                        "{name}={v}: expected a whole number of at least {least}"
+                    )),
+                },
+            }
+        };
+        if let Some(n) = number("ERASE_GEMM_MIN_K_SPLIT", 1)? {
+            o.gemm_min_k_per_split = n;
+        }
+        if let Some(n) = number("ERASE_GEMM_MIN_K_SPLIT_FEW", 1)? {
+            o.gemm_min_k_per_split_few = n;
+        }
+        if let Some(n) = number("ERASE_GEMM_PIPE_MIN_MN", 16)? {
+            o.gemm_pipe_min_mn = n;
+        }
+        if let Some(n) = number("ERASE_GEMM_PIPE_MIN_K_SPLIT", 1)? {
+            o.gemm_pipe_min_k_per_split = n;
+        }
+        if let Some(n) = number("ERASE_GEMM_PIPE_MIN_FLOPS", 0)? {
+            o.gemm_pipe_min_flops = n;
         }
         Ok(o)
     }

@@ -6,12 +6,21 @@ use super::*;
 use erase_graph::{DType, Op, Shape};
 
 fn plan_of(op: &Op, ins: &[&[usize]], outs: &[&[usize]]) -> Result<CudaPlan, String> {
+    plan_of_with(PlanOptions::H200, op, ins, outs)
+}
+
+fn plan_of_with(
+    opts: PlanOptions,
+    op: &Op,
+    ins: &[&[usize]],
+    outs: &[&[usize]],
+) -> Result<CudaPlan, String> {
     let ins: Vec<Shape> = ins.iter().map(|d| Shape::new(d)).collect();
     let outs: Vec<Shape> = outs.iter().map(|d| Shape::new(d)).collect();
     let (ir, or): (Vec<&Shape>, Vec<&Shape>) = (ins.iter().collect(), outs.iter().collect());
     let (idt, odt) = (vec![DType::F32; ir.len()], vec![DType::F32; or.len()]);
     let o = Operands {
-        opts: PlanOptions::H200,
+        opts,
         ins: &ir,
         in_dtypes: &idt,
         outs: &or,
@@ -154,20 +163,63 @@ fn long_reductions_split_k_in_a_fixed_number_of_parts() {
     assert_eq!(p.calls.len(), 2);
     assert!(p.calls[1].kernel.starts_with("gemm_bf16p_"));
     assert_eq!(p.calls[1].grid[2], 1);
-    // a GEMM under 2^31 FLOPs stays one launch
-    let p = plan_of(
-        &Op::Linear {
+    // a GEMM under the pipelined path's FLOPs stays one launch (2^29 by default: this
+    // one's 1.6 GFLOP takes the pipelined path, and stays on one launch under 2^31)
+    let (op, ins, outs): (_, [&[usize]; 2], [&[usize]; 1]) = (
+        Op::Linear {
             bias: false,
             relu: false,
         },
-        &[&[4096, 192], &[1024, 192]],
-        &[&[4096, 1024]],
-    )
-    .unwrap();
+        [&[4096, 192], &[1024, 192]],
+        [&[4096, 1024]],
+    );
+    let p = plan_of(&op, &ins, &outs).unwrap();
+    assert_eq!(kernels(&p)[1], "gemm_bf16p_128x128", "{:?}", kernels(&p));
+    let opts = PlanOptions {
+        gemm_pipe_min_flops: 1 << 31,
+        ..PlanOptions::H200
+    };
+    let p = plan_of_with(opts, &op, &ins, &outs).unwrap();
     assert_eq!(p.calls.len(), 1);
     assert_eq!(p.calls[0].kernel, "gemm_bf16_nt_128x128");
-    // with K of at most 128 (a few k steps) on the 64x64 tile
+    // the CTR model's mid-size layers (4096 x 256, K = 351 or 512) are over the bound
+    for k in [351, 512] {
+        let p = plan_of(&op, &[&[4096, k], &[256, k]], &[&[4096, 256]]).unwrap();
+        assert_eq!(
+            kernels(&p)[0],
+            "gemm_to_bf16_pair",
+            "{k}: {:?}",
+            kernels(&p)
+        );
+    }
+    // a weight gradient of few output tiles splits its rows in parts of 64: 4096 rows
+    // of a [1, 256] dw in 64 splits (in parts of 256 beside more tiles: 16)
     let p = plan_of(
+        &Op::LinearGradWeight { bias: false },
+        &[&[4096, 1], &[4096, 256]],
+        &[&[1, 256]],
+    )
+    .unwrap();
+    assert_eq!(p.calls[0].grid[2], 64, "{:?}", p.calls[0].grid);
+    let opts = PlanOptions {
+        gemm_min_k_per_split_few: 256,
+        ..PlanOptions::H200
+    };
+    let p = plan_of_with(
+        opts,
+        &Op::LinearGradWeight { bias: false },
+        &[&[4096, 1], &[4096, 256]],
+        &[&[1, 256]],
+    )
+    .unwrap();
+    assert_eq!(p.calls[0].grid[2], 16, "{:?}", p.calls[0].grid);
+    // with K of at most 128 (a few k steps) on the 64x64 tile, where it is one launch
+    let opts = PlanOptions {
+        gemm_pipe_min_flops: 1 << 31,
+        ..PlanOptions::H200
+    };
+    let p = plan_of_with(
+        opts,
         &Op::Linear {
             bias: false,
             relu: false,
@@ -648,4 +700,8 @@ fn bf16_copies_are_read_in_place() {
     )
     .unwrap_err();
     assert!(e.contains("multiple of 8"), "{e}");
+}
+
+fn kernels(p: &CudaPlan) -> Vec<&'static str> {
+    p.calls.iter().map(|c| c.kernel).collect()
 }

@@ -85,7 +85,8 @@ pub mod cpu {
 pub(crate) mod cuda {
     //! GEMM-shaped ops: linear and its gradients, matmul, and the bf16 operand copies.
     //!
-    //! GEMMs of at least 2^31 FLOPs with K ≥ 64 take the pipelined path: `gemm_to_bf16_pair`
+    //! GEMMs of at least `PlanOptions::gemm_pipe_min_flops` (2^29) FLOPs with K ≥ 64 and
+    //! M, N ≥ 128 take the pipelined path: `gemm_to_bf16_pair`
     //! rounds A and B to bf16 into K-major, zero-padded scratch in one launch (transposing an
     //! operand whose K is not its inner dim; for a weight gradient with a bias it also sums
     //! dy's columns over each 64-row block, so the bias gradient costs no pass over dy of its
@@ -99,7 +100,9 @@ pub(crate) mod cuda {
     //! `nn`/`nt`/`tn`/`tt` says which operand is stored transposed (MatMul's `ta`, `tb` on
     //! row-major storage), the tile is 128x128 when the output fills a wave of them, else
     //! 64x64. When the output has too few tiles to fill the GPU and K is long
-    //! (LinearGradWeight reduces over all rows), either path splits K over the grid's z: each
+    //! (LinearGradWeight reduces over all rows), either path splits K over the grid's z (a
+    //! split of the single-launch kernels gets at least 256 k, or 64 where the output has
+    //! at most `FEW_TILES` 64x64 tiles: a narrow layer's weight gradient): each
     //! split writes an f32 partial to scratch and `gemm_splitk_reduce` sums them in split
     //! order, so the result is deterministic; the pipelined 128x128 tile at batch 1 sums its
     //! 2, 4 or 8 splits inside a thread-block cluster instead (`gemm_bf16p_128x128_k<S>`:
@@ -196,8 +199,6 @@ pub(crate) mod cuda {
 
     /// The GEMM kernels' k step; a split's K range is a multiple of it.
     const BK: usize = 32;
-    /// Fewest k a split-K part gets.
-    const MIN_K_PER_SPLIT: usize = 256;
     /// Grid dimensions y and z are limited to this.
     pub(crate) const GRID_YZ: usize = 65_535;
 
@@ -442,10 +443,17 @@ pub(crate) mod cuda {
         let tiles = blocks(m, bm) as usize * blocks(n, bn) as usize * batch;
         let want = if big { g.opts.sms } else { 4 * g.opts.sms };
         let mut splits = 1;
-        if tiles < want && k >= 2 * MIN_K_PER_SPLIT {
+        let min_k =
+            if blocks(m, 64) as usize * blocks(n, 64) as usize * batch <= crate::cuda::FEW_TILES {
+                g.opts.gemm_min_k_per_split_few
+            } else {
+                g.opts.gemm_min_k_per_split
+            }
+            .max(1);
+        if tiles < want && k >= 2 * min_k {
             splits = want
                 .div_ceil(tiles)
-                .min(k / MIN_K_PER_SPLIT)
+                .min(k / min_k)
                 .min(GRID_YZ / batch)
                 .max(1);
         }
@@ -690,14 +698,10 @@ pub(crate) mod cuda {
         },
     ];
 
-    /// Fewest FLOPs (2·M·N·K·batch) for which the conversion launches pay off.
-    const PIPE_MIN_FLOPS: usize = 1 << 31;
     /// Least K for the pipelined kernels: one k step. AutoInt's QKV projection (110592 x 192
     /// x 64) measured 0.6-0.7 % more CTR examples/s on it than with the single-launch kernel
     /// (the bound was 256 before).
     const PIPE_MIN_K: usize = 64;
-    /// Fewest k a split of the pipelined kernels gets.
-    const PIPE_MIN_K_PER_SPLIT: usize = 512;
     /// Estimated rates for choosing a tile: one SM's mma rate (FLOP/s) and the memory
     /// bandwidth of the split-K reduction (bytes/s).
     const SM_FLOPS: f64 = 3.0e12;
@@ -709,9 +713,10 @@ pub(crate) mod cuda {
         let tiles = g.m.div_ceil(t.bm) * g.n.div_ceil(t.bn) * g.batch;
         let slots = g.opts.sms * t.per_sm;
         let mut splits = 1;
-        if tiles < slots && kp >= 2 * PIPE_MIN_K_PER_SPLIT {
+        let min_k = g.opts.gemm_pipe_min_k_per_split.max(1);
+        if tiles < slots && kp >= 2 * min_k {
             splits = (slots / tiles)
-                .min(kp / PIPE_MIN_K_PER_SPLIT)
+                .min(kp / min_k)
                 .min(GRID_YZ / g.batch)
                 .max(1);
         }
@@ -746,7 +751,9 @@ pub(crate) mod cuda {
             return None;
         }
         let (m, n, k, batch) = (g.m, g.n, g.k, g.batch);
-        if m < 128 || n < 128 || k < PIPE_MIN_K || 2 * m * n * k * batch < PIPE_MIN_FLOPS {
+        let mn = g.opts.gemm_pipe_min_mn;
+        if m < mn || n < mn || k < PIPE_MIN_K || 2 * m * n * k * batch < g.opts.gemm_pipe_min_flops
+        {
             return None;
         }
         // grid limits of the conversion and GEMM launches, and i32 sizes in the kernels
@@ -1195,13 +1202,16 @@ pub(crate) mod cuda {
             .into_iter()
             .find(|&l| l <= splits.div_ceil(2).max(1))
             .unwrap_or(1);
+        // and `width` element groups of 4 per lane: 256 threads where lanes are few (a
+        // 32-thread CTA cannot fill an SM), the lanes' sums in dynamic shared memory
+        let width = (256 / lanes).max(32);
         let (rs_part, rs_out, rs_slices) = sums.unwrap_or((part, part, 0));
-        let rs_blocks = if rs_slices > 0 { blocks(g.m, 32) } else { 0 };
+        let rs_blocks = if rs_slices > 0 { blocks(g.m, width) } else { 0 };
         KernelCall {
             kernel: "gemm_splitk_reduce",
-            grid: [blocks(count, 128) + rs_blocks, 1, 1],
-            block: [32, lanes as u32, 1],
-            smem: 0,
+            grid: [blocks(count, 4 * width) + rs_blocks, 1, 1],
+            block: [width as u32, lanes as u32, 1],
+            smem: (width * lanes * 16) as u32,
             args: vec![
                 part,
                 g.bias_arg(),
