@@ -314,8 +314,17 @@ fn weight_copies_run_beside_the_forward_under_erase() {
         })
         .map(|(i, _)| i)
         .collect();
-    // the spec's large layers: cross U and V (3 each), deep's first two, MaskNet's three
-    assert_eq!(copies.len(), 11, "weight copies at the CUDA threshold");
+    let names: Vec<&str> = copies
+        .iter()
+        .map(|&i| g.node(p.program.launches[i].node).name.as_str())
+        .collect();
+    // the spec's layers of at least 2^29 FLOPs: cross U and V (3 each), MaskNet's three,
+    // deep's first two, top's first two
+    assert_eq!(
+        copies.len(),
+        13,
+        "weight copies at the CUDA threshold: {names:?}"
+    );
     assert!(copies
         .iter()
         .all(|&i| p.program.launches[i].stream == StreamId(1)));

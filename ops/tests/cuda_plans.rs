@@ -577,3 +577,44 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
         "{e}"
     );
 }
+
+/// A GEMM's two operands and its output, shapes and dtypes.
+type GemmCase = (
+    [(&'static [usize], DType); 2],
+    [(&'static [usize], DType); 1],
+);
+
+/// What the GPU tests' second handles rely on: with splits of at least 512 k the ragged
+/// pipelined GEMMs of `large_gemms_on_the_pipelined_path_match_the_bf16_reference` split
+/// (batched: partials and the reduction launch; batch 1: two splits in a cluster), and
+/// with the H200's 1024 they do not.
+#[test]
+fn the_pipelined_split_bound_decides_the_split_forms() {
+    let op = Op::MatMul {
+        ta: false,
+        tb: false,
+    };
+    let batched: GemmCase = (
+        [(&[2, 700, 1300], F), (&[2, 1300, 600], F)],
+        [(&[2, 700, 600], F)],
+    );
+    let single: GemmCase = (
+        [(&[1, 1001, 1403], F), (&[1, 1403, 901], F)],
+        [(&[1, 1001, 901], F)],
+    );
+    let old = PlanOptions {
+        gemm_pipe_min_k_per_split: 512,
+        ..PlanOptions::H200
+    };
+    let ks = kernels(&plan_with(old, &op, &batched.0, &batched.1).unwrap());
+    assert!(ks.contains(&"gemm_splitk_reduce"), "{ks:?}");
+    let ks = kernels(&plan_with(old, &op, &single.0, &single.1).unwrap());
+    assert!(ks.iter().any(|k| k.ends_with("_k2")), "{ks:?}");
+    for (ins, outs) in [&batched, &single] {
+        let ks = kernels(&plan(&op, ins, outs).unwrap());
+        assert!(
+            !ks.contains(&"gemm_splitk_reduce") && !ks.iter().any(|k| k.contains("_k")),
+            "{ks:?}"
+        );
+    }
+}

@@ -361,7 +361,19 @@ fn linear_grad_weight_matches_the_bf16_reference() {
         (110_592, 192, 64, true),
         (200, 1501, 1500, true),
     ];
+    // the 128x128 single-launch case (9·10^8 FLOPs) on a handle whose pipelined path
+    // starts at 2^31, as the default's did before: at 2^29 it would be pipelined
+    let mut single = erase::gpu::open_device().expect("the device opened for a second handle");
+    single.set_plan_options(erase::ops::cuda::PlanOptions {
+        gemm_pipe_min_flops: 1 << 31,
+        ..dev.plan_options()
+    });
     for (seed, &(rows, n, k, bias)) in cases.iter().enumerate() {
+        let dev = if (rows, n, k) == (200, 1501, 1500) {
+            &single
+        } else {
+            dev
+        };
         let seed = 300 + 10 * seed as u64;
         let (dy, dyv) = f32_arg(&[rows, n], seed, -1.0, 1.0);
         let (x, xv) = f32_arg(&[rows, k], seed + 1, -1.0, 1.0);
@@ -1109,7 +1121,14 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
         "pipelined linear_grad_weight: two runs differ"
     );
     // every transpose, batched (split-K partials and the reduction launch) and at batch 1
-    // (64 tiles: two splits summed inside a cluster on sm_90a), ragged M, N and K
+    // (64 tiles: two splits summed inside a cluster on sm_90a), ragged M, N and K, with
+    // splits of at least 512 k (the H200's 1024 would leave these K whole)
+    let mut split = erase::gpu::open_device().expect("the device opened for a second handle");
+    split.set_plan_options(erase::ops::cuda::PlanOptions {
+        gemm_pipe_min_k_per_split: 512,
+        ..dev.plan_options()
+    });
+    let dev = &split;
     for (i, (batch, ta, tb)) in [false, true]
         .into_iter()
         .flat_map(|ta| [false, true].map(|tb| (ta, tb)))
@@ -1568,8 +1587,10 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
         return;
     };
     let mut wide = erase::gpu::open_device().expect("the device opened for the shared handle");
+    // splits of at least 512 k, so that its K = 4096 cases run 8 splits (`_k8`)
     wide.set_plan_options(erase::ops::cuda::PlanOptions {
         gemm_tile_n: Some(256),
+        gemm_pipe_min_k_per_split: 512,
         ..shared.plan_options()
     });
     let dev = &wide;

@@ -424,18 +424,26 @@ fn large_gemms_round_operands_first_and_split_half_waves() {
     assert_eq!(p.calls[1].args[14], KArg::I32(2048));
     assert_eq!(p.calls[1].args[15], KArg::I64(0));
     assert_eq!(p.scratch.len(), 2);
-    // three splits are taken as a cluster of four (the cross block's U forward)
-    let p = plan_of(
-        &Op::Linear {
+    // three splits are taken as a cluster of four (the cross block's U forward, with
+    // splits of at least 512 k; the H200's 1024 leaves its K = 1728 whole)
+    let (op, ins, outs): (_, [&[usize]; 3], [&[usize]; 1]) = (
+        Op::Linear {
             bias: true,
             relu: false,
         },
-        &[&[4096, 1728], &[256, 1728], &[256]],
-        &[&[4096, 256]],
-    )
-    .unwrap();
+        [&[4096, 1728], &[256, 1728], &[256]],
+        [&[4096, 256]],
+    );
+    let opts = PlanOptions {
+        gemm_pipe_min_k_per_split: 512,
+        ..PlanOptions::H200
+    };
+    let p = plan_of_with(opts, &op, &ins, &outs).unwrap();
     assert_eq!(p.calls[1].kernel, "gemm_bf16p_128x128_k4");
     assert_eq!(p.calls[1].grid, [32, 2, 4]);
+    let p = plan_of(&op, &ins, &outs).unwrap();
+    assert_eq!(p.calls[1].kernel, "gemm_bf16p_128x128");
+    assert_eq!(p.calls[1].grid, [32, 2, 1]);
     // a batched GEMM keeps the partials and the fixed-order reduction
     let p = plan_of(
         &Op::MatMul {
