@@ -20,7 +20,7 @@
 //!   below is that worst case plus the f32 terms (scores, exp2, row sums, accumulation of
 //!   n terms: acc(n) = (n/16 + 2)·2^-22 relative to the sum of magnitudes).
 
-use super::{arg, device, rand_f32, run_cpu, run_gpu, Arg};
+use super::{arg, device, handle_with, rand_f32, run_cpu, run_gpu, Arg};
 use erase::graph::{DType, Op};
 use erase::ops::Buffer;
 
@@ -363,8 +363,7 @@ fn linear_grad_weight_matches_the_bf16_reference() {
     ];
     // the 128x128 single-launch case (9·10^8 FLOPs) on a handle whose pipelined path
     // starts at 2^31, as the default's did before: at 2^29 it would be pipelined
-    let mut single = erase::gpu::open_device().expect("the device opened for a second handle");
-    single.set_plan_options(erase::ops::cuda::PlanOptions {
+    let single = handle_with(erase::ops::cuda::PlanOptions {
         gemm_pipe_min_flops: 1 << 31,
         ..dev.plan_options()
     });
@@ -1123,8 +1122,7 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
     // every transpose, batched (split-K partials and the reduction launch) and at batch 1
     // (64 tiles: two splits summed inside a cluster on sm_90a), ragged M, N and K, with
     // splits of at least 512 k (the H200's 1024 would leave these K whole)
-    let mut split = erase::gpu::open_device().expect("the device opened for a second handle");
-    split.set_plan_options(erase::ops::cuda::PlanOptions {
+    let split = handle_with(erase::ops::cuda::PlanOptions {
         gemm_pipe_min_k_per_split: 512,
         ..dev.plan_options()
     });
@@ -1185,8 +1183,7 @@ fn narrow_gemms_on_the_pipelined_path_match_the_bf16_reference() {
     };
     // outputs of 64 columns (and a weight gradient of 64 rows) on the pipelined path,
     // their tiles padded to 128
-    let mut narrow = erase::gpu::open_device().expect("the device opened for the shared handle");
-    narrow.set_plan_options(erase::ops::cuda::PlanOptions {
+    let narrow = handle_with(erase::ops::cuda::PlanOptions {
         gemm_pipe_min_mn: 64,
         ..shared.plan_options()
     });
@@ -1586,9 +1583,8 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     let Some(shared) = device("the_wide_pipelined_tile_matches_the_bf16_reference") else {
         return;
     };
-    let mut wide = erase::gpu::open_device().expect("the device opened for the shared handle");
     // splits of at least 512 k, so that its K = 4096 cases run 8 splits (`_k8`)
-    wide.set_plan_options(erase::ops::cuda::PlanOptions {
+    let wide = handle_with(erase::ops::cuda::PlanOptions {
         gemm_tile_n: Some(256),
         gemm_pipe_min_k_per_split: 512,
         ..shared.plan_options()
@@ -1646,8 +1642,7 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
     let op = Op::LinearGradWeight { bias: false };
     let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
-    let mut partials = erase::gpu::open_device().expect("the device opened for the third handle");
-    partials.set_plan_options(erase::ops::cuda::PlanOptions {
+    let partials = handle_with(erase::ops::cuda::PlanOptions {
         gemm_cluster: false,
         ..wide.plan_options()
     });

@@ -36,6 +36,14 @@ pub fn device(test: &str) -> Option<&'static CudaDevice> {
     }
 }
 
+/// Another handle on the test device whose plans take `opts` (its SM count stays the
+/// device's): a test's way to run an op on a path the defaults do not take.
+pub fn handle_with(opts: erase::ops::cuda::PlanOptions) -> CudaDevice {
+    let mut d = erase::gpu::open_device().expect("a second handle on the test device");
+    d.set_plan_options(opts);
+    d
+}
+
 /// `n` uniform values in `[lo, hi)`, fresh for each `seed` (never zeros by construction
 /// unless the range contains 0).
 pub fn rand_f32(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {

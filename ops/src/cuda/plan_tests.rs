@@ -175,11 +175,11 @@ fn long_reductions_split_k_in_a_fixed_number_of_parts() {
     );
     let p = plan_of(&op, &ins, &outs).unwrap();
     assert_eq!(kernels(&p)[1], "gemm_bf16p_128x128", "{:?}", kernels(&p));
-    let opts = PlanOptions {
+    let bound_2_31 = PlanOptions {
         gemm_pipe_min_flops: 1 << 31,
         ..PlanOptions::H200
     };
-    let p = plan_of_with(opts, &op, &ins, &outs).unwrap();
+    let p = plan_of_with(bound_2_31, &op, &ins, &outs).unwrap();
     assert_eq!(p.calls.len(), 1);
     assert_eq!(p.calls[0].kernel, "gemm_bf16_nt_128x128");
     // the CTR model's mid-size layers (4096 x 256, K = 351 or 512) are over the bound
@@ -194,32 +194,19 @@ fn long_reductions_split_k_in_a_fixed_number_of_parts() {
     }
     // a weight gradient of few output tiles splits its rows in parts of 64: 4096 rows
     // of a [1, 256] dw in 64 splits (in parts of 256 beside more tiles: 16)
-    let p = plan_of(
-        &Op::LinearGradWeight { bias: false },
-        &[&[4096, 1], &[4096, 256]],
-        &[&[1, 256]],
-    )
-    .unwrap();
-    assert_eq!(p.calls[0].grid[2], 64, "{:?}", p.calls[0].grid);
-    let opts = PlanOptions {
-        gemm_min_k_per_split_few: 256,
-        ..PlanOptions::H200
-    };
-    let p = plan_of_with(
-        opts,
-        &Op::LinearGradWeight { bias: false },
-        &[&[4096, 1], &[4096, 256]],
-        &[&[1, 256]],
-    )
-    .unwrap();
-    assert_eq!(p.calls[0].grid[2], 16, "{:?}", p.calls[0].grid);
+    let dw = Op::LinearGradWeight { bias: false };
+    let (ins, outs): ([&[usize]; 2], [&[usize]; 1]) = ([&[4096, 1], &[4096, 256]], [&[1, 256]]);
+    for (few, splits) in [(PlanOptions::H200.gemm_min_k_per_split_few, 64), (256, 16)] {
+        let opts = PlanOptions {
+            gemm_min_k_per_split_few: few,
+            ..PlanOptions::H200
+        };
+        let p = plan_of_with(opts, &dw, &ins, &outs).unwrap();
+        assert_eq!(p.calls[0].grid[2], splits, "{few}: {:?}", p.calls[0].grid);
+    }
     // with K of at most 128 (a few k steps) on the 64x64 tile, where it is one launch
-    let opts = PlanOptions {
-        gemm_pipe_min_flops: 1 << 31,
-        ..PlanOptions::H200
-    };
     let p = plan_of_with(
-        opts,
+        bound_2_31,
         &Op::Linear {
             bias: false,
             relu: false,

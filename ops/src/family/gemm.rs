@@ -443,13 +443,13 @@ pub(crate) mod cuda {
         let tiles = blocks(m, bm) as usize * blocks(n, bn) as usize * batch;
         let want = if big { g.opts.sms } else { 4 * g.opts.sms };
         let mut splits = 1;
-        let min_k =
-            if blocks(m, 64) as usize * blocks(n, 64) as usize * batch <= crate::cuda::FEW_TILES {
-                g.opts.gemm_min_k_per_split_few
-            } else {
-                g.opts.gemm_min_k_per_split
-            }
-            .max(1);
+        // (a 128x128 grid fills a wave, so few tiles are 64x64 ones)
+        let min_k = if tiles <= crate::cuda::FEW_TILES {
+            g.opts.gemm_min_k_per_split_few
+        } else {
+            g.opts.gemm_min_k_per_split
+        }
+        .max(1);
         if tiles < want && k >= 2 * min_k {
             splits = want
                 .div_ceil(tiles)
