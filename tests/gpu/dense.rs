@@ -1614,25 +1614,13 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
         true,
     );
     // dx = dy·w on copies (w MN-major), without and with dx's copy
-    let (m, n, k) = (1001, 512, 1736);
-    let dyv = rand_f32(2020, m * n, -1.0, 1.0);
-    let wv = rand_f32(2021, n * k, -1.0, 1.0);
-    let ins = [bf16_copy(&[m, n], &dyv), bf16_copy(&[n, k], &wv)];
-    let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
-    let op = Op::LinearGradInput { relu_mask: false };
-    let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
-    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
-    assert_within(
+    check_dx_on_copies(
+        dev,
         "wide tile: linear_grad_input",
-        &got[0].to_f64(),
-        &want,
-        &tol,
+        (1001, 512, 1736),
+        2020,
+        true,
     );
-    let outs: [(&[usize], DType); 2] = [(&[m, k], DType::F32), (&[m, k], DType::Bf16)];
-    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
-    let what = "wide tile: linear_grad_input with its copy";
-    assert_within(what, &got[0].to_f64(), &want, &tol);
-    assert_copy_is_rounding(what, &[m, k], &got);
     // dw = dyᵀ·x over 2048 rows on copies (both MN-major): few tiles, so split-K, summed
     // in a cluster and (clusters off) through partials, the same bits twice
     let (rows, n, k) = (2048, 512, 1736);
@@ -1673,18 +1661,38 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     );
     // split dx = dy·w on copies (w MN-major, rows of whole 16-byte chunks): dy [1000,
     // 4096], dx [1000, 304]
-    let n = 304;
-    let dyv = rand_f32(2050, m * k, -1.0, 1.0);
-    let wv = rand_f32(2051, k * n, -1.0, 1.0);
-    let ins = [bf16_copy(&[m, k], &dyv), bf16_copy(&[k, n], &wv)];
-    let (want, tol) = gemm_ref((1, m, n, k), &dyv, false, &wv, false, None);
-    let op = Op::LinearGradInput { relu_mask: false };
-    let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
-    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
-    assert_within(
+    check_dx_on_copies(
+        dev,
         "wide tile: split linear_grad_input",
-        &got[0].to_f64(),
-        &want,
-        &tol,
+        (m, k, 304),
+        2050,
+        false,
     );
+}
+
+/// dx [m, k] = dy [m, n] · w [n, k] from bf16 copies of dy and w (w MN-major) on `dev`,
+/// against the bf16 reference; with `with_copy`, again with dx's bf16 copy as a second
+/// output, the copy bit for bit the rounding of dx.
+fn check_dx_on_copies(
+    dev: &erase::runtime::cuda::CudaDevice,
+    what: &str,
+    (m, n, k): (usize, usize, usize),
+    seed: u64,
+    with_copy: bool,
+) {
+    let dyv = rand_f32(seed, m * n, -1.0, 1.0);
+    let wv = rand_f32(seed + 1, n * k, -1.0, 1.0);
+    let ins = [bf16_copy(&[m, n], &dyv), bf16_copy(&[n, k], &wv)];
+    let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
+    let op = Op::LinearGradInput { relu_mask: false };
+    let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+    let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+    assert_within(what, &got[0].to_f64(), &want, &tol);
+    if with_copy {
+        let outs: [(&[usize], DType); 2] = [(&[m, k], DType::F32), (&[m, k], DType::Bf16)];
+        let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let what = format!("{what} with its copy");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        assert_copy_is_rounding(&what, &[m, k], &got);
+    }
 }
