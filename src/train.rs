@@ -116,6 +116,9 @@ pub struct ScheduleOptions {
     /// The early programs' weight gradients on companion streams of their side streams
     /// (see `ScheduleConfig::weight_grad_streams`).
     pub weight_grad_streams: bool,
+    /// Each early block's own forward on a forward stream of its own at main's priority
+    /// (see `ScheduleConfig::forward_streams`).
+    pub forward_streams: bool,
     /// Each large layer's GEMM operands rounded to bf16 once, by RoundBf16 nodes, and read
     /// in place by its GEMMs (see `Graph::set_bf16_copies`), instead of rounded by every
     /// GEMM that reads them. The values of the CUDA kernels, in fewer passes; the CPU
@@ -145,6 +148,7 @@ impl Default for ScheduleOptions {
             early_updates: false,
             late_stream: true,
             weight_grad_streams: true,
+            forward_streams: true,
             bf16_copies: true,
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
             updates_by_data: true,
@@ -175,7 +179,8 @@ pub fn schedule_kind(v: Variant) -> ScheduleKind {
 /// [`plan_step`] for one rank of data-parallel training. Each table's update sorts the
 /// ids it gathers from every rank, so no `EmbeddingSort` of the local ids runs before it;
 /// and an early program's gradients are all-reduced after its last launch, on that
-/// launch's stream, so a program stays on one stream (no weight-gradient companions).
+/// launch's stream, so a program stays on one stream (no weight-gradient companions), and
+/// the forward stays on the main stream (no forward streams: not measured across GPUs).
 pub fn plan_step_data_parallel(
     cfg: &CtrConfig,
     float: DType,
@@ -189,6 +194,7 @@ pub fn plan_step_data_parallel(
     let sched = ScheduleOptions {
         weight_grad_streams: false,
         updates_by_data: false,
+        forward_streams: false,
         ..sched.clone()
     };
     plan_step(cfg, float, &opt, &sched)
@@ -220,6 +226,7 @@ pub fn plan_step(
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
         late_stream: sched.late_stream,
         weight_grad_streams: sched.weight_grad_streams,
+        forward_streams: sched.forward_streams,
         updates_by_data: sched.updates_by_data,
         priorities: Priorities::RANKED,
     };

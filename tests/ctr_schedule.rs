@@ -447,7 +447,8 @@ fn weight_gradients_leave_the_data_gradient_chain_for_companion_streams() {
     )
     .unwrap();
     let (g, prog, mem) = (&p.model.graph, &p.program, &p.memory);
-    assert_eq!(prog.streams, 1 + 2 * 4);
+    // main, the pool, its companions, then the blocks' forward streams
+    assert_eq!(prog.forward_from, Some(StreamId(1 + 2 * 4)));
     assert!(check(g, prog, mem).is_empty());
     let mut companions = std::collections::BTreeSet::new();
     for bp in p.partition.programs.iter().filter(|x| x.early) {
@@ -509,18 +510,109 @@ fn weight_gradients_leave_the_data_gradient_chain_for_companion_streams() {
     }
 }
 
+/// Forward streams: each block's own forward (its layers and its head) on a stream of its
+/// own after the pool and the companions, at main's rank; what several blocks or the top
+/// read (the embeddings, the bottom MLP, the top) on main; the same bits as the detached
+/// schedule, in issue order and in random interleavings; and off, the forward on main.
+#[test]
+fn each_blocks_forward_runs_on_a_forward_stream_of_its_own_with_the_same_bits() {
+    let p = plan(&tiny(Variant::Erase), 4);
+    let (prog, g) = (&p.program, &p.model.graph);
+    let from = prog.forward_from.expect("forward streams");
+    assert_eq!(
+        from,
+        StreamId(1 + 2 * 4),
+        "after the pool and its companions"
+    );
+    let mut by_block: std::collections::BTreeMap<String, Vec<u16>> = Default::default();
+    for l in prog.launches.iter().filter(|l| l.label.phase == "fwd") {
+        // the bf16 weight copies read only parameters: hoisted to the first pool stream
+        if l.stream == StreamId(1) {
+            continue;
+        }
+        let scope = g.node(l.node).name.split('/').next().unwrap().to_string();
+        by_block.entry(scope).or_default().push(l.stream.0);
+    }
+    for (scope, streams) in &by_block {
+        let mut s = streams.clone();
+        s.dedup();
+        match scope.as_str() {
+            "embedding" | "top" => assert_eq!(s, vec![0], "{scope}"),
+            // the bottom MLP is a field of the embeddings every block reads; its head is
+            // the bottom block's own
+            "bottom" => assert_eq!(s, vec![0], "{scope}"),
+            _ => assert!(s.iter().all(|&x| x >= from.0), "{scope} forward on {s:?}"),
+        }
+    }
+    // two blocks never share a forward stream, and every forward stream runs at main's rank
+    let heads: Vec<u16> = [
+        "autoint_head",
+        "cross_head",
+        "masknet_head",
+        "deep_head",
+        "interaction_head",
+    ]
+    .iter()
+    .filter_map(|h| by_block.get(*h).map(|s| s[0]))
+    .collect();
+    let mut uniq = heads.clone();
+    uniq.sort_unstable();
+    uniq.dedup();
+    assert_eq!(uniq.len(), heads.len(), "{heads:?}");
+    assert!(heads.len() >= 4, "{by_block:?}");
+    for s in from.0..prog.streams as u16 {
+        assert_eq!(prog.stream_rank(StreamId(s)), 0, "side{s}");
+    }
+    // the same bits as detached, however the streams interleave
+    let d = plan(&tiny(Variant::Detached), 4);
+    let want = run(&d, 3, None);
+    assert!(run(&p, 3, None) == want, "forward streams (issue order)");
+    for seed in 0..4 {
+        assert!(
+            run(&p, 3, Some(seed)) == want,
+            "forward streams (interleaving {seed})"
+        );
+    }
+    // off: every forward launch but the hoisted copies on main
+    let sched = ScheduleOptions {
+        side_streams: 4,
+        forward_streams: false,
+        ..Default::default()
+    };
+    let off = plan_step(
+        &tiny(Variant::Erase),
+        DType::F32,
+        &OptimizerConfig::default(),
+        &sched,
+    )
+    .unwrap();
+    assert_eq!(off.program.forward_from, None);
+    assert!(off
+        .program
+        .launches
+        .iter()
+        .filter(|l| l.label.phase == "fwd")
+        .all(|l| l.stream == StreamId::MAIN || l.stream == StreamId(1)));
+}
+
 #[test]
 fn streams_rank_main_then_late_then_pool_then_companions() {
     let p = plan(&tiny(Variant::Erase), 4);
     let prog = &p.program;
-    // side1..3 the shared pool, side4 the late stream, side5..8 the companions
+    // side1..3 the shared pool, side4 the late stream, side5..8 the companions, then the
+    // blocks' forward streams at main's rank
     assert_eq!(prog.late_stream, Some(StreamId(4)));
     assert_eq!(prog.weight_grad_from, Some(StreamId(5)));
+    assert_eq!(prog.forward_from, Some(StreamId(9)));
     let ranks: Vec<u32> = (0..prog.streams as u16)
         .map(|s| prog.stream_rank(StreamId(s)))
         .collect();
     let m = u32::MAX;
-    assert_eq!(ranks, vec![0, 2, 2, 2, 1, m, m, m, m]);
+    assert_eq!(ranks[..9], [0, 2, 2, 2, 1, m, m, m, m]);
+    assert!(
+        ranks.len() > 9 && ranks[9..].iter().all(|&r| r == 0),
+        "{ranks:?}"
+    );
     // without companions the pool keeps the least priority
     let sched = ScheduleOptions {
         side_streams: 4,

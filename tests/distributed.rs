@@ -177,9 +177,18 @@ fn data_parallel_plans_sort_the_gathered_ids_in_the_update() {
     assert_eq!(count(&dp), (0, vec![3]));
     // and each early program on one stream: its gradients are all-reduced after its last
     // launch, on that launch's stream (no weight-gradient companions)
+    // (and the blocks' forwards on main: one process puts them on streams of their own
+    // after the pool and its companions)
     let sides = c.schedule.side_streams;
-    assert_eq!(single_process(&c).program.streams, 1 + 2 * sides);
+    let one = single_process(&c).program;
+    assert_eq!(
+        one.forward_from,
+        Some(erase::runtime::program::schedule::StreamId(
+            1 + 2 * sides as u16
+        ))
+    );
     assert_eq!(dp.program.streams, 1 + sides);
+    assert_eq!(dp.program.forward_from, None);
 }
 
 /// Loaded examples of a test sample, as `erase-ctr` holds them (a tenth held out).

@@ -282,6 +282,7 @@ fn two_streams(launches: Vec<Launch>, events: usize, priorities: Priorities) -> 
         late_stream: None,
         weight_grad_from: None,
         priorities,
+        forward_from: None,
     }
 }
 

@@ -119,6 +119,7 @@ fn cfg(kind: ScheduleKind, side: usize) -> ScheduleConfig {
         kernels: None,
         late_stream: false,
         weight_grad_streams: false,
+        forward_streams: false,
         updates_by_data: false,
         priorities: Default::default(),
     }
@@ -163,6 +164,7 @@ fn random_graphs_plan_safely_and_fuzz_bit_identically() {
         c.late_stream = seed % 2 == 0;
         c.weight_grad_streams = seed % 3 == 1;
         c.updates_by_data = seed % 4 >= 2;
+        c.forward_streams = seed % 5 < 3;
         // priorities order nothing: every set the occupancy model can choose gives the
         // ranked program's launches and edges, so it is as safe
         c.priorities =

@@ -320,6 +320,7 @@ pub fn plan_graph(
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
         late_stream: false,
         weight_grad_streams: false,
+        forward_streams: false,
         updates_by_data: false,
         priorities: Default::default(),
     };

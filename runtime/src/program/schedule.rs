@@ -155,6 +155,13 @@ pub struct ScheduleConfig {
     /// The streams' priority levels (`Priorities::RANKED` unless the occupancy model
     /// chose fewer).
     pub priorities: Priorities,
+    /// Under ERASE, each early block's own forward work (the forward launches that only
+    /// its local loss depends on: its layers and its head) on a forward stream of its own
+    /// at main's priority, so that the blocks' forwards, which read the shared embeddings
+    /// but not each other, run side by side instead of one after the other on the main
+    /// stream; what several blocks or the main loss alone read (the embeddings, the
+    /// bottom MLP, the top) stays on main.
+    pub forward_streams: bool,
 }
 
 /// Replaces the declared footprint of `spec` with the real one of the heaviest call of
@@ -266,6 +273,9 @@ pub struct StepProgram {
     pub weight_grad_from: Option<StreamId>,
     /// Which of those levels the streams really run at.
     pub priorities: Priorities,
+    /// The first of the blocks' forward streams (`ScheduleConfig::forward_streams`), if
+    /// any: they and every stream after them run at main's priority.
+    pub forward_from: Option<StreamId>,
 }
 
 fn scope_of(name: &str) -> &str {
@@ -517,6 +527,7 @@ impl Builder<'_> {
                 late_stream: None,
                 weight_grad_from: None,
                 priorities: Priorities::RANKED,
+                forward_from: None,
             },
         );
         let base = vector_clocks(&p);
@@ -557,10 +568,32 @@ impl Builder<'_> {
 /// Builds the step program of a trainable graph.
 pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgram {
     let split_dw = cfg.kind == ScheduleKind::Early && cfg.weight_grad_streams;
-    let streams = match cfg.kind {
+    let pooled = match cfg.kind {
         ScheduleKind::Serial => 1,
         ScheduleKind::Early if split_dw => 1 + 2 * cfg.side_streams.max(1),
         ScheduleKind::Early => 1 + cfg.side_streams.max(1),
+    };
+    // each block's own forward launches on a forward stream of the block, after the pool
+    // and its companions
+    let owners = if cfg.kind == ScheduleKind::Early && cfg.forward_streams {
+        block_owners(g, part)
+    } else {
+        BTreeMap::new()
+    };
+    let mut blocks: Vec<usize> = Vec::new();
+    for &n in &part.forward {
+        if let Some(&k) = owners.get(&n) {
+            if !blocks.contains(&k) {
+                blocks.push(k);
+            }
+        }
+    }
+    let streams = pooled + blocks.len();
+    let fwd_stream = |n: NodeId| -> StreamId {
+        owners
+            .get(&n)
+            .and_then(|k| blocks.iter().position(|b| b == k))
+            .map_or(StreamId::MAIN, |i| StreamId((pooled + i) as u16))
     };
     // the stream of an early program's node on side stream `s`
     let on = |n: NodeId, s: StreamId| -> StreamId {
@@ -581,6 +614,7 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             late_stream: None,
             weight_grad_from: None,
             priorities: cfg.priorities,
+            forward_from: (!blocks.is_empty()).then_some(StreamId(pooled as u16)),
         },
         clock: vec![vec![0; streams]; streams],
         launch_clock: Vec::new(),
@@ -660,10 +694,10 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
             let mut placed_early = 0usize;
             for (pos, &n) in part.forward.iter().enumerate() {
                 if !hoisted.contains(&n) {
-                    b.push(n, StreamId::MAIN, &fwd_block(n));
+                    b.push(n, fwd_stream(n), &fwd_block(n));
                     if hoist_pending {
                         hoist_pending = false;
-                        b.start_after = b.last_on[0];
+                        b.start_after = b.prog.launches.len().checked_sub(1);
                         for &h in &hoisted {
                             b.push(h, StreamId(1), &fwd_block(h));
                         }
@@ -741,6 +775,42 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
     b.finish()
 }
 
+/// For each forward launch that exactly one early program's local loss depends on (its
+/// block's layers and head), that program's index in `part.programs`. Found from the
+/// dependencies alone, as the partition finds its programs: a node's set is the early
+/// losses it reaches, so the shared embeddings (every block reads them), the bottom MLP
+/// (it is a field of them) and the top (no early loss reads it) belong to none.
+pub fn block_owners(g: &Graph, part: &Partition) -> BTreeMap<NodeId, usize> {
+    let mut reach: BTreeMap<NodeId, std::collections::BTreeSet<usize>> = BTreeMap::new();
+    for (k, p) in part.programs.iter().enumerate() {
+        // a program of the step's inputs alone (the ids' sort) has no loss of its own
+        let inputs_only = p.nodes.first().is_some_and(|f| !part.ready.contains_key(f));
+        if p.early && !inputs_only {
+            if let Some(&head) = part.forward.get(p.ready_after) {
+                reach.entry(head).or_default().insert(k);
+            }
+        }
+    }
+    // the forward order is topological: every consumer of a node comes after it
+    for &n in part.forward.iter().rev() {
+        let Some(set) = reach.get(&n).cloned() else {
+            continue;
+        };
+        for &t in &g.node(n).inputs {
+            let p = g.info(t).producer;
+            let node = g.node(p);
+            if node.phase == Phase::Forward && !node.op.is_leaf() {
+                reach.entry(p).or_default().extend(set.iter().copied());
+            }
+        }
+    }
+    reach
+        .into_iter()
+        .filter(|(_, s)| s.len() == 1)
+        .filter_map(|(n, s)| s.first().map(|&k| (n, k)))
+        .collect()
+}
+
 impl StepProgram {
     /// How many priority levels below the greatest stream `s` runs (0: the greatest;
     /// `u32::MAX`: the least the device has). With [`Priorities::RANKED`]: the main stream
@@ -766,6 +836,7 @@ impl StepProgram {
         let pool = late + u32::from(p.late_first);
         match s {
             StreamId::MAIN => 0,
+            _ if self.forward_from.is_some_and(|f| s >= f) => 0,
             _ if self.late_stream == Some(s) => late,
             _ if self.weight_grad_from.is_none_or(|w| s < w) => pool,
             _ => pool + u32::from(p.companions_last),
