@@ -982,6 +982,18 @@ __device__ __forceinline__ uint64_t gemm_wgmma_desc(uint32_t saddr) {
            (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// D(64x64) += A(64x16)·B(64x16)ᵀ, as gemm_wgmma_n128 (the warp-specialized 128x64 tile).
+template <bool TA, bool TB>
+__device__ __forceinline__ void gemm_wgmma_n64(float (&d)[32], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(1), "n"(int(TA)), "n"(int(TB)));
+}
+
 // D(64x128) += A(64x16)·B(128x16)ᵀ, both in shared memory, 128-byte swizzle; TA, TB: the
 // operand is MN-major (the instruction's transpose flags), else K-major.
 template <bool TA, bool TB>
@@ -1061,6 +1073,8 @@ __device__ __forceinline__ void gemm_cluster_sync() {
 // A wgmma tile's f32 accumulators into the free ring at `base` as [128][BN + 4] (the
 // fragments' float2 writes, row g and column 2t, hit banks 4g + 2t), after a barrier
 // that every warpgroup reaches past its last wgmma; the caller syncs before reading it.
+// The accumulators are warps 0-7's (a warp-specialized CTA's loader warps, 8 and up,
+// hold none).
 template <int BN>
 __device__ __forceinline__ float* gemm_stage_tile(const float (&acc)[1][BN / 8][4], uint32_t base,
                                                   unsigned char* smem) {
@@ -1068,6 +1082,7 @@ __device__ __forceinline__ float* gemm_stage_tile(const float (&acc)[1][BN / 8][
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     float* T = reinterpret_cast<float*>(smem + (base - gemm_smem_addr(smem)));
     __syncthreads();  // the ring is free
+    if (warp >= 8) return T;
     const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + g;
 #pragma unroll
     for (int ni = 0; ni < BN / 8; ++ni) {
@@ -1078,7 +1093,7 @@ __device__ __forceinline__ float* gemm_stage_tile(const float (&acc)[1][BN / 8][
     return T;
 }
 
-template <int BN, int S, bool COPY = false>
+template <int BN, int S, bool COPY = false, int THREADS = 256>
 __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
                                                       const float* __restrict__ bias, int M, int N, long long ldc,
                                                       int m0, int n0, int flags, uint32_t base,
@@ -1090,7 +1105,7 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
     uint32_t rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
     const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
-    for (int id = tid; id < RP * C4; id += 256) {
+    for (int id = tid; id < RP * C4; id += THREADS) {
         const int r = static_cast<int>(rank) * RP + id / C4, c = (id % C4) * 4;
         const uint32_t local = base + static_cast<uint32_t>(r * LDT + c) * 4u;
         float v[4] = {0.f, 0.f, 0.f, 0.f};
@@ -1120,13 +1135,13 @@ __device__ __forceinline__ void gemm_cluster_epilogue(const float (&acc)[1][BN /
 // lane, a warp storing 512 contiguous bytes of a row an instruction (the fragments' own
 // stores write 8 rows x 32 bytes each). A thread's four columns are the same in every row
 // it stores, so its bias is read once, before the stores.
-template <int BN, bool COPY = false>
+template <int BN, bool COPY = false, int THREADS = 256>
 __device__ __forceinline__ void gemm_staged_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
                                                      const float* __restrict__ bias, int M, int N, long long ldc,
                                                      int m0, int n0, int flags, uint32_t base, unsigned char* smem,
                                                      __nv_bfloat16* __restrict__ Cb) {
-    constexpr int BM = 128, LDT = BN + 4, C4 = BN / 4, ROWS = 256 / C4;
-    static_assert(256 % C4 == 0, "a thread's columns are the same in every row it stores");
+    constexpr int BM = 128, LDT = BN + 4, C4 = BN / 4, ROWS = THREADS / C4;
+    static_assert(THREADS % C4 == 0, "a thread's columns are the same in every row it stores");
     const int tid = threadIdx.x;
     const float* T = gemm_stage_tile<BN>(acc, base, smem);
     const int c = (tid % C4) * 4, n = n0 + c;
@@ -1156,9 +1171,10 @@ __device__ __forceinline__ void gemm_staged_epilogue(const float (&acc)[1][BN / 
 // Each chunk's clamped offset from the tile's base is found once, 32 bits (under
 // ROWS·ld elements K-major, 64·ld + ROWS MN-major; the plans refuse an ld that overflows
 // them); a k step adds its k to the base.
-template <int ROWS, bool TR>
+template <int ROWS, bool TR, int THREADS = 256>
 struct GemmWgmmaTile {
-    static constexpr int CH = ROWS * 8 / 256;
+    static constexpr int CH = ROWS * 8 / THREADS;
+    static_assert(ROWS * 8 % THREADS == 0, "a tile's chunks split evenly over the loading threads");
     const __nv_bfloat16* base;
     long long ld;
     uint32_t off[CH];
@@ -1168,7 +1184,7 @@ struct GemmWgmmaTile {
         : base(src + (TR ? r0 : static_cast<long long>(r0) * ld_)), ld(ld_) {
 #pragma unroll
         for (int i = 0; i < CH; ++i) {
-            const int id = tid + i * 256, c = id & 7;
+            const int id = tid + i * THREADS, c = id & 7;
             if (TR) {
                 const int h = id >> 9, k = (id >> 3) & 63, m = r0 + h * 64 + c * 8;
                 off[i] = static_cast<uint32_t>(k * ld + ((m < lim ? m : lim - 8) - r0));
@@ -1183,7 +1199,7 @@ struct GemmWgmmaTile {
         const __nv_bfloat16* p = base + (TR ? static_cast<long long>(k0) * ld : k0);
 #pragma unroll
         for (int i = 0; i < CH; ++i) {
-            const int id = tid + i * 256, c = id & 7;
+            const int id = tid + i * THREADS, c = id & 7;
             uint32_t at;
             if (TR) {
                 const int h = id >> 9, k = (id >> 3) & 63;
@@ -1287,6 +1303,143 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
     }
 
     gemm_staged_epilogue<BN, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
+}
+
+// ---- the warp-specialized wgmma form (sm_90a) -------------------------------------------
+//
+// gemm_bf16w*: gemm_wgmma_body's GEMM (the same operands, arguments, grid, stage layout and
+// epilogues) with the loads and the math in different warps: 384 threads, warpgroups 0 and
+// 1 multiply (64 rows of the 128 each, as there) and warpgroup 2 only loads. The loader
+// keeps a STAGES-deep ring filled ahead: each of its 128 threads' cp.async chunks of a
+// stage complete on the stage's `full` mbarrier (cp.async.mbarrier.arrive.noinc: 128
+// arrivals a phase), and it refills a slot once the stage's `empty` mbarrier says the math
+// warps are done with it (256 arrivals, one a math thread). The math warps wait on `full`,
+// issue the stage's four k16 wgmma, keep that step in flight while releasing the one
+// before (wait_group 1) and go on: no CTA barrier in the main loop, so the wgmma of a
+// CTA run back to back while its own later loads are in flight. (The 256-thread kernel,
+// every thread loading and multiplying, waits at a barrier every k step: a third of its
+// issue slots at 4096 x 256 x 1728, ncu; one CTA an SM there ran at 40 % of the SM's mma
+// rate.) All 384 threads store the epilogue.
+//
+// Shared memory: the ring (STAGES stages of [128][64] A and [BN][64] B, 128-byte swizzle,
+// 1024-aligned: STAGES·(128 + BN)·128 + 1024 dynamic bytes) and the 2·STAGES mbarriers
+// (static). The 128x64 tile (the one instantiated) runs two CTAs an SM, so that a CTA's
+// epilogue overlaps the other's main loop and a grid of many short CTAs fills the SMs.
+
+__device__ __forceinline__ void gemm_mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void gemm_mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
+}
+
+__device__ __forceinline__ void gemm_mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// Arrives on `bar` once every cp.async this thread issued before it has landed.
+__device__ __forceinline__ void gemm_cp_mbar_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+template <int BN, int STAGES, int CLUSTER = 1, bool TA = false, bool TB = false, bool COPY = false>
+__device__ __forceinline__ void gemm_wgmma_ws_body(const __nv_bfloat16* __restrict__ A,
+                                                   const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
+                                                   const float* __restrict__ bias, int M, int N, int Kp,
+                                                   long long lda, long long ldb, long long ldc, long long batch_a,
+                                                   long long batch_b, long long batch_c, int batch, int k_split,
+                                                   long long split_c, int flags, __nv_bfloat16* __restrict__ Cb) {
+    constexpr int BM = 128, BK = 64, THREADS = 384, LOADERS = 128, MATH = 256;
+    constexpr int A_BYTES = BM * BK * 2, STAGE = (BM + BN) * BK * 2, NACC = BN / 2;
+    static_assert(BN == 64 || BN == 128, "warp-specialized wgmma tiles are 128x64 or 128x128");
+    extern __shared__ __align__(16) unsigned char gemm_smem[];
+    __shared__ __align__(8) uint64_t gemm_bars[2 * STAGES];
+    const uint32_t base = (gemm_smem_addr(gemm_smem) + 1023u) & ~1023u;
+    const uint32_t full = gemm_smem_addr(gemm_bars), empty = full + 8 * STAGES;
+
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int split = blockIdx.z / batch, bi = blockIdx.z % batch;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const long long kb = static_cast<long long>(split) * k_split;
+    const int k_begin = static_cast<int>(kb < Kp ? kb : Kp);
+    const int k_end = k_begin + k_split < Kp ? k_begin + k_split : Kp;
+    const int nk = (k_end - k_begin) / BK;
+    A += bi * batch_a;
+    B += bi * batch_b;
+    C += split * split_c + bi * batch_c;
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            gemm_mbar_init(full + 8 * s, LOADERS);
+            gemm_mbar_init(empty + 8 * s, MATH);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    float acc[1][BN / 8][4];
+    float(&d)[NACC] = reinterpret_cast<float(&)[NACC]>(acc);
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) d[i] = 0.f;
+
+    if (wg == 2) {
+        // the loader: k step kt into slot kt % STAGES, once the math warps have released
+        // that slot's previous step (kt - STAGES): the (kt / STAGES - 1)-th phase of `empty`
+        const int lt = tid - MATH;
+        const GemmWgmmaTile<BM, TA, LOADERS> tile_a(A, lda, m0, M, lt);
+        const GemmWgmmaTile<BN, TB, LOADERS> tile_b(B, ldb, n0, N, lt);
+        for (int kt = 0; kt < nk; ++kt) {
+            const int slot = kt % STAGES;
+            if (kt >= STAGES) gemm_mbar_wait(empty + 8 * slot, (kt / STAGES - 1) & 1);
+            const uint32_t sa = base + slot * STAGE;
+            tile_a.load(sa, k_begin + kt * BK, lt);
+            tile_b.load(sa + A_BYTES, k_begin + kt * BK, lt);
+            gemm_cp_mbar_arrive(full + 8 * slot);
+        }
+    } else {
+        for (int kt = 0; kt < nk; ++kt) {
+            const int slot = kt % STAGES;
+            gemm_mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
+            // the loader's cp.async writes (generic proxy), seen through the mbarrier, are
+            // fenced before this thread's wgmma reads them (async proxy)
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            // as gemm_wgmma_body: a warpgroup's 64 rows of A, 8192 bytes in
+            const uint32_t sa = base + slot * STAGE + wg * 8192, sb = base + slot * STAGE + A_BYTES;
+            constexpr uint32_t KA = TA ? 2048 : 32, KB = TB ? 2048 : 32;
+            gemm_wgmma_hold(d);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                const uint64_t da = gemm_wgmma_desc<TA>(sa + kk * KA), db = gemm_wgmma_desc<TB>(sb + kk * KB);
+                if constexpr (BN == 64) gemm_wgmma_n64<TA, TB>(d, da, db);
+                else gemm_wgmma_n128<TA, TB>(d, da, db);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            // step kt - 1's wgmma have read their slot: release it to the loader
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            gemm_wgmma_hold(d);
+            if (kt > 0) gemm_mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        gemm_wgmma_hold(d);
+    }
+    // every step's data landed (the math warps waited for each) and every wgmma is done:
+    // the epilogues' first barrier frees the ring for the staged tile
+    if constexpr (CLUSTER > 1) {
+        gemm_cluster_epilogue<BN, CLUSTER, COPY, THREADS>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem,
+                                                          Cb);
+    } else {
+        gemm_staged_epilogue<BN, COPY, THREADS>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
+    }
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -1468,6 +1621,39 @@ ERASE_GEMM_CLUSTER_KERNEL(_c, false, false, true, 8)
 ERASE_GEMM_CLUSTER_KERNEL(_kmc, false, true, true, 2)
 ERASE_GEMM_CLUSTER_KERNEL(_kmc, false, true, true, 4)
 ERASE_GEMM_CLUSTER_KERNEL(_kmc, false, true, true, 8)
+
+// gemm_bf16w<LAYOUT>_128x64 (and _k<S>, split-K in a cluster of S): the warp-specialized
+// form (gemm_wgmma_ws_body) of the pipelined kernels, the same layouts and arguments, block
+// 384, two CTAs an SM (80 registers); dynamic shared memory 4·(128 + 64)·128 + 1024 =
+// 99328 (4 stages). sm_90a only: the plans take them where the device runs the sm_90a
+// PTX (the sm_80 forms trap).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ERASE_GEMM_WS_KERNEL(LAYOUT, TA, TB, COPY, S, SUFFIX)                                                 \
+    ERASE_KERNEL void ERASE_GEMM_WS_CLUSTER_##S __launch_bounds__(384, 2)                                    \
+        gemm_bf16w##LAYOUT##_128x64##SUFFIX(ERASE_GEMM_PIPE_ARGS) {                                          \
+        gemm_wgmma_ws_body<64, 4, S, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                    \
+    }
+// no cluster for one split
+#define ERASE_GEMM_WS_CLUSTER_1
+#define ERASE_GEMM_WS_CLUSTER_2 __cluster_dims__(1, 1, 2)
+#define ERASE_GEMM_WS_CLUSTER_4 __cluster_dims__(1, 1, 4)
+#define ERASE_GEMM_WS_CLUSTER_8 __cluster_dims__(1, 1, 8)
+#else
+#define ERASE_GEMM_WS_KERNEL(LAYOUT, TA, TB, COPY, S, SUFFIX)                                                 \
+    ERASE_KERNEL void __launch_bounds__(384, 2) gemm_bf16w##LAYOUT##_128x64##SUFFIX(ERASE_GEMM_PIPE_ARGS) {   \
+        __trap();                                                                                            \
+    }
+#endif
+#define ERASE_GEMM_WS_KERNELS(LAYOUT, TA, TB, COPY)    \
+    ERASE_GEMM_WS_KERNEL(LAYOUT, TA, TB, COPY, 1, )    \
+    ERASE_GEMM_WS_KERNEL(LAYOUT, TA, TB, COPY, 2, _k2) \
+    ERASE_GEMM_WS_KERNEL(LAYOUT, TA, TB, COPY, 4, _k4) \
+    ERASE_GEMM_WS_KERNEL(LAYOUT, TA, TB, COPY, 8, _k8)
+ERASE_GEMM_WS_KERNELS(, false, false, false)
+ERASE_GEMM_WS_KERNELS(_mm, true, true, false)
+ERASE_GEMM_WS_KERNELS(_km, false, true, false)
+ERASE_GEMM_WS_KERNELS(_c, false, false, true)
+ERASE_GEMM_WS_KERNELS(_kmc, false, true, true)
 
 namespace {
 

@@ -3,7 +3,7 @@
 //! kernels themselves are checked against the CPU on a GPU, in tests/gpu.)
 
 use erase_graph::{DType, Op, Shape};
-use erase_ops::cuda::{cuda_plan, CudaPlan, KArg, Operands, PlanOptions};
+use erase_ops::cuda::{cuda_plan, CudaPlan, GemmTile, KArg, Operands, PlanOptions};
 
 fn plan(
     op: &Op,
@@ -462,20 +462,73 @@ fn a_forced_pipelined_tile_is_taken_by_every_large_gemm() {
         ),
     ];
     for (op, ins, outs) in &cases {
-        for n in [128, 256] {
+        for (name, tile) in GemmTile::ALL {
             let o = PlanOptions {
-                gemm_tile_n: Some(n),
+                gemm_tile: Some(tile),
+                gemm_ws: tile.ws,
                 ..PlanOptions::H200
             };
-            let ks = kernels(&plan_with(o, op, ins, outs).unwrap());
-            let main: Vec<_> = ks.iter().filter(|k| k.starts_with("gemm_bf16p")).collect();
-            assert_eq!(main.len(), 1, "{op:?}: {ks:?}");
+            let p = plan_with(o, op, ins, outs).unwrap();
+            // the warp-specialized kernels are gemm_bf16w_*, 384 threads; the others
+            // gemm_bf16p_*, 256
+            let (prefix, threads) = if tile.ws {
+                ("gemm_bf16w", 384)
+            } else {
+                ("gemm_bf16p", 256)
+            };
+            let main: Vec<_> = p
+                .calls
+                .iter()
+                .filter(|c| {
+                    c.kernel.starts_with("gemm_bf16p") || c.kernel.starts_with("gemm_bf16w")
+                })
+                .collect();
+            assert_eq!(main.len(), 1, "{op:?}: {:?}", kernels(&p));
+            let k = main[0].kernel;
             assert!(
-                main[0].contains(&format!("_128x{n}")),
-                "{op:?} with the 128x{n} tile forced: {ks:?}"
+                k.starts_with(prefix) && k.contains(&format!("_128x{}", tile.n)),
+                "{op:?} with the {name} tile forced: {:?}",
+                kernels(&p)
             );
+            assert_eq!(main[0].block, [threads, 1, 1], "{k}");
         }
     }
+}
+
+#[test]
+fn the_warp_specialized_tile_is_a_candidate_only_where_switched_on() {
+    // the cross layer's U at batch 4096 (64 tiles of 128x128 over 1728 k): the wave model
+    // takes a warp-specialized tile when it may, a 256-thread one otherwise; and a ws tile
+    // forced while ws is off (the sm_80 PTX) falls back to the model's choice
+    let op = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let ins: [(&[usize], DType); 3] = [(&[4096, 1728], F), (&[256, 1728], F), (&[256], F)];
+    let outs: [(&[usize], DType); 1] = [(&[4096, 256], F)];
+    let main = |o: PlanOptions| {
+        let p = plan_with(o, &op, &ins, &outs).unwrap();
+        p.calls[p.calls.len() - 1].kernel
+    };
+    let on = PlanOptions {
+        gemm_ws: true,
+        ..PlanOptions::H200
+    };
+    let off = PlanOptions {
+        gemm_ws: false,
+        ..PlanOptions::H200
+    };
+    assert!(main(on).starts_with("gemm_bf16w_"), "{}", main(on));
+    assert!(main(off).starts_with("gemm_bf16p_"), "{}", main(off));
+    let forced_off = PlanOptions {
+        gemm_tile: Some(GemmTile { n: 64, ws: true }),
+        ..off
+    };
+    assert!(
+        main(forced_off).starts_with("gemm_bf16p_"),
+        "{}",
+        main(forced_off)
+    );
 }
 
 #[test]
@@ -489,7 +542,7 @@ fn split_gemms_of_either_tile_sum_their_splits_in_a_cluster() {
     for n in [128, 256] {
         for cluster in [true, false] {
             let o = PlanOptions {
-                gemm_tile_n: Some(n),
+                gemm_tile: Some(GemmTile { n, ws: false }),
                 gemm_cluster: cluster,
                 ..PlanOptions::H200
             };
@@ -563,11 +616,27 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
     }
     assert!(!o.gemm_pipeline && !o.gemm_cluster && !o.gemm_tall && !o.graph_node_priority);
     assert!(o.gemm_tall_store_direct);
-    assert_eq!(o.gemm_tile_n, Some(256));
+    assert_eq!(o.gemm_tile, Some(GemmTile { n: 256, ws: false }));
     let e = PlanOptions::H200
         .with_env(env(&[("ERASE_GEMM_TILE", "256x128")]))
         .unwrap_err();
-    assert!(e.contains("ERASE_GEMM_TILE=256x128"), "{e}");
+    assert!(
+        e.contains("ERASE_GEMM_TILE=256x128") && e.contains("ws128x64"),
+        "{e}"
+    );
+    let ws = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_TILE", "ws128x64")]))
+        .unwrap();
+    assert_eq!(ws.gemm_tile, Some(GemmTile { n: 64, ws: true }));
+    assert!(ws.gemm_ws, "a forced ws tile turns the ws kernels on");
+    let off = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_WS", "0")]))
+        .unwrap();
+    assert!(!off.gemm_ws);
+    let e = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_WS", "yes")]))
+        .unwrap_err();
+    assert!(e.contains("ERASE_GEMM_WS=yes"), "{e}");
     assert_eq!(o.sms, 132);
     let e = PlanOptions::H200
         .with_env(env(&[("ERASE_GEMM_TALL", "off")]))

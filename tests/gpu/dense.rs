@@ -22,6 +22,7 @@
 
 use super::{arg, device, handle_with, rand_f32, run_cpu, run_gpu, Arg};
 use erase::graph::{DType, Op};
+use erase::ops::cuda::GemmTile;
 use erase::ops::Buffer;
 
 /// bf16 round-to-nearest-even of an f32, as `__float2bfloat16_rn`, back in f32.
@@ -1570,26 +1571,56 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
 }
 
 /// The 128x256 pipelined tile (the one that keeps a k step's wgmma running while the next
-/// is issued), forced on every pipelined GEMM through a second handle on the device:
-/// Linear on rounded scratch with ragged M, N, K and a bias; on bf16 copies with the
-/// output's copy (`_c`); the data gradient on copies, w MN-major (`_km`) and with dx's
-/// copy (`_kmc`); the weight gradient on copies, both MN-major (`_mm`), split-K summed in
-/// a cluster and through partials; a split linear with a bias and its copy and a split
-/// data gradient, in clusters (`_c_128x256_k8`, `_km_128x256_k8`); each against the bf16
-/// reference, outputs poisoned by the runner, and the copies bit for bit the rounding of
-/// the outputs.
+/// is issued), forced on every pipelined GEMM through a second handle on the device (see
+/// [`check_forced_tile`]).
 #[test]
 fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     let Some(shared) = device("the_wide_pipelined_tile_matches_the_bf16_reference") else {
         return;
     };
-    // splits of at least 512 k, so that its K = 4096 cases run 8 splits (`_k8`)
-    let wide = handle_with(erase::ops::cuda::PlanOptions {
-        gemm_tile_n: Some(256),
+    check_forced_tile(shared, GemmTile { n: 256, ws: false }, "wide tile");
+}
+
+/// The warp-specialized tile (`gemm_bf16w_*_128x64`: a loader warpgroup, two wgmma
+/// warpgroups, mbarriers between them, two CTAs an SM) forced on every pipelined GEMM (see
+/// [`check_forced_tile`]); sm_90a only, so skipped where the sm_80 PTX runs.
+#[test]
+fn the_warp_specialized_tile_matches_the_bf16_reference() {
+    let Some(shared) = device("the_warp_specialized_tile_matches_the_bf16_reference") else {
+        return;
+    };
+    let ws = handle_with(erase::ops::cuda::PlanOptions {
+        gemm_ws: true,
+        ..shared.plan_options()
+    });
+    if !ws.plan_options().gemm_ws {
+        println!("the sm_80 PTX runs: it has no warp-specialized kernels to check");
+        return;
+    }
+    check_forced_tile(&ws, GemmTile { n: 64, ws: true }, "ws 128x64 tile");
+}
+
+/// `tile` forced on every pipelined GEMM through a second handle on the device: Linear on
+/// rounded scratch with ragged M, N, K and a bias; on bf16 copies with the output's copy
+/// (`_c`); the data gradient on copies, w MN-major (`_km`) and with dx's copy (`_kmc`);
+/// the weight gradient on copies, both MN-major (`_mm`), split-K summed in a cluster and
+/// through partials; a split linear with a bias and its copy and a split data gradient, in
+/// clusters (`_c_..._k<S>`, `_km_..._k<S>`); each against the bf16 reference, outputs
+/// poisoned by the runner, and the copies bit for bit the rounding of the outputs.
+fn check_forced_tile(shared: &erase::runtime::cuda::CudaDevice, tile: GemmTile, what: &str) {
+    // splits of at least 512 k, so that the K = 4096 cases split in clusters
+    let forced = handle_with(erase::ops::cuda::PlanOptions {
+        gemm_tile: Some(tile),
+        gemm_ws: tile.ws,
         gemm_pipe_min_k_per_split: 512,
         ..shared.plan_options()
     });
-    let dev = &wide;
+    assert_eq!(
+        forced.plan_options().gemm_tile,
+        Some(tile),
+        "{what}: the handle's tile"
+    );
+    let dev = &forced;
     // scratch operands: y = x·wᵀ + b, ragged against 128 x 256 and K = 1620 (padded; 2·M·N·K
     // over the pipelined path's bound)
     let (m, n, k) = (1001, 700, 1620);
@@ -1603,11 +1634,11 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     };
     let got = run_gpu(dev, &op, &[x, w, b], &outs, &mut []);
     let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
-    assert_within("wide tile: linear", &got[0].to_f64(), &want, &tol);
+    assert_within(&format!("{what}: linear"), &got[0].to_f64(), &want, &tol);
     // copies: y = relu(x·wᵀ + b) and its bf16 copy, DCNv2's cross shape at fewer rows
     check_linear_with_copy(
         dev,
-        "wide tile: linear on copies",
+        &format!("{what}: linear on copies"),
         (1001, 3456, 512),
         2010,
         true,
@@ -1616,14 +1647,14 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     // dx = dy·w on copies (w MN-major), without and with dx's copy
     check_dx_on_copies(
         dev,
-        "wide tile: linear_grad_input",
+        &format!("{what}: linear_grad_input"),
         (1001, 512, 1736),
         2020,
         true,
     );
-    // dw = dyᵀ·x over 2048 rows on copies (both MN-major): few tiles, so split-K, summed
-    // in a cluster and (clusters off) through partials, the same bits twice
-    let (rows, n, k) = (2048, 512, 1736);
+    // dw = dyᵀ·x over 2048 rows on copies (both MN-major): few tiles for every tile, so
+    // split-K, summed in a cluster and (clusters off) through partials, the same bits twice
+    let (rows, n, k) = (2048, 256, 1736);
     let dyv = rand_f32(2030, rows * n, -1.0, 1.0);
     let xv = rand_f32(2031, rows * k, -1.0, 1.0);
     let ins = [bf16_copy(&[rows, n], &dyv), bf16_copy(&[rows, k], &xv)];
@@ -1632,12 +1663,12 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
     let partials = handle_with(erase::ops::cuda::PlanOptions {
         gemm_cluster: false,
-        ..wide.plan_options()
+        ..forced.plan_options()
     });
-    for (how, d) in [("in a cluster", &wide), ("through partials", &partials)] {
+    for (how, d) in [("in a cluster", &forced), ("through partials", &partials)] {
         let got = run_gpu(d, &op, &ins, &outs, &mut []);
         assert_within(
-            &format!("wide tile: linear_grad_weight {how}"),
+            &format!("{what}: linear_grad_weight {how}"),
             &got[0].to_f64(),
             &want,
             &tol,
@@ -1646,14 +1677,14 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
         assert_eq!(
             bits(&got[0]),
             bits(&again[0]),
-            "wide tile: linear_grad_weight {how}, two runs differ"
+            "{what}: linear_grad_weight {how}, two runs differ"
         );
     }
     // split linear on copies, y = x·wᵀ + b and its copy: 16 tiles, K = 4096 in 8 splits
     let (m, k) = (1000, 4096);
     check_linear_with_copy(
         dev,
-        "wide tile: split linear on copies",
+        &format!("{what}: split linear on copies"),
         (m, 300, k),
         2040,
         false,
@@ -1663,7 +1694,7 @@ fn the_wide_pipelined_tile_matches_the_bf16_reference() {
     // 4096], dx [1000, 304]
     check_dx_on_copies(
         dev,
-        "wide tile: split linear_grad_input",
+        &format!("{what}: split linear_grad_input"),
         (m, k, 304),
         2050,
         false,

@@ -2,8 +2,9 @@
 //! `compute-sanitizer` (memcheck, racecheck) gets through them quickly:
 //! `compute-sanitizer --tool memcheck gpu-tests sanitize`.
 
-use super::{arg, device, rand_f32, run_cpu, run_gpu};
+use super::{arg, device, handle_with, rand_f32, run_cpu, run_gpu};
 use erase::graph::{DType, Op};
+use erase::ops::cuda::{GemmTile, PlanOptions};
 use erase::ops::Buffer;
 
 fn close(what: &str, got: &Buffer, want: &Buffer, tol: f64) {
@@ -109,6 +110,57 @@ fn sanitize_gemm() {
             &c[1],
             1e-4,
         );
+    }
+}
+
+/// The warp-specialized pipelined kernels (loader and math warpgroups, mbarriers) on small
+/// ragged GEMMs: the tile forced, whole and split in a cluster (K in splits of 64, the last
+/// of a cluster of 4 empty at K = 192), Linear with a bias and ReLU on rounded scratch and
+/// the weight gradient, against the CPU.
+#[test]
+fn sanitize_warp_specialized_gemm() {
+    let Some(dev) = device("sanitize_warp_specialized_gemm") else {
+        return;
+    };
+    let tile = GemmTile { n: 64, ws: true };
+    for min_k in [64, 4096] {
+        let h = handle_with(PlanOptions {
+            gemm_tile: Some(tile),
+            gemm_ws: true,
+            gemm_pipe_min_flops: 0,
+            gemm_pipe_min_mn: 16,
+            gemm_pipe_min_k_per_split: min_k,
+            ..dev.plan_options()
+        });
+        if !h.plan_options().gemm_ws {
+            println!("the sm_80 PTX runs: it has no warp-specialized kernels to check");
+            return;
+        }
+        for (m, n, k) in [(200, 130, 192), (130, 65, 129)] {
+            let what = format!("ws 128x{} (splits of {min_k}) {m}x{n}x{k}", tile.n);
+            let ins = vec![
+                arg(&[m, k], Buffer::F32(rand_f32(21, m * k, -1.0, 1.0))),
+                arg(&[n, k], Buffer::F32(rand_f32(22, n * k, -1.0, 1.0))),
+                arg(&[n], Buffer::F32(rand_f32(23, n, -1.0, 1.0))),
+            ];
+            let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+            let op = Op::Linear {
+                bias: true,
+                relu: true,
+            };
+            let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+            let c = run_cpu(&op, &ins, &outs, &mut []);
+            close(&format!("{what}: linear"), &g[0], &c[0], 2e-2);
+            let ins = vec![
+                arg(&[m, n], Buffer::F32(rand_f32(24, m * n, -1.0, 1.0))),
+                arg(&[m, k], Buffer::F32(rand_f32(25, m * k, -1.0, 1.0))),
+            ];
+            let op = Op::LinearGradWeight { bias: false };
+            let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+            let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+            let c = run_cpu(&op, &ins, &outs, &mut []);
+            close(&format!("{what}: linear dw"), &g[0], &c[0], 2e-2);
+        }
     }
 }
 

@@ -117,9 +117,13 @@ pub struct PlanOptions {
     pub gemm_tall_store_direct: bool,
     /// Nodes of a captured graph get the priority of their stream's rank.
     pub graph_node_priority: bool,
-    /// The pipelined GEMMs' tile: `None`, the wave model's choice for each GEMM;
-    /// `Some(n)`, the 128 x n tile (128 or 256) for every one (to compare them on a model).
-    pub gemm_tile_n: Option<usize>,
+    /// The pipelined GEMMs' tile: `None`, the wave model's choice for each GEMM; `Some`,
+    /// that tile for every one (to compare them on a model).
+    pub gemm_tile: Option<GemmTile>,
+    /// The warp-specialized pipelined tiles (`gemm_bf16w_*`: one warpgroup loads, two
+    /// multiply, no CTA barrier in the main loop; sm_90a only) are among the wave model's
+    /// candidates. A device running the sm_80 PTX turns it off.
+    pub gemm_ws: bool,
     /// Fewest k one split of a single-launch GEMM gets (the split-K of small outputs with
     /// a long K: weight gradients over the batch's rows).
     pub gemm_min_k_per_split: usize,
@@ -141,6 +145,23 @@ pub struct PlanOptions {
     pub gemm_pipe_min_mn: usize,
 }
 
+/// A pipelined GEMM tile: 128 rows by `n` columns, of the warp-specialized kernels
+/// (`ws`: 128x64) or of the 256-thread ones (128x128, 128x256).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmTile {
+    pub n: usize,
+    pub ws: bool,
+}
+
+impl GemmTile {
+    /// The tiles `ERASE_GEMM_TILE` names.
+    pub const ALL: [(&'static str, GemmTile); 3] = [
+        ("128x128", GemmTile { n: 128, ws: false }),
+        ("128x256", GemmTile { n: 256, ws: false }),
+        ("ws128x64", GemmTile { n: 64, ws: true }),
+    ];
+}
+
 /// Output tiles (64x64) up to which a single-launch GEMM's K splits by
 /// [`PlanOptions::gemm_min_k_per_split_few`].
 pub const FEW_TILES: usize = 8;
@@ -154,7 +175,8 @@ impl PlanOptions {
         gemm_tall: true,
         gemm_tall_store_direct: false,
         graph_node_priority: true,
-        gemm_tile_n: None,
+        gemm_tile: None,
+        gemm_ws: false,
         gemm_min_k_per_split: 256,
         gemm_min_k_per_split_few: 64,
         gemm_pipe_min_k_per_split: 1024,
@@ -173,7 +195,8 @@ impl PlanOptions {
     /// These options with the documented overrides `var` returns (the process's
     /// environment, read once at start, in the trainer): `ERASE_GEMM_PIPELINE=0`,
     /// `ERASE_GEMM_CLUSTER=0`, `ERASE_GEMM_TALL=0`, `ERASE_GEMM_TALL_STORE=direct`,
-    /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_TILE=128x128` or `128x256`, and the
+    /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_WS=0` or `1`, `ERASE_GEMM_TILE=128x128`,
+    /// `128x256` or `ws128x64` (the `ws` tile also turns `gemm_ws` on), and the
     /// GEMM planner's thresholds as whole numbers: `ERASE_GEMM_MIN_K_SPLIT`,
     /// `ERASE_GEMM_MIN_K_SPLIT_FEW`, `ERASE_GEMM_PIPE_MIN_K_SPLIT` (each at least 1),
     /// `ERASE_GEMM_PIPE_MIN_FLOPS` and `ERASE_GEMM_PIPE_MIN_MN` (at least 16). Any other
@@ -203,8 +226,24 @@ impl PlanOptions {
         if let Some(v) = flag("ERASE_GRAPH_NODE_PRIORITY", "0", "1")? {
             o.graph_node_priority = v;
         }
-        if let Some(v) = flag("ERASE_GEMM_TILE", "128x128", "128x256")? {
-            o.gemm_tile_n = Some(if v { 256 } else { 128 });
+        if let Some(v) = flag("ERASE_GEMM_WS", "0", "1")? {
+            o.gemm_ws = v;
+        }
+        match var("ERASE_GEMM_TILE").as_deref() {
+            None | Some("") => {}
+            Some(v) => {
+                let (_, t) = GemmTile::ALL
+                    .iter()
+                    .find(|(name, _)| *name == v)
+                    .ok_or_else(|| {
+                        format!(
+                            "ERASE_GEMM_TILE={v}: expected one of {}",
+                            GemmTile::ALL.map(|(n, _)| n).join(", ")
+                        )
+                    })?;
+                o.gemm_tile = Some(*t);
+                o.gemm_ws |= t.ws;
+            }
         }
         let number = |name: &str, least: usize| -> Result<Option<usize>, String> {
             match var(name).as_deref() {
@@ -270,7 +309,11 @@ pub fn kernel_names() -> Vec<&'static str> {
         optim::KERNELS,
         embedding::KERNELS,
     ];
-    let mut v: Vec<&'static str> = families.iter().flat_map(|f| f.iter().copied()).collect();
+    let mut v: Vec<&'static str> = families
+        .iter()
+        .flat_map(|f| f.iter().copied())
+        .chain(gemm::ws_kernels())
+        .collect();
     v.sort_unstable();
     v.dedup();
     v

@@ -661,9 +661,11 @@ pub(crate) mod cuda {
 
     /// A tile of the pipelined kernels `gemm_bf16p_*` (operands rounded to bf16 into
     /// K-major, zero-padded scratch first; a `STAGES`-deep cp.async ring in dynamic shared
-    /// memory).
+    /// memory), or of their warp-specialized form `gemm_bf16w_*` (`ws`: 384 threads, one
+    /// warpgroup loading; sm_90a only).
     #[derive(Clone, Copy, Debug)]
     struct PipeTile {
+        ws: bool,
         bm: usize,
         bn: usize,
         /// k step: the padded K and a split's K range are multiples of it.
@@ -676,9 +678,10 @@ pub(crate) mod cuda {
         speed: f64,
     }
 
-    const PIPE_TILES: [PipeTile; 2] = [
+    const PIPE_TILES: [PipeTile; 3] = [
         // wgmma on sm_90a (99 KB used), mma.sync otherwise (108 KB)
         PipeTile {
+            ws: false,
             bm: 128,
             bn: 128,
             bk: 64,
@@ -688,6 +691,7 @@ pub(crate) mod cuda {
         },
         // wgmma on sm_90a (4 stages of 64, 1 KB for alignment), mma.sync otherwise (120 KB)
         PipeTile {
+            ws: false,
             bm: 128,
             bn: 256,
             bk: 64,
@@ -696,7 +700,32 @@ pub(crate) mod cuda {
             // 5-15 % slower than two 128x128 CTAs per SM at the model's shapes and 4096³
             speed: 0.9,
         },
+        // warp-specialized (sm_90a): 4 stages of 64 (1 KB for alignment), two CTAs an SM
+        PipeTile {
+            ws: true,
+            bm: 128,
+            bn: 64,
+            bk: 64,
+            smem: 4 * (128 + 64) * 64 * 2 + 1024,
+            per_sm: 2,
+            speed: WS_SPEED,
+        },
     ];
+
+    /// The warp-specialized tile's rate for a CTA slot against the 256-thread 128x128
+    /// tile's (per output element; half the tile, twice the CTAs): under 1, so that the
+    /// wave model takes it where it needs fewer waves (a grid of 128x128 tiles short of
+    /// filling the device: the CTR model's 4096 x 256 outputs), not where both fill it.
+    const WS_SPEED: f64 = 0.9;
+
+    /// The threads of a pipelined tile's CTA.
+    fn pipe_threads(t: &PipeTile) -> u32 {
+        if t.ws {
+            384
+        } else {
+            256
+        }
+    }
 
     /// Least K for the pipelined kernels: one k step. AutoInt's QKV projection (110592 x 192
     /// x 64) measured 0.6-0.7 % more CTR examples/s on it than with the single-launch kernel
@@ -764,15 +793,20 @@ pub(crate) mod cuda {
         choose_pipe_tile(g)
     }
 
-    /// The tile `opts.gemm_tile_n` forces, else the one of least estimated cost.
+    /// The tile `opts.gemm_tile` forces, else the one of least estimated cost (of the
+    /// warp-specialized ones too where `opts.gemm_ws`).
     fn choose_pipe_tile(g: &Gemm) -> Option<PipeTile> {
-        if let Some(n) = g.opts.gemm_tile_n {
-            if let Some(t) = PIPE_TILES.iter().find(|t| t.bn == n) {
+        if let Some(f) = g.opts.gemm_tile {
+            if let Some(t) = PIPE_TILES
+                .iter()
+                .find(|t| t.bn == f.n && t.ws == f.ws && (g.opts.gemm_ws || !t.ws))
+            {
                 return Some(*t);
             }
         }
         PIPE_TILES
             .iter()
+            .filter(|t| g.opts.gemm_ws || !t.ws)
             .min_by(|a, b| pipe_cost(a, g).total_cmp(&pipe_cost(b, g)))
             .copied()
     }
@@ -896,10 +930,35 @@ pub(crate) mod cuda {
         ],
     ];
 
+    /// The warp-specialized kernels' names (the 128x64 tile), by layout as [`PIPE_NAMES`]
+    /// and cluster.
+    macro_rules! ws_names {
+        ($layout:literal) => {
+            [
+                concat!("gemm_bf16w", $layout, "_128x64"),
+                concat!("gemm_bf16w", $layout, "_128x64_k2"),
+                concat!("gemm_bf16w", $layout, "_128x64_k4"),
+                concat!("gemm_bf16w", $layout, "_128x64_k8"),
+            ]
+        };
+    }
+    const WS_NAMES: [[&str; 4]; 5] = [
+        ws_names!(""),
+        ws_names!("_mm"),
+        ws_names!("_km"),
+        ws_names!("_c"),
+        ws_names!("_kmc"),
+    ];
+
+    /// Every warp-specialized kernel a plan may name.
+    pub(crate) fn ws_kernels() -> impl Iterator<Item = &'static str> {
+        WS_NAMES.iter().flatten().copied()
+    }
+
     /// A pipelined kernel's name: the operands' layouts (`a_mn`, `b_mn`: MN-major; both, or
-    /// B alone), whether the epilogue writes C's bf16 copy (K-major A only), the tile's width
-    /// and the CTAs of its cluster (1: none).
-    fn pipe_name(a_mn: bool, b_mn: bool, copy: bool, bn: usize, cluster: usize) -> &'static str {
+    /// B alone), whether the epilogue writes C's bf16 copy (K-major A only), the tile and
+    /// the CTAs of its cluster (1: none).
+    fn pipe_name(a_mn: bool, b_mn: bool, copy: bool, t: &PipeTile, cluster: usize) -> &'static str {
         let layout = match (copy, a_mn, b_mn) {
             (false, false, false) => 0,
             (false, true, _) => 1,
@@ -907,14 +966,17 @@ pub(crate) mod cuda {
             (true, _, false) => 3,
             (true, _, true) => 4,
         };
-        let tile = usize::from(bn == 256);
         let c = match cluster {
             0 | 1 => 0,
             2 => 1,
             4 => 2,
             _ => 3,
         };
-        PIPE_NAMES[layout][tile][c]
+        if t.ws {
+            WS_NAMES[layout][c]
+        } else {
+            PIPE_NAMES[layout][usize::from(t.bn == 256)][c]
+        }
     }
 
     /// The pipelined plan: each f32 operand rounded to bf16 into scratch (K-major, padded
@@ -1049,9 +1111,9 @@ pub(crate) mod cuda {
         // C's bf16 copy from the epilogue: a K-major A, C written whole by one launch
         let fused_copy = g.copy.filter(|_| !partials && !a_mn);
         calls.push(KernelCall {
-            kernel: pipe_name(a_mn, b_mn, fused_copy.is_some(), t.bn, cluster.unwrap_or(1)),
+            kernel: pipe_name(a_mn, b_mn, fused_copy.is_some(), &t, cluster.unwrap_or(1)),
             grid: [blocks(mp, t.bm), blocks(np, t.bn), (splits * batch) as u32],
-            block: [256, 1, 1],
+            block: [pipe_threads(&t), 1, 1],
             smem: t.smem,
             args: vec![
                 a_arg,

@@ -166,6 +166,17 @@ impl Drop for Event {
 /// Lets `f` take as much dynamic shared memory as the device allows a CTA (`optin` bytes,
 /// less the kernel's static shared memory): past 48 KB the driver refuses a launch unless
 /// the function says so first (the GEMM pipeline's stages live there).
+/// `o` for a device of `sms` SMs running `target`'s PTX: the warp-specialized GEMM
+/// kernels are sm_90a code (their sm_80 forms trap), so the sm_80 PTX plans without them.
+fn fit_plan(o: PlanOptions, sms: u32, target: PtxTarget) -> PlanOptions {
+    let mut o = o.with_sms(sms as usize);
+    if target == PtxTarget::Sm80 {
+        o.gemm_ws = false;
+        o.gemm_tile = o.gemm_tile.filter(|t| !t.ws);
+    }
+    o
+}
+
 fn allow_dynamic_smem(f: sys::CUfunction, optin: i32) -> Result<(), result::DriverError> {
     // SAFETY: `f` is a live function of a loaded module; both calls only read or set one
     // of its attributes, to a value the device supports.
@@ -299,7 +310,7 @@ impl CudaDevice {
                 )))
             }
         };
-        let plan = PlanOptions::from_env().with_sms(sms as usize);
+        let plan = fit_plan(PlanOptions::from_env(), sms, target);
         let mut dev = CudaDevice {
             plan,
             ctx,
@@ -344,7 +355,7 @@ impl CudaDevice {
     /// Sets the paths its plans take (the SM count stays the device's): before any
     /// program is made on it, so that every plan of a step agrees.
     pub fn set_plan_options(&mut self, o: PlanOptions) {
-        self.plan = o.with_sms(self.sms as usize);
+        self.plan = fit_plan(o, self.sms, self.target);
     }
 
     pub fn library(&self) -> KernelLibrary {
