@@ -14,6 +14,8 @@
 #                                                 (about 9 minutes to compile on an H200)
 #   SUMMARY_ONLY=1 bash ctr-compare.sh ...        no runs: the summary of the runs already
 #                                                 in $OUT (batches run by separate calls)
+#   DISPATCH=graph bash ctr-compare.sh ...        Erase's dispatch modes (default
+#                                                 graph,blocking; the ratio is graph's)
 set -u
 bundle="$(cd "${1:-$(dirname "$0")}" && pwd)"
 batches="${2:-4096 16384}"
@@ -24,7 +26,7 @@ build="$("$bundle/erase-ctr" --version 2>/dev/null | awk '{print $2}')"
 [ -f "$bundle/BUILD" ] && build="$(cat "$bundle/BUILD")"
 for b in $batches; do
   [ "${SUMMARY_ONLY:-0}" = 1 ] && break
-  "$bundle/erase-ctr" bench --device cuda --preset spec --batch "$b" --dispatch graph,blocking \
+  "$bundle/erase-ctr" bench --device cuda --preset spec --batch "$b" --dispatch "${DISPATCH:-graph,blocking}" \
     --warmup 50 --steps 250 --eval-examples 200000 --trace-steps 0 \
     --json "$out/erase-$b.json" 2>"$out/erase-$b.log" | tee "$out/erase-$b.txt"
   if [ -f "$bundle/torch_ctr.py" ] && python3 -c 'import torch' 2>/dev/null; then
