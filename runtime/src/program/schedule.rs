@@ -692,9 +692,27 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
                 .collect();
             let mut hoist_pending = !hoisted.is_empty();
             let mut placed_early = 0usize;
+            let mut fwd_started = vec![false; blocks.len()];
             for (pos, &n) in part.forward.iter().enumerate() {
                 if !hoisted.contains(&n) {
-                    b.push(n, fwd_stream(n), &fwd_block(n));
+                    let mut s = fwd_stream(n);
+                    if s != StreamId::MAIN {
+                        let first = &mut fwd_started[s.0 as usize - pooled];
+                        if !*first {
+                            // a forward stream's first launch may read only the step's
+                            // inputs and parameters: like the hoisted copies it starts
+                            // after a launch on main (after the inputs are in place, never
+                            // over the previous step's end); with none yet, it runs on main
+                            match b.last_on[0] {
+                                Some(m) => {
+                                    b.start_after = Some(m);
+                                    *first = true;
+                                }
+                                None => s = StreamId::MAIN,
+                            }
+                        }
+                    }
+                    b.push(n, s, &fwd_block(n));
                     if hoist_pending {
                         hoist_pending = false;
                         b.start_after = b.prog.launches.len().checked_sub(1);
