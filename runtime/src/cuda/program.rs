@@ -54,6 +54,17 @@ pub struct CudaProgram<'a> {
     pub(crate) graph_nodes: Vec<(sys::CUgraphNode, usize)>,
     /// Event marks around every launch, once tracing is enabled (see `cuda::trace`).
     pub(crate) trace: Option<crate::cuda::trace::TraceState>,
+    /// The last subset [`CudaProgram::run_subset`] issued, with its own waits and events.
+    pub(crate) subset: Option<Subset>,
+}
+
+/// Launches of a program issued alone (an evaluation's forward): the indices, the program
+/// restricted to them (`StepProgram::restricted`, whose waits order them as the whole step
+/// does without the launches left out) and its events.
+pub(crate) struct Subset {
+    which: Vec<usize>,
+    order: StepProgram,
+    events: Vec<Event>,
 }
 
 impl<'a> CudaProgram<'a> {
@@ -179,6 +190,7 @@ impl<'a> CudaProgram<'a> {
             capture_nodes: None,
             graph_nodes: Vec::new(),
             trace: None,
+            subset: None,
         })
     }
 
@@ -406,8 +418,26 @@ impl<'a> CudaProgram<'a> {
     /// Issues the launches `which` (indices in issue order, a prefix-closed subset such
     /// as the forward launches) as [`CudaProgram::run`] does.
     pub fn run_subset(&mut self, which: &[usize]) -> Result<(), RuntimeError> {
+        // the subset's own waits: the whole step's may order two of its launches only
+        // through a launch left out
+        let sub = match self.subset.take() {
+            Some(sub) if sub.which == which => sub,
+            _ => {
+                let order = self.prog.restricted(which);
+                let events = (0..order.events)
+                    .map(|_| self.dev.event(false))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Subset {
+                    which: which.to_vec(),
+                    order,
+                    events,
+                }
+            }
+        };
         self.start.record(&self.streams[0])?;
-        self.issue(which)?;
+        let issued = self.issue_ordered(which, Some(&sub));
+        self.subset = Some(sub);
+        issued?;
         self.end.record(&self.streams[0])?;
         Ok(())
     }
@@ -508,13 +538,23 @@ impl<'a> CudaProgram<'a> {
 
     /// Issues launches and joins every pool stream into the main stream.
     fn issue(&mut self, which: &[usize]) -> Result<(), RuntimeError> {
+        self.issue_ordered(which, None)
+    }
+
+    /// [`CudaProgram::issue`] with the waits and records of `sub` (`which` restricted),
+    /// where given, instead of the whole program's.
+    fn issue_ordered(&mut self, which: &[usize], sub: Option<&Subset>) -> Result<(), RuntimeError> {
         let mut ranges = BlockRanges::new();
-        for &i in which {
+        for (p, &i) in which.iter().enumerate() {
             let l = &self.prog.launches[i];
+            let (order, events) = match sub {
+                Some(sub) => (&sub.order.launches[p], &sub.events),
+                None => (l, &self.events),
+            };
             ranges.enter(&l.label);
             let s = &self.streams[l.stream.0 as usize];
-            for w in &l.waits {
-                self.events[w.event.0 as usize].wait_on(s)?;
+            for w in &order.waits {
+                events[w.event.0 as usize].wait_on(s)?;
             }
             let mark = self.trace.as_ref().and_then(|t| t.mark(i));
             if let Some((m, external)) = mark {
@@ -531,8 +571,8 @@ impl<'a> CudaProgram<'a> {
             if let Some((m, external)) = mark {
                 m.1.record_flagged(s, external)?;
             }
-            if let Some(e) = l.record {
-                self.events[e.0 as usize].record(s)?;
+            if let Some(e) = order.record {
+                events[e.0 as usize].record(s)?;
             }
         }
         drop(ranges);

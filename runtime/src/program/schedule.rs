@@ -830,6 +830,83 @@ pub fn block_owners(g: &Graph, part: &Partition) -> BTreeMap<NodeId, usize> {
 }
 
 impl StepProgram {
+    /// The program restricted to the launches `which` (indices in issue order, such as the
+    /// forward launches an evaluation runs), each waiting so that every two of them are
+    /// ordered as in the whole program. A wait of the whole program can rest on a launch
+    /// left out (an order that follows through a backward launch, or through one the
+    /// occupancy rule ordered, makes a direct wait redundant there), so the waits are
+    /// derived anew: each launch waits, for every other stream, on the last launch of
+    /// `which` there that happens before it in the whole program, unless an earlier wait
+    /// already orders it. Events are numbered from 0.
+    pub fn restricted(&self, which: &[usize]) -> StepProgram {
+        let clocks = vector_clocks(self);
+        let n = self.streams;
+        // per stream, the subset's launches on it so far (positions in `which`)
+        let mut on: Vec<Vec<usize>> = vec![Vec::new(); n];
+        // per stream, how many subset launches of each stream are ordered before its next
+        let mut clock: Vec<Vec<usize>> = vec![vec![0; n]; n];
+        let mut sub_clock: Vec<Vec<usize>> = Vec::with_capacity(which.len());
+        let mut record: Vec<Option<EventId>> = vec![None; which.len()];
+        let mut events = 0u32;
+        let mut launches: Vec<Launch> = Vec::with_capacity(which.len());
+        for (p, &j) in which.iter().enumerate() {
+            let s = self.launches[j].stream.0 as usize;
+            let mut c = clock[s].clone();
+            let mut waits = Vec::new();
+            for t in (0..n).filter(|&t| t != s) {
+                // the last subset launch on t ordered before j (order on a stream is a
+                // prefix: once one is, every earlier one is)
+                let Some(k) = on[t]
+                    .iter()
+                    .rposition(|&q| happens_before(self, &clocks, which[q], j))
+                else {
+                    continue;
+                };
+                if c[t] > k {
+                    continue;
+                }
+                let q = on[t][k];
+                let e = *record[q].get_or_insert_with(|| {
+                    events += 1;
+                    EventId(events - 1)
+                });
+                for (a, b) in c.iter_mut().zip(&sub_clock[q]) {
+                    *a = (*a).max(*b);
+                }
+                waits.push(Wait {
+                    event: e,
+                    kind: EdgeKind::Data,
+                    why: format!(
+                        "restricted: ordered after {} as in the whole step",
+                        self.launches[which[q]].label
+                    ),
+                });
+            }
+            on[s].push(p);
+            c[s] = on[s].len();
+            clock[s] = c.clone();
+            sub_clock.push(c);
+            launches.push(Launch {
+                waits,
+                record: None,
+                ..self.launches[j].clone()
+            });
+        }
+        for (l, r) in launches.iter_mut().zip(record) {
+            l.record = r;
+        }
+        StepProgram {
+            launches,
+            streams: n,
+            events: events as usize,
+            kind: self.kind,
+            late_stream: self.late_stream,
+            weight_grad_from: self.weight_grad_from,
+            priorities: self.priorities,
+            forward_from: self.forward_from,
+        }
+    }
+
     /// How many priority levels below the greatest stream `s` runs (0: the greatest;
     /// `u32::MAX`: the least the device has). With [`Priorities::RANKED`]: the main stream
     /// first, then the late stream, then the pool streams, then their weight-gradient
