@@ -107,6 +107,9 @@ pub(crate) mod cuda {
     //! order, so the result is deterministic; the pipelined 128x128 tile at batch 1 sums its
     //! 2, 4 or 8 splits inside a thread-block cluster instead (`gemm_bf16p_128x128_k<S>`:
     //! the same fixed order, no partials in memory, no reduction launch).
+    //! Where `PlanOptions::gemm_ws` (sm_90a, off by default), the wave model may also take
+    //! the warp-specialized 128x64 tile (`gemm_bf16w_*`: a loader warpgroup and two wgmma
+    //! warpgroups meeting on mbarriers, two CTAs an SM), the same arguments and layouts.
     //! A bf16 dy beside an f32 operand (AutoInt's dqkv, which its attention gradient writes
     //! in bf16) is read as it is: by the pipelined kernels where they take it, else by the
     //! tall kernels' and the single-launch kernels' `_a16` forms.
