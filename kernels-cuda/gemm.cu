@@ -1058,6 +1058,25 @@ __device__ __forceinline__ void gemm_wgmma_hold(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// One k step (64 k) of a warpgroup's wgmma on the stage whose A rows start at `sa` and
+// whose B tile starts at `sb` (both 128-byte swizzled): four m64nBNk16, committed as one
+// group (a k16 step is 32 bytes into K-major rows, 16 rows of 128 bytes down MN-major
+// ones). The caller waits for the group.
+template <int BN, bool TA, bool TB>
+__device__ __forceinline__ void gemm_wgmma_kstep(float (&d)[BN / 2], uint32_t sa, uint32_t sb) {
+    constexpr uint32_t KA = TA ? 2048 : 32, KB = TB ? 2048 : 32;
+    gemm_wgmma_hold(d);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const uint64_t da = gemm_wgmma_desc<TA>(sa + kk * KA), db = gemm_wgmma_desc<TB>(sb + kk * KB);
+        if constexpr (BN == 64) gemm_wgmma_n64<TA, TB>(d, da, db);
+        else if constexpr (BN == 128) gemm_wgmma_n128<TA, TB>(d, da, db);
+        else gemm_wgmma_n256<TA, TB>(d, da, db);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
 // Split-K inside a cluster: the S splits of an output tile are the S CTAs of one cluster
 // (cluster dims (1, 1, S), batch 1). Each CTA writes its f32 partial tile to its own
 // shared memory (the ring is free by then), the cluster waits for all of them, and CTA
@@ -1278,16 +1297,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
         // 8192 bytes in; a k16 step is 32 bytes into K-major rows, 16 rows of 128 bytes
         // down MN-major ones
         const uint32_t sa = base + (kt % STAGES) * STAGE + wg * 8192, sb = base + (kt % STAGES) * STAGE + A_BYTES;
-        constexpr uint32_t KA = TA ? 2048 : 32, KB = TB ? 2048 : 32;
-        gemm_wgmma_hold(d);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            const uint64_t da = gemm_wgmma_desc<TA>(sa + kk * KA), db = gemm_wgmma_desc<TB>(sb + kk * KB);
-            if constexpr (BN == 128) gemm_wgmma_n128<TA, TB>(d, da, db);
-            else gemm_wgmma_n256<TA, TB>(d, da, db);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        gemm_wgmma_kstep<BN, TA, TB>(d, sa, sb);
         if constexpr (OVERLAP) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         gemm_wgmma_hold(d);
@@ -1414,16 +1424,7 @@ __device__ __forceinline__ void gemm_wgmma_ws_body(const __nv_bfloat16* __restri
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             // as gemm_wgmma_body: a warpgroup's 64 rows of A, 8192 bytes in
             const uint32_t sa = base + slot * STAGE + wg * 8192, sb = base + slot * STAGE + A_BYTES;
-            constexpr uint32_t KA = TA ? 2048 : 32, KB = TB ? 2048 : 32;
-            gemm_wgmma_hold(d);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {
-                const uint64_t da = gemm_wgmma_desc<TA>(sa + kk * KA), db = gemm_wgmma_desc<TB>(sb + kk * KB);
-                if constexpr (BN == 64) gemm_wgmma_n64<TA, TB>(d, da, db);
-                else gemm_wgmma_n128<TA, TB>(d, da, db);
-            }
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            gemm_wgmma_kstep<BN, TA, TB>(d, sa, sb);
             // step kt - 1's wgmma have read their slot: release it to the loader
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
             gemm_wgmma_hold(d);

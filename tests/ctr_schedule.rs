@@ -18,11 +18,17 @@ fn tiny(variant: Variant) -> CtrConfig {
 }
 
 fn plan(cfg: &CtrConfig, side: usize) -> StepPlan {
-    let s = ScheduleOptions {
-        side_streams: side,
-        ..Default::default()
-    };
-    plan_step(cfg, DType::F32, &OptimizerConfig::default(), &s).unwrap()
+    plan_with(
+        cfg,
+        &ScheduleOptions {
+            side_streams: side,
+            ..Default::default()
+        },
+    )
+}
+
+fn plan_with(cfg: &CtrConfig, s: &ScheduleOptions) -> StepPlan {
+    plan_step(cfg, DType::F32, &OptimizerConfig::default(), s).unwrap()
 }
 
 #[test]
@@ -422,13 +428,7 @@ fn the_last_early_program_has_the_late_stream_to_itself() {
         late_stream: false,
         ..Default::default()
     };
-    let off = plan_step(
-        &tiny(Variant::Erase),
-        DType::F32,
-        &OptimizerConfig::default(),
-        &sched,
-    )
-    .unwrap();
+    let off = plan_with(&tiny(Variant::Erase), &sched);
     assert_eq!(off.program.late_stream, None);
 }
 
@@ -439,13 +439,7 @@ fn weight_gradients_leave_the_data_gradient_chain_for_companion_streams() {
         weight_grad_streams: true,
         ..Default::default()
     };
-    let p = plan_step(
-        &CtrConfig::small(),
-        DType::F32,
-        &OptimizerConfig::default(),
-        &sched,
-    )
-    .unwrap();
+    let p = plan_with(&CtrConfig::small(), &sched);
     let (g, prog, mem) = (&p.model.graph, &p.program, &p.memory);
     // main, the pool, its companions, then the blocks' forward streams
     assert_eq!(prog.forward_from, Some(StreamId(1 + 2 * 4)));
@@ -493,13 +487,7 @@ fn weight_gradients_leave_the_data_gradient_chain_for_companion_streams() {
     }
     // the same parameters as the unsplit plan after training, in issue order and in
     // random interleavings that respect the edges
-    let tiny_split = plan_step(
-        &tiny(Variant::Erase),
-        DType::F32,
-        &OptimizerConfig::default(),
-        &sched,
-    )
-    .unwrap();
+    let tiny_split = plan_with(&tiny(Variant::Erase), &sched);
     let want = run(&plan(&tiny(Variant::Erase), 4), 3, None);
     assert!(run(&tiny_split, 3, None) == want, "split differs");
     for seed in 0..4 {
@@ -579,13 +567,7 @@ fn each_blocks_forward_runs_on_a_forward_stream_of_its_own_with_the_same_bits() 
         forward_streams: false,
         ..Default::default()
     };
-    let off = plan_step(
-        &tiny(Variant::Erase),
-        DType::F32,
-        &OptimizerConfig::default(),
-        &sched,
-    )
-    .unwrap();
+    let off = plan_with(&tiny(Variant::Erase), &sched);
     assert_eq!(off.program.forward_from, None);
     assert!(off
         .program
@@ -605,13 +587,7 @@ fn a_subset_of_the_step_is_ordered_as_in_the_whole_step() {
     let mut big = CtrConfig::default().with_variant(Variant::Erase);
     big.batch = 16384;
     for cfg in [tiny(Variant::Erase), CtrConfig::small(), big] {
-        let p = plan_step(
-            &cfg,
-            DType::F32,
-            &OptimizerConfig::default(),
-            &ScheduleOptions::default(),
-        )
-        .unwrap();
+        let p = plan_with(&cfg, &ScheduleOptions::default());
         let prog = &p.program;
         let fwd: Vec<usize> = (0..prog.launches.len())
             .filter(|&i| prog.launches[i].label.phase == "fwd")
@@ -669,7 +645,7 @@ fn streams_rank_main_then_late_then_pool_then_companions() {
         ..Default::default()
     };
     let c = &tiny(Variant::Erase);
-    let off = plan_step(c, DType::F32, &OptimizerConfig::default(), &sched).unwrap();
+    let off = plan_with(c, &sched);
     assert_eq!(off.program.weight_grad_from, None);
     assert_eq!(off.program.stream_rank(StreamId(1)), m);
     assert_eq!(off.program.stream_rank(StreamId(4)), 1);
@@ -685,7 +661,7 @@ fn updates_wait_for_their_gradients_alone_and_the_tables_update_beside_the_dense
         };
         let c = &tiny(Variant::Erase);
         // plan_step proves the plan hazard-free over two steps
-        let p = plan_step(c, DType::F32, &OptimizerConfig::default(), &sched).unwrap();
+        let p = plan_with(c, &sched);
         let (prog, g) = (&p.program, &p.model.graph);
         let find = |pred: &dyn Fn(&Op) -> bool| -> usize {
             prog.launches
