@@ -1182,6 +1182,20 @@ __device__ __forceinline__ void gemm_staged_epilogue(const float (&acc)[1][BN / 
     }
 }
 
+// A wgmma tile's epilogue: its splits summed in the cluster (CLUSTER > 1), else the
+// staged store; THREADS of the CTA store.
+template <int BN, int CLUSTER, bool COPY, int THREADS = 256>
+__device__ __forceinline__ void gemm_wgmma_epilogue(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
+                                                    const float* __restrict__ bias, int M, int N, long long ldc,
+                                                    int m0, int n0, int flags, uint32_t base, unsigned char* smem,
+                                                    __nv_bfloat16* __restrict__ Cb) {
+    if constexpr (CLUSTER > 1) {
+        gemm_cluster_epilogue<BN, CLUSTER, COPY, THREADS>(acc, C, bias, M, N, ldc, m0, n0, flags, base, smem, Cb);
+    } else {
+        gemm_staged_epilogue<BN, COPY, THREADS>(acc, C, bias, M, N, ldc, m0, n0, flags, base, smem, Cb);
+    }
+}
+
 // One operand's tiles of the wgmma k steps (BK = 64) into the stages, 16-byte cp.async
 // chunks in the 128-byte swizzle: K-major (TR false), ROWS rows of 128 bytes (row r at
 // r·128, from src[row·ld + k], rows past `lim` reading row lim-1); MN-major (TR true),
@@ -1307,12 +1321,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
         gemm_wgmma_hold(d);
     }
     gemm_cp_wait<0>();
-    if constexpr (CLUSTER > 1) {
-        gemm_cluster_epilogue<BN, CLUSTER, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
-        return;
-    }
-
-    gemm_staged_epilogue<BN, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
+    gemm_wgmma_epilogue<BN, CLUSTER, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
 }
 
 // ---- the warp-specialized wgmma form (sm_90a) -------------------------------------------
@@ -1369,7 +1378,7 @@ __device__ __forceinline__ void gemm_wgmma_ws_body(const __nv_bfloat16* __restri
                                                    long long split_c, int flags, __nv_bfloat16* __restrict__ Cb) {
     constexpr int BM = 128, BK = 64, THREADS = 384, LOADERS = 128, MATH = 256;
     constexpr int A_BYTES = BM * BK * 2, STAGE = (BM + BN) * BK * 2, NACC = BN / 2;
-    static_assert(BN == 64 || BN == 128, "warp-specialized wgmma tiles are 128x64 or 128x128");
+    static_assert(BN == 64, "the warp-specialized wgmma tile is 128x64");
     extern __shared__ __align__(16) unsigned char gemm_smem[];
     __shared__ __align__(8) uint64_t gemm_bars[2 * STAGES];
     const uint32_t base = (gemm_smem_addr(gemm_smem) + 1023u) & ~1023u;
@@ -1435,12 +1444,7 @@ __device__ __forceinline__ void gemm_wgmma_ws_body(const __nv_bfloat16* __restri
     }
     // every step's data landed (the math warps waited for each) and every wgmma is done:
     // the epilogues' first barrier frees the ring for the staged tile
-    if constexpr (CLUSTER > 1) {
-        gemm_cluster_epilogue<BN, CLUSTER, COPY, THREADS>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem,
-                                                          Cb);
-    } else {
-        gemm_staged_epilogue<BN, COPY, THREADS>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
-    }
+    gemm_wgmma_epilogue<BN, CLUSTER, COPY, THREADS>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

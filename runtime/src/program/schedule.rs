@@ -798,7 +798,7 @@ pub fn schedule(g: &Graph, part: &Partition, cfg: &ScheduleConfig) -> StepProgra
 /// dependencies alone, as the partition finds its programs: a node's set is the early
 /// losses it reaches, so the shared embeddings (every block reads them), the bottom MLP
 /// (it is a field of them) and the top (no early loss reads it) belong to none.
-pub fn block_owners(g: &Graph, part: &Partition) -> BTreeMap<NodeId, usize> {
+fn block_owners(g: &Graph, part: &Partition) -> BTreeMap<NodeId, usize> {
     let mut reach: BTreeMap<NodeId, std::collections::BTreeSet<usize>> = BTreeMap::new();
     for (k, p) in part.programs.iter().enumerate() {
         // a program of the step's inputs alone (the ids' sort) has no loss of its own
