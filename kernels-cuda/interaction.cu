@@ -1,14 +1,12 @@
 // The DLRM interaction: y[b, p] = <e[b,i], e[b,j]> over pairs i < j in row-major upper
 // triangle order (p = 0 is (0,1)), e [B, F, D] -> y [B, F(F-1)/2], and its gradient.
 //
-// Tiling: one example at a time per CTA, grid-strided over the batch; the shared-memory
-// forms run a few CTAs an SM, each with the next example's loads in flight
-// (pd_fwd_multi, pd_bwd_multi). The example's F×D block is staged in shared memory with
-// an odd row stride (ld = D | 1) so that a warp reading column c of 32 different rows
-// hits 32 different banks.
-//  pairwise_dot_fwd: thread t computes pairs t, t+blockDim, ...: consecutive threads
-//    take consecutive pairs, i.e. one row i (broadcast reads) and consecutive j
-//    (conflict-free reads). Each pair is a D-long dot product summed in c order.
+// Tiling: examples grid-strided over small CTAs, many an SM (pd_fwd_blocked, a few
+// examples a CTA at a time; pd_bwd_staged, one). An example's F×D block is staged in
+// shared memory with an odd row stride (ld = D | 1) so that a warp reading column c of
+// 32 different rows hits 32 different banks.
+//  pairwise_dot_fwd: a thread computes a 3×3 block of the F×F dot matrix, each dot a
+//    D-long sum in c order.
 //  pairwise_dot_bwd: the pair gradients are expanded into a symmetric F×F matrix G in
 //    shared memory (zero diagonal); a thread computes de[b, k, c] for 9 consecutive k
 //    and one c as Σ_{m ascending} G[k][m] · e[b, m, c]; m ascending is exactly the order
@@ -96,143 +94,121 @@ __device__ __forceinline__ void pd_bwd_gmem(const float* __restrict__ dy, const 
     }
 }
 
-// ---- the shared-memory forms, several examples a CTA ------------------------------------
+// ---- the shared-memory forms ----------------------------------------------------------
 //
-// pairwise_dot_fwd / pairwise_dot_bwd walk the examples b = blockIdx.x, + gridDim.x, ..
-// (the plan launches a few CTAs an SM). While a CTA computes example b, the next
-// example's e (and for the gradient its pair gradients) is already loading into
-// registers: a float4 a thread (when D is a multiple of 4 and the block has at most 4
-// float4 per thread), stored to shared memory after the example's barrier, so the loads'
-// latency hides behind the arithmetic instead of stalling each example. A thread's pair
-// (fwd) or G entries (bwd) are the same in every example, so their indices are computed
-// once. The arithmetic and its order are those of the gmem forms (bit-identical to the
-// reference).
+// pairwise_dot_fwd: EX examples a CTA at a time (grid-strided), their F×D blocks staged in
+// shared memory (a float4 a load where D is a multiple of 4); each thread computes a 3×3
+// block of the F×F dot matrix, rows 3I.. and columns 3J.. with I ≤ J (nb(nb+1)/2 blocks an
+// example, nb = ⌈F/3⌉), so each c costs six shared loads for nine products instead of two
+// for one; it writes the pairs i < j of its block. Each dot still adds its products c
+// ascending from 0, unfused: the reference's bits. (The diagonal blocks compute their
+// i ≥ j entries for nothing: 405 dots for 351 at F = 27.) One CTA holds 96-128 threads and
+// a few KB, so an SM runs a dozen or more, whose loads overlap the others' arithmetic.
+//
+// pairwise_dot_bwd: an example a CTA at a time (grid-strided): e and G, the symmetric F×F
+// matrix of the pair gradients with a zero diagonal, staged in shared memory; a thread
+// computes de[k][c] for PD_KB9 rows k and one c as Σ_{m ascending} G[k][m]·e[m][c] (m
+// ascending is the order in which the reference's pair loop adds into de[k][c]), four m
+// at a time: four loads of e and one float4 of G a row serve 36 multiply-adds. Nothing is
+// held in registers across examples (an earlier form prefetched the next example into
+// registers and took 96 of them, three CTAs an SM); several CTAs an SM hide the loads.
 
-#define PD_PF 4  // float4 of e a thread holds for the next example
+#define PD_BS 3   // rows and columns of the dot matrix a thread of pairwise_dot_fwd computes
+#define PD_KB9 9  // rows of de a thread of pairwise_dot_bwd computes (27 = 3·9; PD_ROWS in interaction.rs)
 
-// e[b]'s F×D floats: into registers r (prefetch) and from there into sm[F][ld].
-struct PdE {
-    float4 r[PD_PF];
-    __device__ __forceinline__ void fetch(const float* __restrict__ e, long long b, int n4) {
-        const float4* s4 = reinterpret_cast<const float4*>(e) + b * n4;
-#pragma unroll
-        for (int q = 0; q < PD_PF; ++q) {
-            const int idx = threadIdx.x + q * blockDim.x;
-            if (idx < n4) r[q] = __ldg(s4 + idx);
+// e[b0 .. b0+n-1]'s F×D blocks into sm as [n][F][ld] (a float4 a load where it can).
+__device__ __forceinline__ void pd_stage(const float* __restrict__ e, long long b0, int n, int f, int d, int ld,
+                                         float* sm) {
+    const int fd = f * d;
+    const float* src = e + b0 * fd;
+    if ((d & 3) == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+        const float4* s4 = reinterpret_cast<const float4*>(src);
+        const int n4 = n * fd / 4;
+        for (int q = threadIdx.x; q < n4; q += blockDim.x) {
+            const float4 v = __ldg(s4 + q);
+            const int k = q * 4, x = k / fd, r = k - x * fd, i = r / d;
+            float* dst = sm + (x * f + i) * ld + (r - i * d);
+            dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+        }
+    } else {
+        for (int k = threadIdx.x; k < n * fd; k += blockDim.x) {
+            const int x = k / fd, r = k - x * fd, i = r / d;
+            sm[(x * f + i) * ld + (r - i * d)] = __ldg(src + k);
         }
     }
-    __device__ __forceinline__ void put(float* sm, int n4, int d, int ld) const {
+}
+
+__device__ __forceinline__ void pd_fwd_blocked(const float* __restrict__ e, float* __restrict__ y,
+                                               long long batch, int f, int d, int ex, float* sm) {
+    const int pairs = f * (f - 1) / 2, ld = d | 1, nb = (f + PD_BS - 1) / PD_BS, tasks = nb * (nb + 1) / 2;
+    const int slot = threadIdx.x / tasks;
+    // this thread's block (I, J), I ≤ J, row-major over the upper triangle
+    int bi = 0, t = threadIdx.x - slot * tasks;
+    while (t >= nb - bi) t -= nb - bi, ++bi;
+    const int bj = bi + t;
+    int ri[PD_BS], rj[PD_BS];
 #pragma unroll
-        for (int q = 0; q < PD_PF; ++q) {
-            const int idx = threadIdx.x + q * blockDim.x;
-            if (idx < n4) {
-                const int k = idx * 4, i = k / d;
-                float* dst = sm + i * ld + (k - i * d);
-                dst[0] = r[q].x, dst[1] = r[q].y, dst[2] = r[q].z, dst[3] = r[q].w;
+    for (int u = 0; u < PD_BS; ++u) {
+        ri[u] = min(bi * PD_BS + u, f - 1);  // rows past F read row F-1; their dots are not written
+        rj[u] = min(bj * PD_BS + u, f - 1);
+    }
+    for (long long b0 = static_cast<long long>(blockIdx.x) * ex; b0 < batch;
+         b0 += static_cast<long long>(gridDim.x) * ex) {
+        const int n = batch - b0 < ex ? static_cast<int>(batch - b0) : ex;
+        __syncthreads();  // the previous examples' reads are done
+        pd_stage(e, b0, n, f, d, ld, sm);
+        __syncthreads();
+        if (slot >= n) continue;
+        const float* base = sm + slot * f * ld;
+        const float *a0 = base + ri[0] * ld, *a1 = base + ri[1] * ld, *a2 = base + ri[2] * ld;
+        const float *c0 = base + rj[0] * ld, *c1 = base + rj[1] * ld, *c2 = base + rj[2] * ld;
+        float s[PD_BS][PD_BS];
+#pragma unroll
+        for (int u = 0; u < PD_BS; ++u)
+#pragma unroll
+            for (int v = 0; v < PD_BS; ++v) s[u][v] = 0.0f;
+        for (int c = 0; c < d; ++c) {
+            const float x[PD_BS] = {a0[c], a1[c], a2[c]};
+            const float z[PD_BS] = {c0[c], c1[c], c2[c]};
+#pragma unroll
+            for (int u = 0; u < PD_BS; ++u)
+#pragma unroll
+                for (int v = 0; v < PD_BS; ++v) s[u][v] = erase_add(s[u][v], erase_mul(x[u], z[v]));
+        }
+        float* out = y + (b0 + slot) * pairs;
+#pragma unroll
+        for (int u = 0; u < PD_BS; ++u) {
+            const int i = bi * PD_BS + u;
+#pragma unroll
+            for (int v = 0; v < PD_BS; ++v) {
+                const int j = bj * PD_BS + v;
+                if (i < j && j < f) out[pd_row_start(i, f) + (j - i - 1)] = s[u][v];
             }
         }
     }
-};
-
-__device__ __forceinline__ void pd_stage_scalar(const float* __restrict__ eb, float* sm, int f, int d, int ld) {
-    for (int k = threadIdx.x; k < f * d; k += blockDim.x) {
-        const int i = k / d;
-        sm[i * ld + (k - i * d)] = eb[k];
-    }
 }
-
-__device__ __forceinline__ bool pd_prefetch_ok(const float* e, int f, int d) {
-    return (d & 3) == 0 && (reinterpret_cast<uintptr_t>(e) & 15) == 0 && f * d / 4 <= PD_PF * (int)blockDim.x;
-}
-
-__device__ __forceinline__ void pd_fwd_multi(const float* __restrict__ e, float* __restrict__ y, long long batch,
-                                             int f, int d, float* sm) {
-    const int pairs = f * (f - 1) / 2, ld = d | 1, n4 = f * d / 4;
-    const bool pf = pd_prefetch_ok(e, f, d);
-    int i0 = 0, j0 = 1;
-    if ((int)threadIdx.x < pairs) pd_pair(threadIdx.x, f, i0, j0);
-    PdE st;
-    long long b = blockIdx.x;
-    if (pf && b < batch) st.fetch(e, b, n4);
-    for (; b < batch; b += gridDim.x) {
-        __syncthreads();  // the previous example's reads are done
-        if (pf) st.put(sm, n4, d, ld);
-        else pd_stage_scalar(e + b * f * d, sm, f, d, ld);
-        __syncthreads();
-        if (pf && b + gridDim.x < batch) st.fetch(e, b + gridDim.x, n4);
-        for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-            int i = i0, j = j0;
-            if (p != (int)threadIdx.x) pd_pair(p, f, i, j);
-            const float* a = sm + i * ld;
-            const float* c2 = sm + j * ld;
-            float s = 0.0f;
-            for (int c = 0; c < d; ++c) s = erase_add(s, erase_mul(a[c], c2[c]));
-            y[b * pairs + p] = s;
-        }
-    }
-}
-
-#define PD_PG 4  // G entries a thread fills (and prefetches)
-#define PD_KB9 9  // rows of de a thread of pd_bwd_multi computes (27 = 3·9; PD_ROWS in misc.rs)
 
 // The gradient's shared memory: e as [F][D|1], then G as [F][FG] (FG = F rounded up to
 // 4, rows 16-byte aligned for float4 reads of 4 consecutive m) from float pd_g_offset.
 __device__ __forceinline__ int pd_g_offset(int f, int d) { return (f * (d | 1) + 3) & ~3; }
 
-// de[k][c] for 9 rows k a thread: per 4 consecutive m, 4 loads of e[m][c] and one float4
-// of G a row serve 36 multiply-adds (the earlier shared-memory form, one load of e and
-// one of G a multiply-add, was bound by those loads); each output still adds m
-// ascending. The diagonal of G and its padding are zero, so the terms m = k and m ≥ F
-// add 0·e = ±0, which leaves a sum unchanged: bit-identical to the reference, which
-// skips them, for finite e.
-__device__ __forceinline__ void pd_bwd_multi(const float* __restrict__ dy, const float* __restrict__ e,
-                                             float* __restrict__ de, long long batch, int f, int d, float* sm) {
-    const int pairs = f * (f - 1) / 2, ld = d | 1, n4 = f * d / 4, kblocks = (f + PD_KB9 - 1) / PD_KB9;
+// The diagonal of G and its padding are zero, so the terms m = k and m ≥ F add 0·e = ±0,
+// which leaves a sum unchanged: bit-identical to the reference, which skips them, for
+// finite e.
+__device__ __forceinline__ void pd_bwd_staged(const float* __restrict__ dy, const float* __restrict__ e,
+                                              float* __restrict__ de, long long batch, int f, int d, float* sm) {
+    const int pairs = f * (f - 1) / 2, ld = d | 1, kblocks = (f + PD_KB9 - 1) / PD_KB9;
     const int fg = (f + 3) & ~3;
-    const bool pf = pd_prefetch_ok(e, f, d) && f * f <= PD_PG * (int)blockDim.x;
     float* g = sm + pd_g_offset(f, d);
-    // this thread's G entries q = tid + r·blockDim: where each goes, and the pair it
-    // reads (-1: the diagonal)
-    int gp[PD_PG], gpos[PD_PG];
-#pragma unroll
-    for (int r = 0; r < PD_PG; ++r) {
-        const int q = threadIdx.x + r * blockDim.x;
-        gp[r] = -1;
-        gpos[r] = -1;
-        if (q < f * f) {
-            const int k = q / f, m = q - k * f;
-            gpos[r] = k * fg + m;
-            if (k != m) gp[r] = pd_pair_index(k, m, f);
-        }
-    }
-    // G's padding columns m = F .. FG-1 stay zero (no example writes them)
-    for (int q = threadIdx.x; q < f * fg; q += blockDim.x)
-        if (q % fg >= f) g[q] = 0.0f;
-    PdE st;
-    float gv[PD_PG];
-    auto fetch = [&](long long b) {
-        st.fetch(e, b, n4);
-#pragma unroll
-        for (int r = 0; r < PD_PG; ++r) gv[r] = gp[r] >= 0 ? __ldg(dy + b * pairs + gp[r]) : 0.0f;
-    };
-    long long b = blockIdx.x;
-    if (pf && b < batch) fetch(b);
-    for (; b < batch; b += gridDim.x) {
-        __syncthreads();
-        if (pf) {
-            st.put(sm, n4, d, ld);
-#pragma unroll
-            for (int r = 0; r < PD_PG; ++r)
-                if (gpos[r] >= 0) g[gpos[r]] = gv[r];
-        } else {
-            pd_stage_scalar(e + b * f * d, sm, f, d, ld);
-            for (int q = threadIdx.x; q < f * f; q += blockDim.x) {
-                const int k = q / f, m = q - k * f;
-                g[k * fg + m] = k == m ? 0.0f : dy[b * pairs + pd_pair_index(k, m, f)];
-            }
+    for (long long b = blockIdx.x; b < batch; b += gridDim.x) {
+        __syncthreads();  // the previous example's reads are done
+        pd_stage(e, b, 1, f, d, ld, sm);
+        const float* gb = dy + b * pairs;
+        for (int q = threadIdx.x; q < f * fg; q += blockDim.x) {
+            const int k = q / fg, m = q - k * fg;
+            g[q] = m < f && m != k ? __ldg(gb + pd_pair_index(k, m, f)) : 0.0f;
         }
         __syncthreads();
-        if (pf && b + gridDim.x < batch) fetch(b + gridDim.x);
         for (int t = threadIdx.x; t < kblocks * d; t += blockDim.x) {
             const int kb = t / d, c = t - kb * d;
             const int k0 = kb * PD_KB9;
@@ -262,11 +238,12 @@ __device__ __forceinline__ void pd_bwd_multi(const float* __restrict__ dy, const
     }
 }
 
-// dynamic shared memory: F·(D|1) floats; any block size, any grid (examples grid-strided)
+// dynamic shared memory: EX·F·(D|1) floats; at least EX·nb(nb+1)/2 threads (nb = ⌈F/3⌉), any
+// grid (EX examples a CTA at a time, grid-strided)
 ERASE_KERNEL void pairwise_dot_fwd(const float* __restrict__ e, float* __restrict__ y, long long batch, int f,
-                                   int d) {
+                                   int d, int ex) {
     extern __shared__ float pd_smem[];
-    pd_fwd_multi(e, y, batch, f, d, pd_smem);
+    pd_fwd_blocked(e, y, batch, f, d, ex, pd_smem);
 }
 
 ERASE_KERNEL void pairwise_dot_fwd_gmem(const float* __restrict__ e, float* __restrict__ y, long long batch, int f,
@@ -278,7 +255,7 @@ ERASE_KERNEL void pairwise_dot_fwd_gmem(const float* __restrict__ e, float* __re
 ERASE_KERNEL void pairwise_dot_bwd(const float* __restrict__ dy, const float* __restrict__ e,
                                    float* __restrict__ de, long long batch, int f, int d) {
     extern __shared__ float pd_smem[];
-    pd_bwd_multi(dy, e, de, batch, f, d, pd_smem);
+    pd_bwd_staged(dy, e, de, batch, f, d, pd_smem);
 }
 
 ERASE_KERNEL void pairwise_dot_bwd_gmem(const float* __restrict__ dy, const float* __restrict__ e,

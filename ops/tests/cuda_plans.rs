@@ -690,3 +690,31 @@ fn the_pipelined_split_bound_decides_the_split_forms() {
         );
     }
 }
+
+#[test]
+fn the_interaction_stages_a_few_examples_a_small_cta() {
+    // the spec's [4096, 27, 64]: two examples a CTA of 96 threads (45 blocks of 3x3 dots
+    // each), 2 · 27 · 65 floats of shared memory, the batch over 2048 CTAs
+    let p = plan(
+        &Op::PairwiseDot,
+        &[(&[4096, 27, 64], F)],
+        &[(&[4096, 351], F)],
+    )
+    .unwrap();
+    assert_eq!(kernels(&p), ["pairwise_dot_fwd"]);
+    let c = &p.calls[0];
+    assert_eq!((c.grid[0], c.block[0], c.smem), (2048, 96, 2 * 27 * 65 * 4));
+    assert_eq!(c.args.last(), Some(&KArg::I32(2)), "examples a CTA");
+    // its gradient: an example a CTA of 192 threads (3 · 64 columns of 9 rows of de)
+    let p = plan(
+        &Op::PairwiseDotGrad,
+        &[(&[4096, 351], F), (&[4096, 27, 64], F)],
+        &[(&[4096, 27, 64], F)],
+    )
+    .unwrap();
+    assert_eq!(kernels(&p), ["pairwise_dot_bwd"]);
+    assert_eq!((p.calls[0].grid[0], p.calls[0].block[0]), (4096, 192));
+    // 200 fields: 2278 blocks of dots, more than a CTA's threads: the gmem form
+    let p = plan(&Op::PairwiseDot, &[(&[3, 200, 4], F)], &[(&[3, 19900], F)]).unwrap();
+    assert_eq!(kernels(&p), ["pairwise_dot_fwd_gmem"]);
+}

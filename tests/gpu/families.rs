@@ -696,11 +696,12 @@ fn pairwise_dot_matches_cpu() {
         return;
     };
     let mut seed = 5000;
-    // (B, F, D): the DLRM shape, odd ones, F = 1 (no pairs), and one too big for shared
-    // memory (100·131·4 bytes > 48 KB: the _gmem kernels). Batches larger than the grid,
-    // so that a CTA walks several examples: the spec's batch (the next example's e and
-    // pair gradients loaded while one is computed), D = 33 (no float4: staged a float at a
-    // time), F = 40 and 50 (G larger than the gradient's prefetch; 1225 pairs, two a thread)
+    // (B, F, D): the DLRM shape, odd ones, F = 1 (no pairs), one too big for shared memory
+    // (100·131·4 bytes > 48 KB: the _gmem kernels), and F = 200 (2278 blocks of dots, more
+    // than a CTA's threads: the forward's gmem kernel). F not a multiple of 3 (blocks of
+    // dots past F), batches not a multiple of the examples a CTA stages (the last CTA's
+    // slots past the batch), D = 33 (no float4: staged a float at a time), F = 40 and 50
+    // (G of 40·40 and 50·52 entries)
     for (b, f, d) in [
         (1usize, 2usize, 1usize),
         (3, 27, 64),
@@ -712,6 +713,8 @@ fn pairwise_dot_matches_cpu() {
         (5000, 7, 33),
         (3000, 40, 8),
         (700, 50, 16),
+        (3, 200, 4),
+        (4097, 26, 64),
     ] {
         seed += 2;
         let e = rand_arg(&[b, f, d], seed);

@@ -59,6 +59,8 @@ pub(crate) mod cuda {
 
     /// Rows of de a thread of `pairwise_dot_bwd` computes (`PD_KB9` in interaction.cu).
     const PD_ROWS: usize = 9;
+    /// Rows and columns of the dot matrix a thread of `pairwise_dot_fwd` computes (`PD_BS`).
+    const PD_BLOCK: usize = 3;
 
     pub(crate) fn pairwise_dot(op: &Op, o: &Operands, grad: bool) -> Result<CudaPlan, String> {
         if grad {
@@ -80,13 +82,21 @@ pub(crate) mod cuda {
             return Ok(plan_of(vec![], vec![]));
         }
         let ld = d | 1;
+        // the forward's examples a CTA at a time: about 128 threads of 3x3 blocks of dots
+        // (nb(nb+1)/2 an example), as many examples as fit the default shared memory
+        let nb = f.div_ceil(PD_BLOCK);
+        let tasks = nb * (nb + 1) / 2;
+        let ex = (128 / tasks)
+            .min(SMEM_DEFAULT / (f * ld * 4).max(1))
+            .clamp(1, b.max(1));
         // the gradient's G [F][F rounded up to 4] after e, at a 16-byte aligned offset
         let smem = if grad {
             ((f * ld).next_multiple_of(4) + f * f.next_multiple_of(4)) * 4
         } else {
-            f * ld * 4
+            ex * f * ld * 4
         };
-        let fits = smem <= SMEM_DEFAULT;
+        // (the forward's threads, a block of dots each, fit a CTA)
+        let fits = smem <= SMEM_DEFAULT && (grad || ex * tasks <= 1024);
         let kernel = match (grad, fits) {
             (false, true) => "pairwise_dot_fwd",
             (false, false) => "pairwise_dot_fwd_gmem",
@@ -104,13 +114,24 @@ pub(crate) mod cuda {
             I32(i32_of(f, "fields")?),
             I32(i32_of(d, "dim")?),
         ]);
-        // the shared-memory kernels: a thread a pair (fwd) or a column of PD_ROWS rows of de
-        // (bwd), and as many CTAs as the SMs hold at once (2048 threads an SM), each walking
-        // several examples with the next one's loads in flight; the gmem forms, a CTA an example
-        let (grid, threads) = if fits {
-            let work = if grad { f.div_ceil(PD_ROWS) * d } else { pairs };
-            let threads = work.next_multiple_of(32).clamp(64, 1024);
-            (b.min(o.opts.sms * (2048 / threads)), threads)
+        if kernel == "pairwise_dot_fwd" {
+            args.push(I32(i32_of(ex, "examples a CTA")?));
+        }
+        // the shared-memory kernels: small CTAs (the forward's `ex` examples at a time, a
+        // thread a 3x3 block of dots; the gradient's one, a thread a column of PD_ROWS rows
+        // of de), many an SM, grid-strided over the batch; the gmem forms, a CTA an example
+        let (grid, threads) = if fits && grad {
+            (
+                b.min(1 << 20),
+                (f.div_ceil(PD_ROWS) * d)
+                    .next_multiple_of(32)
+                    .clamp(64, 1024),
+            )
+        } else if fits {
+            (
+                b.div_ceil(ex).min(1 << 20),
+                (ex * tasks).next_multiple_of(32).clamp(32, 1024),
+            )
         } else {
             (b.min(1 << 20), if grad { 256 } else { 128 })
         };
