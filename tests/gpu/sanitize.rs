@@ -1,5 +1,5 @@
-//! Small launches of the GEMM, attention and embedding-bag kernels, sized so that
-//! `compute-sanitizer` (memcheck, racecheck) gets through them quickly:
+//! Small launches of the GEMM, attention, embedding-bag and interaction kernels, sized
+//! so that `compute-sanitizer` (memcheck, racecheck) gets through them quickly:
 //! `compute-sanitizer --tool memcheck gpu-tests sanitize`.
 
 use super::{arg, device, handle_with, rand_f32, run_cpu, run_gpu};
@@ -299,4 +299,34 @@ fn sanitize_embedding_bag() {
     run_cpu(&upd_op, &ins, &[], &mut uc);
     close("rowwise adagrad table", &ug[0].value, &uc[0].value, 1e-5);
     close("rowwise adagrad acc", &ug[1].value, &uc[1].value, 1e-5);
+}
+
+/// The interaction's shared-memory kernels over a few examples: several CTAs, each
+/// staging examples in turn (the forward two at a time, the last CTA's second slot past
+/// the batch), F not a multiple of 3, D a multiple of 4 (float4 staging) and not.
+#[test]
+fn sanitize_pairwise_dot() {
+    let Some(dev) = device("sanitize_pairwise_dot") else {
+        return;
+    };
+    for (b, f, d) in [(5usize, 7usize, 8usize), (3, 27, 64), (4, 5, 9)] {
+        let p = f * (f - 1) / 2;
+        let e = arg(&[b, f, d], Buffer::F32(rand_f32(1, b * f * d, -1.0, 1.0)));
+        let outs: [(&[usize], DType); 1] = [(&[b, p], DType::F32)];
+        let g = run_gpu(
+            dev,
+            &Op::PairwiseDot,
+            std::slice::from_ref(&e),
+            &outs,
+            &mut [],
+        );
+        let c = run_cpu(&Op::PairwiseDot, std::slice::from_ref(&e), &outs, &mut []);
+        close("pairwise_dot", &g[0], &c[0], 0.0);
+        let dy = arg(&[b, p], Buffer::F32(rand_f32(2, b * p, -1.0, 1.0)));
+        let ins = vec![dy, e];
+        let outs: [(&[usize], DType); 1] = [(&[b, f, d], DType::F32)];
+        let g = run_gpu(dev, &Op::PairwiseDotGrad, &ins, &outs, &mut []);
+        let c = run_cpu(&Op::PairwiseDotGrad, &ins, &outs, &mut []);
+        close("pairwise_dot_grad", &g[0], &c[0], 0.0);
+    }
 }
