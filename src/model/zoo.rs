@@ -23,13 +23,16 @@ pub(crate) fn models() -> Vec<Arc<dyn Model>> {
 }
 
 /// Linear layers of the `widths`, ReLU after each (after the last too when `last_relu`):
-/// the MLP the zoo's models are made of, for models of one's own too.
+/// the MLP the zoo's models are made of, for models of one's own too. Each ReLU runs in
+/// its layer's GEMM epilogue (`Graph::linear_relu`): no pass of its own, and the bf16 copy
+/// a next large layer reads written by the same epilogue.
 pub fn mlp(g: &mut Graph, mut x: Tensor, widths: &[usize], last_relu: bool) -> Result<Tensor> {
     for (i, &w) in widths.iter().enumerate() {
-        x = g.linear(x, w)?;
-        if last_relu || i + 1 < widths.len() {
-            x = g.relu(x)?;
-        }
+        x = if last_relu || i + 1 < widths.len() {
+            g.linear_relu(x, w)?
+        } else {
+            g.linear(x, w)?
+        };
     }
     Ok(x)
 }
