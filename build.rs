@@ -90,10 +90,16 @@ fn parse_ptxas(report: &str) -> Vec<Resources> {
 /// The spills sit in the masked form of the loop body (tiles at S's end or on the causal
 /// diagonal); the unmasked form that whole tiles take spills nothing. A spill larger than
 /// the bytes listed here still warns.
+/// The S <= 32 backward reading a bf16 q, k, v (Dh = 32) spills one value, stored once and
+/// reloaded once a thread (SASS: one STL, one LDL), at the 64 registers that let eight
+/// CTAs share an SM as the f32 form's do; at seven CTAs (72 registers, no spill) the
+/// H200 measured the kernel slower.
 const MEASURED_SPILLS: &[(&str, u32)] = &[
     ("attn_bwd_dkdv_st_d64", 72),
     ("attn_bwd_dkdv_st_d32", 20),
     ("attn_bwd_dq_st_d64", 4),
+    ("attn_bwd_tiny_packed_bi_d32", 8),
+    ("attn_bwd_tiny_packed_bi_bo_d32", 8),
 ];
 
 /// Each `.entry`'s parameter types in a PTX text, in order (`NAME -> "u64,u32,f32"`).

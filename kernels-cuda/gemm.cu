@@ -793,14 +793,36 @@ __device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* 
 // A bias (flags & 1) is read from `sbias`, the CTA's shared copy of bias[0 .. NMAX) (zero
 // past N), a float4 a lane, instead of four global loads per stored float4.
 // A residual (flags & 16: LinearAdd) is added after the bias, R of C's layout.
-template <int NI>
-__device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], float* stage, float* __restrict__ C,
+// C stored in bf16 only (CT = __nv_bfloat16: a linear layer whose reader rounds its output
+// to bf16 anyway, Graph::linear_for_attention): the same f32 values, bias and ReLU applied,
+// rounded to nearest even, 8 bytes a lane; no mask.
+__device__ __forceinline__ void gemm_store4(__nv_bfloat16* __restrict__ C, const float* __restrict__ bias, int N,
+                                            long long ldc, int m, int n, float (&v)[4], int flags, bool vec) {
+    (void)bias;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+        if (flags & 2) v[e] = fmaxf(v[e], 0.f);
+    __nv_bfloat16* crow = C + static_cast<long long>(m) * ldc;
+    if (vec && n + 3 < N) {
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+        *reinterpret_cast<uint2*>(crow + n) =
+            make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (n + e < N) crow[n + e] = __float2bfloat16_rn(v[e]);
+    }
+}
+
+template <int NI, typename CT = float>
+__device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], float* stage, CT* __restrict__ C,
                                                 const float* __restrict__ bias, const float* sbias,
                                                 const float* __restrict__ R, int M, int N, long long ldc, int row0,
                                                 int col0, int lane, int flags) {
     static_assert(NI % 4 == 0, "whole 32-column chunks");
     const int g = lane >> 2, t = lane & 3;
-    const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
+    // (R has C's layout, f32: 16-byte rows where C's f32 ones would be)
+    const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(C) & (4 * sizeof(CT) - 1)) == 0;
 #pragma unroll
     for (int c = 0; c < NI / 4; ++c) {
 #pragma unroll
@@ -845,9 +867,9 @@ __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], fl
     }
 }
 
-template <int NMAX, bool COALESCE, typename AT = float>
+template <int NMAX, bool COALESCE, typename AT = float, typename CT = float>
 __device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const float* __restrict__ B,
-                                               float* __restrict__ C, const float* __restrict__ bias, int M,
+                                               CT* __restrict__ C, const float* __restrict__ bias, int M,
                                                int N, int K, long long lda, long long ldb, long long ldc, int tb,
                                                int flags, const float* __restrict__ R) {
     constexpr int NI = NMAX / 16;  // n8 tiles of a warp (two warp columns)
@@ -952,8 +974,9 @@ __device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const f
         }
         if constexpr (COALESCE) {
             float* stage = reinterpret_cast<float*>(sB + NMAX * ldb_s) + warp * 16 * 40;
-            gemm_tall_store<NI>(acc, stage, C, bias, sbias, R, M, N, ldc, mb * 64 + wm, wn, lane, flags);
+            gemm_tall_store<NI, CT>(acc, stage, C, bias, sbias, R, M, N, ldc, mb * 64 + wm, wn, lane, flags);
         } else {
+            static_assert(sizeof(CT) == 4, "a bf16 C is stored through shared memory");
             gemm_epilogue<1, NI>(acc, C, bias, M, N, ldc, mb * 64 + wm, wn, lane, flags);
         }
         // every warp is done with this buffer before the next step but one refills it
@@ -1529,6 +1552,21 @@ ERASE_GEMM_TALL_KERNEL_A16(64, 3)
 ERASE_GEMM_TALL_KERNEL_A16(128, 2)
 ERASE_GEMM_TALL_KERNEL_A16(192, 2)
 ERASE_GEMM_TALL_KERNEL_A16(256, 2)
+
+// `gemm_tall_n<NMAX>_c_bo`: the `_c` form storing C in bf16 only (C a bf16 pointer, ldc
+// in elements; no mask): AutoInt's QKV projection, whose output the attention rounds to
+// bf16 anyway, written in half the bytes (Graph::linear_for_attention).
+#define ERASE_GEMM_TALL_KERNEL_BO(NMAX, PER_SM)                                                               \
+    ERASE_KERNEL void __launch_bounds__(256, PER_SM) gemm_tall_n##NMAX##_c_bo(                                \
+        const float* __restrict__ A, const float* __restrict__ B, __nv_bfloat16* __restrict__ C,              \
+        const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb, long long ldc,      \
+        int tb, int flags, const float* __restrict__ R) {                                                     \
+        gemm_tall_body<NMAX, true, float, __nv_bfloat16>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags, R); \
+    }
+ERASE_GEMM_TALL_KERNEL_BO(64, 3)
+ERASE_GEMM_TALL_KERNEL_BO(128, 2)
+ERASE_GEMM_TALL_KERNEL_BO(192, 2)
+ERASE_GEMM_TALL_KERNEL_BO(256, 2)
 
 // The pipelined kernels, arguments in order:
 //   A, B (bf16: K-major rows A[m·lda + k], B[n·ldb + k], or, in the `_mm` kernels,

@@ -191,6 +191,44 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         })
         .collect();
     assert_eq!(from_bf16.len(), 2, "{from_bf16:?}");
+    // AutoInt's QKV projections store their output in bf16 (Graph::linear_for_attention):
+    // the attention reads it as it is, forward and backward, and rounds q, k, v anyway
+    let stored: Vec<&str> = g
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::Linear { .. }) && g.dtype(n.outputs[0]) == DType::Bf16)
+        .map(|n| {
+            let readers: Vec<&Op> = g
+                .nodes()
+                .iter()
+                .filter(|r| r.inputs.contains(&n.outputs[0]))
+                .map(|r| &r.op)
+                .collect();
+            assert!(
+                readers.iter().all(|o| matches!(
+                    o,
+                    Op::Attention { packed: true, .. } | Op::AttentionGrad { packed: true, .. }
+                )),
+                "{}: a bf16 output read by {readers:?}",
+                n.name
+            );
+            assert_eq!(
+                readers.len(),
+                2,
+                "{}: the attention and its gradient",
+                n.name
+            );
+            n.name.as_str()
+        })
+        .collect();
+    assert_eq!(stored, ["autoint/linear0", "autoint/linear1"]);
+    assert!(off
+        .model
+        .graph
+        .nodes()
+        .iter()
+        .all(|n| !matches!(n.op, Op::Linear { .. })
+            || off.model.graph.dtype(n.outputs[0]) == DType::F32));
     // and without copies every attention gradient stays f32
     assert!(off.model.graph.nodes().iter().all(|n| {
         !matches!(n.op, Op::AttentionGrad { .. })

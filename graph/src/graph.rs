@@ -6,6 +6,10 @@ use crate::dtype::{DType, Shape};
 use crate::error::{GraphError, Result};
 use crate::op::{Init, Leaf, Op};
 
+/// The longest sequence whose packed q, k, v [`Graph::linear_for_attention`] stores in bf16:
+/// the fused attention kernels (one 64-row tile of queries and keys) read it as it is.
+pub const ATTENTION_BF16_MAX_SEQ: usize = 64;
+
 /// A handle to a tensor (a value) of a graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Tensor(pub u32);
@@ -468,6 +472,23 @@ impl Graph {
         Ok(first)
     }
 
+    /// A bf16 packed q, k, v: only in an f32 graph, of a sequence the fused kernels hold
+    /// ([`Graph::linear_for_attention`] makes one). Returns the outputs' type, f32.
+    fn expect_bf16_attention_input(&self, op: &'static str, qkv: Tensor) -> Result<DType> {
+        let d = self.shape(qkv).dims();
+        if self.float != DType::F32 || d.len() != 3 || d[1] > ATTENTION_BF16_MAX_SEQ {
+            return Err(GraphError::DType {
+                op,
+                node: self.peek_name(op),
+                detail: format!(
+                    "a bf16 q, k, v ({}) needs an f32 graph and a sequence of at most {ATTENTION_BF16_MAX_SEQ}",
+                    self.desc(qkv)
+                ),
+            });
+        }
+        Ok(DType::F32)
+    }
+
     fn expect_dtype(&self, op: &'static str, t: Tensor, want: DType, role: &str) -> Result<()> {
         if self.dtype(t) != want {
             return Err(GraphError::DType {
@@ -635,6 +656,40 @@ impl Graph {
     /// `x·wᵀ (+ b)` with given parameters: x `[.., K]`, w `[N, K]`, b `[N]`.
     pub fn linear_with(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
         self.linear_op(x, w, b, false)
+    }
+
+    /// The packed q, k, v projection `x·wᵀ (+ b)` of [`Graph::attention_packed`] over `x`
+    /// `[B, S, D]`. With bf16 copies on (an f32 graph, [`Graph::set_bf16_copies`]) for a
+    /// layer of its FLOPs, a sequence of at most 64 and a layer too narrow for copies of
+    /// its own operands (the attention gradient then writes dqkv in bf16 too), its
+    /// output is stored in bf16: the attention reads it as it is and rounds q, k and v to
+    /// bf16 anyway, so it computes the same values from half the bytes (the projection's
+    /// store, and the attention's reads forward and backward). Otherwise this is
+    /// [`Graph::linear_with`]. A bf16 output is for attention: other ops refuse it.
+    pub fn linear_for_attention(
+        &mut self,
+        x: Tensor,
+        w: Tensor,
+        b: Option<Tensor>,
+    ) -> Result<Tensor> {
+        let (n, k, dt) = self.linear_checks(x, w, b)?;
+        let xs = self.shape(x).clone();
+        let short = xs.rank() == 3 && xs.dims()[1] <= ATTENTION_BF16_MAX_SEQ;
+        if dt != DType::F32
+            || !short
+            || !self.bf16_dy_layer(xs.rows(), k, n)
+            || self.bf16_layer(xs.rows(), k, n)
+        {
+            return self.linear_with(x, w, b);
+        }
+        let mut all = vec![x, w];
+        all.extend(b);
+        let out = vec![xs.dims()[0], xs.dims()[1], n];
+        let op = Op::Linear {
+            bias: b.is_some(),
+            relu: false,
+        };
+        Ok(self.add1(op, all, Shape(out), DType::Bf16))
     }
 
     /// `relu(x·wᵀ (+ b))` as one op: the ReLU runs in the GEMM's epilogue (the same values
@@ -1110,7 +1165,11 @@ impl Graph {
     /// into three, without the slices, and its gradient is one tensor of `qkv`'s shape.
     pub fn attention_packed(&mut self, qkv: Tensor, heads: usize, causal: bool) -> Result<Tensor> {
         let op = "attention";
-        let dt = self.expect_float(op, &[qkv])?;
+        // a bf16 qkv (Graph::linear_for_attention): the outputs in the graph's f32
+        let dt = match self.expect_float(op, &[qkv])? {
+            DType::Bf16 => self.expect_bf16_attention_input(op, qkv)?,
+            dt => dt,
+        };
         self.expect_rank(op, qkv, 3, "packed q, k, v")?;
         let d = self.shape(qkv).dims().to_vec();
         if !d[2].is_multiple_of(3) {

@@ -13,7 +13,7 @@ pub mod partition;
 pub use autodiff::{Grad, Gradients};
 pub use dtype::{DType, Shape};
 pub use error::{GraphError, Result};
-pub use graph::{Graph, Loss, Node, NodeId, Phase, Tensor, TensorInfo};
+pub use graph::{Graph, Loss, Node, NodeId, Phase, Tensor, TensorInfo, ATTENTION_BF16_MAX_SEQ};
 pub use op::{Init, Leaf, Op};
 pub use optim::{DenseOptimizer, OptimizerConfig, Updates};
 pub use partition::{partition, BackwardProgram, Partition};

@@ -98,3 +98,41 @@ fn loss_must_be_a_scalar() {
     assert!(g.loss(m, f64::NAN).is_err());
     g.loss(m, 1.0).unwrap();
 }
+
+#[test]
+fn a_projection_for_attention_is_stored_in_bf16_only_where_the_attention_reads_it() {
+    let mut g = Graph::new(DType::F32);
+    g.set_bf16_copies(Some(0));
+    let x = g.input("x", &[8, 27, 64], DType::F32).unwrap();
+    let w = g
+        .param("qkv.weight", &[192, 64], erase_graph::Init::Zeros)
+        .unwrap();
+    let qkv = g.linear_for_attention(x, w, None).unwrap();
+    assert_eq!(g.dtype(qkv), DType::Bf16);
+    let a = g.attention_packed(qkv, 2, false).unwrap();
+    assert_eq!(
+        g.dtype(a),
+        DType::F32,
+        "the attention's output is the graph's f32"
+    );
+    // past the fused kernels' one tile, or without copies: the f32 layer
+    let long = g.input("long", &[2, 65, 64], DType::F32).unwrap();
+    let qkv = g.linear_for_attention(long, w, None).unwrap();
+    assert_eq!(g.dtype(qkv), DType::F32);
+    let mut plain = Graph::new(DType::F32);
+    let x = plain.input("x", &[8, 27, 64], DType::F32).unwrap();
+    let w = plain
+        .param("qkv.weight", &[192, 64], erase_graph::Init::Zeros)
+        .unwrap();
+    let qkv = plain.linear_for_attention(x, w, None).unwrap();
+    assert_eq!(plain.dtype(qkv), DType::F32);
+    // a bf16 q, k, v of a longer sequence is refused, naming the node and the limit
+    let q = plain.input("q16", &[2, 65, 192], DType::Bf16).unwrap();
+    let e = plain.attention_packed(q, 2, false).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, GraphError::DType { .. }), "{e:?}");
+    assert!(
+        msg.contains("attention") && msg.contains("q16") && msg.contains("at most 64"),
+        "{msg}"
+    );
+}

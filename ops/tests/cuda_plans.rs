@@ -718,3 +718,112 @@ fn the_interaction_stages_a_few_examples_a_small_cta() {
     let p = plan(&Op::PairwiseDot, &[(&[3, 200, 4], F)], &[(&[3, 19900], F)]).unwrap();
     assert_eq!(kernels(&p), ["pairwise_dot_fwd_gmem"]);
 }
+
+#[test]
+fn a_packed_qkv_stored_in_bf16_is_written_and_read_as_it_is() {
+    const B: DType = DType::Bf16;
+    // AutoInt's projection (4096 x 27 rows, 64 -> 192) stored in bf16: the tall kernel's
+    // bf16 store, no cast launch
+    let rows = 4096 * 27;
+    let lin = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let p = plan(
+        &lin,
+        &[(&[rows, 64], F), (&[192, 64], F), (&[192], F)],
+        &[(&[rows, 192], B)],
+    )
+    .unwrap();
+    assert_eq!(kernels(&p), ["gemm_tall_n192_c_bo"]);
+    assert!(p.calls[0].args.contains(&KArg::Out(0)));
+    // too few rows for the tall kernels: f32 C into scratch, then one cast into the output
+    let p = plan(
+        &lin,
+        &[(&[512, 64], F), (&[192, 64], F), (&[192], F)],
+        &[(&[512, 192], B)],
+    )
+    .unwrap();
+    let ks = kernels(&p);
+    assert!(ks.len() >= 2 && !ks[0].ends_with("_bo"), "{ks:?}");
+    assert!(p.calls[..ks.len() - 1]
+        .iter()
+        .all(|c| !c.args.contains(&KArg::Out(0))));
+    assert!(p.calls[ks.len() - 1].args.contains(&KArg::Out(0)));
+    assert_eq!(p.scratch, [512 * 192 * 4]);
+    // a bf16 input and a bf16 output together are no layer Erase makes
+    assert!(plan(
+        &lin,
+        &[(&[rows, 64], B), (&[192, 64], F), (&[192], F)],
+        &[(&[rows, 192], B)],
+    )
+    .is_err());
+
+    // the attention reads it in place: k and v 2·H·Dh and 4·H·Dh bytes into qkv
+    let (b, h, dh) = (4096, 2, 32);
+    let w = h * dh;
+    let att = |packed| Op::Attention {
+        heads: h,
+        causal: false,
+        packed,
+    };
+    let grad = Op::AttentionGrad {
+        heads: h,
+        causal: false,
+        packed: true,
+    };
+    for (s, fwd, bwd) in [
+        (
+            27,
+            "attn_fwd_tiny_packed_bi_d32",
+            "attn_bwd_tiny_packed_bi_bo_d32",
+        ),
+        (
+            64,
+            "attn_fwd_packed_bi_d32",
+            "attn_bwd_small_packed_bi_bo_d32",
+        ),
+    ] {
+        let qkv: &[usize] = &[b, s, 3 * w];
+        let o: &[usize] = &[b, s, w];
+        let lse: &[usize] = &[b, h, s];
+        let p = plan(&att(true), &[(qkv, B)], &[(o, F), (lse, F)]).unwrap();
+        assert_eq!(kernels(&p), [fwd], "S = {s}");
+        assert_eq!(
+            p.calls[0].args[..3],
+            [
+                KArg::In(0),
+                KArg::InAt(0, 2 * w as u64),
+                KArg::InAt(0, 4 * w as u64)
+            ]
+        );
+        let p = plan(&grad, &[(o, F), (qkv, B), (o, F), (lse, F)], &[(qkv, B)]).unwrap();
+        assert_eq!(kernels(&p), [bwd], "S = {s}");
+        assert_eq!(p.calls[0].args[2], KArg::InAt(1, 2 * w as u64));
+        assert_eq!(p.calls[0].args[7], KArg::OutAt(0, 2 * w as u64));
+        // an f32 dqkv from a bf16 qkv
+        let p = plan(&grad, &[(o, F), (qkv, B), (o, F), (lse, F)], &[(qkv, F)]).unwrap();
+        assert_eq!(kernels(&p), [bwd.replace("_bo", "").as_str()], "S = {s}");
+        assert_eq!(p.calls[0].args[7], KArg::OutAt(0, 4 * w as u64));
+    }
+    // past one tile the staged kernels round f32 q, k, v themselves: a bf16 qkv is refused
+    let err = plan(
+        &att(true),
+        &[(&[2, 65, 3 * w], B)],
+        &[(&[2, 65, w], F), (&[2, h, 65], F)],
+    )
+    .unwrap_err();
+    assert!(err.contains("at most 64"), "{err}");
+    // only q, k, v may be bf16
+    assert!(plan(
+        &grad,
+        &[
+            (&[2, 27, w], B),
+            (&[2, 27, 3 * w], B),
+            (&[2, 27, w], F),
+            (&[2, h, 27], F)
+        ],
+        &[(&[2, 27, 3 * w], B)],
+    )
+    .is_err());
+}

@@ -738,7 +738,8 @@ fn autoint(g: &mut Graph, e: Tensor, p: &AutoIntParams, cfg: &CtrConfig) -> Resu
     let mut x = e;
     for l in 0..p.qkv.len() {
         // columns [3][heads][head_dim], as the anchor's .view(B, F, 3, heads, dh)
-        let qkv = linear(g, x, p.qkv[l])?;
+        // (in bf16 where the attention reads it as it is: Graph::linear_for_attention)
+        let qkv = g.linear_for_attention(x, p.qkv[l].w, p.qkv[l].b)?;
         // q, k, v read in place from the projection: head h in columns h·dh..(h+1)·dh of
         // each third of qkv, and of the output
         let a = g.attention_packed(qkv, cfg.heads, false)?;

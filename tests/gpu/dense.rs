@@ -872,6 +872,7 @@ fn check_packed_attention(
     );
     assert_eq!(bits(&got[0]), bits(&want[0]), "{name}: o");
     assert_eq!(bits(&got[1]), bits(&want[1]), "{name}: lse");
+    let fwd = got;
 
     let o32: Vec<f32> = o_ref.iter().map(|&x| x as f32).collect();
     let lse32: Vec<f32> = lse_ref.iter().map(|&x| x as f32).collect();
@@ -919,7 +920,12 @@ fn check_packed_attention(
     let got16 = run_gpu(
         dev,
         &grad_op(true),
-        &[d_o, arg(&packed_shape, Buffer::F32(qkv.clone())), o, lse],
+        &[
+            d_o,
+            arg(&packed_shape, Buffer::F32(qkv.clone())),
+            o.clone(),
+            lse.clone(),
+        ],
         &[(&packed_shape, DType::Bf16)],
         &mut [],
     );
@@ -932,6 +938,59 @@ fn check_packed_attention(
             "{name}: bf16 dqkv[{i}] = {} against the f32 one rounded, {}",
             got16[0].to_f64()[i],
             want16.to_f64()[i]
+        );
+    }
+
+    // qkv stored in bf16 (Graph::linear_for_attention; S ≤ 64): the `_bi` kernels read the
+    // values the f32 kernels round to, so every output has the f32 qkv's bits (o, lse;
+    // dqkv in f32 and in bf16), from poisoned outputs
+    if g.s <= 64 {
+        let qkv16 = Buffer::from_f64(
+            DType::Bf16,
+            &qkv.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+        );
+        let fwd16 = run_gpu(
+            dev,
+            &op(true),
+            &[arg(&packed_shape, qkv16.clone())],
+            &outs,
+            &mut [],
+        );
+        assert_eq!(bits(&fwd16[0]), bits(&fwd[0]), "{name}: o from a bf16 qkv");
+        assert_eq!(
+            bits(&fwd16[1]),
+            bits(&fwd[1]),
+            "{name}: lse from a bf16 qkv"
+        );
+        let ins16 = [
+            arg(&shape, Buffer::F32(d.d_o.clone())),
+            arg(&packed_shape, qkv16),
+            o.clone(),
+            lse.clone(),
+        ];
+        let got32 = run_gpu(
+            dev,
+            &grad_op(true),
+            &ins16,
+            &[(&packed_shape, DType::F32)],
+            &mut [],
+        );
+        assert_eq!(
+            bits(&got32[0]),
+            bits(&got[0]),
+            "{name}: f32 dqkv from a bf16 qkv"
+        );
+        let got_bo = run_gpu(
+            dev,
+            &grad_op(true),
+            &ins16,
+            &[(&packed_shape, DType::Bf16)],
+            &mut [],
+        );
+        assert_eq!(
+            got_bo[0].bytes(),
+            got16[0].bytes(),
+            "{name}: bf16 dqkv from a bf16 qkv"
         );
     }
 
@@ -1149,6 +1208,56 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
         let (want, tol) = gemm_ref((batch, m, n, k), &av, ta, &bv, tb, None);
         let what = format!("pipelined matmul ta {ta} tb {tb} {ashape:?} x {bshape:?}");
         assert_within(&what, &got[0].to_f64(), &want, &tol);
+    }
+}
+
+/// A linear layer stored in bf16 (`Graph::linear_for_attention`: AutoInt's QKV projection):
+/// the tall kernels' `_bo` store, and elsewhere f32 C and a cast, give the layer's f32
+/// output (itself checked against the bf16 reference) rounded to nearest even, bit for bit,
+/// from poisoned outputs: AutoInt's shape, a ragged N (scalar stores) with a ReLU, and a
+/// layer too short for the tall kernels.
+#[test]
+fn a_linear_stored_in_bf16_is_its_f32_output_rounded() {
+    let Some(dev) = device("a_linear_stored_in_bf16_is_its_f32_output_rounded") else {
+        return;
+    };
+    for (i, &(m, n, k, relu)) in [
+        (4096usize * 27, 192usize, 64usize, false),
+        (40_001, 98, 40, true),
+        (512, 192, 64, false),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 1300 + 10 * i as u64;
+        let xv = rand_f32(seed, m * k, -1.0, 1.0);
+        let wv = rand_f32(seed + 1, n * k, -1.0, 1.0);
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let ins = [
+            arg(&[m, k], Buffer::F32(xv.clone())),
+            arg(&[n, k], Buffer::F32(wv.clone())),
+            b,
+        ];
+        let op = Op::Linear { bias: true, relu };
+        let what = format!("linear {m}x{n}x{k} relu {relu} stored in bf16");
+        let wide = run_gpu(dev, &op, &ins, &[(&[m, n], DType::F32)], &mut []);
+        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+        let want: Vec<f64> = relu_if(relu, &want);
+        assert_within(&what, &wide[0].to_f64(), &want, &tol);
+        let got = run_gpu(dev, &op, &ins, &[(&[m, n], DType::Bf16)], &mut []);
+        assert_eq!(got[0].dtype(), DType::Bf16, "{what}");
+        let rounded = Buffer::from_f64(DType::Bf16, &wide[0].to_f64());
+        if let Some(e) = (0..m * n)
+            .find(|&e| got[0].bytes()[2 * e..2 * e + 2] != rounded.bytes()[2 * e..2 * e + 2])
+        {
+            panic!(
+                "{what}: [{}, {}] = {} against the f32 output rounded, {}",
+                e / n,
+                e % n,
+                got[0].to_f64()[e],
+                rounded.to_f64()[e]
+            );
+        }
     }
 }
 

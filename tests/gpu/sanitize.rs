@@ -70,6 +70,23 @@ fn sanitize_gemm() {
         let c = run_cpu(&op, &ins, &outs, &mut []);
         close(&format!("linear_add {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
     }
+    // a linear layer stored in bf16: the tall kernel's `_bo` store (its fewest rows, a
+    // ragged N: scalar stores), and f32 C into scratch and a cast elsewhere
+    for (m, n, k) in [(34_000, 30, 8), (33, 17, 13)] {
+        let ins = vec![
+            arg(&[m, k], Buffer::F32(rand_f32(14, m * k, -1.0, 1.0))),
+            arg(&[n, k], Buffer::F32(rand_f32(15, n * k, -1.0, 1.0))),
+            arg(&[n], Buffer::F32(rand_f32(16, n, -1.0, 1.0))),
+        ];
+        let outs: [(&[usize], DType); 1] = [(&[m, n], DType::Bf16)];
+        let op = Op::Linear {
+            bias: true,
+            relu: true,
+        };
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(&format!("linear {m}x{n}x{k} in bf16"), &g[0], &c[0], 2e-2);
+    }
     // a bf16 dy read as it is: the single-launch `_a16` kernels (dx, and dw with the bias
     // gradient), and the tall one (its fewest rows, K a multiple of 8)
     for (m, n, k) in [(33, 17, 13), (130, 65, 129), (34_000, 16, 8)] {
@@ -245,6 +262,35 @@ fn sanitize_attention() {
         let g = run_gpu(dev, &bop, &bins, &bouts, &mut []);
         let c = run_cpu(&bop, &bins, &bouts, &mut []);
         close("packed attention dqkv in bf16", &g[0], &c[0], 5e-2);
+        // qkv stored in bf16 (one tile: the `_bi` kernels), dqkv in bf16 and in f32
+        if s <= 64 {
+            let v: Vec<f64> = rand_f32(5, b * s * 3 * w, -1.0, 1.0)
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            let qkv16 = arg(&[b, s, 3 * w], Buffer::from_f64(DType::Bf16, &v));
+            let ins = vec![qkv16.clone()];
+            let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+            let c = run_cpu(&op, &ins, &outs, &mut []);
+            close("packed attention o, bf16 qkv", &g[0], &c[0], 3e-2);
+            let bins = vec![
+                x(4),
+                qkv16,
+                arg(&[b, s, w], c[0].clone()),
+                arg(&[b, h, s], c[1].clone()),
+            ];
+            for dt in [DType::Bf16, DType::F32] {
+                let bouts: [(&[usize], DType); 1] = [(&[b, s, 3 * w], dt)];
+                let g = run_gpu(dev, &bop, &bins, &bouts, &mut []);
+                let c = run_cpu(&bop, &bins, &bouts, &mut []);
+                close(
+                    &format!("packed attention dqkv ({dt}), bf16 qkv"),
+                    &g[0],
+                    &c[0],
+                    5e-2,
+                );
+            }
+        }
     }
 }
 

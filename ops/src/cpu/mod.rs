@@ -187,6 +187,14 @@ pub fn execute(
         outs[1] = cast(&outs[0], DType::Bf16);
         return Ok(());
     }
+    if matches!(call.op, Op::Linear { .. }) && outs.len() == 1 && outs[0].dtype() == DType::Bf16 {
+        // a linear layer stored in bf16 (Graph::linear_for_attention): the f32 output, rounded
+        let mut wide = [Buffer::F32(vec![0.0; outs[0].len()])];
+        execute(call, ins, &mut wide, upd)?;
+        let [y] = wide;
+        outs[0] = cast(&y, DType::Bf16);
+        return Ok(());
+    }
     if matches!(call.op, Op::LayerNormGrad) && outs.len() == 5 {
         // dx a linear layer's dy: its bf16 copy and its column sums beside it
         let call0 = call.first_outputs(3);
@@ -249,10 +257,15 @@ pub fn execute(
     }
     if matches!(
         call.op,
-        Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. }
+        Op::Linear { .. }
+            | Op::LinearGradInput { .. }
+            | Op::LinearGradWeight { .. }
+            | Op::Attention { packed: true, .. }
+            | Op::AttentionGrad { packed: true, .. }
     ) && ins.iter().any(|b| b.dtype() == DType::Bf16)
     {
-        // bf16 copies of GEMM operands (RoundBf16's outputs): the same values in f32
+        // bf16 copies of GEMM operands (RoundBf16's outputs), or a packed q, k, v stored in
+        // bf16 (Graph::linear_for_attention): the same values in f32
         let wide: Vec<Option<Buffer>> = ins
             .iter()
             .map(|b| (b.dtype() == DType::Bf16).then(|| cast(b, DType::F32)))

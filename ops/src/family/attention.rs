@@ -157,6 +157,18 @@ pub(crate) mod cuda {
         "attn_bwd_small_packed_bo_d64",
         "attn_bwd_tiny_packed_bo_d32",
         "attn_bwd_tiny_packed_bo_d64",
+        "attn_fwd_packed_bi_d32",
+        "attn_fwd_packed_bi_d64",
+        "attn_fwd_tiny_packed_bi_d32",
+        "attn_fwd_tiny_packed_bi_d64",
+        "attn_bwd_small_packed_bi_d32",
+        "attn_bwd_small_packed_bi_d64",
+        "attn_bwd_tiny_packed_bi_d32",
+        "attn_bwd_tiny_packed_bi_d64",
+        "attn_bwd_small_packed_bi_bo_d32",
+        "attn_bwd_small_packed_bi_bo_d64",
+        "attn_bwd_tiny_packed_bi_bo_d32",
+        "attn_bwd_tiny_packed_bi_bo_d64",
     ];
 
     /// Sequences up to this long use the attention kernels of 32-row tiles, two heads a CTA
@@ -386,8 +398,14 @@ pub(crate) mod cuda {
         causal: bool,
         packed: bool,
     ) -> Result<CudaPlan, String> {
+        // a packed qkv in bf16 (its projection stored it so): the fused kernels' `_bi` forms
+        let bf16_in = packed && o.in_dtypes == [DType::Bf16];
         if packed {
-            check_f32(o, 1, 2)?;
+            let checked = Operands {
+                in_dtypes: if bf16_in { &[DType::F32] } else { o.in_dtypes },
+                ..*o
+            };
+            check_f32(&checked, 1, 2)?;
         } else {
             check_f32(o, 3, 2)?;
             same_shapes(o, &[0, 1, 2], "q, k and v differ")?;
@@ -395,6 +413,32 @@ pub(crate) mod cuda {
         let a = Attn::new(o.ins[0], heads, packed)?;
         if a.empty() {
             return Ok(CudaPlan::default());
+        }
+        if bf16_in {
+            if a.staged() {
+                return Err(format!(
+                    "a bf16 q, k, v needs a sequence of at most {ATTN_STAGED_S}, got {}",
+                    a.s
+                ));
+            }
+            let mut args = a.three_of(KArg::In, KArg::InAt, 0, 2).to_vec();
+            args.extend([KArg::Out(0), KArg::Out(1)]);
+            args.extend(a.tail(causal));
+            let stem = if a.tiny() {
+                "attn_fwd_tiny_packed_bi"
+            } else {
+                "attn_fwd_packed_bi"
+            };
+            return Ok(CudaPlan {
+                calls: vec![KernelCall {
+                    kernel: a.kernel_d(stem)?,
+                    grid: a.grid(),
+                    block: [128, 1, 1],
+                    smem: 0,
+                    args,
+                }],
+                scratch: vec![],
+            });
         }
         if a.staged() {
             let mut args: Vec<KArg> = (0..3).map(KArg::Scratch).collect();
@@ -440,20 +484,28 @@ pub(crate) mod cuda {
     ) -> Result<CudaPlan, String> {
         // a packed dqkv in bf16: the projection's GEMMs read it (see the autodiff rule)
         let bf16_out = packed && o.out_dtypes == [DType::Bf16];
+        // a packed qkv in bf16 (its projection stored it so): the fused kernels' `_bi` forms
+        let bf16_in = packed && o.in_dtypes.get(1) == Some(&DType::Bf16);
+        // (the other inputs f32, as check_f32 sees them with qkv's type set aside)
+        let mut in_dtypes = o.in_dtypes.to_vec();
+        if bf16_in {
+            in_dtypes[1] = DType::F32;
+        }
         // input positions of o and lse
         let (io, il) = if packed {
-            if bf16_out {
-                check_f32(
-                    &Operands {
-                        out_dtypes: &[DType::F32],
-                        ..*o
+            check_f32(
+                &Operands {
+                    out_dtypes: if bf16_out {
+                        &[DType::F32]
+                    } else {
+                        o.out_dtypes
                     },
-                    4,
-                    1,
-                )?;
-            } else {
-                check_f32(o, 4, 1)?;
-            }
+                    in_dtypes: &in_dtypes,
+                    ..*o
+                },
+                4,
+                1,
+            )?;
             if o.ins[0] != o.ins[2] {
                 return Err(format!("do {} and o {} differ", o.ins[0], o.ins[2]));
             }
@@ -473,7 +525,13 @@ pub(crate) mod cuda {
         if a.empty() {
             return Ok(CudaPlan::default());
         }
-        let qkv = a.three(KArg::In, KArg::InAt, 1);
+        if bf16_in && a.staged() {
+            return Err(format!(
+                "a bf16 q, k, v needs a sequence of at most {ATTN_STAGED_S}, got {}",
+                a.s
+            ));
+        }
+        let qkv = a.three_of(KArg::In, KArg::InAt, 1, if bf16_in { 2 } else { 4 });
         if !a.staged() {
             // one tile of queries and keys: D, dk, dv and dq in one CTA per (batch, head)
             let [dq, dk, dv] = a.three_of(KArg::Out, KArg::OutAt, 0, if bf16_out { 2 } else { 4 });
@@ -486,10 +544,11 @@ pub(crate) mod cuda {
             } else {
                 "attn_bwd_small"
             };
-            let kernel = if bf16_out {
-                a.kernel_d(&format!("{stem}_packed_bo"))?
-            } else {
-                a.kernel(stem)?
+            let kernel = match (bf16_in, bf16_out) {
+                (true, true) => a.kernel_d(&format!("{stem}_packed_bi_bo"))?,
+                (true, false) => a.kernel_d(&format!("{stem}_packed_bi"))?,
+                (false, true) => a.kernel_d(&format!("{stem}_packed_bo"))?,
+                (false, false) => a.kernel(stem)?,
             };
             return Ok(CudaPlan {
                 calls: vec![KernelCall {

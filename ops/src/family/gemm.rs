@@ -198,6 +198,10 @@ pub(crate) mod cuda {
         "gemm_tall_n128_c_a16",
         "gemm_tall_n192_c_a16",
         "gemm_tall_n256_c_a16",
+        "gemm_tall_n64_c_bo",
+        "gemm_tall_n128_c_bo",
+        "gemm_tall_n192_c_bo",
+        "gemm_tall_n256_c_bo",
     ];
 
     /// The GEMM kernels' k step; a split's K range is a multiple of it.
@@ -304,6 +308,10 @@ pub(crate) mod cuda {
         /// A residual of C's layout added after the bias (LinearAdd): by the tall kernels'
         /// store, else by an add launch after the GEMM (which then writes to scratch).
         residual: Option<KArg>,
+        /// C itself is bf16 (a linear layer stored in bf16, `Graph::linear_for_attention`):
+        /// the tall kernels' `_c_bo` form stores it so, any other path writes f32 C to
+        /// scratch and casts it after the GEMM.
+        out_bf16: bool,
         /// The paths and the device the plan is for.
         opts: PlanOptions,
     }
@@ -355,6 +363,33 @@ pub(crate) mod cuda {
 
     fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         let mut plan = gemm_any(&g)?;
+        // a bf16 C: the tall kernels' `_bo` form stores it (a launch names Out(0) and is
+        // one); any other path writes f32 C to scratch and casts it in a launch of its own
+        if g.out_bf16 {
+            if g.residual.is_some() || g.copy.is_some() || g.mask.is_some() {
+                return Err("a GEMM stored in bf16 has no residual, copy or mask".into());
+            }
+            let stored = plan.calls.iter().any(|c| c.kernel.ends_with("_bo"));
+            if !stored && !plan.calls.is_empty() {
+                let tmp = KArg::Scratch(plan.scratch.len());
+                let count = g.batch * g.m * g.n;
+                plan.scratch.push(count * 4);
+                for c in &mut plan.calls {
+                    for a in &mut c.args {
+                        if *a == KArg::Out(0) {
+                            *a = tmp;
+                        }
+                    }
+                }
+                plan.calls
+                    .push(crate::cuda::elementwise::cast_f32_bf16_call(
+                        tmp,
+                        KArg::Out(0),
+                        count,
+                    ));
+            }
+            return Ok(plan);
+        }
         // the residual: the tall kernels add it as they store C (a launch names it); any
         // other path writes C to scratch and adds it in a launch of its own
         if let Some(r) = g.residual {
@@ -557,27 +592,47 @@ pub(crate) mod cuda {
     /// The tall kernels: the most columns each covers, the CTAs an SM holds by their
     /// registers (their launch bounds), and the kernels storing through shared memory (a
     /// float4 a lane, whole 128-byte rows) and straight from the fragments.
-    /// The last: the coalesced kernel reading a bf16 A.
-    const TALL_KERNELS: [(usize, usize, [&str; 3]); 4] = [
+    /// Then the coalesced kernel reading a bf16 A, and the one storing a bf16 C.
+    const TALL_KERNELS: [(usize, usize, [&str; 4]); 4] = [
         (
             64,
             3,
-            ["gemm_tall_n64_c", "gemm_tall_n64", "gemm_tall_n64_c_a16"],
+            [
+                "gemm_tall_n64_c",
+                "gemm_tall_n64",
+                "gemm_tall_n64_c_a16",
+                "gemm_tall_n64_c_bo",
+            ],
         ),
         (
             128,
             2,
-            ["gemm_tall_n128_c", "gemm_tall_n128", "gemm_tall_n128_c_a16"],
+            [
+                "gemm_tall_n128_c",
+                "gemm_tall_n128",
+                "gemm_tall_n128_c_a16",
+                "gemm_tall_n128_c_bo",
+            ],
         ),
         (
             192,
             2,
-            ["gemm_tall_n192_c", "gemm_tall_n192", "gemm_tall_n192_c_a16"],
+            [
+                "gemm_tall_n192_c",
+                "gemm_tall_n192",
+                "gemm_tall_n192_c_a16",
+                "gemm_tall_n192_c_bo",
+            ],
         ),
         (
             256,
             2,
-            ["gemm_tall_n256_c", "gemm_tall_n256", "gemm_tall_n256_c_a16"],
+            [
+                "gemm_tall_n256_c",
+                "gemm_tall_n256",
+                "gemm_tall_n256_c_a16",
+                "gemm_tall_n256_c_bo",
+            ],
         ),
     ];
     /// Shared memory of the coalesced store: [16][40] f32 for each of the 8 warps (and the
@@ -613,8 +668,18 @@ pub(crate) mod cuda {
         };
         // `gemm_tall_store_direct` stores from the fragments (a way to compare; f32 A, no
         // residual)
-        let direct = !g.a_bf16 && g.residual.is_none() && g.opts.gemm_tall_store_direct;
-        let kernel = kernels[if g.a_bf16 { 2 } else { usize::from(direct) }];
+        let direct =
+            !g.a_bf16 && !g.out_bf16 && g.residual.is_none() && g.opts.gemm_tall_store_direct;
+        if g.out_bf16 && (g.a_bf16 || g.mask.is_some() || g.residual.is_some()) {
+            return Ok(None);
+        }
+        let kernel = kernels[if g.out_bf16 {
+            3
+        } else if g.a_bf16 {
+            2
+        } else {
+            usize::from(direct)
+        }];
         let kp = g.k.next_multiple_of(32);
         let a_size = if g.a_bf16 { 2 } else { 4 };
         let smem = 2 * 64 * (kp + 8) * a_size
@@ -1310,11 +1375,21 @@ pub(crate) mod cuda {
         residual: bool,
     ) -> Result<CudaPlan, String> {
         let nb = usize::from(bias);
-        // `[y]`, or `[y, bf16(y)]`: the copy a later GEMM reads, from the same epilogue
+        // `[y]`, or `[y, bf16(y)]`: the copy a later GEMM reads, from the same epilogue;
+        // or `[y]` in bf16 alone (Graph::linear_for_attention), of f32 operands
         let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
-        let bf16_ok: &[usize] = if residual { &[] } else { &[0, 1] };
+        let out_bf16 = !residual && o.out_dtypes == [DType::Bf16];
+        let bf16_ok: &[usize] = if residual || out_bf16 { &[] } else { &[0, 1] };
         let ins = 2 + nb + usize::from(residual);
-        let bf16 = check_gemm_operands(o, ins, 1 + usize::from(copy), bf16_ok)?;
+        let checked = Operands {
+            out_dtypes: if out_bf16 {
+                &[DType::F32]
+            } else {
+                o.out_dtypes
+            },
+            ..*o
+        };
+        let bf16 = check_gemm_operands(&checked, ins, 1 + usize::from(copy), bf16_ok)?;
         let (n, k) = matrix(o.ins[1], "the weight")?;
         if o.ins[0].last() != k {
             return Err(format!(
@@ -1358,6 +1433,7 @@ pub(crate) mod cuda {
             b_bf16: bf16[1],
             copy: copy.then_some(KArg::Out(1)),
             residual: residual.then_some(KArg::In(2 + nb)),
+            out_bf16,
         })
     }
 
@@ -1405,6 +1481,7 @@ pub(crate) mod cuda {
             b_bf16: bf16[1],
             copy: copy.then_some(KArg::Out(1)),
             residual: None,
+            out_bf16: false,
         })
     }
 
@@ -1444,6 +1521,7 @@ pub(crate) mod cuda {
             b_bf16: bf16[1],
             copy: None,
             residual: None,
+            out_bf16: false,
         };
         // db = dy's column sums: while the pipelined path rounds dyᵀ (at most 256 partials of
         // 64 rows for the second pass) or the single-launch kernel stages dy's tiles, else by
@@ -1521,6 +1599,7 @@ pub(crate) mod cuda {
             b_bf16: false,
             copy: None,
             residual: None,
+            out_bf16: false,
         })
     }
 }
