@@ -92,8 +92,9 @@ fn parse_ptxas(report: &str) -> Vec<Resources> {
 /// the bytes listed here still warns.
 /// The S <= 32 backward reading a bf16 q, k, v (Dh = 32) spills one value, stored once and
 /// reloaded once a thread (SASS: one STL, one LDL), at the 64 registers that let eight
-/// CTAs share an SM as the f32 form's do; at seven CTAs (72 registers, no spill) the
-/// H200 measured the kernel slower.
+/// CTAs share an SM as the f32 form's do. It measured 73.7 µs a layer on an H200 (the f32
+/// form 82.3); the first form, at seven CTAs (72 registers, no spill) and with its tile
+/// loads one at a time, 88.6 (BENCHMARKS.md, "This build's changes").
 const MEASURED_SPILLS: &[(&str, u32)] = &[
     ("attn_bwd_dkdv_st_d64", 72),
     ("attn_bwd_dkdv_st_d32", 20),
