@@ -749,6 +749,21 @@ __device__ __forceinline__ void gemm_tall_stage(__nv_bfloat16* dst, int ld, cons
     }
 }
 
+// Columns n .. n+3 of a bf16 row (`row` at its column 0): v rounded to nearest even, 8
+// bytes at once where `vec` allows and all four lie before N, else one at a time up to N.
+__device__ __forceinline__ void gemm_store4_bf16(__nv_bfloat16* __restrict__ row, int N, int n, const float (&v)[4],
+                                                 bool vec) {
+    if (vec && n + 3 < N) {
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+        *reinterpret_cast<uint2*>(row + n) =
+            make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (n + e < N) row[n + e] = __float2bfloat16_rn(v[e]);
+    }
+}
+
 // Columns n .. n+3 of row m of C (m < M): the epilogue of gemm_epilogue (bias, ReLU, the
 // ReLU gradient's mask read through `bias`) on v, then one float4 store where `vec` (C and
 // ldc allow it) and all four columns lie before N, else scalar stores up to N.
@@ -770,19 +785,20 @@ __device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* 
         for (int e = 0; e < 4; ++e)
             if (n + e < N) crow[n + e] = v[e];
     }
-    if constexpr (COPY) {
-        // the bf16 copy of C, as gemm_epilogue_as
-        __nv_bfloat16* brow = Cb + static_cast<long long>(m) * ldc;
-        if (vec && n + 3 < N) {
-            const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-            *reinterpret_cast<uint2*>(brow + n) =
-                make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
-        } else {
+    // the bf16 copy of C, as gemm_epilogue_as
+    if constexpr (COPY) gemm_store4_bf16(Cb + static_cast<long long>(m) * ldc, N, n, v, vec);
+}
+
+// C stored in bf16 only (a linear layer whose reader rounds its output to bf16 anyway,
+// Graph::linear_for_attention): the same f32 values, bias and ReLU applied, rounded to
+// nearest even; no mask.
+__device__ __forceinline__ void gemm_store4(__nv_bfloat16* __restrict__ C, const float* __restrict__ bias, int N,
+                                            long long ldc, int m, int n, float (&v)[4], int flags, bool vec) {
+    (void)bias;
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (n + e < N) brow[n + e] = __float2bfloat16_rn(v[e]);
-        }
-    }
+    for (int e = 0; e < 4; ++e)
+        if (flags & 2) v[e] = fmaxf(v[e], 0.f);
+    gemm_store4_bf16(C + static_cast<long long>(m) * ldc, N, n, v, vec);
 }
 
 // The coalesced store of a tall kernel's warp tile (rows row0 .. row0+15, columns col0 ..
@@ -792,28 +808,8 @@ __device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* 
 // rows x 32 bytes an instruction.
 // A bias (flags & 1) is read from `sbias`, the CTA's shared copy of bias[0 .. NMAX) (zero
 // past N), a float4 a lane, instead of four global loads per stored float4.
-// A residual (flags & 16: LinearAdd) is added after the bias, R of C's layout.
-// C stored in bf16 only (CT = __nv_bfloat16: a linear layer whose reader rounds its output
-// to bf16 anyway, Graph::linear_for_attention): the same f32 values, bias and ReLU applied,
-// rounded to nearest even, 8 bytes a lane; no mask.
-__device__ __forceinline__ void gemm_store4(__nv_bfloat16* __restrict__ C, const float* __restrict__ bias, int N,
-                                            long long ldc, int m, int n, float (&v)[4], int flags, bool vec) {
-    (void)bias;
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-        if (flags & 2) v[e] = fmaxf(v[e], 0.f);
-    __nv_bfloat16* crow = C + static_cast<long long>(m) * ldc;
-    if (vec && n + 3 < N) {
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-        *reinterpret_cast<uint2*>(crow + n) =
-            make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
-    } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            if (n + e < N) crow[n + e] = __float2bfloat16_rn(v[e]);
-    }
-}
-
+// A residual (flags & 16: LinearAdd) is added after the bias, R of C's layout. A bf16 C
+// (CT = __nv_bfloat16) is stored in bf16 only, 8 bytes a lane.
 template <int NI, typename CT = float>
 __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], float* stage, CT* __restrict__ C,
                                                 const float* __restrict__ bias, const float* sbias,

@@ -414,31 +414,11 @@ pub(crate) mod cuda {
         if a.empty() {
             return Ok(CudaPlan::default());
         }
-        if bf16_in {
-            if a.staged() {
-                return Err(format!(
-                    "a bf16 q, k, v needs a sequence of at most {ATTN_STAGED_S}, got {}",
-                    a.s
-                ));
-            }
-            let mut args = a.three_of(KArg::In, KArg::InAt, 0, 2).to_vec();
-            args.extend([KArg::Out(0), KArg::Out(1)]);
-            args.extend(a.tail(causal));
-            let stem = if a.tiny() {
-                "attn_fwd_tiny_packed_bi"
-            } else {
-                "attn_fwd_packed_bi"
-            };
-            return Ok(CudaPlan {
-                calls: vec![KernelCall {
-                    kernel: a.kernel_d(stem)?,
-                    grid: a.grid(),
-                    block: [128, 1, 1],
-                    smem: 0,
-                    args,
-                }],
-                scratch: vec![],
-            });
+        if bf16_in && a.staged() {
+            return Err(format!(
+                "a bf16 q, k, v needs a sequence of at most {ATTN_STAGED_S}, got {}",
+                a.s
+            ));
         }
         if a.staged() {
             let mut args: Vec<KArg> = (0..3).map(KArg::Scratch).collect();
@@ -452,14 +432,21 @@ pub(crate) mod cuda {
                 scratch: vec![a.bf16_bytes(); 3],
             });
         }
-        let mut args = a.three(KArg::In, KArg::InAt, 0).to_vec();
+        let mut args = a
+            .three_of(KArg::In, KArg::InAt, 0, if bf16_in { 2 } else { 4 })
+            .to_vec();
         args.extend([KArg::Out(0), KArg::Out(1)]);
         args.extend(a.tail(causal));
-        let kernel = a.kernel(if a.tiny() {
+        let stem = if a.tiny() {
             "attn_fwd_tiny"
         } else {
             "attn_fwd"
-        })?;
+        };
+        let kernel = if bf16_in {
+            a.kernel_d(&format!("{stem}_packed_bi"))?
+        } else {
+            a.kernel(stem)?
+        };
         Ok(CudaPlan {
             calls: vec![KernelCall {
                 kernel,

@@ -361,6 +361,22 @@ pub(crate) mod cuda {
         }
     }
 
+    /// Points the plan's launches at a new f32 scratch buffer of C's size instead of the
+    /// output (for a launch after them to finish C from it); returns it and C's elements.
+    fn c_to_scratch(plan: &mut CudaPlan, g: &Gemm) -> (KArg, usize) {
+        let tmp = KArg::Scratch(plan.scratch.len());
+        let count = g.batch * g.m * g.n;
+        plan.scratch.push(count * 4);
+        for c in &mut plan.calls {
+            for a in &mut c.args {
+                if *a == KArg::Out(0) {
+                    *a = tmp;
+                }
+            }
+        }
+        (tmp, count)
+    }
+
     fn gemm(g: Gemm) -> Result<CudaPlan, String> {
         let mut plan = gemm_any(&g)?;
         // a bf16 C: the tall kernels' `_bo` form stores it (a launch names Out(0) and is
@@ -371,16 +387,7 @@ pub(crate) mod cuda {
             }
             let stored = plan.calls.iter().any(|c| c.kernel.ends_with("_bo"));
             if !stored && !plan.calls.is_empty() {
-                let tmp = KArg::Scratch(plan.scratch.len());
-                let count = g.batch * g.m * g.n;
-                plan.scratch.push(count * 4);
-                for c in &mut plan.calls {
-                    for a in &mut c.args {
-                        if *a == KArg::Out(0) {
-                            *a = tmp;
-                        }
-                    }
-                }
+                let (tmp, count) = c_to_scratch(&mut plan, &g);
                 plan.calls
                     .push(crate::cuda::elementwise::cast_f32_bf16_call(
                         tmp,
@@ -397,16 +404,7 @@ pub(crate) mod cuda {
                 return Err("a GEMM with a residual writes no bf16 copy".into());
             }
             if !plan.calls.iter().any(|c| c.args.contains(&r)) {
-                let tmp = KArg::Scratch(plan.scratch.len());
-                let count = g.batch * g.m * g.n;
-                plan.scratch.push(count * 4);
-                for c in &mut plan.calls {
-                    for a in &mut c.args {
-                        if *a == KArg::Out(0) {
-                            *a = tmp;
-                        }
-                    }
-                }
+                let (tmp, count) = c_to_scratch(&mut plan, &g);
                 plan.calls.push(crate::cuda::elementwise::add_call(
                     tmp,
                     r,
