@@ -109,7 +109,10 @@ impl Bench<'_> {
                 vec![(Shape::new(&[m, n]), DType::F32)],
             ),
             "dx" => (
-                Op::LinearGradInput { relu_mask: false },
+                Op::LinearGradInput {
+                    relu_mask: false,
+                    residual: false,
+                },
                 vec![
                     (Shape::new(&[m, n]), rand(1, m * n, 1.0)),
                     (Shape::new(&[n, k]), rand(2, n * k, 0.1)),

@@ -350,8 +350,28 @@ fn the_ctr_step_uses_the_fused_forms() {
         assert!(count(&|o| matches!(o, Op::MulGrad)) >= 4);
         // a ReLU output that only the next linear reads gets its gradient's mask in that
         // linear's dx: a relu_grad is left only where the ReLU's output has other readers
-        let masked = count(&|o| matches!(o, Op::LinearGradInput { relu_mask: true }));
+        let masked = count(&|o| {
+            matches!(
+                o,
+                Op::LinearGradInput {
+                    relu_mask: true,
+                    residual: false
+                }
+            )
+        });
         assert!(masked >= 5, "{variant:?}: {masked} masked dx");
+        // a layer input with one other reader (the cross layers' x_l, read by the next
+        // layer's mul_add too): its two gradient contributions summed in the dx GEMM's
+        // epilogue, no grad_sum of its own
+        for l in 0..2 {
+            let sum = format!("cross/mul_add{l}.grad_sum");
+            assert!(
+                !g.nodes().iter().any(|n| n.name == sum),
+                "{variant:?}: '{sum}' is a pass of its own"
+            );
+        }
+        let summed = count(&|o| matches!(o, Op::LinearGradInput { residual: true, .. }));
+        assert!(summed >= 2, "{variant:?}: {summed} dx with a residual");
         for n in g.nodes() {
             if matches!(n.op, Op::ReluGrad) {
                 let y = n.inputs[1];

@@ -497,6 +497,46 @@ fn concat_with_several_consumers_differentiates_through_slice_sums() {
     );
 }
 
+/// A linear layer's input with one more reader after the layer: x's two contributions
+/// summed by the layer's data gradient (`LinearGradInput { residual }`), no `GradSum`;
+/// with its other reader before the layer (not yet differentiated when the layer is),
+/// the `GradSum` stays. Both against finite differences.
+#[test]
+fn a_linear_inputs_other_contribution_is_summed_in_its_data_gradient() {
+    let count = |g: &Graph, f: &dyn Fn(&Op) -> bool| g.nodes().iter().filter(|n| f(&n.op)).count();
+    for reader_first in [false, true] {
+        let build = |g: &mut Graph, r: &mut Rng| {
+            let x = param(g, r, "x", &[5, 4], 1.0);
+            let early = if reader_first {
+                Some(g.sigmoid(x).unwrap())
+            } else {
+                None
+            };
+            let y = g.linear(x, 3).unwrap();
+            let z = g.linear(y, 4).unwrap();
+            match early {
+                Some(e) => g.mul(z, e).unwrap(),
+                None => g.mul(z, x).unwrap(),
+            }
+        };
+        let mut g = Graph::new(DType::F64);
+        let y = build(&mut g, &mut Rng(7));
+        let loss = g.sum(y).unwrap();
+        g.loss(loss, 1.0).unwrap();
+        backward_with(&mut g, BackwardOptions::default()).unwrap();
+        let summed = count(&g, &|o| {
+            matches!(o, Op::LinearGradInput { residual: true, .. })
+        });
+        let sums = count(&g, &|o| matches!(o, Op::GradSum));
+        if reader_first {
+            assert_eq!((summed, sums), (0, 1), "a reader before the layer");
+        } else {
+            assert_eq!((summed, sums), (1, 0), "a reader after the layer");
+        }
+        check("linear_dx_residual", 91 + u64::from(reader_first), build);
+    }
+}
+
 #[test]
 fn shared_tensor_gradients_sum_over_consumers() {
     // x feeds three consumers: its gradient is one sum of three contributions.

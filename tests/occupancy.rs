@@ -211,12 +211,12 @@ fn the_model_orders_launches_that_contend_and_only_those() {
         (free.chosen_s - (free.off_s - free.priority_gain_s)).abs() < 1e-12,
         "{free:?}"
     );
-    // at 50 % (the greedy choice is not monotone in the cost: since the GEMM planner's
-    // bounds of 294e317 it keeps one constraint at 20 %, none at 30 %, two at 50 %)
-    let c = ctr_choice(0.5);
+    // at 80 % (the choice moves with the step's launches: since the data gradients sum
+    // their residuals in the GEMM epilogue it keeps none up to 60 %, one from 70 %)
+    let c = ctr_choice(0.8);
     assert!(
         !c.kept.is_empty(),
-        "launches that lose 50 % sharing the device, and no constraint kept"
+        "launches that lose 80 % sharing the device, and no constraint kept"
     );
     assert!(c.chosen_s < c.off_s * (1.0 - MIN_GAIN), "{c:?}");
     let gained: f64 = c.kept.iter().map(|k| k.gain_s).sum::<f64>() + c.priority_gain_s;
@@ -225,7 +225,7 @@ fn the_model_orders_launches_that_contend_and_only_those() {
         "the priorities' and the kept constraints' gains add up to the predicted gain: {c:?}"
     );
     // deterministic: the same choice again
-    assert_eq!(ctr_choice(0.5).kept, c.kept);
+    assert_eq!(ctr_choice(0.8).kept, c.kept);
     // on the H200, whose launches overlap usefully (measured), none
     let h200 = ctr_choice_with(erase::runtime::program::occupancy::H200_CONTENTION);
     assert!(h200.kept.is_empty(), "on the H200, yet {:?}", h200.kept);

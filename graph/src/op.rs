@@ -163,9 +163,13 @@ pub enum Op {
     /// }`'s output), `ReluGrad` folded into the product's epilogue. A second output
     /// `[.., dx_bf16]` (bf16) is dx's bf16 copy from the same pass: dx is the whole dy of a
     /// linear layer below with bf16 operand copies (`Graph::set_bf16_copies`), whose GEMMs
-    /// read the copy.
+    /// read the copy. With `residual`, a last input `r` of dx's shape: `dx = dy·w (⊙ mask) +
+    /// r`, rounded as the product then `Add`: x's whole gradient when the product and `r`
+    /// are its only two contributions (their `GradSum`, summed in the GEMM's epilogue where
+    /// the kernel can, no pass of its own over the three tensors).
     LinearGradInput {
         relu_mask: bool,
+        residual: bool,
     },
     /// `[dy, x] -> [dw]`: `dw = dyᵀ·x` summed over all rows (the weight gradient); with
     /// `bias`, `[dy, x] -> [dw, db]`, `db` the column sums of `dy` (as `SumToShape` gives

@@ -140,13 +140,19 @@ fn the_masked_input_gradient_flags_its_epilogue_and_checks_the_mask() {
     // the pipelined path; the mask's flag (8) lands on the launch that writes dx
     for (m, n, k) in [(64, 32, 48), (17, 1729, 40), (4096, 256, 1728)] {
         let masked = plan(
-            &Op::LinearGradInput { relu_mask: true },
+            &Op::LinearGradInput {
+                relu_mask: true,
+                residual: false,
+            },
             &[(&[m, n], F), (&[n, k], F), (&[m, k], F)],
             &[(&[m, k], F)],
         )
         .unwrap();
         let plain = plan(
-            &Op::LinearGradInput { relu_mask: false },
+            &Op::LinearGradInput {
+                relu_mask: false,
+                residual: false,
+            },
             &[(&[m, n], F), (&[n, k], F)],
             &[(&[m, k], F)],
         )
@@ -161,7 +167,10 @@ fn the_masked_input_gradient_flags_its_epilogue_and_checks_the_mask() {
         assert!(gemm_flags(&plain).iter().all(|f| f & 8 == 0));
     }
     let e = plan(
-        &Op::LinearGradInput { relu_mask: true },
+        &Op::LinearGradInput {
+            relu_mask: true,
+            residual: false,
+        },
         &[(&[8, 4], F), (&[4, 6], F), (&[8, 5], F)],
         &[(&[8, 6], F)],
     )
@@ -451,7 +460,10 @@ fn a_forced_pipelined_tile_is_taken_by_every_large_gemm() {
             [(&[4096, 3456], F)],
         ),
         (
-            Op::LinearGradInput { relu_mask: false },
+            Op::LinearGradInput {
+                relu_mask: false,
+                residual: false,
+            },
             [(&[4096, 512], F), (&[512, 3456], F)],
             [(&[4096, 3456], F)],
         ),

@@ -309,7 +309,10 @@ fn linear_grad_input_matches_the_bf16_reference() {
         let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
         let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
         let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
-        let op = Op::LinearGradInput { relu_mask: false };
+        let op = Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        };
         let got = run_gpu(dev, &op, &[dy.clone(), w.clone()], &outs, &mut []);
         let what = format!("linear_grad_input M {m} N {n} K {k}");
         assert_within(&what, &got[0].to_f64(), &want, &tol);
@@ -317,7 +320,10 @@ fn linear_grad_input_matches_the_bf16_reference() {
         let (_, yv) = f32_arg(&[m, k], seed + 2, -1.0, 1.0);
         let yv: Vec<f32> = yv.iter().map(|&v| v.max(0.0)).collect();
         let y = arg(&[m, k], Buffer::F32(yv.clone()));
-        let op = Op::LinearGradInput { relu_mask: true };
+        let op = Op::LinearGradInput {
+            relu_mask: true,
+            residual: false,
+        };
         let got = run_gpu(dev, &op, &[dy, w, y], &outs, &mut []);
         let masked: Vec<f64> = want
             .iter()
@@ -328,6 +334,73 @@ fn linear_grad_input_matches_the_bf16_reference() {
         assert_within(&format!("{what} masked"), &got, &masked, &tol);
         if let Some(i) = (0..got.len()).find(|&i| yv[i] <= 0.0 && got[i].to_bits() != 0) {
             panic!("{what} masked: dx[{i}] = {} where y = {}", got[i], yv[i]);
+        }
+    }
+}
+
+/// LinearGradInput with a residual (x's gradient, the product summed with x's other
+/// contribution in the GEMM's epilogue) is, bit for bit, the data gradient without it
+/// plus r in f32, from poisoned outputs: DCNv2's cross layer with an f32 and a bf16 dy
+/// (the pipelined 128x128 tile reading r through `bias`), a long K split in a cluster, a
+/// ragged width (scalar loads of r), a tall data gradient (the tall store's residual), the
+/// warp-specialized tile, and a small one (an add launch after the GEMM).
+#[test]
+fn a_data_gradient_with_a_residual_is_the_product_plus_the_residual() {
+    let Some(dev) = device("a_data_gradient_with_a_residual_is_the_product_plus_the_residual")
+    else {
+        return;
+    };
+    let ws = handle_with(erase::ops::cuda::PlanOptions {
+        gemm_ws: true,
+        ..dev.plan_options()
+    });
+    // (M, N, K) of dx[M,K] = dy[M,N]·w[N,K] + r, a bf16 dy, and the warp-specialized tile
+    let cases = [
+        (4096usize, 512usize, 3456usize, false, false),
+        (4096, 512, 3456, true, false),
+        (4096, 4096, 256, true, false),
+        (1000, 384, 1001, false, false),
+        (40_000, 64, 64, false, false),
+        (4096, 1728, 256, true, true),
+        (300, 64, 32, false, false),
+    ];
+    for (i, &(m, n, k, bf16_dy, warp_specialized)) in cases.iter().enumerate() {
+        let seed = 1500 + 10 * i as u64;
+        let dyv = rand_f32(seed, m * n, -1.0, 1.0);
+        let dy = if bf16_dy {
+            bf16_copy(&[m, n], &dyv)
+        } else {
+            arg(&[m, n], Buffer::F32(dyv))
+        };
+        let (w, _) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+        let (r, rv) = f32_arg(&[m, k], seed + 2, -4.0, 4.0);
+        let h = if warp_specialized { &ws } else { dev };
+        let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+        let plain = Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        };
+        let dx = run_gpu(h, &plain, &[dy.clone(), w.clone()], &outs, &mut []);
+        let summed = Op::LinearGradInput {
+            relu_mask: false,
+            residual: true,
+        };
+        let got = run_gpu(h, &summed, &[dy, w, r], &outs, &mut []);
+        let what = format!("linear_grad_input M {m} N {n} K {k} bf16 dy {bf16_dy} + r");
+        let want: Vec<u32> = f32s(&dx[0])
+            .iter()
+            .zip(&rv)
+            .map(|(&a, &b)| (a + b).to_bits())
+            .collect();
+        let got = bits(&got[0]);
+        if let Some(e) = (0..m * k).find(|&e| got[e] != want[e]) {
+            panic!(
+                "{what}: [{}, {}] = {} against dx + r = {}",
+                e / k,
+                e % k,
+                f32::from_bits(got[e]),
+                f32::from_bits(want[e])
+            );
         }
     }
 }
@@ -1139,7 +1212,10 @@ fn large_gemms_on_the_pipelined_path_match_the_bf16_reference() {
     let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
     let got = run_gpu(
         dev,
-        &Op::LinearGradInput { relu_mask: false },
+        &Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        },
         &[dy, w],
         &outs,
         &mut [],
@@ -1339,7 +1415,10 @@ fn check_linear_passes(
     let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
     let got = run_gpu(
         dev,
-        &Op::LinearGradInput { relu_mask: false },
+        &Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        },
         &[dy.clone(), w],
         &outs,
         &mut [],
@@ -1452,7 +1531,10 @@ fn a_bf16_dy_alone_matches_the_bf16_reference() {
         let dyv = rand_f32(seed, m * n, -1.0, 1.0);
         let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
         let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
-        let op = Op::LinearGradInput { relu_mask: false };
+        let op = Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        };
         let ins = [bf16_copy(&[m, n], &dyv), w];
         let got = run_gpu(dev, &op, &ins, &outs, &mut []);
         let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
@@ -1575,7 +1657,10 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
     let dyv = rand_f32(1310, m * n, -1.0, 1.0);
     let (w, wv) = f32_arg(&[n, k], 1311, -1.0, 1.0);
     let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
-    let op = Op::LinearGradInput { relu_mask: false };
+    let op = Op::LinearGradInput {
+        relu_mask: false,
+        residual: false,
+    };
     let got = run_gpu(dev, &op, &[bf16_copy(&[m, n], &dyv), w], &outs, &mut []);
     let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
     assert_within("linear_grad_input, bf16 dy", &got[0].to_f64(), &want, &tol);
@@ -1597,7 +1682,10 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
     let dyv = rand_f32(1343, m * n, -1.0, 1.0);
     let (y, yv) = f32_arg(&[m, k], 1344, -1.0, 1.0);
     let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
-    let op = Op::LinearGradInput { relu_mask: true };
+    let op = Op::LinearGradInput {
+        relu_mask: true,
+        residual: false,
+    };
     let ins = [bf16_copy(&[m, n], &dyv), bf16_copy(&[n, k], &wv), y];
     let got = run_gpu(dev, &op, &ins, &outs, &mut []);
     let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
@@ -1639,7 +1727,10 @@ fn bf16_copies_read_in_place_match_the_bf16_reference() {
         let wv = rand_f32(seed + 1, n * k, -1.0, 1.0);
         let ins = [bf16_copy(&[m, n], &dyv), bf16_copy(&[n, k], &wv)];
         let outs: [(&[usize], DType); 2] = [(&[m, k], DType::F32), (&[m, k], DType::Bf16)];
-        let op = Op::LinearGradInput { relu_mask: false };
+        let op = Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        };
         let got = run_gpu(dev, &op, &ins, &outs, &mut []);
         let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
         let what = format!("linear_grad_input {m}x{n} · {n}x{k} with its bf16 copy");
@@ -1824,7 +1915,10 @@ fn check_dx_on_copies(
     let wv = rand_f32(seed + 1, n * k, -1.0, 1.0);
     let ins = [bf16_copy(&[m, n], &dyv), bf16_copy(&[n, k], &wv)];
     let (want, tol) = gemm_ref((1, m, k, n), &dyv, false, &wv, false, None);
-    let op = Op::LinearGradInput { relu_mask: false };
+    let op = Op::LinearGradInput {
+        relu_mask: false,
+        residual: false,
+    };
     let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
     let got = run_gpu(dev, &op, &ins, &outs, &mut []);
     assert_within(what, &got[0].to_f64(), &want, &tol);

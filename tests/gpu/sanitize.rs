@@ -70,6 +70,34 @@ fn sanitize_gemm() {
         let c = run_cpu(&op, &ins, &outs, &mut []);
         close(&format!("linear_add {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
     }
+    // a data gradient with a residual: the pipelined 128x128 tile's epilogue reading r
+    // through `bias` (ragged: scalar loads past the last whole float4), whole and split in
+    // a cluster, and the tall store's
+    for (min_k, (m, n, k)) in [
+        (4096, (200, 130, 131)),
+        (64, (200, 192, 130)),
+        (4096, (34_000, 16, 8)),
+    ] {
+        let h = handle_with(PlanOptions {
+            gemm_pipe_min_flops: 0,
+            gemm_pipe_min_mn: 16,
+            gemm_pipe_min_k_per_split: min_k,
+            ..dev.plan_options()
+        });
+        let ins = vec![
+            arg(&[m, n], Buffer::F32(rand_f32(17, m * n, -1.0, 1.0))),
+            arg(&[n, k], Buffer::F32(rand_f32(18, n * k, -1.0, 1.0))),
+            arg(&[m, k], Buffer::F32(rand_f32(19, m * k, -1.0, 1.0))),
+        ];
+        let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+        let op = Op::LinearGradInput {
+            relu_mask: false,
+            residual: true,
+        };
+        let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(&format!("linear dx + r {m}x{n}x{k}"), &g[0], &c[0], 2e-2);
+    }
     // a linear layer stored in bf16: the tall kernel's `_bo` store (its fewest rows, a
     // ragged N: scalar stores), and f32 C into scratch and a cast elsewhere
     for (m, n, k) in [(34_000, 30, 8), (33, 17, 13)] {
@@ -99,7 +127,10 @@ fn sanitize_gemm() {
         };
         let w = arg(&[n, k], Buffer::F32(rand_f32(7, n * k, -1.0, 1.0)));
         let ins = vec![dy16(6), w];
-        let op = Op::LinearGradInput { relu_mask: false };
+        let op = Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        };
         let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
         let g = run_gpu(dev, &op, &ins, &outs, &mut []);
         let c = run_cpu(&op, &ins, &outs, &mut []);

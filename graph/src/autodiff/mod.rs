@@ -153,6 +153,45 @@ impl Builder<'_> {
         }
     }
 
+    /// The one gradient contribution `x` has besides the one node `id` (a linear layer
+    /// reading x, or `read`, a bf16 copy of it) is about to make, when it is final: every
+    /// other forward reader of x or of `read` comes after `id` in the graph, so the walk
+    /// (which goes backward) has taken its contribution already, and exactly one is
+    /// waiting, of `shape` and the graph's float type. It is taken from x: node `id`'s data
+    /// gradient adds it (`LinearGradInput { residual }`), the GEMM's epilogue summing what a
+    /// `GradSum` of the two would (a sum of two is the same in either order).
+    fn sole_other_contribution(
+        &mut self,
+        id: NodeId,
+        x: Tensor,
+        read: Tensor,
+        shape: &Shape,
+    ) -> Option<Tensor> {
+        let copy_maker = (read != x).then(|| self.g.info(read).producer);
+        let all_later = self.g.nodes().iter().all(|n| {
+            n.phase != Phase::Forward
+                || n.id >= id
+                || Some(n.id) == copy_maker
+                || !n.inputs.iter().any(|&t| t == x || t == read)
+        });
+        if !all_later {
+            return None;
+        }
+        let mut waiting = self.contribs[x.index()].clone();
+        if read != x {
+            waiting.extend(self.contribs[read.index()].iter().copied());
+        }
+        let [c] = waiting[..] else {
+            return None;
+        };
+        if self.g.shape(c.grad) != shape || self.g.dtype(c.grad) != self.g.float_dtype() {
+            return None;
+        }
+        self.contribs[x.index()].clear();
+        self.contribs[read.index()].clear();
+        Some(c.grad)
+    }
+
     /// The gradients of a concat's inputs when its output has several contributions:
     /// `SliceSum` of each needed input's window of them, in the order [`Self::total`]
     /// sums them, so the bits are those of the sum sliced.

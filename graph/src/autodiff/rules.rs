@@ -139,19 +139,30 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
                     && producer.outputs[0] == x
                     && b.g.dtype(producer.inputs[0]) == DType::Bf16
                     && (req[producer.inputs[0].index()] || req[producer.inputs[1].index()]);
+                let s = r.shape_of(b, 0);
+                // x's one other gradient contribution, final already: the GEMM's
+                // epilogue adds it, and x's gradient is this dx (no GradSum of the two)
+                let residual = if mask || below {
+                    None
+                } else {
+                    b.sole_other_contribution(id, x, ins[0], &s)
+                };
                 let mut inputs = vec![dy_gemm, ins[1]];
                 if mask {
                     inputs.push(x);
                     b.masked.insert(x);
                 }
-                let s = r.shape_of(b, 0);
+                inputs.extend(residual);
                 let f = b.g.float_dtype();
                 let mut outs = vec![(s.clone(), f)];
                 if below {
                     outs.push((s, DType::Bf16));
                 }
                 let dx = b.g.add_derived(
-                    Op::LinearGradInput { relu_mask: mask },
+                    Op::LinearGradInput {
+                        relu_mask: mask,
+                        residual: residual.is_some(),
+                    },
                     inputs,
                     outs,
                     format!("{nm}.dx"),
@@ -171,7 +182,10 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
             }
             if r.needs(0) {
                 let dx = b.add1(
-                    Op::LinearGradInput { relu_mask: false },
+                    Op::LinearGradInput {
+                        relu_mask: false,
+                        residual: false,
+                    },
                     vec![dy, ins[1]],
                     r.shape_of(b, 0),
                     format!("{nm}.dx"),

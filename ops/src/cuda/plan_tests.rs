@@ -242,7 +242,10 @@ fn tall_gemms_take_the_persistent_kernels() {
     // its output projection's data gradient: three CTAs an SM; the QKV projection's
     // (K = 192) would leave room for one, so it takes the general kernels
     let p = plan_of(
-        &Op::LinearGradInput { relu_mask: false },
+        &Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        },
         &[&[110_592, 64], &[64, 64]],
         &[&[110_592, 64]],
     )
@@ -250,7 +253,10 @@ fn tall_gemms_take_the_persistent_kernels() {
     assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c");
     assert_eq!(p.calls[0].grid, [3 * PlanOptions::H200.sms as u32, 1, 1]);
     let p = plan_of(
-        &Op::LinearGradInput { relu_mask: false },
+        &Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        },
         &[&[110_592, 192], &[192, 64]],
         &[&[110_592, 64]],
     )
@@ -320,6 +326,74 @@ fn a_residual_is_added_by_the_tall_store_or_a_launch_after() {
     assert!(e.contains("residual"), "{e}");
 }
 
+/// LinearGradInput with a residual (x's gradient summed with its other contribution): the
+/// pipelined kernel reads it through `bias` and adds it in its epilogue (flag 16), C
+/// written whole by that one launch; with split-K partials, a mask, or the single-launch
+/// kernels, an add launch after the GEMM sums it from scratch.
+#[test]
+fn a_data_gradients_residual_is_added_by_the_pipelined_epilogue_or_a_launch_after() {
+    let op = Op::LinearGradInput {
+        relu_mask: false,
+        residual: true,
+    };
+    // DCNv2's cross layer: dx [4096, 3456] from du [4096, 512]
+    let shapes: [&[usize]; 3] = [&[4096, 512], &[512, 3456], &[4096, 3456]];
+    let p = plan_of(&op, &shapes, &[&[4096, 3456]]).unwrap();
+    let gemm = p
+        .calls
+        .iter()
+        .find(|c| c.kernel.starts_with("gemm_bf16p"))
+        .expect("a pipelined GEMM");
+    assert_eq!(gemm.args[2], KArg::Out(0));
+    assert_eq!(gemm.args[3], KArg::In(2), "the residual through `bias`");
+    assert_eq!(gemm.args[16], KArg::I32(16));
+    assert!(
+        p.calls.iter().all(|c| c.kernel != "ew_add"),
+        "{:?}",
+        p.calls
+    );
+    // without clusters the split GEMM writes partials: the residual after the reduction
+    let opts = PlanOptions {
+        gemm_cluster: false,
+        ..PlanOptions::H200
+    };
+    let p = plan_of_with(
+        opts,
+        &op,
+        &[&[4096, 4096], &[4096, 256], &[4096, 256]],
+        &[&[4096, 256]],
+    )
+    .unwrap();
+    assert!(p.calls.iter().any(|c| c.kernel == "gemm_splitk_reduce"));
+    let last = p.calls.last().unwrap();
+    assert_eq!(last.kernel, "ew_add");
+    assert_eq!(last.args[1..3], [KArg::In(2), KArg::Out(0)]);
+    assert!(p
+        .calls
+        .iter()
+        .all(|c| c.kernel == "ew_add" || !c.args.contains(&KArg::In(2))));
+    // with a mask, and on the single-launch kernels: an add launch
+    let masked = Op::LinearGradInput {
+        relu_mask: true,
+        residual: true,
+    };
+    let p = plan_of(
+        &masked,
+        &[&[4096, 512], &[512, 3456], &[4096, 3456], &[4096, 3456]],
+        &[&[4096, 3456]],
+    )
+    .unwrap();
+    let last = p.calls.last().unwrap();
+    assert_eq!(last.kernel, "ew_add");
+    assert_eq!(last.args[1..3], [KArg::In(3), KArg::Out(0)]);
+    let p = plan_of(&op, &[&[300, 64], &[64, 32], &[300, 32]], &[&[300, 32]]).unwrap();
+    assert_eq!(p.calls.last().unwrap().kernel, "ew_add");
+    assert_eq!(p.calls.len(), 2);
+    // a residual of another shape is refused
+    let e = plan_of(&op, &[&[300, 64], &[64, 32], &[300, 16]], &[&[300, 32]]).unwrap_err();
+    assert!(e.contains("residual"), "{e}");
+}
+
 /// AutoInt's dqkv in bf16: its attention gradient writes it with the `_bo` kernels
 /// (pointers 2 bytes an element apart), the QKV data gradient reads it in the tall
 /// kernel (K = 192 now fits two CTAs an SM), the weight gradient in the single-launch
@@ -359,7 +433,10 @@ fn a_bf16_dqkv_is_written_and_read_in_bf16() {
     );
     assert_eq!(dq[6], KArg::Scratch(6));
     let p = plan_typed(
-        &Op::LinearGradInput { relu_mask: false },
+        &Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        },
         &[(&[110_592, 192], B), (&[192, 64], F)],
         &[(&[110_592, 64], F)],
     )
@@ -373,7 +450,10 @@ fn a_bf16_dqkv_is_written_and_read_in_bf16() {
     );
     // K not a multiple of 8: the single-launch kernel
     let p = plan_typed(
-        &Op::LinearGradInput { relu_mask: false },
+        &Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        },
         &[(&[110_592, 190], B), (&[190, 64], F)],
         &[(&[110_592, 64], F)],
     )
@@ -539,7 +619,10 @@ fn bf16_copies_are_read_in_place() {
     assert_eq!(p.scratch.len(), 1);
     // the data gradient: dy's copy K-major, the weight through the transposing kernel
     let p = plan_typed(
-        &Op::LinearGradInput { relu_mask: false },
+        &Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        },
         &[(&[4096, 256], B), (&[256, 1728], F)],
         &[(&[4096, 1728], F)],
     )
@@ -583,7 +666,10 @@ fn bf16_copies_are_read_in_place() {
     assert_eq!(p.calls.len(), 1);
     assert!(p.calls[0].kernel.starts_with("gemm_bf16p_128x"));
     let p = plan_typed(
-        &Op::LinearGradInput { relu_mask: true },
+        &Op::LinearGradInput {
+            relu_mask: true,
+            residual: false,
+        },
         &[(&[4096, 1024], B), (&[1024, 1728], B), (&[4096, 1728], F)],
         &[(&[4096, 1728], F)],
     )
@@ -646,7 +732,10 @@ fn bf16_copies_are_read_in_place() {
     // into its low-rank layer): the copy from the epilogue of the `_km` layout's
     // `_kmc` form
     let p = plan_typed(
-        &Op::LinearGradInput { relu_mask: false },
+        &Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        },
         &[(&[4096, 1728], B), (&[1728, 256], B)],
         &[(&[4096, 256], F), (&[4096, 256], B)],
     )

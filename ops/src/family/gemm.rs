@@ -37,7 +37,10 @@ pub mod cpu {
                     });
                 }
             }
-            Op::LinearGradInput { relu_mask } => {
+            Op::LinearGradInput {
+                relu_mask,
+                residual,
+            } => {
                 let (dy, w) = (get::<T>(ins[0], "dy")?, get::<T>(ins[1], "weight")?);
                 let (n, k) = (ish(1).dims()[0], ish(1).dims()[1]);
                 let dx = out(&mut outs[0])?;
@@ -50,6 +53,20 @@ pub mod cpu {
                     }
                     for (d, &v) in dx.iter_mut().zip(y) {
                         *d = if v > T::ZERO { *d } else { T::ZERO };
+                    }
+                }
+                if *residual {
+                    // as Add (GradSum of two) after the product
+                    let r = get::<T>(ins[2 + usize::from(*relu_mask)], "residual")?;
+                    if r.len() != dx.len() {
+                        return Err(format!(
+                            "the residual has {} elements, dx {}",
+                            r.len(),
+                            dx.len()
+                        ));
+                    }
+                    for (d, &v) in dx.iter_mut().zip(r) {
+                        *d += v;
                     }
                 }
             }
@@ -305,8 +322,11 @@ pub(crate) mod cuda {
         /// the epilogue of a `_c` or `_kmc` pipelined kernel, else by a cast launch after the
         /// GEMM.
         copy: Option<KArg>,
-        /// A residual of C's layout added after the bias (LinearAdd): by the tall kernels'
-        /// store, else by an add launch after the GEMM (which then writes to scratch).
+        /// A residual of C's layout added after the bias (LinearAdd, or a LinearGradInput
+        /// summed with x's other gradient contribution): by the tall kernels' store, by the
+        /// pipelined kernels' epilogue (read through `bias`, flags & 16) where the GEMM has no
+        /// bias, mask or split-K partials, else by an add launch after the GEMM (which then
+        /// writes to scratch).
         residual: Option<KArg>,
         /// C itself is bf16 (a linear layer stored in bf16, `Graph::linear_for_attention`):
         /// the tall kernels' `_c_bo` form stores it so, any other path writes f32 C to
@@ -1172,7 +1192,16 @@ pub(crate) mod cuda {
             }
             (None, None) => {}
         }
-        let flags = g.flags();
+        // a residual without a bias or a mask (a data gradient summed with x's other
+        // contribution): read through `bias` and added by the epilogue (flags & 16) where C
+        // is written whole by this launch; else `gemm` adds it after the reduction
+        let in_epilogue = g
+            .residual
+            .filter(|_| !partials && g.bias.is_none() && g.mask.is_none());
+        let (flags, bias_arg) = match in_epilogue {
+            Some(r) => (g.flags() | 16, r),
+            None => (g.flags(), g.bias_arg()),
+        };
         let out = part_at.map_or(KArg::Out(0), KArg::Scratch);
         // C's bf16 copy from the epilogue: a K-major A, C written whole by one launch
         let fused_copy = g.copy.filter(|_| !partials && !a_mn);
@@ -1185,7 +1214,7 @@ pub(crate) mod cuda {
                 a_arg,
                 b_arg,
                 out,
-                g.bias_arg(),
+                bias_arg,
                 KArg::I32(mi),
                 KArg::I32(ni),
                 KArg::I32(kpi),
@@ -1436,17 +1465,26 @@ pub(crate) mod cuda {
     }
 
     /// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K]; with `relu_mask`, `[dy, w, y] -> [dx]`,
-    /// dx zeroed where y (of dx's shape) is not > 0.
-    pub(crate) fn linear_grad_input(o: &Operands, relu_mask: bool) -> Result<CudaPlan, String> {
+    /// dx zeroed where y (of dx's shape) is not > 0; with `residual`, a last input r of dx's
+    /// shape added after them (by the epilogue of the pipelined and tall kernels, else by an
+    /// add launch after the GEMM).
+    pub(crate) fn linear_grad_input(
+        o: &Operands,
+        relu_mask: bool,
+        residual: bool,
+    ) -> Result<CudaPlan, String> {
         // `[dx]`, or `[dx, bf16(dx)]`: dx is the dy of a layer with copies (the one below),
         // and its copy comes from the same epilogue
         let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
-        let bf16 = check_gemm_operands(
-            o,
-            2 + usize::from(relu_mask),
-            1 + usize::from(copy),
-            &[0, 1],
-        )?;
+        let r = 2 + usize::from(relu_mask);
+        let bf16 =
+            check_gemm_operands(o, r + usize::from(residual), 1 + usize::from(copy), &[0, 1])?;
+        if residual && o.ins[r] != o.outs[0] {
+            return Err(format!(
+                "the residual {} is not dx's shape {}",
+                o.ins[r], o.outs[0]
+            ));
+        }
         let (n, k) = matrix(o.ins[1], "the weight")?;
         if o.ins[0].last() != n {
             return Err(format!("dy {} does not match weight [{n}, {k}]", o.ins[0]));
@@ -1478,7 +1516,7 @@ pub(crate) mod cuda {
             a_bf16: bf16[0],
             b_bf16: bf16[1],
             copy: copy.then_some(KArg::Out(1)),
-            residual: None,
+            residual: residual.then_some(KArg::In(r)),
             out_bf16: false,
         })
     }
@@ -1622,13 +1660,18 @@ pub(crate) mod cost {
         s
     }
 
-    pub(crate) fn linear_grad_input(c: &Cost) -> LaunchSpec {
-        gemm(
+    /// The product, and with `residual` the residual read in its epilogue.
+    pub(crate) fn linear_grad_input(c: &Cost, residual: bool) -> LaunchSpec {
+        let mut s = gemm(
             "gemm_linear_dx",
             c.ins[0].rows(),
             c.ins[1].dims()[1],
             c.ins[1].dims()[0],
-        )
+        );
+        if residual {
+            s.bytes += c.out_bytes();
+        }
+        s
     }
 
     pub(crate) fn linear_grad_weight(c: &Cost) -> LaunchSpec {
