@@ -535,6 +535,29 @@ fn a_linear_inputs_other_contribution_is_summed_in_its_data_gradient() {
         }
         check("linear_dx_residual", 91 + u64::from(reader_first), build);
     }
+    // a layer with its own input as the residual (y = x·wᵀ + b + x): r's gradient is dy,
+    // summed into dx the same way
+    let build = |g: &mut Graph, r: &mut Rng| {
+        let x = param(g, r, "x", &[5, 4], 1.0);
+        let w = param(g, r, "w", &[4, 4], 1.0);
+        let bias = param(g, r, "b", &[4], 1.0);
+        let y = g.linear_add_with(x, w, Some(bias), x).unwrap();
+        g.sigmoid(y).unwrap()
+    };
+    let mut g = Graph::new(DType::F64);
+    let y = build(&mut g, &mut Rng(8));
+    let loss = g.sum(y).unwrap();
+    g.loss(loss, 1.0).unwrap();
+    backward_with(&mut g, BackwardOptions::default()).unwrap();
+    let summed = count(&g, &|o| {
+        matches!(o, Op::LinearGradInput { residual: true, .. })
+    });
+    assert_eq!(
+        (summed, count(&g, &|o| matches!(o, Op::GradSum))),
+        (1, 0),
+        "x as its layer's residual"
+    );
+    check("linear_add_dx_residual", 93, build);
 }
 
 #[test]

@@ -181,13 +181,19 @@ pub(super) fn gemm(b: &mut Builder, r: &Rule) -> Result<()> {
                 b.contribute(ins[2 + nb], dy);
             }
             if r.needs(0) {
+                // x's one other gradient contribution, final already (r's, when r is x):
+                // summed in the GEMM's epilogue, as for Linear
+                let s = r.shape_of(b, 0);
+                let residual = b.sole_other_contribution(id, ins[0], ins[0], &s);
+                let mut inputs = vec![dy, ins[1]];
+                inputs.extend(residual);
                 let dx = b.add1(
                     Op::LinearGradInput {
                         relu_mask: false,
-                        residual: false,
+                        residual: residual.is_some(),
                     },
-                    vec![dy, ins[1]],
-                    r.shape_of(b, 0),
+                    inputs,
+                    s,
                     format!("{nm}.dx"),
                     id,
                 );
