@@ -94,13 +94,17 @@ fn parse_ptxas(report: &str) -> Vec<Resources> {
 /// reloaded once a thread (SASS: one STL, one LDL), at the 64 registers that let eight
 /// CTAs share an SM as the f32 form's do. It measured 73.7 µs a layer on an H200 (the f32
 /// form 82.3); the first form, at seven CTAs (72 registers, no spill) and with its tile
-/// loads one at a time, 88.6 (BENCHMARKS.md, "This build's changes").
+/// loads one at a time, 88.6 (BENCHMARKS.md, "This build's changes"). The f32-input forms
+/// spill the same one value since every kernel begins by waiting for its predecessor
+/// (`ERASE_PDL_ENTER`), which ptxas schedules around.
 const MEASURED_SPILLS: &[(&str, u32)] = &[
     ("attn_bwd_dkdv_st_d64", 72),
     ("attn_bwd_dkdv_st_d32", 20),
     ("attn_bwd_dq_st_d64", 4),
     ("attn_bwd_tiny_packed_bi_d32", 8),
     ("attn_bwd_tiny_packed_bi_bo_d32", 8),
+    ("attn_bwd_tiny_packed_d32", 8),
+    ("attn_bwd_tiny_packed_bo_d32", 8),
 ];
 
 /// Each `.entry`'s parameter types in a PTX text, in order (`NAME -> "u64,u32,f32"`).

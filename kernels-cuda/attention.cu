@@ -856,26 +856,26 @@ __device__ __forceinline__ void attn_bwd_small_body(const float* __restrict__ dO
 #define ERASE_ATTN_KERNELS(DH, P, SUFFIX, FWD_MIN_CTAS, TFWD_MIN_CTAS, TBWD_MIN_CTAS)                                                                    \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, FWD_MIN_CTAS) attn_fwd##SUFFIX##_d##DH(                              \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,               \
-        float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) {             \
+        float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) { ERASE_PDL_ENTER(); \
         attn_fwd_body<DH, P>(q, k, v, o, lse, S, H, causal, scale);                                          \
     }                                                                                                        \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_small##SUFFIX##_d##DH(                        \
         const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
         const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,             \
         float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal,    \
-        float scale) {                                                                                       \
+        float scale) { ERASE_PDL_ENTER();                                                                    \
         attn_bwd_small_body<DH, P>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                    \
     }                                                                                                        \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, TFWD_MIN_CTAS) attn_fwd_tiny##SUFFIX##_d##DH(           \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,               \
-        float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) {             \
+        float* __restrict__ o, float* __restrict__ lse, int S, int H, int causal, float scale) { ERASE_PDL_ENTER(); \
         attn_fwd_body<DH, P, 32>(q, k, v, o, lse, S, H, causal, scale);                                      \
     }                                                                                                        \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, TBWD_MIN_CTAS) attn_bwd_tiny##SUFFIX##_d##DH(           \
         const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,              \
         const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,             \
         float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal,    \
-        float scale) {                                                                                       \
+        float scale) { ERASE_PDL_ENTER();                                                                    \
         attn_bwd_small_body<DH, P, 32>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                \
     }
 
@@ -897,14 +897,14 @@ ERASE_ATTN_KERNELS(64, true, _packed, 1, 2, 4)
         const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,                 \
         const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,                \
         __nv_bfloat16* __restrict__ dq, __nv_bfloat16* __restrict__ dk, __nv_bfloat16* __restrict__ dv, int S,  \
-        int H, int causal, float scale) {                                                                       \
+        int H, int causal, float scale) { ERASE_PDL_ENTER();                                                    \
         attn_bwd_small_body<DH, true>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                    \
     }                                                                                                           \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, TBWD_MIN_CTAS) attn_bwd_tiny_packed_bo_d##DH(              \
         const float* __restrict__ dO, const float* __restrict__ q, const float* __restrict__ k,                 \
         const float* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,                \
         __nv_bfloat16* __restrict__ dq, __nv_bfloat16* __restrict__ dk, __nv_bfloat16* __restrict__ dv, int S,  \
-        int H, int causal, float scale) {                                                                       \
+        int H, int causal, float scale) { ERASE_PDL_ENTER();                                                    \
         attn_bwd_small_body<DH, true, 32>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal, scale);                \
     }
 ERASE_ATTN_BWD_BF16_OUT(32, 8)
@@ -918,20 +918,20 @@ ERASE_ATTN_BWD_BF16_OUT(64, 4)
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, FWD_MIN_CTAS) attn_fwd_packed_bi_d##DH(                   \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                               \
         const __nv_bfloat16* __restrict__ v, float* __restrict__ o, float* __restrict__ lse, int S, int H,      \
-        int causal, float scale) {                                                                              \
+        int causal, float scale) { ERASE_PDL_ENTER();                                                           \
         attn_fwd_body<DH, true, ATTN_ROWS, __nv_bfloat16>(q, k, v, o, lse, S, H, causal, scale);                \
     }                                                                                                           \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS, TFWD_MIN_CTAS) attn_fwd_tiny_packed_bi_d##DH(             \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                               \
         const __nv_bfloat16* __restrict__ v, float* __restrict__ o, float* __restrict__ lse, int S, int H,      \
-        int causal, float scale) {                                                                              \
+        int causal, float scale) { ERASE_PDL_ENTER();                                                           \
         attn_fwd_body<DH, true, 32, __nv_bfloat16>(q, k, v, o, lse, S, H, causal, scale);                       \
     }                                                                                                           \
     ERASE_KERNEL void __launch_bounds__(ATTN_THREADS) attn_bwd_small_packed_bi_d##DH(                           \
         const float* __restrict__ dO, const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, \
         const __nv_bfloat16* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,        \
         float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal,       \
-        float scale) {                                                                                          \
+        float scale) { ERASE_PDL_ENTER();                                                                       \
         attn_bwd_small_body<DH, true, ATTN_ROWS, float, __nv_bfloat16>(dO, q, k, v, o, lse, dq, dk, dv, S, H,   \
                                                                        causal, scale);                          \
     }                                                                                                           \
@@ -939,7 +939,7 @@ ERASE_ATTN_BWD_BF16_OUT(64, 4)
         const float* __restrict__ dO, const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, \
         const __nv_bfloat16* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,        \
         float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int S, int H, int causal,       \
-        float scale) {                                                                                          \
+        float scale) { ERASE_PDL_ENTER();                                                                       \
         attn_bwd_small_body<DH, true, 32, float, __nv_bfloat16>(dO, q, k, v, o, lse, dq, dk, dv, S, H, causal,  \
                                                                 scale);                                         \
     }                                                                                                           \
@@ -947,7 +947,7 @@ ERASE_ATTN_BWD_BF16_OUT(64, 4)
         const float* __restrict__ dO, const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, \
         const __nv_bfloat16* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,        \
         __nv_bfloat16* __restrict__ dq, __nv_bfloat16* __restrict__ dk, __nv_bfloat16* __restrict__ dv, int S,  \
-        int H, int causal, float scale) {                                                                       \
+        int H, int causal, float scale) { ERASE_PDL_ENTER();                                                    \
         attn_bwd_small_body<DH, true, ATTN_ROWS, __nv_bfloat16, __nv_bfloat16>(dO, q, k, v, o, lse, dq, dk, dv, \
                                                                                S, H, causal, scale);            \
     }                                                                                                           \
@@ -955,7 +955,7 @@ ERASE_ATTN_BWD_BF16_OUT(64, 4)
         const float* __restrict__ dO, const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, \
         const __nv_bfloat16* __restrict__ v, const float* __restrict__ o, const float* __restrict__ lse,        \
         __nv_bfloat16* __restrict__ dq, __nv_bfloat16* __restrict__ dk, __nv_bfloat16* __restrict__ dv, int S,  \
-        int H, int causal, float scale) {                                                                       \
+        int H, int causal, float scale) { ERASE_PDL_ENTER();                                                    \
         attn_bwd_small_body<DH, true, 32, __nv_bfloat16, __nv_bfloat16>(dO, q, k, v, o, lse, dq, dk, dv, S, H,  \
                                                                         causal, scale);                         \
     }
@@ -969,21 +969,21 @@ ERASE_ATTN_BF16_IN(64, 1, 2, 4)
     ERASE_KERNEL void __launch_bounds__(ATTN_ST_THREADS, 2) attn_fwd_st_d##DH(                                 \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                              \
         const __nv_bfloat16* __restrict__ v, float* __restrict__ o, float* __restrict__ lse, int S, int H,     \
-        int causal, float scale) {                                                                             \
+        int causal, float scale) { ERASE_PDL_ENTER();                                                          \
         attn_fwd_st_body<DH>(q, k, v, o, lse, S, H, causal, scale);                                            \
     }                                                                                                          \
     ERASE_KERNEL void __launch_bounds__(ATTN_ST_THREADS, 2) attn_bwd_dkdv_st_d##DH(                            \
         const __nv_bfloat16* __restrict__ dO, const __nv_bfloat16* __restrict__ q,                             \
         const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,                              \
         const float* __restrict__ lb, const float* __restrict__ Dv, float* __restrict__ dk,                    \
-        float* __restrict__ dv, int ldo, int S, int H, int causal, float scale) {                              \
+        float* __restrict__ dv, int ldo, int S, int H, int causal, float scale) { ERASE_PDL_ENTER();           \
         attn_bwd_dkdv_st_body<DH>(dO, q, k, v, lb, Dv, dk, dv, ldo, S, H, causal, scale);                     \
     }                                                                                                          \
     ERASE_KERNEL void __launch_bounds__(ATTN_ST_THREADS, 2) attn_bwd_dq_st_d##DH(                              \
         const __nv_bfloat16* __restrict__ dO, const __nv_bfloat16* __restrict__ q,                             \
         const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,                              \
         const float* __restrict__ lb, const float* __restrict__ Dv, float* __restrict__ dq, int ldo, int S,    \
-        int H, int causal, float scale) {                                                                      \
+        int H, int causal, float scale) { ERASE_PDL_ENTER();                                                   \
         attn_bwd_dq_st_body<DH>(dO, q, k, v, lb, Dv, dq, ldo, S, H, causal, scale);                           \
     }
 
@@ -1003,7 +1003,7 @@ ERASE_KERNEL void __launch_bounds__(256)
                     const float* __restrict__ s3, __nv_bfloat16* __restrict__ d0, __nv_bfloat16* __restrict__ d1,
                     __nv_bfloat16* __restrict__ d2, __nv_bfloat16* __restrict__ d3, const float* __restrict__ o,
                     const float* __restrict__ lse, float* __restrict__ Dv, float* __restrict__ lb, int ld_qkv,
-                    int B, int S, int H, int Dh) {
+                    int B, int S, int H, int Dh) { ERASE_PDL_ENTER();
     const int tsr = blockIdx.y;
     const float* src = tsr == 0 ? s0 : tsr == 1 ? s1 : tsr == 2 ? s2 : s3;
     __nv_bfloat16* dst = tsr == 0 ? d0 : tsr == 1 ? d1 : tsr == 2 ? d2 : d3;

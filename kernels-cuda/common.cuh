@@ -6,6 +6,28 @@
 
 #define ERASE_KERNEL extern "C" __global__
 
+// The first statement of every kernel. On sm_90 the runtime may launch kernels with
+// programmatic stream serialization (`ERASE_PDL`): a kernel may then be launched before
+// the one before it on its stream has finished. `griddepcontrol.wait` holds every thread
+// until the grids it depends on have completed and their writes are visible, so nothing
+// a kernel reads or writes races with its predecessor. Where `erase_pdl_early` (set by
+// the runtime when it loads the module) is 1, `launch_dependents` then lets the next
+// kernel of the stream launch while this one runs; else the next launches when this
+// one's CTAs have all exited. Without the launch attribute (sm_80, `ERASE_PDL=0`) the
+// wait returns at once.
+__constant__ int erase_pdl_early;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ERASE_PDL_ENTER()                                                                  \
+    do {                                                                                   \
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");                              \
+        if (erase_pdl_early) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); \
+    } while (0)
+#else
+#define ERASE_PDL_ENTER() \
+    do {                  \
+    } while (0)
+#endif
+
 // Round an f32 to bf16 (round to nearest even) and back: what a bf16 GEMM operand holds.
 __device__ __forceinline__ float erase_round_bf16(float x) {
     return __bfloat162float(__float2bfloat16_rn(x));

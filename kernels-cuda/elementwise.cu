@@ -37,12 +37,12 @@ __device__ __forceinline__ void binary_bcast(const float* __restrict__ a, const 
 }
 
 ERASE_KERNEL void ew_add(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-                         long long n, long long nb) {
+                         long long n, long long nb) { ERASE_PDL_ENTER();
     binary_bcast<false>(a, b, c, n, nb);
 }
 
 ERASE_KERNEL void ew_mul(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-                         long long n, long long nb) {
+                         long long n, long long nb) { ERASE_PDL_ENTER();
     binary_bcast<true>(a, b, c, n, nb);
 }
 
@@ -56,7 +56,7 @@ __device__ __forceinline__ float4 ew4(const float* __restrict__ p, long long i) 
 
 // y = a ⊙ b + c (the DCN cross update); n elements of each.
 ERASE_KERNEL void ew_mul_add(const float* __restrict__ a, const float* __restrict__ b,
-                             const float* __restrict__ c, float* __restrict__ y, long long n) {
+                             const float* __restrict__ c, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
     const long long n4 = n >> 2;
     EW_LOOP(i, n4) {
         const float4 x = ew4(a, i), z = ew4(b, i), w = ew4(c, i);
@@ -81,7 +81,7 @@ __device__ __forceinline__ uint2 ew_bf16x4(float4 v) {
 // update (Graph::set_bf16_copies), without a pass of its own over y.
 ERASE_KERNEL void ew_mul_add_bf16(const float* __restrict__ a, const float* __restrict__ b,
                                   const float* __restrict__ c, float* __restrict__ y, __nv_bfloat16* __restrict__ yb,
-                                  long long n) {
+                                  long long n) { ERASE_PDL_ENTER();
     const long long n4 = n >> 2;
     EW_LOOP(i, n4) {
         const float4 x = ew4(a, i), z = ew4(b, i), w = ew4(c, i);
@@ -100,7 +100,7 @@ ERASE_KERNEL void ew_mul_add_bf16(const float* __restrict__ a, const float* __re
 // c = a ⊙ b of same-shape tensors, and cb = bf16(c) (a product a GEMM reads: MaskNet's
 // masked input).
 ERASE_KERNEL void ew_mul_bf16(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-                              __nv_bfloat16* __restrict__ cb, long long n) {
+                              __nv_bfloat16* __restrict__ cb, long long n) { ERASE_PDL_ENTER();
     const long long n4 = n >> 2;
     EW_LOOP(i, n4) {
         const float4 x = ew4(a, i), z = ew4(b, i);
@@ -119,7 +119,7 @@ ERASE_KERNEL void ew_mul_bf16(const float* __restrict__ a, const float* __restri
 // da = dy ⊙ b, db = dy ⊙ a (the gradient of a product of same-shape tensors).
 ERASE_KERNEL void ew_mul_grad(const float* __restrict__ dy, const float* __restrict__ a,
                               const float* __restrict__ b, float* __restrict__ da, float* __restrict__ db,
-                              long long n) {
+                              long long n) { ERASE_PDL_ENTER();
     const long long n4 = n >> 2;
     EW_LOOP(i, n4) {
         const float4 g = ew4(dy, i), x = ew4(a, i), z = ew4(b, i);
@@ -147,7 +147,7 @@ ERASE_KERNEL void ew_mul_grad(const float* __restrict__ dy, const float* __restr
 ERASE_KERNEL void __launch_bounds__(256)
     ew_mul_grad_bf16(const float* __restrict__ dy, const float* __restrict__ a, const float* __restrict__ b,
                      float* __restrict__ da, __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows,
-                     int cols, int iters) {
+                     int cols, int iters) { ERASE_PDL_ENTER();
     __shared__ float lanes[32][65];
     const int tid = threadIdx.x, ch = tid & 7, y = tid >> 3;
     const int c = blockIdx.x * 64 + ch * 8, r0 = blockIdx.y * 32 * iters;
@@ -184,11 +184,11 @@ ERASE_KERNEL void __launch_bounds__(256)
 
 // ---- unary maps ------------------------------------------------------------------------
 
-ERASE_KERNEL void ew_scale(const float* __restrict__ x, float* __restrict__ y, long long n, float f) {
+ERASE_KERNEL void ew_scale(const float* __restrict__ x, float* __restrict__ y, long long n, float f) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) y[i] = erase_mul(x[i], f);
 }
 
-ERASE_KERNEL void ew_relu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+ERASE_KERNEL void ew_relu(const float* __restrict__ x, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) {
         const float v = x[i];
         y[i] = v > 0.0f ? v : 0.0f;  // NaN and -0 give +0, as the reference
@@ -218,16 +218,16 @@ __device__ __forceinline__ float gelu_grad_f(float x) {
     return erase_add(left, right);
 }
 
-ERASE_KERNEL void ew_gelu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+ERASE_KERNEL void ew_gelu(const float* __restrict__ x, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) y[i] = gelu_f(x[i]);
 }
 
-ERASE_KERNEL void ew_sigmoid(const float* __restrict__ x, float* __restrict__ y, long long n) {
+ERASE_KERNEL void ew_sigmoid(const float* __restrict__ x, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) y[i] = erase_sigmoid(x[i]);
 }
 
 // SiLU (swish): y = x · sigmoid(x)
-ERASE_KERNEL void ew_silu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+ERASE_KERNEL void ew_silu(const float* __restrict__ x, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) {
         const float v = x[i];
         y[i] = erase_mul(v, erase_sigmoid(v));
@@ -236,7 +236,7 @@ ERASE_KERNEL void ew_silu(const float* __restrict__ x, float* __restrict__ y, lo
 
 // dx = dy · s · (1 + x · (1 - s)), s = sigmoid(x), term for term as the reference
 ERASE_KERNEL void ew_silu_grad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dx,
-                               long long n) {
+                               long long n) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) {
         const float v = x[i];
         const float s = erase_sigmoid(v);
@@ -247,19 +247,19 @@ ERASE_KERNEL void ew_silu_grad(const float* __restrict__ dy, const float* __rest
 
 // dx = y > 0 ? dy : 0 (`y` is relu's output)
 ERASE_KERNEL void ew_relu_grad(const float* __restrict__ dy, const float* __restrict__ y, float* __restrict__ dx,
-                               long long n) {
+                               long long n) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
 // dx = dy · gelu'(x)
 ERASE_KERNEL void ew_gelu_grad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dx,
-                               long long n) {
+                               long long n) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) dx[i] = erase_mul(dy[i], gelu_grad_f(x[i]));
 }
 
 // dx = dy · y · (1 - y) (`y` is the sigmoid's output)
 ERASE_KERNEL void ew_sigmoid_grad(const float* __restrict__ dy, const float* __restrict__ y,
-                                  float* __restrict__ dx, long long n) {
+                                  float* __restrict__ dx, long long n) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) {
         const float s = y[i];
         dx[i] = erase_mul(erase_mul(dy[i], s), erase_sub(1.0f, s));
@@ -277,7 +277,7 @@ __device__ __forceinline__ float cast_load_f32(const void* x, long long i, int f
     return (float)((const int*)x)[i];
 }
 
-ERASE_KERNEL void ew_cast(const void* __restrict__ x, void* __restrict__ y, long long n, int from, int to) {
+ERASE_KERNEL void ew_cast(const void* __restrict__ x, void* __restrict__ y, long long n, int from, int to) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) {
         if (to == 1) {
             __nv_bfloat16 b;
@@ -352,28 +352,28 @@ __device__ __forceinline__ void slice_sum_body(float* y, long long n, long long 
     float *y, long long n, long long w, long long ld0, long long off0, long long ld, long long off, int k, \
         const float *p0, const float *p1, const float *p2, const float *p3, const float *p4, const float *p5, \
         const float *p6, const float *p7
-ERASE_KERNEL void ew_slice_sum(EW_SLICE_SUM_ARGS) {
+ERASE_KERNEL void ew_slice_sum(EW_SLICE_SUM_ARGS) { ERASE_PDL_ENTER();
     slice_sum_body<1>(y, n, w, ld0, off0, ld, off, k, p0, p1, p2, p3, p4, p5, p6, p7);
 }
-ERASE_KERNEL void ew_slice_sum4(EW_SLICE_SUM_ARGS) {
+ERASE_KERNEL void ew_slice_sum4(EW_SLICE_SUM_ARGS) { ERASE_PDL_ENTER();
     slice_sum_body<4>(y, n, w, ld0, off0, ld, off, k, p0, p1, p2, p3, p4, p5, p6, p7);
 }
 
 // ---- fills and the step counter --------------------------------------------------------
 
 // y[i] = s[0] · scale (the gradient of sum/mean)
-ERASE_KERNEL void ew_fill_scaled(const float* __restrict__ s, float* __restrict__ y, long long n, float scale) {
+ERASE_KERNEL void ew_fill_scaled(const float* __restrict__ s, float* __restrict__ y, long long n, float scale) { ERASE_PDL_ENTER();
     const float v = erase_mul(__ldg(s), scale);
     EW_LOOP(i, n) y[i] = v;
 }
 
 // y[i] = v (32-bit words: zero fill of f32 or i32)
-ERASE_KERNEL void ew_fill_u32(unsigned* __restrict__ y, long long n, unsigned v) {
+ERASE_KERNEL void ew_fill_u32(unsigned* __restrict__ y, long long n, unsigned v) { ERASE_PDL_ENTER();
     EW_LOOP(i, n) y[i] = v;
 }
 
 // step += 1, saturating (one i32)
-ERASE_KERNEL void step_increment(int* step) {
+ERASE_KERNEL void step_increment(int* step) { ERASE_PDL_ENTER();
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         const int s = *step;
         *step = s == 0x7fffffff ? s : s + 1;
@@ -480,7 +480,7 @@ ERASE_KERNEL void ew_parts_rows_f32_bf16(float4* big, uint2* copy, long long out
                                          EW_PART_PARAMS(float4, 1), EW_PART_PARAMS(float4, 2),
                                          EW_PART_PARAMS(float4, 3), EW_PART_PARAMS(float4, 4),
                                          EW_PART_PARAMS(float4, 5), EW_PART_PARAMS(float4, 6),
-                                         EW_PART_PARAMS(float4, 7)) {
+                                         EW_PART_PARAMS(float4, 7)) { ERASE_PDL_ENTER();
     float4* const p[EW_PARTS] = {p0, p1, p2, p3, p4, p5, p6, p7};
     const long long c[EW_PARTS] = {c0, c1, c2, c3, c4, c5, c6, c7};
     parts_rows(big, outer, big_row, big_off, 0, count, p, c, EwBf16Copy{copy});
@@ -490,7 +490,7 @@ ERASE_KERNEL void ew_parts_rows_f32_bf16(float4* big, uint2* copy, long long out
     ERASE_KERNEL void NAME(T* big, long long outer, long long big_row, long long big_off, int split, int count,     \
                            EW_PART_PARAMS(T, 0), EW_PART_PARAMS(T, 1), EW_PART_PARAMS(T, 2), EW_PART_PARAMS(T, 3), \
                            EW_PART_PARAMS(T, 4), EW_PART_PARAMS(T, 5), EW_PART_PARAMS(T, 6),                      \
-                           EW_PART_PARAMS(T, 7)) {                                                                 \
+                           EW_PART_PARAMS(T, 7)) { ERASE_PDL_ENTER();                                              \
         T* const p[EW_PARTS] = {p0, p1, p2, p3, p4, p5, p6, p7};                                                  \
         const long long c[EW_PARTS] = {c0, c1, c2, c3, c4, c5, c6, c7};                                           \
         parts_rows(big, outer, big_row, big_off, split, count, p, c);                                              \
@@ -500,27 +500,27 @@ EW_PARTS_KERNEL(ew_parts_rows_u16, unsigned short)
 // 16-byte units, when every width and offset is a multiple of 16 bytes (the plan decides)
 EW_PARTS_KERNEL(ew_parts_rows_u128, uint4)
 
-ERASE_KERNEL void ew_copy_u32(const unsigned* __restrict__ x, unsigned* __restrict__ y, long long n) {
+ERASE_KERNEL void ew_copy_u32(const unsigned* __restrict__ x, unsigned* __restrict__ y, long long n) { ERASE_PDL_ENTER();
     copy_flat(x, y, n);
 }
-ERASE_KERNEL void ew_copy_u16(const unsigned short* __restrict__ x, unsigned short* __restrict__ y, long long n) {
+ERASE_KERNEL void ew_copy_u16(const unsigned short* __restrict__ x, unsigned short* __restrict__ y, long long n) { ERASE_PDL_ENTER();
     copy_flat(x, y, n);
 }
 ERASE_KERNEL void ew_copy_rows_u32(const unsigned* __restrict__ x, unsigned* __restrict__ y, long long outer,
                                    long long chunk, long long src_row, long long src_off, long long dst_row,
-                                   long long dst_off) {
+                                   long long dst_off) { ERASE_PDL_ENTER();
     copy_rows(x, y, outer, chunk, src_row, src_off, dst_row, dst_off);
 }
 ERASE_KERNEL void ew_copy_rows_u16(const unsigned short* __restrict__ x, unsigned short* __restrict__ y,
                                    long long outer, long long chunk, long long src_row, long long src_off,
-                                   long long dst_row, long long dst_off) {
+                                   long long dst_row, long long dst_off) { ERASE_PDL_ENTER();
     copy_rows(x, y, outer, chunk, src_row, src_off, dst_row, dst_off);
 }
 ERASE_KERNEL void ew_pad_rows_u32(const unsigned* __restrict__ x, unsigned* __restrict__ y, long long outer,
-                                  long long dst_row, long long chunk, long long off) {
+                                  long long dst_row, long long chunk, long long off) { ERASE_PDL_ENTER();
     pad_rows(x, y, outer, dst_row, chunk, off);
 }
 ERASE_KERNEL void ew_pad_rows_u16(const unsigned short* __restrict__ x, unsigned short* __restrict__ y,
-                                  long long outer, long long dst_row, long long chunk, long long off) {
+                                  long long outer, long long dst_row, long long chunk, long long off) { ERASE_PDL_ENTER();
     pad_rows(x, y, outer, dst_row, chunk, off);
 }

@@ -68,7 +68,7 @@
 
 // meta[2f] = base row of field f, meta[2f+1] = its rows, for f = first + k, k < count
 // (<= 32). One CTA of 32 threads.
-ERASE_KERNEL void emb_meta_build(long long* meta, int first, int count, EMB_META_PARAMS(0), EMB_META_PARAMS(1), EMB_META_PARAMS(2), EMB_META_PARAMS(3), EMB_META_PARAMS(4), EMB_META_PARAMS(5), EMB_META_PARAMS(6), EMB_META_PARAMS(7), EMB_META_PARAMS(8), EMB_META_PARAMS(9), EMB_META_PARAMS(10), EMB_META_PARAMS(11), EMB_META_PARAMS(12), EMB_META_PARAMS(13), EMB_META_PARAMS(14), EMB_META_PARAMS(15), EMB_META_PARAMS(16), EMB_META_PARAMS(17), EMB_META_PARAMS(18), EMB_META_PARAMS(19), EMB_META_PARAMS(20), EMB_META_PARAMS(21), EMB_META_PARAMS(22), EMB_META_PARAMS(23), EMB_META_PARAMS(24), EMB_META_PARAMS(25), EMB_META_PARAMS(26), EMB_META_PARAMS(27), EMB_META_PARAMS(28), EMB_META_PARAMS(29), EMB_META_PARAMS(30), EMB_META_PARAMS(31)) {
+ERASE_KERNEL void emb_meta_build(long long* meta, int first, int count, EMB_META_PARAMS(0), EMB_META_PARAMS(1), EMB_META_PARAMS(2), EMB_META_PARAMS(3), EMB_META_PARAMS(4), EMB_META_PARAMS(5), EMB_META_PARAMS(6), EMB_META_PARAMS(7), EMB_META_PARAMS(8), EMB_META_PARAMS(9), EMB_META_PARAMS(10), EMB_META_PARAMS(11), EMB_META_PARAMS(12), EMB_META_PARAMS(13), EMB_META_PARAMS(14), EMB_META_PARAMS(15), EMB_META_PARAMS(16), EMB_META_PARAMS(17), EMB_META_PARAMS(18), EMB_META_PARAMS(19), EMB_META_PARAMS(20), EMB_META_PARAMS(21), EMB_META_PARAMS(22), EMB_META_PARAMS(23), EMB_META_PARAMS(24), EMB_META_PARAMS(25), EMB_META_PARAMS(26), EMB_META_PARAMS(27), EMB_META_PARAMS(28), EMB_META_PARAMS(29), EMB_META_PARAMS(30), EMB_META_PARAMS(31)) { ERASE_PDL_ENTER();
     EMB_META_SET(0) EMB_META_SET(1) EMB_META_SET(2) EMB_META_SET(3) EMB_META_SET(4) EMB_META_SET(5) EMB_META_SET(6) EMB_META_SET(7) EMB_META_SET(8) EMB_META_SET(9) EMB_META_SET(10) EMB_META_SET(11) EMB_META_SET(12) EMB_META_SET(13) EMB_META_SET(14) EMB_META_SET(15) EMB_META_SET(16) EMB_META_SET(17) EMB_META_SET(18) EMB_META_SET(19) EMB_META_SET(20) EMB_META_SET(21) EMB_META_SET(22) EMB_META_SET(23) EMB_META_SET(24) EMB_META_SET(25) EMB_META_SET(26) EMB_META_SET(27) EMB_META_SET(28) EMB_META_SET(29) EMB_META_SET(30) EMB_META_SET(31)
 }
 
@@ -87,7 +87,7 @@ __device__ __forceinline__ long long emb_row(const long long* __restrict__ meta,
 ERASE_KERNEL void embedding_bag_fwd(const float* __restrict__ table, const int* __restrict__ ids,
                                     const int* __restrict__ offsets, const long long* __restrict__ meta,
                                     float* __restrict__ y, long long n_ids, long long n_offsets, long long n_bags,
-                                    int nf, int d, long long total_rows) {
+                                    int nf, int d, long long total_rows) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long bag = erase_gtid() >> 5; bag < n_bags; bag += warps) {
@@ -191,7 +191,7 @@ __device__ __forceinline__ void emb_fwd_v4(const float* __restrict__ table, cons
 ERASE_KERNEL void embedding_bag_fwd_v4(const float* __restrict__ table, const int* __restrict__ ids,
                                        const int* __restrict__ offsets, const long long* __restrict__ meta,
                                        float* __restrict__ y, long long n_ids, long long n_offsets, long long n_bags,
-                                       int nf, int d, long long total_rows, int lanes_log2) {
+                                       int nf, int d, long long total_rows, int lanes_log2) { ERASE_PDL_ENTER();
     if ((((unsigned long long)table | (unsigned long long)y) & 15) == 0)
         emb_fwd_v4<true>(table, ids, offsets, meta, y, n_ids, n_offsets, n_bags, nf, d, total_rows, lanes_log2);
     else
@@ -321,7 +321,7 @@ __device__ __forceinline__ void emb_fwd_fields(const float* __restrict__ table, 
 ERASE_KERNEL void __launch_bounds__(256, EMB_FWD_CTAS) embedding_bag_fwd_fields(const float* __restrict__ table, const int* __restrict__ ids,
                                            const int* __restrict__ offsets, float* __restrict__ y, long long n_ids,
                                            long long n_offsets, long long n_bags, int nf, int d, long long total_rows,
-                                           int lanes_log2, EMB_META_PARAMS(0), EMB_META_PARAMS(1), EMB_META_PARAMS(2), EMB_META_PARAMS(3), EMB_META_PARAMS(4), EMB_META_PARAMS(5), EMB_META_PARAMS(6), EMB_META_PARAMS(7), EMB_META_PARAMS(8), EMB_META_PARAMS(9), EMB_META_PARAMS(10), EMB_META_PARAMS(11), EMB_META_PARAMS(12), EMB_META_PARAMS(13), EMB_META_PARAMS(14), EMB_META_PARAMS(15), EMB_META_PARAMS(16), EMB_META_PARAMS(17), EMB_META_PARAMS(18), EMB_META_PARAMS(19), EMB_META_PARAMS(20), EMB_META_PARAMS(21), EMB_META_PARAMS(22), EMB_META_PARAMS(23), EMB_META_PARAMS(24), EMB_META_PARAMS(25), EMB_META_PARAMS(26), EMB_META_PARAMS(27), EMB_META_PARAMS(28), EMB_META_PARAMS(29), EMB_META_PARAMS(30), EMB_META_PARAMS(31)) {
+                                           int lanes_log2, EMB_META_PARAMS(0), EMB_META_PARAMS(1), EMB_META_PARAMS(2), EMB_META_PARAMS(3), EMB_META_PARAMS(4), EMB_META_PARAMS(5), EMB_META_PARAMS(6), EMB_META_PARAMS(7), EMB_META_PARAMS(8), EMB_META_PARAMS(9), EMB_META_PARAMS(10), EMB_META_PARAMS(11), EMB_META_PARAMS(12), EMB_META_PARAMS(13), EMB_META_PARAMS(14), EMB_META_PARAMS(15), EMB_META_PARAMS(16), EMB_META_PARAMS(17), EMB_META_PARAMS(18), EMB_META_PARAMS(19), EMB_META_PARAMS(20), EMB_META_PARAMS(21), EMB_META_PARAMS(22), EMB_META_PARAMS(23), EMB_META_PARAMS(24), EMB_META_PARAMS(25), EMB_META_PARAMS(26), EMB_META_PARAMS(27), EMB_META_PARAMS(28), EMB_META_PARAMS(29), EMB_META_PARAMS(30), EMB_META_PARAMS(31)) { ERASE_PDL_ENTER();
     __shared__ long long meta[64];
     EMB_META_SMEM(0) EMB_META_SMEM(1) EMB_META_SMEM(2) EMB_META_SMEM(3) EMB_META_SMEM(4) EMB_META_SMEM(5) EMB_META_SMEM(6) EMB_META_SMEM(7) EMB_META_SMEM(8) EMB_META_SMEM(9) EMB_META_SMEM(10) EMB_META_SMEM(11) EMB_META_SMEM(12) EMB_META_SMEM(13) EMB_META_SMEM(14) EMB_META_SMEM(15) EMB_META_SMEM(16) EMB_META_SMEM(17) EMB_META_SMEM(18) EMB_META_SMEM(19) EMB_META_SMEM(20) EMB_META_SMEM(21) EMB_META_SMEM(22) EMB_META_SMEM(23) EMB_META_SMEM(24) EMB_META_SMEM(25) EMB_META_SMEM(26) EMB_META_SMEM(27) EMB_META_SMEM(28) EMB_META_SMEM(29) EMB_META_SMEM(30) EMB_META_SMEM(31)
     __syncthreads();
@@ -336,7 +336,7 @@ ERASE_KERNEL void __launch_bounds__(256, EMB_FWD_CTAS) embedding_bag_fwd_fields(
 // keys[i] = global row of occurrence i (sentinel when invalid), vals[i] = its bag.
 ERASE_KERNEL void emb_sort_keys(const int* __restrict__ ids, const int* __restrict__ offsets,
                                 const long long* __restrict__ meta, int* __restrict__ keys, int* __restrict__ vals,
-                                int n_ids, int n_bags, int nf, int sentinel) {
+                                int n_ids, int n_bags, int nf, int sentinel) { ERASE_PDL_ENTER();
     for (long long ii = erase_gtid(); ii < n_ids; ii += erase_gstride()) {
         const int i = (int)ii;
         // the last bag b < n_bags with offsets[b] <= i
@@ -360,7 +360,7 @@ ERASE_KERNEL void emb_sort_keys(const int* __restrict__ ids, const int* __restri
 }
 
 // hist[digit · tiles + tile] = count of the tile's keys with that digit.
-ERASE_KERNEL void emb_radix_hist(const int* __restrict__ keys, int n, int shift, int* __restrict__ hist) {
+ERASE_KERNEL void emb_radix_hist(const int* __restrict__ keys, int n, int shift, int* __restrict__ hist) { ERASE_PDL_ENTER();
     __shared__ int cnt[EMB_RADIX];
     for (int k = threadIdx.x; k < EMB_RADIX; k += blockDim.x) cnt[k] = 0;
     __syncthreads();
@@ -375,7 +375,7 @@ ERASE_KERNEL void emb_radix_hist(const int* __restrict__ keys, int n, int shift,
 
 // In-place exclusive scan of h[0 .. len), one CTA of 1024 threads, 4096 entries a step
 // (each thread 4 consecutive entries; len is a multiple of 4: 256 digits × tiles).
-ERASE_KERNEL void emb_radix_scan(int* __restrict__ h, long long len) {
+ERASE_KERNEL void emb_radix_scan(int* __restrict__ h, long long len) { ERASE_PDL_ENTER();
     __shared__ int wsum[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int carry = 0;
@@ -417,7 +417,7 @@ ERASE_KERNEL void emb_radix_scan(int* __restrict__ h, long long len) {
 
 // Stable scatter of one radix pass; `hist` is the scanned histogram.
 ERASE_KERNEL void emb_radix_scatter(const int* __restrict__ kin, const int* __restrict__ vin, int* __restrict__ kout,
-                                    int* __restrict__ vout, int n, int shift, const int* __restrict__ hist) {
+                                    int* __restrict__ vout, int n, int shift, const int* __restrict__ hist) { ERASE_PDL_ENTER();
     __shared__ int wcnt[8][EMB_RADIX];  // per warp: digit counts, then the warp's offsets
     __shared__ int gbase[EMB_RADIX];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -476,7 +476,7 @@ __device__ __forceinline__ float* emb_dst(float* dst, int by_row, int row, int p
 ERASE_KERNEL void emb_seg_chunks(const int* __restrict__ srow, const int* __restrict__ sbag,
                                  const float* __restrict__ dy, int n, int d, int n_bags, int sentinel,
                                  float* __restrict__ part_first, float* __restrict__ part_last,
-                                 float* __restrict__ dst, int by_row) {
+                                 float* __restrict__ dst, int by_row) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const int tiles = (d + 31) >> 5;
     const long long chunks = (n + EMB_CHUNK - 1) / EMB_CHUNK;
@@ -536,7 +536,7 @@ ERASE_KERNEL void emb_seg_chunks(const int* __restrict__ srow, const int* __rest
 // chunk starts adds up that run's pieces in chunk order.
 ERASE_KERNEL void emb_seg_tails(const int* __restrict__ srow, int n, int d, int sentinel,
                                 const float* __restrict__ part_first, const float* __restrict__ part_last,
-                                float* __restrict__ dst, int by_row) {
+                                float* __restrict__ dst, int by_row) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const int tiles = (d + 31) >> 5;
     const long long chunks = (n + EMB_CHUNK - 1) / EMB_CHUNK;
@@ -569,7 +569,7 @@ ERASE_KERNEL void emb_seg_tails(const int* __restrict__ srow, int n, int d, int 
 // loaded together (one round trip) when D <= 128.
 ERASE_KERNEL void emb_adagrad_apply(const int* __restrict__ srow, const float* __restrict__ G, int n, int d,
                                     int sentinel, float* __restrict__ table, float* __restrict__ acc, float lr,
-                                    float eps, float inv_d) {
+                                    float eps, float inv_d) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long k = erase_gtid() >> 5; k < n; k += warps) {
@@ -621,7 +621,7 @@ ERASE_KERNEL void emb_adagrad_apply(const int* __restrict__ srow, const float* _
 // bits. Bound: memory, y read and z written once (plus the ids of mean fields).
 ERASE_KERNEL void emb_bag_mean(const float* __restrict__ y, const int* __restrict__ ids,
                                const int* __restrict__ offsets, float* __restrict__ z, long long n_ids,
-                               long long n_offsets, long long n_bags, int nf, int d, long long mean_mask) {
+                               long long n_offsets, long long n_bags, int nf, int d, long long mean_mask) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long bag = erase_gtid() >> 5; bag < n_bags; bag += warps) {
@@ -670,7 +670,7 @@ ERASE_KERNEL void emb_bag_mean(const float* __restrict__ y, const int* __restric
 // PAD.
 ERASE_KERNEL void shard_ids(int* __restrict__ ids, const int* __restrict__ kind, const int* __restrict__ geo,
                             int* __restrict__ ubm, int* __restrict__ ufm, int n, int nf, int hot, int world,
-                            int me) {
+                            int me) { ERASE_PDL_ENTER();
     const int per_field = n / nf;
     for (long long ii = erase_gtid(); ii < n; ii += erase_gstride()) {
         const int s = (int)ii;

@@ -1567,10 +1567,10 @@ __device__ __forceinline__ void gemm_wgmma_ws_body(const __nv_bfloat16* __restri
 //   only), asum (f32 [splits][M], written when flags & 4).
 // Grid: (ceil(M/BM), ceil(N/BN), splits·batch); block: 256 (128x128) or 128 (64x64).
 #define ERASE_GEMM_KERNELS(LAYOUT, TA, TB)                                                    \
-    ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128(ERASE_GEMM_ARGS_A(float)) { \
+    ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128(ERASE_GEMM_ARGS_A(float)) { ERASE_PDL_ENTER(); \
         gemm_bf16_body<128, 128, 2, 4, 2, TA, TB>(ERASE_GEMM_PASS);                             \
     }                                                                                         \
-    ERASE_KERNEL void __launch_bounds__(128) gemm_bf16_##LAYOUT##_64x64(ERASE_GEMM_ARGS_A(float)) {   \
+    ERASE_KERNEL void __launch_bounds__(128) gemm_bf16_##LAYOUT##_64x64(ERASE_GEMM_ARGS_A(float)) { ERASE_PDL_ENTER(); \
         gemm_bf16_body<64, 64, 2, 2, 1, TA, TB>(ERASE_GEMM_PASS);                               \
     }
 
@@ -1585,10 +1585,10 @@ ERASE_GEMM_KERNELS(tt, true, true)
 // gradient), too small a GEMM for the pipelined path. The layouts of LinearGradInput
 // (nn) and LinearGradWeight (tn, with dy's column sums from the bf16 values).
 #define ERASE_GEMM_KERNELS_A16(LAYOUT, TA, TB)                                                               \
-    ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128_a16(ERASE_GEMM_ARGS_A(__nv_bfloat16)) { \
+    ERASE_KERNEL void __launch_bounds__(256) gemm_bf16_##LAYOUT##_128x128_a16(ERASE_GEMM_ARGS_A(__nv_bfloat16)) { ERASE_PDL_ENTER(); \
         gemm_bf16_body<128, 128, 2, 4, 2, TA, TB>(ERASE_GEMM_PASS);                                        \
     }                                                                                                    \
-    ERASE_KERNEL void __launch_bounds__(128) gemm_bf16_##LAYOUT##_64x64_a16(ERASE_GEMM_ARGS_A(__nv_bfloat16)) {   \
+    ERASE_KERNEL void __launch_bounds__(128) gemm_bf16_##LAYOUT##_64x64_a16(ERASE_GEMM_ARGS_A(__nv_bfloat16)) { ERASE_PDL_ENTER(); \
         gemm_bf16_body<64, 64, 2, 2, 1, TA, TB>(ERASE_GEMM_PASS);                                          \
     }
 ERASE_GEMM_KERNELS_A16(nn, false, false)
@@ -1600,13 +1600,13 @@ ERASE_GEMM_KERNELS_A16(tn, true, false)
     ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                      \
         gemm_tall_n##NMAX(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,   \
                           const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb,   \
-                          long long ldc, int tb, int flags, const float* __restrict__ R) {                \
+                          long long ldc, int tb, int flags, const float* __restrict__ R) { ERASE_PDL_ENTER(); \
         gemm_tall_body<NMAX, false>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags, R);                 \
     }                                                                                                     \
     ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                      \
         gemm_tall_n##NMAX##_c(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, \
                               const float* __restrict__ bias, int M, int N, int K, long long lda,             \
-                              long long ldb, long long ldc, int tb, int flags, const float* __restrict__ R) { \
+                              long long ldb, long long ldc, int tb, int flags, const float* __restrict__ R) { ERASE_PDL_ENTER(); \
         gemm_tall_body<NMAX, true>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags, R);                  \
     }
 ERASE_GEMM_TALL_KERNEL(64, 3)
@@ -1621,7 +1621,7 @@ ERASE_GEMM_TALL_KERNEL(256, 2)
     ERASE_KERNEL void __launch_bounds__(256, PER_SM) gemm_tall_n##NMAX##_c_a16(                               \
         const __nv_bfloat16* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,               \
         const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb, long long ldc,      \
-        int tb, int flags, const float* __restrict__ R) {                                                     \
+        int tb, int flags, const float* __restrict__ R) { ERASE_PDL_ENTER();                                  \
         gemm_tall_body<NMAX, true>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags, R);                      \
     }
 ERASE_GEMM_TALL_KERNEL_A16(64, 3)
@@ -1636,7 +1636,7 @@ ERASE_GEMM_TALL_KERNEL_A16(256, 2)
     ERASE_KERNEL void __launch_bounds__(256, PER_SM) gemm_tall_n##NMAX##_c_bo(                                \
         const float* __restrict__ A, const float* __restrict__ B, __nv_bfloat16* __restrict__ C,              \
         const float* __restrict__ bias, int M, int N, int K, long long lda, long long ldb, long long ldc,      \
-        int tb, int flags, const float* __restrict__ R) {                                                     \
+        int tb, int flags, const float* __restrict__ R) { ERASE_PDL_ENTER();                                  \
         gemm_tall_body<NMAX, true, float, __nv_bfloat16>(A, B, C, bias, M, N, K, lda, ldb, ldc, tb, flags, R); \
     }
 ERASE_GEMM_TALL_KERNEL_BO(64, 3)
@@ -1685,36 +1685,36 @@ ERASE_GEMM_TALL_KERNEL_BO(256, 2)
 // passes split_c = 0 (the kernel body offsets C by split·split_c).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB, COPY)                                                                 \
-    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) {         \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER(); \
         gemm_wgmma_body<128, 3, 1, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
     }                                                                                                        \
-    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) {         \
+    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER(); \
         gemm_wgmma_body<256, 4, 1, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
     }
 #define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, TA, TB, COPY, S)                                                            \
     ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 2)                                    \
-        gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {                                            \
+        gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER();                         \
         gemm_wgmma_body<128, 3, S, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
     }                                                                                                        \
     ERASE_KERNEL void __cluster_dims__(1, 1, S) __launch_bounds__(256, 1)                                    \
-        gemm_bf16p##LAYOUT##_128x256_k##S(ERASE_GEMM_PIPE_ARGS) {                                            \
+        gemm_bf16p##LAYOUT##_128x256_k##S(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER();                         \
         gemm_wgmma_body<256, 4, S, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                              \
     }
 #else
 #define ERASE_GEMM_PIPE_KERNELS(LAYOUT, TA, TB, COPY)                                                                 \
-    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) {         \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER(); \
         gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                   \
     }                                                                                                        \
-    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) {         \
+    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER(); \
         gemm_pipe_body<128, 256, 32, 2, 4, 4, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                   \
     }
 #define ERASE_GEMM_CLUSTER_KERNEL(LAYOUT, TA, TB, COPY, S)                                                            \
-    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) {    \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16p##LAYOUT##_128x128_k##S(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER(); \
         if (blockIdx.z != 0) return;                                                                         \
         gemm_pipe_body<128, 128, 64, 2, 4, 3, TA, TB, COPY>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
                                                     batch_c, 1, Kp, 0, flags, Cb);                               \
     }                                                                                                        \
-    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256_k##S(ERASE_GEMM_PIPE_ARGS) {    \
+    ERASE_KERNEL void __launch_bounds__(256, 1) gemm_bf16p##LAYOUT##_128x256_k##S(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER(); \
         if (blockIdx.z != 0) return;                                                                         \
         gemm_pipe_body<128, 256, 32, 2, 4, 4, TA, TB, COPY>(A, B, C, bias, M, N, Kp, lda, ldb, ldc, batch_a, batch_b, \
                                                     batch_c, 1, Kp, 0, flags, Cb);                               \
@@ -1749,7 +1749,7 @@ ERASE_GEMM_CLUSTER_KERNEL(_kmc, false, true, true, 8)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ERASE_GEMM_WS_KERNEL(LAYOUT, TA, TB, COPY, S, SUFFIX)                                                 \
     ERASE_KERNEL void ERASE_GEMM_WS_CLUSTER_##S __launch_bounds__(384, 2)                                    \
-        gemm_bf16w##LAYOUT##_128x64##SUFFIX(ERASE_GEMM_PIPE_ARGS) {                                          \
+        gemm_bf16w##LAYOUT##_128x64##SUFFIX(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER();                       \
         gemm_wgmma_ws_body<64, 4, S, TA, TB, COPY>(ERASE_GEMM_PIPE_PASS);                                    \
     }
 // no cluster for one split
@@ -1759,7 +1759,7 @@ ERASE_GEMM_CLUSTER_KERNEL(_kmc, false, true, true, 8)
 #define ERASE_GEMM_WS_CLUSTER_8 __cluster_dims__(1, 1, 8)
 #else
 #define ERASE_GEMM_WS_KERNEL(LAYOUT, TA, TB, COPY, S, SUFFIX)                                                 \
-    ERASE_KERNEL void __launch_bounds__(384, 2) gemm_bf16w##LAYOUT##_128x64##SUFFIX(ERASE_GEMM_PIPE_ARGS) {   \
+    ERASE_KERNEL void __launch_bounds__(384, 2) gemm_bf16w##LAYOUT##_128x64##SUFFIX(ERASE_GEMM_PIPE_ARGS) { ERASE_PDL_ENTER(); \
         __trap();                                                                                            \
     }
 #endif
@@ -1858,13 +1858,13 @@ __device__ __forceinline__ void gemm_to_bf16_t_body(const float* __restrict__ sr
 // 1, batch) and (ceil(rp/64), ceil(cp/64), batch), block 256.
 ERASE_KERNEL void __launch_bounds__(256)
     gemm_to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
-                 long long batch_src, int rp, int cp) {
+                 long long batch_src, int rp, int cp) { ERASE_PDL_ENTER();
     gemm_to_bf16_body(src, dst, rows, cols, ld, batch_src, rp, cp, blockIdx.x);
 }
 
 ERASE_KERNEL void __launch_bounds__(256)
     gemm_to_bf16_t(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols, long long ld,
-                   long long batch_src, int rp, int cp) {
+                   long long batch_src, int rp, int cp) { ERASE_PDL_ENTER();
     gemm_to_bf16_t_body(src, dst, rows, cols, ld, batch_src, rp, cp, blockIdx.x, blockIdx.y, nullptr);
 }
 
@@ -1880,7 +1880,7 @@ ERASE_KERNEL void __launch_bounds__(256)
                       long long ld_a, long long batch_a, int rp_a, int trans_a, int gx_a, int n_a,
                       const float* __restrict__ src_b, __nv_bfloat16* __restrict__ dst_b, int rows_b, int cols_b,
                       long long ld_b, long long batch_b, int rp_b, int trans_b, int gx_b, int cp,
-                      float* __restrict__ sums_a, int sum_a) {
+                      float* __restrict__ sums_a, int sum_a) { ERASE_PDL_ENTER();
     int blk = blockIdx.x;
     const bool a = blk < n_a;
     if (!a) blk -= n_a;
@@ -1905,7 +1905,7 @@ ERASE_KERNEL void __launch_bounds__(256)
 // segments at a time; all of a thread's loads are issued before the first is used.
 ERASE_KERNEL void __launch_bounds__(256)
     gemm_round_colsum(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, float* __restrict__ part,
-                      int rows, int cols, int iters) {
+                      int rows, int cols, int iters) { ERASE_PDL_ENTER();
     __shared__ float lanes[32][65];
     const int tid = threadIdx.x, ch = tid & 7, y = tid >> 3;
     const int c = blockIdx.x * 64 + ch * 8, r0 = blockIdx.y * 32 * iters;
@@ -1961,7 +1961,7 @@ ERASE_KERNEL void __launch_bounds__(1024)
     gemm_splitk_reduce(const float* __restrict__ part, const float* __restrict__ bias, float* __restrict__ C,
                        long long count, int N, int splits, long long split_stride, int flags,
                        const float* __restrict__ rs_part, float* __restrict__ rs_out, int rs_slices,
-                       long long rs_n) {
+                       long long rs_n) { ERASE_PDL_ENTER();
     extern __shared__ float4 lanes[];
     const int nx = blockDim.x, ny = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
     const long long c_blocks = (count + 4 * nx - 1) / (4 * nx);

@@ -241,24 +241,24 @@ __device__ __forceinline__ void pd_bwd_staged(const float* __restrict__ dy, cons
 // dynamic shared memory: EX·F·(D|1) floats; at least EX·nb(nb+1)/2 threads (nb = ⌈F/3⌉), any
 // grid (EX examples a CTA at a time, grid-strided)
 ERASE_KERNEL void pairwise_dot_fwd(const float* __restrict__ e, float* __restrict__ y, long long batch, int f,
-                                   int d, int ex) {
+                                   int d, int ex) { ERASE_PDL_ENTER();
     extern __shared__ float pd_smem[];
     pd_fwd_blocked(e, y, batch, f, d, ex, pd_smem);
 }
 
 ERASE_KERNEL void pairwise_dot_fwd_gmem(const float* __restrict__ e, float* __restrict__ y, long long batch, int f,
-                                        int d) {
+                                        int d) { ERASE_PDL_ENTER();
     pd_fwd_gmem(e, y, batch, f, d);
 }
 
 // dynamic shared memory: pd_g_offset(F, D) + F·FG floats; any block size, any grid
 ERASE_KERNEL void pairwise_dot_bwd(const float* __restrict__ dy, const float* __restrict__ e,
-                                   float* __restrict__ de, long long batch, int f, int d) {
+                                   float* __restrict__ de, long long batch, int f, int d) { ERASE_PDL_ENTER();
     extern __shared__ float pd_smem[];
     pd_bwd_staged(dy, e, de, batch, f, d, pd_smem);
 }
 
 ERASE_KERNEL void pairwise_dot_bwd_gmem(const float* __restrict__ dy, const float* __restrict__ e,
-                                        float* __restrict__ de, long long batch, int f, int d) {
+                                        float* __restrict__ de, long long batch, int f, int d) { ERASE_PDL_ENTER();
     pd_bwd_gmem(dy, e, de, batch, f, d);
 }

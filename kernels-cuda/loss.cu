@@ -30,7 +30,7 @@ __device__ __forceinline__ double bce_term(float xf, float yf) {
 }
 
 ERASE_KERNEL void loss_partial(const float* __restrict__ x, const float* __restrict__ y, long long n, int mode,
-                               double* __restrict__ part) {
+                               double* __restrict__ part) { ERASE_PDL_ENTER();
     __shared__ double sh[32];
     double s = 0.0;
     for (long long i = erase_gtid(); i < n; i += erase_gstride())
@@ -39,7 +39,7 @@ ERASE_KERNEL void loss_partial(const float* __restrict__ x, const float* __restr
     if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
 
-ERASE_KERNEL void loss_partial_f64(const double* __restrict__ x, long long n, double* __restrict__ part) {
+ERASE_KERNEL void loss_partial_f64(const double* __restrict__ x, long long n, double* __restrict__ part) { ERASE_PDL_ENTER();
     __shared__ double sh[32];
     double s = 0.0;
     for (long long i = erase_gtid(); i < n; i += erase_gstride()) s += x[i];
@@ -49,7 +49,7 @@ ERASE_KERNEL void loss_partial_f64(const double* __restrict__ x, long long n, do
 
 // out[0] = f32(Σ part / n) when `mean` (0/0 = NaN for an empty input, as the reference),
 // else f32(Σ part). One CTA.
-ERASE_KERNEL void loss_final(const double* __restrict__ part, int g, float* __restrict__ out, int mean, long long n) {
+ERASE_KERNEL void loss_final(const double* __restrict__ part, int g, float* __restrict__ out, int mean, long long n) { ERASE_PDL_ENTER();
     __shared__ double sh[32];
     double s = 0.0;
     for (int i = threadIdx.x; i < g; i += blockDim.x) s += part[i];
@@ -59,7 +59,7 @@ ERASE_KERNEL void loss_final(const double* __restrict__ part, int g, float* __re
 
 // row_loss[r] = max + ln Σ exp(x - max) - x[label] in f64, one warp per row.
 ERASE_KERNEL void softmax_xent_rows(const float* __restrict__ logits, const int* __restrict__ labels,
-                                    double* __restrict__ row_loss, long long rows, int c) {
+                                    double* __restrict__ row_loss, long long rows, int c) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long r = erase_gtid() >> 5; r < rows; r += warps) {
@@ -78,14 +78,14 @@ ERASE_KERNEL void softmax_xent_rows(const float* __restrict__ logits, const int*
 }
 
 ERASE_KERNEL void bce_grad(const float* __restrict__ dloss, const float* __restrict__ x,
-                           const float* __restrict__ y, float* __restrict__ dx, long long n) {
+                           const float* __restrict__ y, float* __restrict__ dx, long long n) { ERASE_PDL_ENTER();
     const float scale = erase_div(__ldg(dloss), (float)n);
     for (long long i = erase_gtid(); i < n; i += erase_gstride())
         dx[i] = erase_mul(erase_sub(erase_sigmoid(x[i]), y[i]), scale);
 }
 
 ERASE_KERNEL void softmax_xent_grad(const float* __restrict__ dloss, const float* __restrict__ logits,
-                                    const int* __restrict__ labels, float* __restrict__ dx, long long rows, int c) {
+                                    const int* __restrict__ labels, float* __restrict__ dx, long long rows, int c) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     const float scale = erase_div(__ldg(dloss), (float)rows);

@@ -32,7 +32,7 @@
 
 ERASE_KERNEL void layer_norm_fwd(const float* __restrict__ x, const float* __restrict__ gamma,
                                  const float* __restrict__ beta, float* __restrict__ y, float* __restrict__ mean,
-                                 float* __restrict__ rstd, long long rows, int d, float eps) {
+                                 float* __restrict__ rstd, long long rows, int d, float eps) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     const float fd = (float)d;
@@ -92,7 +92,7 @@ struct LnBwdRow {
 ERASE_KERNEL void layer_norm_bwd_dx(const float* __restrict__ dy, const float* __restrict__ x,
                                     const float* __restrict__ gamma, const float* __restrict__ mean,
                                     const float* __restrict__ rstd, float* __restrict__ dx, long long rows, int d,
-                                    float inv_d) {
+                                    float inv_d) { ERASE_PDL_ENTER();
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long r = erase_gtid() >> 5; r < rows; r += warps) {
@@ -112,7 +112,7 @@ ERASE_KERNEL void __launch_bounds__(256)
     layer_norm_bwd_dx_bf16(const float* __restrict__ dy, const float* __restrict__ x,
                            const float* __restrict__ gamma, const float* __restrict__ mean,
                            const float* __restrict__ rstd, float* __restrict__ dx, __nv_bfloat16* __restrict__ dxb,
-                           float* __restrict__ part, long long rows, int d, float inv_d) {
+                           float* __restrict__ part, long long rows, int d, float inv_d) { ERASE_PDL_ENTER();
     extern __shared__ float cs[];
     const int lane = threadIdx.x & 31;
     float* mine = cs + (threadIdx.x >> 5) * d;
@@ -140,7 +140,7 @@ ERASE_KERNEL void __launch_bounds__(256)
 ERASE_KERNEL void layer_norm_bwd_dgb_partial(const float* __restrict__ dy, const float* __restrict__ x,
                                              const float* __restrict__ mean, const float* __restrict__ rstd,
                                              float* __restrict__ part_g, float* __restrict__ part_b, long long rows,
-                                             int d, long long rows_per_slice) {
+                                             int d, long long rows_per_slice) { ERASE_PDL_ENTER();
     __shared__ float sg[8][33], sb[8][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int j = blockIdx.x * 32 + tx;
@@ -218,7 +218,7 @@ __device__ __forceinline__ void ln_fwd_row(float4 v, bool ok, bool row_ok, const
 // aligns tensors to 256 bytes.
 ERASE_KERNEL void layer_norm_fwd_v4(const float* __restrict__ x, const float* __restrict__ gamma,
                                     const float* __restrict__ beta, float* __restrict__ y, float* __restrict__ mean,
-                                    float* __restrict__ rstd, long long rows, int d, float eps, int lanes_log2) {
+                                    float* __restrict__ rstd, long long rows, int d, float eps, int lanes_log2) { ERASE_PDL_ENTER();
     const int L = 1 << lanes_log2, R = 32 >> lanes_log2;
     const int lane = threadIdx.x & 31, sub = lane & (L - 1), grp = lane >> lanes_log2;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
@@ -281,7 +281,7 @@ ERASE_KERNEL void __launch_bounds__(256)
     layer_norm_bwd_v4(const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ gamma,
                       const float* __restrict__ mean, const float* __restrict__ rstd, float* __restrict__ dx,
                       float* __restrict__ part_g, float* __restrict__ part_b, long long rows, int d, float inv_d,
-                      int lanes_log2) {
+                      int lanes_log2) { ERASE_PDL_ENTER();
     __shared__ float4 sg[256], sb[256];
     const int L = 1 << lanes_log2, R = 32 >> lanes_log2;
     const int lane = threadIdx.x & 31, sub = lane & (L - 1), grp = lane >> lanes_log2;

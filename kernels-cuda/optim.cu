@@ -44,7 +44,7 @@ struct OptRec {
     }
 
 // table[first + k] = record k, for k < count (<= 32). One CTA of 32 threads.
-ERASE_KERNEL void optim_table_build(OptRec* table, int first, int count, OPT_REC_PARAMS(0), OPT_REC_PARAMS(1), OPT_REC_PARAMS(2), OPT_REC_PARAMS(3), OPT_REC_PARAMS(4), OPT_REC_PARAMS(5), OPT_REC_PARAMS(6), OPT_REC_PARAMS(7), OPT_REC_PARAMS(8), OPT_REC_PARAMS(9), OPT_REC_PARAMS(10), OPT_REC_PARAMS(11), OPT_REC_PARAMS(12), OPT_REC_PARAMS(13), OPT_REC_PARAMS(14), OPT_REC_PARAMS(15), OPT_REC_PARAMS(16), OPT_REC_PARAMS(17), OPT_REC_PARAMS(18), OPT_REC_PARAMS(19), OPT_REC_PARAMS(20), OPT_REC_PARAMS(21), OPT_REC_PARAMS(22), OPT_REC_PARAMS(23), OPT_REC_PARAMS(24), OPT_REC_PARAMS(25), OPT_REC_PARAMS(26), OPT_REC_PARAMS(27), OPT_REC_PARAMS(28), OPT_REC_PARAMS(29), OPT_REC_PARAMS(30), OPT_REC_PARAMS(31)) {
+ERASE_KERNEL void optim_table_build(OptRec* table, int first, int count, OPT_REC_PARAMS(0), OPT_REC_PARAMS(1), OPT_REC_PARAMS(2), OPT_REC_PARAMS(3), OPT_REC_PARAMS(4), OPT_REC_PARAMS(5), OPT_REC_PARAMS(6), OPT_REC_PARAMS(7), OPT_REC_PARAMS(8), OPT_REC_PARAMS(9), OPT_REC_PARAMS(10), OPT_REC_PARAMS(11), OPT_REC_PARAMS(12), OPT_REC_PARAMS(13), OPT_REC_PARAMS(14), OPT_REC_PARAMS(15), OPT_REC_PARAMS(16), OPT_REC_PARAMS(17), OPT_REC_PARAMS(18), OPT_REC_PARAMS(19), OPT_REC_PARAMS(20), OPT_REC_PARAMS(21), OPT_REC_PARAMS(22), OPT_REC_PARAMS(23), OPT_REC_PARAMS(24), OPT_REC_PARAMS(25), OPT_REC_PARAMS(26), OPT_REC_PARAMS(27), OPT_REC_PARAMS(28), OPT_REC_PARAMS(29), OPT_REC_PARAMS(30), OPT_REC_PARAMS(31)) { ERASE_PDL_ENTER();
     OPT_REC_SET(0) OPT_REC_SET(1) OPT_REC_SET(2) OPT_REC_SET(3) OPT_REC_SET(4) OPT_REC_SET(5) OPT_REC_SET(6) OPT_REC_SET(7) OPT_REC_SET(8) OPT_REC_SET(9) OPT_REC_SET(10) OPT_REC_SET(11) OPT_REC_SET(12) OPT_REC_SET(13) OPT_REC_SET(14) OPT_REC_SET(15) OPT_REC_SET(16) OPT_REC_SET(17) OPT_REC_SET(18) OPT_REC_SET(19) OPT_REC_SET(20) OPT_REC_SET(21) OPT_REC_SET(22) OPT_REC_SET(23) OPT_REC_SET(24) OPT_REC_SET(25) OPT_REC_SET(26) OPT_REC_SET(27) OPT_REC_SET(28) OPT_REC_SET(29) OPT_REC_SET(30) OPT_REC_SET(31)
 }
 
@@ -115,7 +115,7 @@ static_assert(OPT_CHUNK == 4 * OPT_THREADS, "a thread owns four elements of a ch
 
 ERASE_KERNEL void adam_multi_tensor(const OptRec* __restrict__ table, int nt, long long total_chunks,
                                     const int* __restrict__ step, long long lr_bits, long long beta1_bits,
-                                    long long beta2_bits, float eps) {
+                                    long long beta2_bits, float eps) { ERASE_PDL_ENTER();
     __shared__ int s_tensor;
     __shared__ float s_coef[4];  // step_size, bc2_sqrt, beta1, beta2 (f32)
     const long long b = blockIdx.x;
@@ -148,7 +148,7 @@ ERASE_KERNEL void adam_multi_tensor(const OptRec* __restrict__ table, int nt, lo
     });
 }
 
-ERASE_KERNEL void sgd_multi_tensor(const OptRec* __restrict__ table, int nt, long long total_chunks, float lr) {
+ERASE_KERNEL void sgd_multi_tensor(const OptRec* __restrict__ table, int nt, long long total_chunks, float lr) { ERASE_PDL_ENTER();
     __shared__ int s_tensor;
     const long long b = blockIdx.x;
     if (b >= total_chunks) return;

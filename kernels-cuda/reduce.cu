@@ -16,7 +16,7 @@
 #include "common.cuh"
 
 ERASE_KERNEL void sum_to_shape_partial(const float* __restrict__ dy, float* __restrict__ part, long long rows,
-                                       long long n, long long rows_per_slice) {
+                                       long long n, long long rows_per_slice) { ERASE_PDL_ENTER();
     __shared__ float sh[8][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const long long j = (long long)blockIdx.x * 32 + tx;
@@ -40,7 +40,7 @@ ERASE_KERNEL void sum_to_shape_partial(const float* __restrict__ dy, float* __re
 // adds slices ty, ty+8, ty+16, ... in order (loads issued four at a time, added in
 // order), then the 8 sums of a column are added in ty order: a fixed order for a given
 // number of slices.
-ERASE_KERNEL void colsum_final(const float* __restrict__ part, float* __restrict__ out, int slices, long long n) {
+ERASE_KERNEL void colsum_final(const float* __restrict__ part, float* __restrict__ out, int slices, long long n) { ERASE_PDL_ENTER();
     __shared__ float sh[8][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const long long j = (long long)blockIdx.x * 32 + tx;

@@ -185,3 +185,50 @@ fn the_sharded_lookups_kernel_matches_its_parameters() {
         .unwrap_or_else(|| panic!("kernel '{}' is not in the PTX", c.kernel));
     check_call(&c, k.params).unwrap();
 }
+
+/// Programmatic dependent launch (on by default on sm_90) lets a kernel start while the
+/// one before it on its stream still runs: each kernel of the sm_90a PTX must wait for it
+/// before touching memory, and the sm_80 PTX (launched without it) has no such wait.
+#[test]
+fn every_sm90a_kernel_waits_for_its_predecessor_before_touching_memory() {
+    use erase::runtime::kernels::check_pdl_waits;
+    let Some(lib) = library() else { return };
+    let mut checked = 0;
+    for m in lib.modules {
+        checked += check_pdl_waits(m.sm90a).unwrap_or_else(|e| panic!("{}.cu: {e}", m.file));
+        assert!(
+            !m.sm80.contains("griddepcontrol"),
+            "{}.cu: the sm_80 PTX has griddepcontrol",
+            m.file
+        );
+    }
+    assert_eq!(
+        checked,
+        lib.kernels.len(),
+        "every kernel of the library is an .entry of some module"
+    );
+}
+
+#[test]
+fn a_kernel_that_reads_before_its_wait_fails_the_pdl_check() {
+    use erase::runtime::kernels::check_pdl_waits;
+    let ok = ".visible .entry k(\n.param .u64 p\n)\n{\nld.param.u64 %rd1, [p];\ngriddepcontrol.wait;\ngriddepcontrol.launch_dependents;\nld.global.f32 %f1, [%rd1];\nret;\n}\n";
+    assert_eq!(check_pdl_waits(ok), Ok(1));
+    let early = ok.replace(
+        "griddepcontrol.wait;\n",
+        "@%p1 ld.global.nc.f32 %f2, [%rd1];\ngriddepcontrol.wait;\n",
+    );
+    let e = check_pdl_waits(&early).unwrap_err();
+    assert!(e.contains("'k'") && e.contains("ld.global.nc"), "{e}");
+    let generic = ok.replace(
+        "griddepcontrol.wait;\n",
+        "st.u32 [%rd1], 0;\ngriddepcontrol.wait;\n",
+    );
+    assert!(check_pdl_waits(&generic).unwrap_err().contains("before"));
+    let none = ok.replace("griddepcontrol.wait;\n", "");
+    assert!(check_pdl_waits(&none).unwrap_err().contains("never"));
+    let no_trigger = ok.replace("griddepcontrol.launch_dependents;\n", "");
+    assert!(check_pdl_waits(&no_trigger)
+        .unwrap_err()
+        .contains("launch_dependents"));
+}

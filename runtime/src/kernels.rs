@@ -78,3 +78,67 @@ impl KernelLibrary {
         self.kernels.iter().find(|k| k.name == name)
     }
 }
+
+/// Checks that every kernel of a PTX text waits for the grids before it on its stream
+/// before it touches memory, and then lets the next one launch: `griddepcontrol.wait`
+/// ahead of its first global, generic or asynchronous load, store, atomic or prefetch, and
+/// `griddepcontrol.launch_dependents` after the wait. What programmatic dependent launch
+/// (`CudaDevice::set_pdl`) relies on; a kernel without it would race its predecessor.
+/// Returns how many kernels it checked, or the first that fails, named.
+pub fn check_pdl_waits(ptx: &str) -> Result<usize, String> {
+    // a memory access: ld/st/atom/red/prefetch/cp.async* not of the param, shared, local
+    // or const state spaces
+    fn first_access(body: &str) -> Option<usize> {
+        let mut at = 0;
+        for line in body.lines() {
+            let t = line.trim_start();
+            let op = t.strip_prefix('@').map_or(t, |p| {
+                // a predicated instruction: "@%p1 ld.global..." or "@!%p1 ..."
+                p.split_once(char::is_whitespace)
+                    .map_or("", |(_, r)| r.trim_start())
+            });
+            let accesses = ["ld.", "st.", "atom.", "red.", "prefetch.", "cp."]
+                .iter()
+                .any(|m| {
+                    op.strip_prefix(m).is_some_and(|rest| {
+                        !["param", "shared", "local", "const"]
+                            .iter()
+                            .any(|s| rest.starts_with(s))
+                    })
+                });
+            if accesses {
+                return Some(at);
+            }
+            at += line.len() + 1;
+        }
+        None
+    }
+    let mut checked = 0;
+    for part in ptx.split(".entry ").skip(1) {
+        let name = part
+            .split(|c: char| c == '(' || c.is_whitespace())
+            .next()
+            .unwrap_or("?");
+        // the body only: from the first brace after the parameter list
+        let body = part.find('{').map_or("", |b| &part[b..]);
+        let wait = body.find("griddepcontrol.wait").ok_or_else(|| {
+            format!("kernel '{name}' never executes griddepcontrol.wait (ERASE_PDL_ENTER)")
+        })?;
+        if let Some(a) = first_access(body).filter(|&a| a < wait) {
+            let line = body[a..].lines().next().unwrap_or("").trim();
+            return Err(format!(
+                "kernel '{name}' accesses memory before griddepcontrol.wait: `{line}`"
+            ));
+        }
+        match body.find("griddepcontrol.launch_dependents") {
+            Some(l) if l > wait => {}
+            _ => {
+                return Err(format!(
+                    "kernel '{name}' has no griddepcontrol.launch_dependents after its wait"
+                ))
+            }
+        }
+        checked += 1;
+    }
+    Ok(checked)
+}

@@ -652,3 +652,88 @@ fn shard_ids_matches_its_reference_for_every_placement() {
         );
     }
 }
+
+/// Programmatic dependent launch (`ERASE_PDL`, sm_90a): a chain of kernels on one
+/// stream, each reading what the one before wrote, over many waves of CTAs so that each
+/// kernel is launched while its predecessor's last waves still run, gives exactly the
+/// serial result in every launch mode (the step's graphs are checked by the dispatch and
+/// golden tests, which run in the environment's mode).
+#[test]
+fn dependent_kernels_launched_early_still_read_their_predecessors_output() {
+    use erase::runtime::cuda::PdlMode;
+    let Some(shared) =
+        super::device("dependent_kernels_launched_early_still_read_their_predecessors_output")
+    else {
+        return;
+    };
+    let want = match (shared.target, std::env::var("ERASE_PDL").as_deref()) {
+        (PtxTarget::Sm80, _) | (_, Ok("0")) => PdlMode::Off,
+        (_, Ok("early")) => PdlMode::Early,
+        _ => PdlMode::AtExit,
+    };
+    assert_eq!(shared.pdl(), want, "the environment's launch mode");
+    let mut dev = super::handle_with(shared.plan_options());
+    let modes: &[PdlMode] = if dev.target == PtxTarget::Sm90a {
+        &[PdlMode::Early, PdlMode::AtExit, PdlMode::Off]
+    } else {
+        let e = dev.set_pdl(PdlMode::Early).unwrap_err();
+        assert!(format!("{e}").contains("sm_90a"), "{e}");
+        &[PdlMode::Off]
+    };
+    let n: usize = 1 << 25;
+    let x = super::rand_f32(501, n, 0.5, 2.0);
+    let factors = [3.0f32, 0.5, 5.0];
+    let want: Vec<f32> = x
+        .iter()
+        .map(|&v| factors.iter().fold(v, |acc, &f| acc * f))
+        .collect();
+    for &mode in modes {
+        dev.set_pdl(mode).unwrap();
+        let bufs: Vec<_> = (0..4).map(|_| dev.alloc(n * 4).unwrap()).collect();
+        dev.upload(&bufs[0], 0, bytemuck::cast_slice(&x)).unwrap();
+        // bufs[i+1] = bufs[i] * f_i, 8192 CTAs of 256 threads (several waves) each
+        let scale = |f: f32| KernelCall {
+            kernel: "ew_scale",
+            grid: [8192, 1, 1],
+            block: [256, 1, 1],
+            smem: 0,
+            args: vec![KArg::In(0), KArg::Out(0), KArg::I64(n as i64), KArg::F32(f)],
+        };
+        let launches: Vec<_> = factors
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| {
+                let (src, dst) = (bufs[i].ptr(), bufs[i + 1].ptr());
+                dev.prepare(&scale(f), &|a| match a {
+                    KArg::In(0) => Some(src),
+                    KArg::Out(0) => Some(dst),
+                    _ => None,
+                })
+                .unwrap()
+            })
+            .collect();
+        let s = dev.stream(false).unwrap();
+        for round in 0..3 {
+            for b in &bufs[1..] {
+                dev.fill(b, 0xFF).unwrap(); // NaN: an element read before it was written shows
+            }
+            for l in &launches {
+                dev.launch_prepared(l, &s).unwrap();
+            }
+            s.synchronize().unwrap();
+            let mut bytes = vec![0u8; n * 4];
+            dev.download(&bufs[3], 0, &mut bytes).unwrap();
+            let got: &[f32] = bytemuck::cast_slice(&bytes);
+            let bad = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.to_bits() != w.to_bits())
+                .count();
+            assert_eq!(
+                bad, 0,
+                "{mode:?}, round {round}: {bad} of {n} elements differ from the serial chain"
+            );
+        }
+        println!("{mode:?}: the chain gives the serial bits");
+    }
+}

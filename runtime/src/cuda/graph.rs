@@ -18,10 +18,13 @@ fn err(what: &str, e: cudarc::driver::result::DriverError) -> RuntimeError {
 pub(crate) fn last_captured_node(s: &Stream) -> Result<sys::CUgraphNode, RuntimeError> {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut deps: *const sys::CUgraphNode = std::ptr::null();
+    let mut edge_data: *const sys::CUgraphEdgeData = std::ptr::null();
     let mut n: usize = 0;
-    // SAFETY: out-pointers to live locals; the optional id, graph and edge-data outputs are
-    // null (not wanted); `deps` points into the driver's storage, valid until the next
-    // call on this stream, and is read at once below.
+    // SAFETY: out-pointers to live locals; the optional id and graph outputs are null (not
+    // wanted); `deps` and `edge_data` point into the driver's storage, valid until the next
+    // call on this stream, and only `deps` is read, at once below. The edge data is asked
+    // for (and ignored) because a programmatic launch's edges carry some, and the driver
+    // refuses a query that would drop it.
     unsafe {
         sys::cuStreamGetCaptureInfo_v3(
             s.raw(),
@@ -29,7 +32,7 @@ pub(crate) fn last_captured_node(s: &Stream) -> Result<sys::CUgraphNode, Runtime
             std::ptr::null_mut(),
             std::ptr::null_mut(),
             &mut deps,
-            std::ptr::null_mut(),
+            &mut edge_data,
             &mut n,
         )
     }
@@ -150,13 +153,17 @@ impl CudaProgram<'_> {
         .map_err(|e| err("counting the graph's edges", e))?;
         let mut from = vec![std::ptr::null_mut(); n];
         let mut to = vec![std::ptr::null_mut(); n];
-        // SAFETY: both arrays hold `n` entries; the edge data is not wanted (null).
+        // the edges' data (a programmatic launch's edges have some: the driver refuses to
+        // list them without it); an edge of either type orders its nodes
+        // SAFETY: all-zero bytes are a valid `CUgraphEdgeData` (plain integers).
+        let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; n];
+        // SAFETY: all three arrays hold `n` entries.
         unsafe {
             sys::cuGraphGetEdges_v2(
                 graph,
                 from.as_mut_ptr(),
                 to.as_mut_ptr(),
-                std::ptr::null_mut(),
+                data.as_mut_ptr(),
                 &mut n,
             )
         }

@@ -32,6 +32,22 @@ use crate::cpu::buffer_from_bytes;
 use crate::error::RuntimeError;
 use crate::kernels::KernelLibrary;
 
+/// How kernels follow the one before them on their stream (`ERASE_PDL`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PdlMode {
+    /// A kernel is launched once its predecessor has finished (`ERASE_PDL=0`; always on
+    /// the sm_80 PTX).
+    Off,
+    /// Programmatic dependent launch: a kernel is launched as soon as its predecessor's
+    /// CTAs have all exited, before that grid's completion is processed; it waits for it
+    /// in its first statement (the default on sm_90a; `ERASE_PDL=exit`).
+    AtExit,
+    /// As `AtExit`, and each kernel lets its successor launch as soon as it starts, so
+    /// the successor's CTAs take SM slots (and wait) during this kernel's last wave
+    /// (`ERASE_PDL=early`).
+    Early,
+}
+
 /// Which PTX to load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PtxTarget {
@@ -177,6 +193,20 @@ fn fit_plan(o: PlanOptions, sms: u32, target: PtxTarget) -> PlanOptions {
     o
 }
 
+/// `ERASE_PDL`: `exit` (or unset: the fastest on an H200, BENCHMARKS.md) launches each
+/// kernel once its predecessor's CTAs have exited, `early` once they have all started,
+/// `0` after its predecessor has finished.
+fn pdl_from_env() -> Result<PdlMode, RuntimeError> {
+    match std::env::var("ERASE_PDL").ok().as_deref() {
+        Some("0") => Ok(PdlMode::Off),
+        None | Some("exit") => Ok(PdlMode::AtExit),
+        Some("early") => Ok(PdlMode::Early),
+        Some(other) => Err(RuntimeError::Device(format!(
+            "ERASE_PDL={other}: expected 0 (a kernel starts after its predecessor ends), exit (once its CTAs have exited) or early (once they have started)"
+        ))),
+    }
+}
+
 fn allow_dynamic_smem(f: sys::CUfunction, optin: i32) -> Result<(), result::DriverError> {
     // SAFETY: `f` is a live function of a loaded module; both calls only read or set one
     // of its attributes, to a value the device supports.
@@ -223,6 +253,9 @@ pub struct CudaDevice {
     pub compute_capability: (i32, i32),
     pub sms: u32,
     pub target: PtxTarget,
+    /// Whether kernels launch with programmatic stream serialization (sm_90a PTX only,
+    /// whose kernels all begin with `griddepcontrol.wait`): see [`CudaDevice::set_pdl`].
+    pdl: PdlMode,
     library: KernelLibrary,
     /// The options every plan for this device follows: its SM count, and the paths the
     /// environment's documented overrides or [`CudaDevice::set_plan_options`] choose.
@@ -311,7 +344,9 @@ impl CudaDevice {
             }
         };
         let plan = fit_plan(PlanOptions::from_env(), sms, target);
+        let pdl = pdl_from_env()?;
         let mut dev = CudaDevice {
+            pdl,
             plan,
             ctx,
             modules: Vec::new(),
@@ -344,7 +379,47 @@ impl CudaDevice {
                 dev.functions.insert(k.name, f);
             }
         }
+        if target == PtxTarget::Sm90a {
+            dev.set_pdl(pdl)?;
+        } else {
+            dev.pdl = PdlMode::Off;
+        }
         Ok(dev)
+    }
+
+    /// How this device's launches follow the kernel before them on their stream.
+    pub fn pdl(&self) -> PdlMode {
+        self.pdl
+    }
+
+    /// Sets how the launches that follow start (the environment's `ERASE_PDL` sets it at
+    /// open): before any program is made or captured on this device. Every kernel's first
+    /// statement waits for the grids before it on its stream (`griddepcontrol.wait`), so
+    /// a kernel launched early reads and writes nothing before its predecessor is done.
+    /// Only the sm_90a PTX has the wait: on the sm_80 PTX anything but `Off` is an error.
+    pub fn set_pdl(&mut self, mode: PdlMode) -> Result<(), RuntimeError> {
+        if mode != PdlMode::Off && self.target != PtxTarget::Sm90a {
+            return Err(RuntimeError::Device(
+                "programmatic dependent launch needs the sm_90a PTX (its kernels wait for their predecessors; the sm_80 ones do not)".into(),
+            ));
+        }
+        self.bind()?;
+        let early = [i32::from(mode == PdlMode::Early)];
+        let name = CString::new("erase_pdl_early")
+            .map_err(|_| RuntimeError::Device("the PDL switch's name holds a NUL byte".into()))?;
+        for &m in &self.modules {
+            // SAFETY: `m` is a loaded module of this (bound) context; the global, where the
+            // module has it, is the 4-byte `__constant__ int` of kernels-cuda/common.cuh,
+            // written synchronously while no kernel of this device runs.
+            unsafe {
+                if let Ok((ptr, 4)) = result::module::get_global(m, name.clone()) {
+                    result::memcpy_htod_sync(ptr, &early)
+                        .map_err(|e| driver_err("setting erase_pdl_early", e))?;
+                }
+            }
+        }
+        self.pdl = mode;
+        Ok(())
     }
 
     /// The options this device's plans follow.
@@ -577,6 +652,35 @@ impl CudaDevice {
             .map(|s| s.as_mut_ptr() as *mut c_void)
             .collect();
         let c = &l.call;
+        if self.pdl != PdlMode::Off {
+            let mut attr = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+            };
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: c.grid[0],
+                gridDimY: c.grid[1],
+                gridDimZ: c.grid[2],
+                blockDimX: c.block[0],
+                blockDimY: c.block[1],
+                blockDimZ: c.block[2],
+                sharedMemBytes: c.smem,
+                hStream: s.raw,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as for `launch_kernel` below; `config` and the one attribute it
+            // points at live until the call returns, and every kernel of the sm_90a PTX
+            // (the only one `pdl` is set for) waits for its predecessors before it touches
+            // memory (`ERASE_PDL_ENTER`, checked by tests/kernel_abi.rs).
+            return unsafe {
+                sys::cuLaunchKernelEx(&config, l.f, params.as_mut_ptr(), std::ptr::null_mut())
+                    .result()
+            }
+            .map_err(|e| driver_err(&format!("launching {}", c.kernel), e));
+        }
         // SAFETY: `l.f` is a live function; `params` points at one correctly sized value
         // per kernel parameter (the plan's argument list is the kernel's signature) that
         // lives until the call returns (the driver copies them at launch); operand
