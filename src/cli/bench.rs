@@ -87,6 +87,21 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         .as_ref()
         .map_or_else(|| format!("CPU ({threads} threads)"), |d| d.name.clone());
     eprintln!("erase-ctr bench on {name}: {} warm-up + {} timed steps per variant, interleaved in chunks of {}", a.warmup, a.steps, a.chunk);
+    if let Some(d) = dev.as_ref() {
+        eprintln!(
+            "  kernels: {:?} PTX, launched {}",
+            d.target,
+            match d.pdl() {
+                crate::runtime::cuda::PdlMode::Off => "after their predecessor ends (ERASE_PDL=0)",
+                crate::runtime::cuda::PdlMode::AtExit => {
+                    "as their predecessor's CTAs exit (ERASE_PDL=exit, programmatic dependent launch)"
+                }
+                crate::runtime::cuda::PdlMode::Early => {
+                    "as their predecessor starts (ERASE_PDL=early, programmatic dependent launch)"
+                }
+            }
+        );
+    }
     let mut rows = crate::bench::bench(&cfg, dev.as_ref(), &mut |m| eprintln!("  {m}"))?;
     // each variant's FLOPs from its own plan (the detached heads are work too)
     for v in Variant::ALL {
