@@ -870,20 +870,7 @@ __device__ __forceinline__ void gemm_tall_store(const float (&acc)[1][NI][4], fl
                 v[2] += b.z;
                 v[3] += b.w;
             }
-            if (flags & 16) {
-                const float* rr = R + static_cast<long long>(m) * ldc + n;
-                if (vec && n + 3 < N) {
-                    const float4 a = __ldcs(reinterpret_cast<const float4*>(rr));
-                    v[0] += a.x;
-                    v[1] += a.y;
-                    v[2] += a.z;
-                    v[3] += a.w;
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (n + e < N) v[e] += __ldg(rr + e);
-                }
-            }
+            gemm_add_residual(v, R, N, ldc, m, n, flags, vec);
             gemm_store4(C, bias, N, ldc, m, n, v, flags & ~17, vec);
         }
         __syncwarp();
