@@ -91,15 +91,7 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         eprintln!(
             "  kernels: {:?} PTX, launched {}",
             d.target,
-            match d.pdl() {
-                crate::runtime::cuda::PdlMode::Off => "after their predecessor ends (ERASE_PDL=0)",
-                crate::runtime::cuda::PdlMode::AtExit => {
-                    "as their predecessor's CTAs exit (ERASE_PDL=exit, programmatic dependent launch)"
-                }
-                crate::runtime::cuda::PdlMode::Early => {
-                    "as their predecessor starts (ERASE_PDL=early, programmatic dependent launch)"
-                }
-            }
+            d.pdl().describe()
         );
     }
     let mut rows = crate::bench::bench(&cfg, dev.as_ref(), &mut |m| eprintln!("  {m}"))?;

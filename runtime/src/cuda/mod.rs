@@ -193,6 +193,21 @@ fn fit_plan(o: PlanOptions, sms: u32, target: PtxTarget) -> PlanOptions {
     o
 }
 
+impl PdlMode {
+    /// When a kernel in this mode is launched, and the `ERASE_PDL` value that asks for it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            PdlMode::Off => "after their predecessor ends (ERASE_PDL=0)",
+            PdlMode::AtExit => {
+                "as their predecessor's CTAs exit (ERASE_PDL=exit, programmatic dependent launch)"
+            }
+            PdlMode::Early => {
+                "as their predecessor starts (ERASE_PDL=early, programmatic dependent launch)"
+            }
+        }
+    }
+}
+
 /// `ERASE_PDL`: `exit` (or unset: the fastest on an H200, BENCHMARKS.md) launches each
 /// kernel once its predecessor's CTAs have exited, `early` once they have all started,
 /// `0` after its predecessor has finished.
@@ -253,8 +268,8 @@ pub struct CudaDevice {
     pub compute_capability: (i32, i32),
     pub sms: u32,
     pub target: PtxTarget,
-    /// Whether kernels launch with programmatic stream serialization (sm_90a PTX only,
-    /// whose kernels all begin with `griddepcontrol.wait`): see [`CudaDevice::set_pdl`].
+    /// How kernels follow their stream predecessor: anything but `Off` only on the sm_90a
+    /// PTX, whose kernels all begin with `griddepcontrol.wait` (see [`CudaDevice::set_pdl`]).
     pdl: PdlMode,
     library: KernelLibrary,
     /// The options every plan for this device follows: its SM count, and the paths the
@@ -346,7 +361,7 @@ impl CudaDevice {
         let plan = fit_plan(PlanOptions::from_env(), sms, target);
         let pdl = pdl_from_env()?;
         let mut dev = CudaDevice {
-            pdl,
+            pdl: PdlMode::Off,
             plan,
             ctx,
             modules: Vec::new(),
@@ -381,8 +396,6 @@ impl CudaDevice {
         }
         if target == PtxTarget::Sm90a {
             dev.set_pdl(pdl)?;
-        } else {
-            dev.pdl = PdlMode::Off;
         }
         Ok(dev)
     }
