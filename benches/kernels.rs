@@ -168,7 +168,8 @@ impl Bench<'_> {
                     // the pipelined pass with its epilogue is the GEMM as the model runs
                     // it on bf16 copies (the rounding passes shared with other GEMMs):
                     // PyTorch's bf16 op plus epilogue is its twin
-                    let main = kernel.starts_with("gemm_bf16p_");
+                    let main =
+                        kernel.starts_with("gemm_bf16p_") || kernel.starts_with("gemm_bf16t_");
                     self.rows.push(Row {
                         name: format!("  {kind} {m}x{n}x{k}: pass {kernel}"),
                         kind: "gemm",
@@ -213,7 +214,7 @@ impl Bench<'_> {
             }
         };
         for (kernel, ms) in calls {
-            let main = kernel.starts_with("gemm_bf16p_");
+            let main = kernel.starts_with("gemm_bf16p_") || kernel.starts_with("gemm_bf16t_");
             self.rows.push(Row {
                 name: format!("gemm mm M={n} N={n} K={n}: pass {kernel}"),
                 kind: "gemm",

@@ -3,7 +3,9 @@
 //! kernels themselves are checked against the CPU on a GPU, in tests/gpu.)
 
 use erase_graph::{DType, Op, Shape};
-use erase_ops::cuda::{cuda_plan, CudaPlan, GemmTile, KArg, Operands, PlanOptions};
+use erase_ops::cuda::{
+    cuda_plan, CudaPlan, GemmTile, KArg, Operands, PlanOptions, TmaBase, TmaMatrix,
+};
 
 fn plan(
     op: &Op,
@@ -40,6 +42,12 @@ fn plan_with(
 
 fn kernels(p: &CudaPlan) -> Vec<&'static str> {
     p.calls.iter().map(|c| c.kernel).collect()
+}
+
+/// Whether a kernel is a pipelined GEMM of 256 threads: the TMA form (`gemm_bf16t*`, the
+/// default on sm_90a) or the cp.async one (`gemm_bf16p*`).
+fn pipelined(k: &str) -> bool {
+    k.starts_with("gemm_bf16t") || k.starts_with("gemm_bf16p")
 }
 
 const F: DType = DType::F32;
@@ -406,7 +414,7 @@ fn plan_options_switch_paths_and_follow_the_device() {
     let outs: [(&[usize], DType); 1] = [(&[1024, 1728], F)];
     let on = kernels(&plan(&op, &ins, &outs).unwrap());
     assert!(
-        on.iter().any(|k| k.starts_with("gemm_bf16p_128x128_k")),
+        on.iter().any(|k| pipelined(k) && k.contains("_128x128_k")),
         "{on:?}"
     );
     let off = PlanOptions {
@@ -414,10 +422,7 @@ fn plan_options_switch_paths_and_follow_the_device() {
         ..PlanOptions::H200
     };
     let single = kernels(&plan_with(off, &op, &ins, &outs).unwrap());
-    assert!(
-        single.iter().all(|k| !k.starts_with("gemm_bf16p")),
-        "{single:?}"
-    );
+    assert!(single.iter().all(|k| !pipelined(k)), "{single:?}");
     // a tall projection: the persistent kernel, unless switched off
     let op = Op::Linear {
         bias: true,
@@ -482,23 +487,17 @@ fn a_forced_pipelined_tile_is_taken_by_every_large_gemm() {
             };
             let p = plan_with(o, op, ins, outs).unwrap();
             // the warp-specialized kernels are gemm_bf16w_*, 384 threads; the others
-            // gemm_bf16p_*, 256
-            let (prefix, threads) = if tile.ws {
-                ("gemm_bf16w", 384)
-            } else {
-                ("gemm_bf16p", 256)
-            };
+            // gemm_bf16t_* (TMA) or gemm_bf16p_*, 256
+            let threads = if tile.ws { 384 } else { 256 };
             let main: Vec<_> = p
                 .calls
                 .iter()
-                .filter(|c| {
-                    c.kernel.starts_with("gemm_bf16p") || c.kernel.starts_with("gemm_bf16w")
-                })
+                .filter(|c| pipelined(c.kernel) || c.kernel.starts_with("gemm_bf16w"))
                 .collect();
             assert_eq!(main.len(), 1, "{op:?}: {:?}", kernels(&p));
             let k = main[0].kernel;
             assert!(
-                k.starts_with(prefix) && k.contains(&format!("_128x{}", tile.n)),
+                k.starts_with("gemm_bf16w") == tile.ws && k.contains(&format!("_128x{}", tile.n)),
                 "{op:?} with the {name} tile forced: {:?}",
                 kernels(&p)
             );
@@ -531,16 +530,12 @@ fn the_warp_specialized_tile_is_a_candidate_only_where_switched_on() {
         ..PlanOptions::H200
     };
     assert!(main(on).starts_with("gemm_bf16w_"), "{}", main(on));
-    assert!(main(off).starts_with("gemm_bf16p_"), "{}", main(off));
+    assert!(pipelined(main(off)), "{}", main(off));
     let forced_off = PlanOptions {
         gemm_tile: Some(GemmTile { n: 64, ws: true }),
         ..off
     };
-    assert!(
-        main(forced_off).starts_with("gemm_bf16p_"),
-        "{}",
-        main(forced_off)
-    );
+    assert!(pipelined(main(forced_off)), "{}", main(forced_off));
 }
 
 #[test]
@@ -559,7 +554,7 @@ fn split_gemms_of_either_tile_sum_their_splits_in_a_cluster() {
                 ..PlanOptions::H200
             };
             let ks = kernels(&plan_with(o, &op, &ins, &outs).unwrap());
-            let main: Vec<_> = ks.iter().filter(|k| k.starts_with("gemm_bf16p")).collect();
+            let main: Vec<_> = ks.iter().filter(|k| pipelined(k)).collect();
             assert_eq!(main.len(), 1, "{ks:?}");
             let tile = format!("_128x{n}");
             assert!(main[0].contains(&tile), "128x{n}: {ks:?}");
@@ -596,6 +591,7 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
             ("ERASE_GEMM_TALL_STORE", "direct"),
             ("ERASE_GRAPH_NODE_PRIORITY", "0"),
             ("ERASE_GEMM_TILE", "128x256"),
+            ("ERASE_GEMM_TMA", "0"),
             ("ERASE_GEMM_MIN_K_SPLIT", "128"),
             ("ERASE_GEMM_MIN_K_SPLIT_FEW", "32"),
             ("ERASE_GEMM_PIPE_MIN_K_SPLIT", "256"),
@@ -628,6 +624,14 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
     }
     assert!(!o.gemm_pipeline && !o.gemm_cluster && !o.gemm_tall && !o.graph_node_priority);
     assert!(o.gemm_tall_store_direct);
+    assert!(!o.gemm_tma);
+    let e = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_TMA", "on")]))
+        .unwrap_err();
+    assert!(
+        e.contains("ERASE_GEMM_TMA=on") && e.contains("0 or 1"),
+        "{e}"
+    );
     assert_eq!(o.gemm_tile, Some(GemmTile { n: 256, ws: false }));
     let e = PlanOptions::H200
         .with_env(env(&[("ERASE_GEMM_TILE", "256x128")]))
@@ -838,4 +842,101 @@ fn a_packed_qkv_stored_in_bf16_is_written_and_read_as_it_is() {
         &[(&[2, 27, 3 * w], B)],
     )
     .is_err());
+}
+
+#[test]
+fn tma_gemms_take_descriptors_of_their_operands() {
+    // the cross layer's U at batch 4096 (f32 operands rounded into scratch) and at 800 rows;
+    // a weight gradient on bf16 copies (both MN-major) read in place, unsplit and split in
+    // a cluster; batched GEMMs and partials keep the cp.async kernels
+    let bf = DType::Bf16;
+    let lin = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let tma = PlanOptions {
+        gemm_tile: Some(GemmTile { n: 128, ws: false }),
+        ..PlanOptions::H200
+    };
+    assert!(tma.gemm_tma, "on by default");
+    let main = |p: &CudaPlan| p.calls[p.calls.len() - 1].clone();
+    for rows in [4096, 800] {
+        let ins: [(&[usize], DType); 3] = [(&[rows, 1728], F), (&[256, 1728], F), (&[256], F)];
+        let outs: [(&[usize], DType); 1] = [(&[rows, 256], F)];
+        let p = plan_with(tma, &lin, &ins, &outs).unwrap();
+        let c = main(&p);
+        assert_eq!(c.kernel, "gemm_bf16t_128x128", "{rows} rows");
+        assert_eq!(c.grid, [rows.div_ceil(128) as u32, 2, 1]);
+        // the rounded operands: [Mp][Kp] and [Np][Kp], K padded to 1728 (27 steps of 64)
+        let mp = rows.next_multiple_of(128) as u64;
+        assert_eq!(
+            c.args[..2],
+            [
+                KArg::TensorMap(TmaMatrix {
+                    base: TmaBase::Scratch(0),
+                    inner: 1728,
+                    outer: mp,
+                    ld: 1728,
+                }),
+                KArg::TensorMap(TmaMatrix {
+                    base: TmaBase::Scratch(1),
+                    inner: 1728,
+                    outer: 256,
+                    ld: 1728,
+                })
+            ]
+        );
+        assert_eq!(c.args[2], KArg::Out(0));
+        assert_eq!(c.args[9], KArg::I32(1), "the bias flag");
+    }
+    // dw [256, 1728] = dyᵀ·x over 4096 rows from copies: A = dy [4096][256] and B = x
+    // [4096][1728], both MN-major, read in place
+    let op = Op::LinearGradWeight { bias: false };
+    let ins: [(&[usize], DType); 2] = [(&[4096, 256], bf), (&[4096, 1728], bf)];
+    let outs: [(&[usize], DType); 1] = [(&[256, 1728], F)];
+    let maps = [
+        KArg::TensorMap(TmaMatrix {
+            base: TmaBase::In(0),
+            inner: 256,
+            outer: 4096,
+            ld: 256,
+        }),
+        KArg::TensorMap(TmaMatrix {
+            base: TmaBase::In(1),
+            inner: 1728,
+            outer: 4096,
+            ld: 1728,
+        }),
+    ];
+    let unsplit = PlanOptions {
+        gemm_pipe_min_k_per_split: 1 << 20,
+        ..tma
+    };
+    let p = plan_with(unsplit, &op, &ins, &outs).unwrap();
+    assert_eq!(kernels(&p), ["gemm_bf16t_mm_128x128"]);
+    assert_eq!(main(&p).args[..2], maps);
+    // 28 tiles over 4096 k: four splits of 1024 in a cluster
+    let p = plan_with(tma, &op, &ins, &outs).unwrap();
+    assert_eq!(kernels(&p), ["gemm_bf16t_mm_128x128_k4"]);
+    let c = main(&p);
+    assert_eq!(c.args[..2], maps);
+    assert_eq!((c.grid[2], c.args[8]), (4, KArg::I32(1024)));
+    // clusters off: partials and the reduction, on the cp.async kernels
+    let partials = PlanOptions {
+        gemm_cluster: false,
+        ..tma
+    };
+    let p = plan_with(partials, &op, &ins, &outs).unwrap();
+    assert!(
+        kernels(&p).iter().all(|k| !k.starts_with("gemm_bf16t")),
+        "{:?}",
+        kernels(&p)
+    );
+    // switched off, the cp.async kernels
+    let off = PlanOptions {
+        gemm_tma: false,
+        ..tma
+    };
+    let p = plan_with(off, &op, &ins, &outs).unwrap();
+    assert_eq!(kernels(&p), ["gemm_bf16p_mm_128x128_k4"]);
 }

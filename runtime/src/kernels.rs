@@ -27,7 +27,8 @@ pub struct KernelInfo {
 }
 
 /// Whether a launch argument fits a PTX parameter type: pointers and `I64` are `.u64`
-/// (or `.s64`/`.b64`), `I32`/`U32` a 32-bit integer, `F32` an `.f32`.
+/// (or `.s64`/`.b64`), `I32`/`U32` a 32-bit integer, `F32` an `.f32`, a `TensorMap` a
+/// byte array (the 128-byte descriptor).
 pub fn arg_fits(arg: &erase_ops::cuda::KArg, param: &str) -> bool {
     use erase_ops::cuda::KArg::*;
     match arg {
@@ -36,6 +37,8 @@ pub fn arg_fits(arg: &erase_ops::cuda::KArg, param: &str) -> bool {
         }
         I32(_) | U32(_) => matches!(param, "u32" | "s32" | "b32"),
         F32(_) => param == "f32",
+        // `.param .align 64 .b8 name[128]`
+        TensorMap(_) => param == "b8[]",
     }
 }
 

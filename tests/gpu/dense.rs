@@ -1800,6 +1800,102 @@ fn the_warp_specialized_tile_matches_the_bf16_reference() {
     check_forced_tile(&ws, GemmTile { n: 64, ws: true }, "ws 128x64 tile");
 }
 
+/// The TMA kernels (`gemm_bf16t_*`: operands brought by the tensor memory accelerator,
+/// mbarriers instead of a CTA barrier a k step) on every pipelined GEMM of batch 1, both
+/// tiles, unsplit and split in clusters, against the bf16 reference with outputs poisoned
+/// by the runner: Linear on rounded scratch, ragged in M, N and K with a bias; Linear on
+/// bf16 copies with its output's copy (`_c`), at K = 4096 too; the data gradient on copies
+/// (`_km`, `_kmc`); the weight gradient on copies (`_mm`), twice with the same bits.
+/// sm_90a only.
+#[test]
+fn the_tma_gemms_match_the_bf16_reference() {
+    let Some(shared) = device("the_tma_gemms_match_the_bf16_reference") else {
+        return;
+    };
+    for n_tile in [128, 256] {
+        // no splits, then splits of at least 512 k: the dw over 2048 rows and the K = 4096
+        // linear split in clusters
+        for min_k in [1 << 30, 512] {
+            let dev = handle_with(erase::ops::cuda::PlanOptions {
+                gemm_tma: true,
+                gemm_tile: Some(GemmTile {
+                    n: n_tile,
+                    ws: false,
+                }),
+                gemm_pipe_min_k_per_split: min_k,
+                ..shared.plan_options()
+            });
+            if !dev.plan_options().gemm_tma {
+                println!("the sm_80 PTX runs: it has no TMA kernels to check");
+                return;
+            }
+            let what = format!("TMA 128x{n_tile} (splits of {min_k})");
+            let dev = &dev;
+            for (m, n, k, seed) in [(1001, 700, 1620, 3000), (800, 300, 640, 3010)] {
+                let (x, xv) = f32_arg(&[m, k], seed, -1.0, 1.0);
+                let (w, wv) = f32_arg(&[n, k], seed + 1, -1.0, 1.0);
+                let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+                let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+                let op = Op::Linear {
+                    bias: true,
+                    relu: false,
+                };
+                let got = run_gpu(dev, &op, &[x, w, b], &outs, &mut []);
+                let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+                assert_within(
+                    &format!("{what}: linear {m}x{n}x{k}"),
+                    &got[0].to_f64(),
+                    &want,
+                    &tol,
+                );
+            }
+            check_linear_with_copy(
+                dev,
+                &format!("{what}: linear on copies"),
+                (1001, 3456, 512),
+                3020,
+                true,
+                true,
+            );
+            check_dx_on_copies(
+                dev,
+                &format!("{what}: linear_grad_input"),
+                (1001, 512, 1736),
+                3030,
+                true,
+            );
+            let (rows, n, k) = (2048, 256, 1736);
+            let dyv = rand_f32(3040, rows * n, -1.0, 1.0);
+            let xv = rand_f32(3041, rows * k, -1.0, 1.0);
+            let ins = [bf16_copy(&[rows, n], &dyv), bf16_copy(&[rows, k], &xv)];
+            let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+            let op = Op::LinearGradWeight { bias: false };
+            let (want, tol) = gemm_ref((1, n, k, rows), &dyv, true, &xv, false, None);
+            let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+            assert_within(
+                &format!("{what}: linear_grad_weight"),
+                &got[0].to_f64(),
+                &want,
+                &tol,
+            );
+            let again = run_gpu(dev, &op, &ins, &outs, &mut []);
+            assert_eq!(
+                bits(&got[0]),
+                bits(&again[0]),
+                "{what}: linear_grad_weight, two runs differ"
+            );
+            check_linear_with_copy(
+                dev,
+                &format!("{what}: linear on copies, K = 4096"),
+                (1000, 300, 4096),
+                3050,
+                false,
+                true,
+            );
+        }
+    }
+}
+
 /// `tile` forced on every pipelined GEMM through a second handle on the device: Linear on
 /// rounded scratch with ragged M, N, K and a bias; on bf16 copies with the output's copy
 /// (`_c`); the data gradient on copies, w MN-major (`_km`) and with dx's copy (`_kmc`);
@@ -1809,9 +1905,11 @@ fn the_warp_specialized_tile_matches_the_bf16_reference() {
 /// poisoned by the runner, and the copies bit for bit the rounding of the outputs.
 fn check_forced_tile(shared: &erase::runtime::cuda::CudaDevice, tile: GemmTile, what: &str) {
     // splits of at least 512 k, so that the K = 4096 cases split in clusters
+    // the cp.async kernels (the TMA ones are the_tma_gemms_match_the_bf16_reference's)
     let forced = handle_with(erase::ops::cuda::PlanOptions {
         gemm_tile: Some(tile),
         gemm_ws: tile.ws,
+        gemm_tma: false,
         gemm_pipe_min_k_per_split: 512,
         ..shared.plan_options()
     });

@@ -212,6 +212,59 @@ fn sanitize_warp_specialized_gemm() {
     }
 }
 
+/// The TMA pipelined kernels (one thread issuing each stage's boxes, mbarriers) on small
+/// ragged GEMMs, both tiles, whole and split in a cluster (K in splits of 64: five of
+/// a cluster of 8 at K = 260, the last three empty): Linear with a bias and ReLU on rounded scratch (K of
+/// one step too) and the weight gradient, against the CPU.
+#[test]
+fn sanitize_tma_gemm() {
+    let Some(dev) = device("sanitize_tma_gemm") else {
+        return;
+    };
+    for (n_tile, min_k) in [(128, 1 << 30), (256, 1 << 30), (128, 64), (256, 64)] {
+        let h = handle_with(PlanOptions {
+            gemm_tile: Some(GemmTile {
+                n: n_tile,
+                ws: false,
+            }),
+            gemm_tma: true,
+            gemm_pipe_min_flops: 0,
+            gemm_pipe_min_mn: 16,
+            gemm_pipe_min_k_per_split: min_k,
+            ..dev.plan_options()
+        });
+        if !h.plan_options().gemm_tma {
+            println!("the sm_80 PTX runs: it has no TMA kernels to check");
+            return;
+        }
+        for (m, n, k) in [(200, 130, 260), (100, 65, 64)] {
+            let what = format!("TMA 128x{n_tile} (splits of {min_k}) {m}x{n}x{k}");
+            let ins = vec![
+                arg(&[m, k], Buffer::F32(rand_f32(31, m * k, -1.0, 1.0))),
+                arg(&[n, k], Buffer::F32(rand_f32(32, n * k, -1.0, 1.0))),
+                arg(&[n], Buffer::F32(rand_f32(33, n, -1.0, 1.0))),
+            ];
+            let outs: [(&[usize], DType); 1] = [(&[m, n], DType::F32)];
+            let op = Op::Linear {
+                bias: true,
+                relu: true,
+            };
+            let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+            let c = run_cpu(&op, &ins, &outs, &mut []);
+            close(&format!("{what}: linear"), &g[0], &c[0], 2e-2);
+            let ins = vec![
+                arg(&[m, n], Buffer::F32(rand_f32(34, m * n, -1.0, 1.0))),
+                arg(&[m, k], Buffer::F32(rand_f32(35, m * k, -1.0, 1.0))),
+            ];
+            let op = Op::LinearGradWeight { bias: false };
+            let outs: [(&[usize], DType); 1] = [(&[n, k], DType::F32)];
+            let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+            let c = run_cpu(&op, &ins, &outs, &mut []);
+            close(&format!("{what}: linear dw"), &g[0], &c[0], 2e-2);
+        }
+    }
+}
+
 #[test]
 fn sanitize_attention() {
     let Some(dev) = device("sanitize_attention") else {

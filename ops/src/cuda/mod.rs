@@ -43,6 +43,50 @@ pub enum KArg {
     U32(u32),
     I64(i64),
     F32(f32),
+    /// A TMA descriptor (the driver's `CUtensorMap`, 128 bytes, passed by value) of a
+    /// bf16 matrix, encoded by the runtime from the operand's pointer (see [`TmaMatrix`]).
+    TensorMap(TmaMatrix),
+}
+
+/// A row-major bf16 matrix as the TMA kernels read it: `outer` rows of `inner` elements,
+/// `ld` elements apart, at `base`; in boxes of 64 x 64 elements stored with the 128-byte
+/// swizzle, elements past either extent read as zeros. The base must be 16-byte aligned
+/// and `ld` a multiple of 8 (the plans check).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TmaMatrix {
+    pub base: TmaBase,
+    pub inner: u64,
+    pub outer: u64,
+    pub ld: u64,
+}
+
+/// The tensor a [`TmaMatrix`] starts at (a pointer argument's kinds).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum TmaBase {
+    In(usize),
+    Out(usize),
+    Scratch(usize),
+}
+
+impl TmaBase {
+    /// The base as the pointer argument it resolves like.
+    pub fn karg(self) -> KArg {
+        match self {
+            TmaBase::In(i) => KArg::In(i),
+            TmaBase::Out(i) => KArg::Out(i),
+            TmaBase::Scratch(i) => KArg::Scratch(i),
+        }
+    }
+
+    /// The base of a pointer argument at the start of its tensor, else `None`.
+    pub fn of(a: KArg) -> Option<TmaBase> {
+        match a {
+            KArg::In(i) | KArg::InAt(i, 0) => Some(TmaBase::In(i)),
+            KArg::Out(i) | KArg::OutAt(i, 0) => Some(TmaBase::Out(i)),
+            KArg::Scratch(i) | KArg::ScratchAt(i, 0) => Some(TmaBase::Scratch(i)),
+            _ => None,
+        }
+    }
 }
 
 /// One kernel launch.
@@ -124,6 +168,11 @@ pub struct PlanOptions {
     /// multiply, no CTA barrier in the main loop; sm_90a only) are among the wave model's
     /// candidates. A device running the sm_80 PTX turns it off.
     pub gemm_ws: bool,
+    /// The pipelined GEMMs of batch 1 (unsplit, or split in a cluster) load their operands
+    /// through the tensor memory accelerator (`gemm_bf16t_*`: one thread issues a stage,
+    /// mbarriers instead of a CTA barrier a k step; sm_90a only). A device running the
+    /// sm_80 PTX turns it off.
+    pub gemm_tma: bool,
     /// Fewest k one split of a single-launch GEMM gets (the split-K of small outputs with
     /// a long K: weight gradients over the batch's rows).
     pub gemm_min_k_per_split: usize,
@@ -177,6 +226,7 @@ impl PlanOptions {
         graph_node_priority: true,
         gemm_tile: None,
         gemm_ws: false,
+        gemm_tma: true,
         gemm_min_k_per_split: 256,
         gemm_min_k_per_split_few: 64,
         gemm_pipe_min_k_per_split: 1024,
@@ -195,7 +245,8 @@ impl PlanOptions {
     /// These options with the documented overrides `var` returns (the process's
     /// environment, read once at start, in the trainer): `ERASE_GEMM_PIPELINE=0`,
     /// `ERASE_GEMM_CLUSTER=0`, `ERASE_GEMM_TALL=0`, `ERASE_GEMM_TALL_STORE=direct`,
-    /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_WS=0` or `1`, `ERASE_GEMM_TILE=128x128`,
+    /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_WS=0` or `1`, `ERASE_GEMM_TMA=0` or `1`,
+    /// `ERASE_GEMM_TILE=128x128`,
     /// `128x256` or `ws128x64` (the `ws` tile also turns `gemm_ws` on), and the
     /// GEMM planner's thresholds as whole numbers: `ERASE_GEMM_MIN_K_SPLIT`,
     /// `ERASE_GEMM_MIN_K_SPLIT_FEW`, `ERASE_GEMM_PIPE_MIN_K_SPLIT` (each at least 1),
@@ -228,6 +279,9 @@ impl PlanOptions {
         }
         if let Some(v) = flag("ERASE_GEMM_WS", "0", "1")? {
             o.gemm_ws = v;
+        }
+        if let Some(v) = flag("ERASE_GEMM_TMA", "0", "1")? {
+            o.gemm_tma = v;
         }
         match var("ERASE_GEMM_TILE").as_deref() {
             None | Some("") => {}
@@ -313,6 +367,7 @@ pub fn kernel_names() -> Vec<&'static str> {
         .iter()
         .flat_map(|f| f.iter().copied())
         .chain(gemm::ws_kernels())
+        .chain(gemm::tma_kernels())
         .collect();
     v.sort_unstable();
     v.dedup();

@@ -1,12 +1,20 @@
 //! Tests of the GEMM and attention plans: the paths each shape takes, split-K, the tall
-//! kernels, bf16 operands, and that every plan names a listed kernel.
+//! kernels, bf16 operands, and that every plan names a listed kernel (the pipelined GEMMs
+//! on their cp.async kernels).
 
 use super::gemm::*;
 use super::*;
 use erase_graph::{DType, Op, Shape};
 
+/// The H200's options with the pipelined GEMMs on their cp.async kernels, whose argument
+/// lists these tests read (the TMA kernels' plans are tests/cuda_plans.rs's).
+const CP_ASYNC: PlanOptions = PlanOptions {
+    gemm_tma: false,
+    ..PlanOptions::H200
+};
+
 fn plan_of(op: &Op, ins: &[&[usize]], outs: &[&[usize]]) -> Result<CudaPlan, String> {
-    plan_of_with(PlanOptions::H200, op, ins, outs)
+    plan_of_with(CP_ASYNC, op, ins, outs)
 }
 
 fn plan_of_with(
@@ -177,7 +185,7 @@ fn long_reductions_split_k_in_a_fixed_number_of_parts() {
     assert_eq!(kernels(&p)[1], "gemm_bf16p_128x128", "{:?}", kernels(&p));
     let bound_2_31 = PlanOptions {
         gemm_pipe_min_flops: 1 << 31,
-        ..PlanOptions::H200
+        ..CP_ASYNC
     };
     let p = plan_of_with(bound_2_31, &op, &ins, &outs).unwrap();
     assert_eq!(p.calls.len(), 1);
@@ -196,10 +204,10 @@ fn long_reductions_split_k_in_a_fixed_number_of_parts() {
     // of a [1, 256] dw in 64 splits (in parts of 256 beside more tiles: 16)
     let dw = Op::LinearGradWeight { bias: false };
     let (ins, outs): ([&[usize]; 2], [&[usize]; 1]) = ([&[4096, 1], &[4096, 256]], [&[1, 256]]);
-    for (few, splits) in [(PlanOptions::H200.gemm_min_k_per_split_few, 64), (256, 16)] {
+    for (few, splits) in [(CP_ASYNC.gemm_min_k_per_split_few, 64), (256, 16)] {
         let opts = PlanOptions {
             gemm_min_k_per_split_few: few,
-            ..PlanOptions::H200
+            ..CP_ASYNC
         };
         let p = plan_of_with(opts, &dw, &ins, &outs).unwrap();
         assert_eq!(p.calls[0].grid[2], splits, "{few}: {:?}", p.calls[0].grid);
@@ -234,7 +242,7 @@ fn tall_gemms_take_the_persistent_kernels() {
     assert_eq!(p.calls.len(), 1);
     let c = &p.calls[0];
     assert_eq!(c.kernel, "gemm_tall_n192_c");
-    assert_eq!(c.grid, [2 * PlanOptions::H200.sms as u32, 1, 1]);
+    assert_eq!(c.grid, [2 * CP_ASYNC.sms as u32, 1, 1]);
     assert_eq!(
         c.smem as usize,
         2 * 64 * 72 * 4 + 192 * 72 * 2 + TALL_STAGE_SMEM + 192 * 4
@@ -251,7 +259,7 @@ fn tall_gemms_take_the_persistent_kernels() {
     )
     .unwrap();
     assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c");
-    assert_eq!(p.calls[0].grid, [3 * PlanOptions::H200.sms as u32, 1, 1]);
+    assert_eq!(p.calls[0].grid, [3 * CP_ASYNC.sms as u32, 1, 1]);
     let p = plan_of(
         &Op::LinearGradInput {
             relu_mask: false,
@@ -355,7 +363,7 @@ fn a_data_gradients_residual_is_added_by_the_pipelined_epilogue_or_a_launch_afte
     // without clusters the split GEMM writes partials: the residual after the reduction
     let opts = PlanOptions {
         gemm_cluster: false,
-        ..PlanOptions::H200
+        ..CP_ASYNC
     };
     let p = plan_of_with(
         opts,
@@ -443,7 +451,7 @@ fn a_bf16_dqkv_is_written_and_read_in_bf16() {
     .unwrap();
     assert_eq!(p.calls.len(), 1);
     assert_eq!(p.calls[0].kernel, "gemm_tall_n64_c_a16");
-    assert_eq!(p.calls[0].grid, [2 * PlanOptions::H200.sms as u32, 1, 1]);
+    assert_eq!(p.calls[0].grid, [2 * CP_ASYNC.sms as u32, 1, 1]);
     assert_eq!(
         p.calls[0].smem as usize,
         2 * 64 * 200 * 2 + 64 * 200 * 2 + TALL_STAGE_SMEM + 64 * 4
@@ -503,7 +511,7 @@ fn large_gemms_round_operands_first_and_split_half_waves() {
     );
     let opts = PlanOptions {
         gemm_pipe_min_k_per_split: 512,
-        ..PlanOptions::H200
+        ..CP_ASYNC
     };
     let p = plan_of_with(opts, &op, &ins, &outs).unwrap();
     assert_eq!(p.calls[1].kernel, "gemm_bf16p_128x128_k4");
@@ -588,7 +596,7 @@ fn plan_typed(
     super::cuda_plan(
         op,
         &Operands {
-            opts: PlanOptions::H200,
+            opts: CP_ASYNC,
             ins: &in_refs,
             in_dtypes: &in_dt,
             outs: &out_refs,

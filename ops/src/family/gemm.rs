@@ -1036,6 +1036,65 @@ pub(crate) mod cuda {
         ws_names!("_kmc"),
     ];
 
+    /// The TMA kernels' names (`gemm_bf16t*`), by layout as [`PIPE_NAMES`], tile (128x128,
+    /// 128x256) and cluster (none, 2, 4 or 8 CTAs: `_k<S>`).
+    macro_rules! tma_names {
+        ($layout:literal) => {
+            [
+                [
+                    concat!("gemm_bf16t", $layout, "_128x128"),
+                    concat!("gemm_bf16t", $layout, "_128x128_k2"),
+                    concat!("gemm_bf16t", $layout, "_128x128_k4"),
+                    concat!("gemm_bf16t", $layout, "_128x128_k8"),
+                ],
+                [
+                    concat!("gemm_bf16t", $layout, "_128x256"),
+                    concat!("gemm_bf16t", $layout, "_128x256_k2"),
+                    concat!("gemm_bf16t", $layout, "_128x256_k4"),
+                    concat!("gemm_bf16t", $layout, "_128x256_k8"),
+                ],
+            ]
+        };
+    }
+    const TMA_NAMES: [[[&str; 4]; 2]; 5] = [
+        tma_names!(""),
+        tma_names!("_mm"),
+        tma_names!("_km"),
+        tma_names!("_c"),
+        tma_names!("_kmc"),
+    ];
+
+    /// Every TMA kernel a plan may name.
+    pub(crate) fn tma_kernels() -> impl Iterator<Item = &'static str> {
+        TMA_NAMES.iter().flatten().flatten().copied()
+    }
+
+    /// A TMA kernel's name, as [`pipe_name`] (the tile's width `bn`).
+    fn tma_name(a_mn: bool, b_mn: bool, copy: bool, bn: usize, cluster: usize) -> &'static str {
+        TMA_NAMES[pipe_layout(copy, a_mn, b_mn)][usize::from(bn == 256)][cluster_index(cluster)]
+    }
+
+    /// The index of a cluster size (1: none) among the kernels' `_k<S>` forms.
+    fn cluster_index(cluster: usize) -> usize {
+        match cluster {
+            0 | 1 => 0,
+            2 => 1,
+            4 => 2,
+            _ => 3,
+        }
+    }
+
+    /// The index of a pipelined kernel's layout in [`PIPE_NAMES`].
+    fn pipe_layout(copy: bool, a_mn: bool, b_mn: bool) -> usize {
+        match (copy, a_mn, b_mn) {
+            (false, false, false) => 0,
+            (false, true, _) => 1,
+            (false, false, true) => 2,
+            (true, _, false) => 3,
+            (true, _, true) => 4,
+        }
+    }
+
     /// Every warp-specialized kernel a plan may name.
     pub(crate) fn ws_kernels() -> impl Iterator<Item = &'static str> {
         WS_NAMES.iter().flatten().copied()
@@ -1045,19 +1104,8 @@ pub(crate) mod cuda {
     /// B alone), whether the epilogue writes C's bf16 copy (K-major A only), the tile and
     /// the CTAs of its cluster (1: none).
     fn pipe_name(a_mn: bool, b_mn: bool, copy: bool, t: &PipeTile, cluster: usize) -> &'static str {
-        let layout = match (copy, a_mn, b_mn) {
-            (false, false, false) => 0,
-            (false, true, _) => 1,
-            (false, false, true) => 2,
-            (true, _, false) => 3,
-            (true, _, true) => 4,
-        };
-        let c = match cluster {
-            0 | 1 => 0,
-            2 => 1,
-            4 => 2,
-            _ => 3,
-        };
+        let layout = pipe_layout(copy, a_mn, b_mn);
+        let c = cluster_index(cluster);
         if t.ws {
             WS_NAMES[layout][c]
         } else {
@@ -1205,6 +1253,58 @@ pub(crate) mod cuda {
         let out = part_at.map_or(KArg::Out(0), KArg::Scratch);
         // C's bf16 copy from the epilogue: a K-major A, C written whole by one launch
         let fused_copy = g.copy.filter(|_| !partials && !a_mn);
+        let copy_arg = fused_copy.unwrap_or(KArg::Out(0));
+        // the TMA form (batch 1, C written whole by the launch: no split or a cluster's),
+        // both operands at the start of their tensors: K-major scratch [Mp][Kp] / [Np][Kp],
+        // or bf16 copies read in place, K-major [rows][K] or MN-major [K][M or N]
+        let tma_maps = (g.opts.gemm_tma && !t.ws && batch == 1 && !partials)
+            .then(|| {
+                let map =
+                    |arg: KArg, rounded: bool, mn: bool, dim: usize, dim_p: usize, ld: usize| {
+                        let (inner, outer) = match (rounded, mn) {
+                            (true, _) => (kp, dim_p),
+                            (false, true) => (dim, k),
+                            (false, false) => (k, dim),
+                        };
+                        Some(KArg::TensorMap(crate::cuda::TmaMatrix {
+                            base: crate::cuda::TmaBase::of(arg)?,
+                            inner: inner as u64,
+                            outer: outer as u64,
+                            ld: ld as u64,
+                        }))
+                        .filter(|_| ld.is_multiple_of(8))
+                    };
+                Some((
+                    map(a_arg, a_dst.is_some(), a_mn, m, mp, lda)?,
+                    map(b_arg, b_dst.is_some(), b_mn, n, np, ldb)?,
+                ))
+            })
+            .flatten();
+        if let Some((map_a, map_b)) = tma_maps {
+            calls.push(KernelCall {
+                kernel: tma_name(a_mn, b_mn, fused_copy.is_some(), t.bn, cluster.unwrap_or(1)),
+                grid: [blocks(mp, t.bm), blocks(np, t.bn), splits as u32],
+                block: [256, 1, 1],
+                smem: t.smem,
+                args: vec![
+                    map_a,
+                    map_b,
+                    out,
+                    bias_arg,
+                    KArg::I32(mi),
+                    KArg::I32(ni),
+                    KArg::I32(kpi),
+                    i64_of(n),
+                    KArg::I32(k_split as i32),
+                    KArg::I32(flags),
+                    copy_arg,
+                ],
+            });
+            if let Some((part, out, slices)) = row_sums {
+                calls.push(crate::cuda::reduce::colsum_final_call(part, out, slices, m));
+            }
+            return Ok(CudaPlan { calls, scratch });
+        }
         calls.push(KernelCall {
             kernel: pipe_name(a_mn, b_mn, fused_copy.is_some(), &t, cluster.unwrap_or(1)),
             grid: [blocks(mp, t.bm), blocks(np, t.bn), (splits * batch) as u32],
@@ -1230,10 +1330,7 @@ pub(crate) mod cuda {
                 i64_of(if partials { count } else { 0 }),
                 KArg::I32(if partials { 0 } else { flags }),
                 // C's bf16 copy (the `_c` kernels), else any valid pointer
-                match fused_copy {
-                    Some(copy) => copy,
-                    None => KArg::Out(0),
-                },
+                copy_arg,
             ],
         });
         if let Some(p) = part_at {

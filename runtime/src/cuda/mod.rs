@@ -179,15 +179,13 @@ impl Drop for Event {
     }
 }
 
-/// Lets `f` take as much dynamic shared memory as the device allows a CTA (`optin` bytes,
-/// less the kernel's static shared memory): past 48 KB the driver refuses a launch unless
-/// the function says so first (the GEMM pipeline's stages live there).
-/// `o` for a device of `sms` SMs running `target`'s PTX: the warp-specialized GEMM
+/// `o` for a device of `sms` SMs running `target`'s PTX: the warp-specialized and TMA GEMM
 /// kernels are sm_90a code (their sm_80 forms trap), so the sm_80 PTX plans without them.
 fn fit_plan(o: PlanOptions, sms: u32, target: PtxTarget) -> PlanOptions {
     let mut o = o.with_sms(sms as usize);
     if target == PtxTarget::Sm80 {
         o.gemm_ws = false;
+        o.gemm_tma = false;
         o.gemm_tile = o.gemm_tile.filter(|t| !t.ws);
     }
     o
@@ -222,6 +220,9 @@ fn pdl_from_env() -> Result<PdlMode, RuntimeError> {
     }
 }
 
+/// Lets `f` take as much dynamic shared memory as the device allows a CTA (`optin` bytes,
+/// less the kernel's static shared memory): past 48 KB the driver refuses a launch unless
+/// the function says so first (the GEMM pipeline's stages live there).
 fn allow_dynamic_smem(f: sys::CUfunction, optin: i32) -> Result<(), result::DriverError> {
     // SAFETY: `f` is a live function of a loaded module; both calls only read or set one
     // of its attributes, to a value the device supports.
@@ -238,12 +239,64 @@ fn allow_dynamic_smem(f: sys::CUfunction, optin: i32) -> Result<(), result::Driv
     }
 }
 
+/// The TMA descriptor of `t` at device address `ptr`: bf16, two dimensions (inner
+/// contiguous), boxes of 64 x 64 elements (128-byte rows) in the 128-byte swizzle, zeros
+/// past either extent, as the `gemm_bf16t*` kernels read it.
+fn encode_tma(ptr: u64, t: &erase_ops::cuda::TmaMatrix) -> Result<[u8; 128], String> {
+    if !ptr.is_multiple_of(16) || !t.ld.is_multiple_of(8) || t.ld < t.inner {
+        return Err(format!(
+            "a TMA operand needs a 16-byte aligned base (0x{ptr:x}) and rows of whole \
+             16-byte chunks no shorter than the matrix (ld {} for {} elements)",
+            t.ld, t.inner
+        ));
+    }
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    let dims = [t.inner, t.outer];
+    let strides = [t.ld * 2];
+    let boxes = [64u32, 64];
+    let steps = [1u32, 1];
+    // SAFETY: every pointer names a live local array of the rank's length (strides one
+    // shorter), `map` is writable storage of the descriptor's size, and the driver only
+    // writes it; the device address is not dereferenced on the host.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+    }
+    .map_err(|e| format!("cuTensorMapEncodeTiled: {e:?}"))?;
+    // SAFETY: the call succeeded, so the driver wrote the whole descriptor
+    let map = unsafe { map.assume_init() };
+    let mut out = [0u8; 128];
+    for (o, w) in out.chunks_exact_mut(8).zip(map.opaque) {
+        o.copy_from_slice(&w.to_ne_bytes());
+    }
+    Ok(out)
+}
+
 /// A kernel launch with its function and argument bytes resolved.
 pub struct PreparedLaunch {
     f: sys::CUfunction,
     pub call: KernelCall,
-    slots: Vec<[u8; 8]>,
+    slots: Vec<ArgSlot>,
 }
+
+/// One kernel argument's bytes: 8 for a scalar or a pointer (the driver reads as many as
+/// the parameter's size), 128 for a TMA descriptor, aligned as the descriptor must be.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct ArgSlot([u8; 128]);
 
 // SAFETY: a function handle and plain bytes; usable from any thread with the context.
 unsafe impl Send for PreparedLaunch {}
@@ -621,15 +674,26 @@ impl CudaDevice {
         ptr: &dyn Fn(KArg) -> Option<u64>,
     ) -> Result<PreparedLaunch, RuntimeError> {
         let f = self.function(call.kernel)?;
-        // each argument as 8 bytes; the driver reads as many as the parameter's size
-        let mut slots: Vec<[u8; 8]> = Vec::with_capacity(call.args.len());
+        let mut slots: Vec<ArgSlot> = Vec::with_capacity(call.args.len());
         for &a in &call.args {
-            let mut b = [0u8; 8];
+            let mut slot = ArgSlot([0u8; 128]);
+            let b = &mut slot.0;
             match a {
                 KArg::I32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
                 KArg::U32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
                 KArg::F32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
-                KArg::I64(v) => b.copy_from_slice(&v.to_ne_bytes()),
+                KArg::I64(v) => b[..8].copy_from_slice(&v.to_ne_bytes()),
+                KArg::TensorMap(t) => {
+                    let p = ptr(t.base.karg()).ok_or_else(|| {
+                        RuntimeError::Device(format!(
+                            "{}: no device pointer for argument {a:?}",
+                            call.kernel
+                        ))
+                    })?;
+                    b.copy_from_slice(&encode_tma(p, &t).map_err(|e| {
+                        RuntimeError::Device(format!("{}: {a:?}: {e}", call.kernel))
+                    })?);
+                }
                 other => {
                     // a pointer into a tensor: the tensor's pointer, then the offset
                     let (base, off) = match other {
@@ -644,10 +708,10 @@ impl CudaDevice {
                             call.kernel
                         ))
                     })?;
-                    b.copy_from_slice(&p.to_ne_bytes());
+                    b[..8].copy_from_slice(&p.to_ne_bytes());
                 }
             }
-            slots.push(b);
+            slots.push(slot);
         }
         Ok(PreparedLaunch {
             f,
@@ -662,7 +726,7 @@ impl CudaDevice {
         let mut slots = l.slots.clone();
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
-            .map(|s| s.as_mut_ptr() as *mut c_void)
+            .map(|s| s.0.as_mut_ptr() as *mut c_void)
             .collect();
         let c = &l.call;
         if self.pdl != PdlMode::Off {
