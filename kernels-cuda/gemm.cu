@@ -1580,7 +1580,7 @@ __device__ __forceinline__ void gemm_tma_body(const GemmTmap* __restrict__ map_a
                                               __nv_bfloat16* __restrict__ Cb) {
     constexpr int BM = 128, BK = 64, A_BYTES = BM * BK * 2, STAGE = (BM + BN) * BK * 2, NACC = BN / 2;
     constexpr uint32_t BOX = 64 * 64 * 2;
-    static_assert(BN == 128 || BN == 256, "wgmma tiles are 128 or 256 wide");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "the TMA tiles are 64, 128 or 256 wide");
     extern __shared__ __align__(16) unsigned char gemm_smem[];
     __shared__ __align__(8) uint64_t gemm_bars[2 * STAGES];
     const uint32_t base = (gemm_smem_addr(gemm_smem) + 1023u) & ~1023u;
@@ -1882,10 +1882,11 @@ ERASE_GEMM_WS_KERNELS(_km, false, true, false)
 ERASE_GEMM_WS_KERNELS(_c, false, false, true)
 ERASE_GEMM_WS_KERNELS(_kmc, false, true, true)
 
-// gemm_bf16t<LAYOUT>_128x128 and _128x256 (and _k<S>: S splits summed in a cluster of S
-// CTAs along z): the TMA form (gemm_tma_body) of the pipelined kernels, batch 1, the same
-// layouts, tiles, shared memory (3 stages of 128x128, two CTAs an SM; 4 of 128x256) and
-// epilogues. Arguments: map_a, map_b (the operands' TMA descriptors, by value), C, bias,
+// gemm_bf16t<LAYOUT>_128x128, _128x256 and _128x64 (and _k<S>: S splits summed in a
+// cluster of S CTAs along z): the TMA form (gemm_tma_body) of the pipelined kernels, batch
+// 1, the same layouts, tiles, shared memory (3 stages of 128x128, two CTAs an SM; 4 of
+// 128x256) and epilogues; the 128x64 tile (4 stages, two CTAs an SM) is the TMA kernels'
+// own, for outputs whose 128x128 grid leaves SMs idle. Arguments: map_a, map_b (the operands' TMA descriptors, by value), C, bias,
 // M, N, Kp (i32; Kp a multiple of 64), ldc (i64), k_split (i32, a multiple of 64: a split's
 // k range; read by the `_k<S>` kernels only), flags (i32, as the pipelined kernels'), Cb
 // (C's bf16 copy, the `_c` and `_kmc` kernels). Grid: (Mp/128, Np/BN, S); block 256.
@@ -1914,7 +1915,8 @@ ERASE_GEMM_WS_KERNELS(_kmc, false, true, true)
     ERASE_GEMM_TMA_KERNEL(LAYOUT, TA, TB, COPY, BN, STAGES, PER_SM, 8, _k8)
 #define ERASE_GEMM_TMA_KERNELS(LAYOUT, TA, TB, COPY)        \
     ERASE_GEMM_TMA_TILE(LAYOUT, TA, TB, COPY, 128, 3, 2)    \
-    ERASE_GEMM_TMA_TILE(LAYOUT, TA, TB, COPY, 256, 4, 1)
+    ERASE_GEMM_TMA_TILE(LAYOUT, TA, TB, COPY, 256, 4, 1)    \
+    ERASE_GEMM_TMA_TILE(LAYOUT, TA, TB, COPY, 64, 4, 2)
 ERASE_GEMM_TMA_KERNELS(, false, false, false)
 ERASE_GEMM_TMA_KERNELS(_mm, true, true, false)
 ERASE_GEMM_TMA_KERNELS(_km, false, true, false)

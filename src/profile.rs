@@ -9,10 +9,12 @@ use erase_runtime::program::occupancy::DeviceModel;
 use erase_runtime::program::schedule::StepProgram;
 use erase_runtime::trace::{Trace, TraceKind};
 
-/// The CUDA launch plan of node `node` of `g` (pure data: no device needed).
+/// The CUDA launch plan of node `node` of `g` launched at `at` (pure data: no device
+/// needed).
 pub fn node_plan(
     g: &Graph,
     node: erase_graph::NodeId,
+    at: erase_ops::cuda::LaunchAt,
 ) -> Result<erase_ops::cuda::CudaPlan, String> {
     let n = g.node(node);
     let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
@@ -21,7 +23,7 @@ pub fn node_plan(
     let outd: Vec<_> = n.outputs.iter().map(|&t| g.dtype(t)).collect();
     let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
     let o = erase_ops::cuda::Operands {
-        opts: erase_ops::cuda::PlanOptions::from_env(),
+        opts: erase_ops::cuda::PlanOptions::from_env().at_launch(at),
         ins: &ins,
         in_dtypes: &ind,
         outs: &outs,
@@ -32,9 +34,9 @@ pub fn node_plan(
 }
 
 /// The CUDA kernels a node's launch runs, in order, joined by `+` (e.g.
-/// `gemm_to_bf16_pair+gemm_bf16p_128x128+gemm_splitk_reduce`).
-pub fn kernels_of(g: &Graph, node: erase_graph::NodeId) -> String {
-    match node_plan(g, node) {
+/// `gemm_to_bf16_pair+gemm_bf16p_128x128+gemm_splitk_reduce`), launched at `at`.
+pub fn kernels_of(g: &Graph, node: erase_graph::NodeId, at: erase_ops::cuda::LaunchAt) -> String {
+    match node_plan(g, node, at) {
         Ok(p) => p
             .calls
             .iter()
@@ -98,7 +100,7 @@ pub fn kernel_rows(prog: &StepProgram, g: &Graph, trace: &Trace) -> (Vec<KernelR
                 launch: i,
                 label: format!("{} '{}'", l.label, g.node(l.node).name),
                 kernel: {
-                    let k = kernels_of(g, l.node);
+                    let k = kernels_of(g, l.node, prog.launch_at(g, l));
                     if k.is_empty() {
                         s.kernel.to_string()
                     } else {

@@ -1,7 +1,8 @@
 //! The typed kernel ABI, checked without a GPU: every launch that the plans of the CTR
 //! model, mlp30 and nanochat make (at several sizes and in every variant) passes its
 //! kernel exactly the parameters the kernel's PTX declares, in count, width and kind;
-//! and the kernel exists. A wrong argument list fails here, not on a GPU machine.
+//! and the kernel exists. A wrong argument list fails here, not on a GPU machine. (And
+//! which programs' launches take the TMA kernels' 128x64 tile.)
 
 use erase::graph::{DType, OptimizerConfig};
 use erase::model::ctr::{CtrConfig, Variant};
@@ -29,11 +30,12 @@ fn check_program(
     what: &str,
     lib: &erase::runtime::kernels::KernelLibrary,
     g: &erase::graph::Graph,
-    launches: impl Iterator<Item = erase::graph::NodeId>,
+    prog: &erase::runtime::program::schedule::StepProgram,
 ) -> usize {
     let mut calls = 0;
-    for node in launches {
-        let plan = match erase::profile::node_plan(g, node) {
+    for l in &prog.launches {
+        let node = l.node;
+        let plan = match erase::profile::node_plan(g, node, prog.launch_at(g, l)) {
             Ok(p) => p,
             Err(e) => panic!("{what}: node '{}' has no plan: {e}", g.node(node).name),
         };
@@ -83,12 +85,7 @@ fn every_plan_of_the_ctr_model_mlp30_and_nanochat_matches_its_kernels_parameters
             let plan = plan_step(&cfg.clone().with_variant(v), DType::F32, &opt, &sched)
                 .unwrap_or_else(|e| panic!("{name} {v}: {e:#}"));
             let g = &plan.model.graph;
-            total += check_program(
-                &format!("ctr {name} {v}"),
-                &lib,
-                g,
-                plan.program.launches.iter().map(|l| l.node),
-            );
+            total += check_program(&format!("ctr {name} {v}"), &lib, g, &plan.program);
         }
     }
     for (width, layers, batch) in [(256usize, 30usize, 256usize), (1024, 30, 256), (64, 4, 7)] {
@@ -108,7 +105,7 @@ fn every_plan_of_the_ctr_model_mlp30_and_nanochat_matches_its_kernels_parameters
                 &format!("mlp30 {width}x{layers} batch {batch}"),
                 &lib,
                 &p.plan.graph,
-                p.plan.program.launches.iter().map(|l| l.node),
+                &p.plan.program,
             );
         }
     }
@@ -129,7 +126,7 @@ fn every_plan_of_the_ctr_model_mlp30_and_nanochat_matches_its_kernels_parameters
                 &format!("nanochat seq {} width {}", cfg.seq, cfg.width),
                 &lib,
                 &p.plan.graph,
-                p.plan.program.launches.iter().map(|l| l.node),
+                &p.plan.program,
             );
         }
     }
@@ -231,4 +228,41 @@ fn a_kernel_that_reads_before_its_wait_fails_the_pdl_check() {
     assert!(check_pdl_waits(&no_trigger)
         .unwrap_err()
         .contains("launch_dependents"));
+}
+
+#[test]
+fn the_serial_schedules_take_the_tma_128x64_tile_and_erase_does_not() {
+    // the spec model at batch 4096: the 4096 x 256 layers' GEMMs (64 CTAs of 128x128 on
+    // the H200's 132 SMs) take the 128x64 tile in the baseline's and detached's programs,
+    // and in no launch of the ERASE program (where the wider grids made the step slower)
+    if std::env::var_os("ERASE_GEMM_TMA_N64").is_some() {
+        println!("ERASE_GEMM_TMA_N64 is set: the default launch set is not what runs");
+        return;
+    }
+    let opt = OptimizerConfig::default();
+    let sched = ScheduleOptions::default();
+    for v in Variant::ALL {
+        let plan = plan_step(
+            &CtrConfig::default().with_variant(v),
+            DType::F32,
+            &opt,
+            &sched,
+        )
+        .unwrap_or_else(|e| panic!("{v}: {e:#}"));
+        let g = &plan.model.graph;
+        let prog = &plan.program;
+        let narrow = prog
+            .launches
+            .iter()
+            .filter(|l| {
+                erase::profile::kernels_of(g, l.node, prog.launch_at(g, l))
+                    .contains("gemm_bf16t_128x64")
+            })
+            .count();
+        if v == Variant::Erase {
+            assert_eq!(narrow, 0, "{v}");
+        } else {
+            assert!(narrow >= 4, "{v}: {narrow} launches on the 128x64 tile");
+        }
+    }
 }

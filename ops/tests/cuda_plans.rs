@@ -4,7 +4,8 @@
 
 use erase_graph::{DType, Op, Shape};
 use erase_ops::cuda::{
-    cuda_plan, CudaPlan, GemmTile, KArg, Operands, PlanOptions, TmaBase, TmaMatrix,
+    cuda_plan, CudaPlan, GemmTile, KArg, LaunchAt, LaunchSet, Operands, PlanOptions, TmaBase,
+    TmaMatrix,
 };
 
 fn plan(
@@ -483,6 +484,11 @@ fn a_forced_pipelined_tile_is_taken_by_every_large_gemm() {
             let o = PlanOptions {
                 gemm_tile: Some(tile),
                 gemm_ws: tile.ws,
+                gemm_tma_n64: if !tile.ws && tile.n == 64 {
+                    LaunchSet::ALL
+                } else {
+                    LaunchSet::NONE
+                },
                 ..PlanOptions::H200
             };
             let p = plan_with(o, op, ins, outs).unwrap();
@@ -645,6 +651,62 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
         .unwrap();
     assert_eq!(ws.gemm_tile, Some(GemmTile { n: 64, ws: true }));
     assert!(ws.gemm_ws, "a forced ws tile turns the ws kernels on");
+    let t64 = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_TILE", "t128x64")]))
+        .unwrap();
+    assert_eq!(t64.gemm_tile, Some(GemmTile { n: 64, ws: false }));
+    assert!(t64.gemm_tma_n64 == LaunchSet::ALL && !t64.gemm_ws);
+    let n64 = |pairs: &'static [(&'static str, &'static str)]| {
+        PlanOptions::H200
+            .with_env(env(pairs))
+            .map(|o| o.gemm_tma_n64)
+    };
+    assert_eq!(n64(&[("ERASE_GEMM_TMA_N64", "0")]), Ok(LaunchSet::NONE));
+    assert_eq!(n64(&[("ERASE_GEMM_TMA_N64", "1")]), Ok(LaunchSet::ALL));
+    let both = n64(&[("ERASE_GEMM_TMA_N64", "main,fwd")]).unwrap();
+    assert!(both.main && both.forward && !both.all);
+    let main_only = n64(&[("ERASE_GEMM_TMA_N64", "main")]).unwrap();
+    assert!(main_only.main && !main_only.forward && !main_only.all);
+    for bad in ["yes", "main,bwd", ""] {
+        assert_eq!(LaunchSet::parse(bad), None, "{bad:?}");
+    }
+    let e = n64(&[("ERASE_GEMM_TMA_N64", "yes")]).unwrap_err();
+    assert!(
+        e.contains("ERASE_GEMM_TMA_N64=yes") && e.contains("main"),
+        "{e}"
+    );
+    assert_eq!(
+        n64(&[("ERASE_GEMM_TMA_N64", "serial")]),
+        Ok(LaunchSet::SERIAL)
+    );
+    // a step's launch: in the set, every GEMM of it may take the tile; else none
+    let at = |main: bool, forward: bool, serial: bool| LaunchAt {
+        main,
+        forward,
+        serial,
+    };
+    let resolved = |set: LaunchSet, a: LaunchAt| {
+        PlanOptions {
+            gemm_tma_n64: set,
+            ..PlanOptions::H200
+        }
+        .at_launch(a)
+        .gemm_tma_n64
+    };
+    assert_eq!(resolved(main_only, at(true, false, false)), LaunchSet::ALL);
+    assert_eq!(resolved(main_only, at(false, true, false)), LaunchSet::NONE);
+    let fwd = LaunchSet::parse("fwd").unwrap();
+    assert_eq!(resolved(fwd, at(false, true, false)), LaunchSet::ALL);
+    assert_eq!(resolved(fwd, at(true, false, true)), LaunchSet::NONE);
+    // the default: the serial programs' launches, wherever they run
+    assert_eq!(PlanOptions::H200.gemm_tma_n64, LaunchSet::SERIAL);
+    let default = PlanOptions::H200.gemm_tma_n64;
+    assert_eq!(resolved(default, at(true, true, true)), LaunchSet::ALL);
+    assert_eq!(resolved(default, at(true, true, false)), LaunchSet::NONE);
+    assert_eq!(
+        resolved(LaunchSet::ALL, at(false, false, false)),
+        LaunchSet::ALL
+    );
     let off = PlanOptions::H200
         .with_env(env(&[("ERASE_GEMM_WS", "0")]))
         .unwrap();
@@ -939,4 +1001,77 @@ fn tma_gemms_take_descriptors_of_their_operands() {
     };
     let p = plan_with(off, &op, &ins, &outs).unwrap();
     assert_eq!(kernels(&p), ["gemm_bf16p_mm_128x128_k4"]);
+}
+
+#[test]
+fn the_tma_128x64_tile_takes_outputs_that_leave_sms_idle() {
+    // the CTR model's 4096 x 256 x 1728 layer: 64 CTAs of 128x128 on 132 SMs, 128 of
+    // 128x64 (one wave of either, half the k work a CTA); 4096 x 1024 fills a wave of
+    // 128x128 CTAs and keeps them
+    let lin = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let on = PlanOptions {
+        gemm_tma_n64: LaunchSet::ALL,
+        ..PlanOptions::H200
+    };
+    let main = |p: &CudaPlan| p.calls[p.calls.len() - 1].clone();
+    let run = |opts: PlanOptions, n: usize| {
+        let (w, b, y) = ([n, 1728], [n], [4096, n]);
+        let ins: [(&[usize], DType); 3] = [(&[4096, 1728], F), (&w, F), (&b, F)];
+        let outs: [(&[usize], DType); 1] = [(&y, F)];
+        main(&plan_with(opts, &lin, &ins, &outs).unwrap())
+    };
+    let c = run(on, 256);
+    assert_eq!(c.kernel, "gemm_bf16t_128x64");
+    assert_eq!(c.grid, [32, 4, 1]);
+    assert_eq!(c.smem, 4 * (128 + 64) * 64 * 2 + 1024);
+    assert_eq!(c.block, [256, 1, 1]);
+    assert!(matches!(c.args[0], KArg::TensorMap(_)));
+    assert_eq!(run(on, 1024).kernel, "gemm_bf16t_128x128");
+    // not in a plan outside the launch set (the default's outside a serial program), and
+    // without the TMA kernels (sm_80, or switched off) never taken
+    assert_eq!(run(PlanOptions::H200, 256).kernel, "gemm_bf16t_128x128");
+    let no_tma = PlanOptions {
+        gemm_tma: false,
+        ..on
+    };
+    assert_eq!(run(no_tma, 256).kernel, "gemm_bf16p_128x128");
+    // forced, it names its kernels; a split one sums in a cluster (`_k<S>`)
+    let forced = PlanOptions {
+        gemm_tile: Some(GemmTile { n: 64, ws: false }),
+        gemm_pipe_min_k_per_split: 512,
+        ..on
+    };
+    let c = run(forced, 256);
+    assert_eq!(c.kernel, "gemm_bf16t_128x64_k2");
+    assert_eq!((c.grid, c.args[8]), ([32, 4, 2], KArg::I32(896)));
+    // the wave model takes it only at one CTA an SM: the 4096 x 512 x 1024 layer (128
+    // CTAs of 128x128, 256 of 128x64) keeps 128x128, though both make one wave
+    assert_eq!(run(on, 512).kernel, "gemm_bf16t_128x128");
+    // the weight gradient on copies (both MN-major): 2 x 8 tiles of 128x64, four splits
+    // of 1024 rows in a cluster (64 CTAs); at [256, 1728] 216 CTAs, so 128x128 (112)
+    let op = Op::LinearGradWeight { bias: false };
+    let bf = DType::Bf16;
+    let ins: [(&[usize], DType); 2] = [(&[4096, 256], bf), (&[4096, 512], bf)];
+    let outs: [(&[usize], DType); 1] = [(&[256, 512], F)];
+    let c = main(&plan_with(on, &op, &ins, &outs).unwrap());
+    assert_eq!((c.kernel, c.grid), ("gemm_bf16t_mm_128x64_k4", [2, 8, 4]));
+    let wide: [(&[usize], DType); 2] = [(&[4096, 256], bf), (&[4096, 1728], bf)];
+    let wide_out: [(&[usize], DType); 1] = [(&[256, 1728], F)];
+    let c = main(&plan_with(on, &op, &wide, &wide_out).unwrap());
+    assert_eq!((c.kernel, c.grid), ("gemm_bf16t_mm_128x128_k4", [2, 14, 4]));
+    // clusters off, a split needs partials, which the TMA kernels do not write: the
+    // 128x64 tile is not a candidate there
+    let partials = PlanOptions {
+        gemm_cluster: false,
+        ..on
+    };
+    let p = plan_with(partials, &op, &ins, &outs).unwrap();
+    assert!(
+        kernels(&p).iter().all(|k| !k.starts_with("gemm_bf16t")),
+        "{:?}",
+        kernels(&p)
+    );
 }

@@ -329,7 +329,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                 for (t, i) in by_time.into_iter().take(n) {
                     let l = &p.program.launches[i];
                     let s = l.spec.as_ref().map_or((0, 0.0, 0.0, String::new()), |s| {
-                        let k = crate::profile::kernels_of(g, l.node);
+                        let k = crate::profile::kernels_of(g, l.node, p.program.launch_at(g, l));
                         let k = if k.is_empty() {
                             s.kernel.to_string()
                         } else {

@@ -1801,8 +1801,8 @@ fn the_warp_specialized_tile_matches_the_bf16_reference() {
 }
 
 /// The TMA kernels (`gemm_bf16t_*`: operands brought by the tensor memory accelerator,
-/// mbarriers instead of a CTA barrier a k step) on every pipelined GEMM of batch 1, both
-/// tiles, unsplit and split in clusters, against the bf16 reference with outputs poisoned
+/// mbarriers instead of a CTA barrier a k step) on every pipelined GEMM of batch 1, each
+/// tile (128x128, 128x256, 128x64), unsplit and split in clusters, against the bf16 reference with outputs poisoned
 /// by the runner: Linear on rounded scratch, ragged in M, N and K with a bias; Linear on
 /// bf16 copies with its output's copy (`_c`), at K = 4096 too; the data gradient on copies
 /// (`_km`, `_kmc`); the weight gradient on copies (`_mm`), twice with the same bits.
@@ -1812,12 +1812,13 @@ fn the_tma_gemms_match_the_bf16_reference() {
     let Some(shared) = device("the_tma_gemms_match_the_bf16_reference") else {
         return;
     };
-    for n_tile in [128, 256] {
+    for n_tile in [128, 256, 64] {
         // no splits, then splits of at least 512 k: the dw over 2048 rows and the K = 4096
         // linear split in clusters
         for min_k in [1 << 30, 512] {
             let dev = handle_with(erase::ops::cuda::PlanOptions {
                 gemm_tma: true,
+                gemm_tma_n64: erase::ops::cuda::LaunchSet::ALL,
                 gemm_tile: Some(GemmTile {
                     n: n_tile,
                     ws: false,

@@ -4,7 +4,7 @@
 
 use super::{arg, device, handle_with, rand_f32, run_cpu, run_gpu};
 use erase::graph::{DType, Op};
-use erase::ops::cuda::{GemmTile, PlanOptions};
+use erase::ops::cuda::{GemmTile, LaunchSet, PlanOptions};
 use erase::ops::Buffer;
 
 fn close(what: &str, got: &Buffer, want: &Buffer, tol: f64) {
@@ -213,21 +213,30 @@ fn sanitize_warp_specialized_gemm() {
 }
 
 /// The TMA pipelined kernels (one thread issuing each stage's boxes, mbarriers) on small
-/// ragged GEMMs, both tiles, whole and split in a cluster (K in splits of 64: five of
-/// a cluster of 8 at K = 260, the last three empty): Linear with a bias and ReLU on rounded scratch (K of
-/// one step too) and the weight gradient, against the CPU.
+/// ragged GEMMs, the three tiles (128x128, 128x256, 128x64), whole and split in a cluster
+/// (K in splits of 64: five of a cluster of 8 at K = 260, the last three empty): Linear
+/// with a bias and ReLU on rounded scratch (K of one step too) and the weight gradient,
+/// against the CPU.
 #[test]
 fn sanitize_tma_gemm() {
     let Some(dev) = device("sanitize_tma_gemm") else {
         return;
     };
-    for (n_tile, min_k) in [(128, 1 << 30), (256, 1 << 30), (128, 64), (256, 64)] {
+    for (n_tile, min_k) in [
+        (128, 1 << 30),
+        (256, 1 << 30),
+        (64, 1 << 30),
+        (128, 64),
+        (256, 64),
+        (64, 64),
+    ] {
         let h = handle_with(PlanOptions {
             gemm_tile: Some(GemmTile {
                 n: n_tile,
                 ws: false,
             }),
             gemm_tma: true,
+            gemm_tma_n64: LaunchSet::ALL,
             gemm_pipe_min_flops: 0,
             gemm_pipe_min_mn: 16,
             gemm_pipe_min_k_per_split: min_k,

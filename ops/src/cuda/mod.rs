@@ -173,6 +173,16 @@ pub struct PlanOptions {
     /// mbarriers instead of a CTA barrier a k step; sm_90a only). A device running the
     /// sm_80 PTX turns it off.
     pub gemm_tma: bool,
+    /// The launches whose GEMMs may take the TMA kernels' 128x64 tile (with `gemm_tma`;
+    /// `gemm_bf16t*_128x64`: 256 threads, 4 stages, two CTAs an SM), which the wave model
+    /// chooses where the 128x128 grid leaves SMs idle (the CTR model's 4096 x 256
+    /// outputs: 64 CTAs of 128x128 on 132 SMs, 128 of 128x64). A plan without a launch
+    /// (one op alone) takes it where the set is [`LaunchSet::ALL`]; a step's launches ask
+    /// [`PlanOptions::at_launch`]. On the H200 the serial programs' launches
+    /// ([`LaunchSet::SERIAL`]): the CTR model's baseline step 3 % faster; under ERASE,
+    /// where the early backward's GEMMs share the device with the forward, the wider grids
+    /// made the step 0.3-1.8 % slower whichever launches took them (BENCHMARKS.md).
+    pub gemm_tma_n64: LaunchSet,
     /// Fewest k one split of a single-launch GEMM gets (the split-K of small outputs with
     /// a long K: weight gradients over the batch's rows).
     pub gemm_min_k_per_split: usize,
@@ -195,7 +205,8 @@ pub struct PlanOptions {
 }
 
 /// A pipelined GEMM tile: 128 rows by `n` columns, of the warp-specialized kernels
-/// (`ws`: 128x64) or of the 256-thread ones (128x128, 128x256).
+/// (`ws`: 128x64) or of the 256-thread ones (128x128, 128x256, and the TMA kernels' own
+/// 128x64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmTile {
     pub n: usize,
@@ -204,11 +215,79 @@ pub struct GemmTile {
 
 impl GemmTile {
     /// The tiles `ERASE_GEMM_TILE` names.
-    pub const ALL: [(&'static str, GemmTile); 3] = [
+    pub const ALL: [(&'static str, GemmTile); 4] = [
         ("128x128", GemmTile { n: 128, ws: false }),
         ("128x256", GemmTile { n: 256, ws: false }),
         ("ws128x64", GemmTile { n: 64, ws: true }),
+        ("t128x64", GemmTile { n: 64, ws: false }),
     ];
+}
+
+/// Where a step's launch runs: on the main stream or not, in the forward pass or not, in
+/// a serial program (one stream: the baseline and detached schedules) or not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchAt {
+    pub main: bool,
+    pub forward: bool,
+    pub serial: bool,
+}
+
+/// A set of a step's launches, by where they run: every launch (`all`), or those of serial
+/// programs (`serial`), on the main stream (`main`) or of the forward pass (`forward`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchSet {
+    pub all: bool,
+    pub serial: bool,
+    pub main: bool,
+    pub forward: bool,
+}
+
+impl LaunchSet {
+    pub const NONE: LaunchSet = LaunchSet {
+        all: false,
+        serial: false,
+        main: false,
+        forward: false,
+    };
+    pub const ALL: LaunchSet = LaunchSet {
+        all: true,
+        ..LaunchSet::NONE
+    };
+    /// The launches of serial programs.
+    pub const SERIAL: LaunchSet = LaunchSet {
+        serial: true,
+        ..LaunchSet::NONE
+    };
+    /// What [`LaunchSet::parse`] takes.
+    pub const EXPECTED: &'static str =
+        "expected 0, 1, or serial, main, fwd or several (comma separated: main,fwd)";
+
+    /// Whether a launch at `at` is in the set.
+    pub fn contains(self, at: LaunchAt) -> bool {
+        self.all
+            || (self.serial && at.serial)
+            || (self.main && at.main)
+            || (self.forward && at.forward)
+    }
+
+    /// `0` (none), `1` (all), or a comma-separated list of `serial`, `main` and `fwd`.
+    pub fn parse(v: &str) -> Option<LaunchSet> {
+        match v {
+            "0" => return Some(LaunchSet::NONE),
+            "1" => return Some(LaunchSet::ALL),
+            _ => {}
+        }
+        let mut set = LaunchSet::NONE;
+        for part in v.split(',') {
+            match part.trim() {
+                "serial" => set.serial = true,
+                "main" => set.main = true,
+                "fwd" => set.forward = true,
+                _ => return None,
+            }
+        }
+        Some(set)
+    }
 }
 
 /// Output tiles (64x64) up to which a single-launch GEMM's K splits by
@@ -227,12 +306,27 @@ impl PlanOptions {
         gemm_tile: None,
         gemm_ws: false,
         gemm_tma: true,
+        gemm_tma_n64: LaunchSet::SERIAL,
         gemm_min_k_per_split: 256,
         gemm_min_k_per_split_few: 64,
         gemm_pipe_min_k_per_split: 1024,
         gemm_pipe_min_flops: 1 << 29,
         gemm_pipe_min_mn: 128,
     };
+
+    /// These options for one launch of a step, at `at`: the launch sets resolve to every
+    /// or no GEMM of the launch.
+    pub fn at_launch(self, at: LaunchAt) -> PlanOptions {
+        let n64 = if self.gemm_tma_n64.contains(at) {
+            LaunchSet::ALL
+        } else {
+            LaunchSet::NONE
+        };
+        PlanOptions {
+            gemm_tma_n64: n64,
+            ..self
+        }
+    }
 
     /// These options for a device of `sms` SMs.
     pub fn with_sms(self, sms: usize) -> PlanOptions {
@@ -246,8 +340,10 @@ impl PlanOptions {
     /// environment, read once at start, in the trainer): `ERASE_GEMM_PIPELINE=0`,
     /// `ERASE_GEMM_CLUSTER=0`, `ERASE_GEMM_TALL=0`, `ERASE_GEMM_TALL_STORE=direct`,
     /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_WS=0` or `1`, `ERASE_GEMM_TMA=0` or `1`,
-    /// `ERASE_GEMM_TILE=128x128`,
-    /// `128x256` or `ws128x64` (the `ws` tile also turns `gemm_ws` on), and the
+    /// `ERASE_GEMM_TMA_N64` (a [`LaunchSet`]: `0`, `1`, or `serial`, `main` and `fwd`,
+    /// comma separated), `ERASE_GEMM_TILE=128x128`, `128x256`, `ws128x64` (the `ws` tile also
+    /// turns `gemm_ws` on) or `t128x64` (the TMA kernels' 128x64 tile, where the TMA
+    /// kernels run; it also sets `gemm_tma_n64` to every launch), and the
     /// GEMM planner's thresholds as whole numbers: `ERASE_GEMM_MIN_K_SPLIT`,
     /// `ERASE_GEMM_MIN_K_SPLIT_FEW`, `ERASE_GEMM_PIPE_MIN_K_SPLIT` (each at least 1),
     /// `ERASE_GEMM_PIPE_MIN_FLOPS` and `ERASE_GEMM_PIPE_MIN_MN` (at least 16). Any other
@@ -283,6 +379,13 @@ impl PlanOptions {
         if let Some(v) = flag("ERASE_GEMM_TMA", "0", "1")? {
             o.gemm_tma = v;
         }
+        match var("ERASE_GEMM_TMA_N64").as_deref() {
+            None | Some("") => {}
+            Some(v) => {
+                o.gemm_tma_n64 = LaunchSet::parse(v)
+                    .ok_or_else(|| format!("ERASE_GEMM_TMA_N64={v}: {}", LaunchSet::EXPECTED))?
+            }
+        }
         match var("ERASE_GEMM_TILE").as_deref() {
             None | Some("") => {}
             Some(v) => {
@@ -297,6 +400,9 @@ impl PlanOptions {
                     })?;
                 o.gemm_tile = Some(*t);
                 o.gemm_ws |= t.ws;
+                if !t.ws && t.n == 64 {
+                    o.gemm_tma_n64 = LaunchSet::ALL;
+                }
             }
         }
         let number = |name: &str, least: usize| -> Result<Option<usize>, String> {

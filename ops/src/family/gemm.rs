@@ -127,6 +127,10 @@ pub(crate) mod cuda {
     //! Where `PlanOptions::gemm_ws` (sm_90a, off by default), the wave model may also take
     //! the warp-specialized 128x64 tile (`gemm_bf16w_*`: a loader warpgroup and two wgmma
     //! warpgroups meeting on mbarriers, two CTAs an SM), the same arguments and layouts.
+    //! Where `PlanOptions::gemm_tma` (sm_90a, on by default), a pipelined GEMM of batch 1
+    //! whose C one launch writes whole runs the TMA form, `gemm_bf16t_*` (the operands as
+    //! descriptors, one thread issuing each stage); with `gemm_tma_n64` the wave model may
+    //! also take its own 128x64 tile, for outputs whose 128x128 grid leaves SMs idle.
     //! A bf16 dy beside an f32 operand (AutoInt's dqkv, which its attention gradient writes
     //! in bf16) is read as it is: by the pipelined kernels where they take it, else by the
     //! tall kernels' and the single-launch kernels' `_a16` forms.
@@ -752,6 +756,9 @@ pub(crate) mod cuda {
     #[derive(Clone, Copy, Debug)]
     struct PipeTile {
         ws: bool,
+        /// The TMA kernels alone have it (`gemm_bf16t*`: batch 1, C written whole by the
+        /// launch, operands a TMA descriptor can describe).
+        tma: bool,
         bm: usize,
         bn: usize,
         /// k step: the padded K and a split's K range are multiples of it.
@@ -764,10 +771,11 @@ pub(crate) mod cuda {
         speed: f64,
     }
 
-    const PIPE_TILES: [PipeTile; 3] = [
+    const PIPE_TILES: [PipeTile; 4] = [
         // wgmma on sm_90a (99 KB used), mma.sync otherwise (108 KB)
         PipeTile {
             ws: false,
+            tma: false,
             bm: 128,
             bn: 128,
             bk: 64,
@@ -778,6 +786,7 @@ pub(crate) mod cuda {
         // wgmma on sm_90a (4 stages of 64, 1 KB for alignment), mma.sync otherwise (120 KB)
         PipeTile {
             ws: false,
+            tma: false,
             bm: 128,
             bn: 256,
             bk: 64,
@@ -789,6 +798,19 @@ pub(crate) mod cuda {
         // warp-specialized (sm_90a): 4 stages of 64 (1 KB for alignment), two CTAs an SM
         PipeTile {
             ws: true,
+            tma: false,
+            bm: 128,
+            bn: 64,
+            bk: 64,
+            smem: 4 * (128 + 64) * 64 * 2 + 1024,
+            per_sm: 2,
+            speed: WS_SPEED,
+        },
+        // the TMA kernels' (sm_90a, `gemm_tma_n64`): 4 stages of 64 (1 KB for alignment),
+        // two CTAs an SM, 256 threads
+        PipeTile {
+            ws: false,
+            tma: true,
             bm: 128,
             bn: 64,
             bk: 64,
@@ -797,6 +819,23 @@ pub(crate) mod cuda {
             speed: WS_SPEED,
         },
     ];
+
+    /// Whether `t` may run `g`: the warp-specialized tile where `gemm_ws`; the TMA kernels'
+    /// own where `gemm_tma` and `gemm_tma_n64` is every launch, at batch 1, and with its splits (if any)
+    /// summed in a cluster (the launch writes C whole). `gemm_pipe` falls back to the
+    /// 128x128 tile where an operand has no descriptor.
+    fn tile_allowed(t: &PipeTile, g: &Gemm) -> bool {
+        if t.ws {
+            return g.opts.gemm_ws;
+        }
+        if t.tma {
+            return g.opts.gemm_tma
+                && g.opts.gemm_tma_n64.all
+                && g.batch == 1
+                && (g.opts.gemm_cluster || pipe_splits(t, g).1 == 1);
+        }
+        true
+    }
 
     /// The warp-specialized tile's rate for a CTA slot against the 256-thread 128x128
     /// tile's (per output element; half the tile, twice the CTAs): under 1, so that the
@@ -879,20 +918,32 @@ pub(crate) mod cuda {
         choose_pipe_tile(g)
     }
 
-    /// The tile `opts.gemm_tile` forces, else the one of least estimated cost (of the
-    /// warp-specialized ones too where `opts.gemm_ws`).
+    /// Whether `t`'s grid for `g` (its splits as the cluster rounds them) has at most one
+    /// CTA an SM. Where the 128x128 grid leaves SMs idle, the 128x64 tile puts the idle
+    /// SMs to work, each CTA doing half the k work; where it would put two CTAs on an SM,
+    /// the two share the SM's L2 bandwidth, which bounds these GEMMs, and it measured
+    /// 5-13 % slower on an H200 (the CTR model's 4096 x 512 x 1024 weight gradient, DCNv2's
+    /// 4096 x 3456 outputs), so the wave model does not take it there.
+    fn one_per_sm(t: &PipeTile, g: &Gemm) -> bool {
+        let (_, splits) = pipe_splits(t, g);
+        let splits = cluster_size(&g.opts, g.batch, splits).unwrap_or(splits);
+        g.m.div_ceil(t.bm) * g.n.div_ceil(t.bn) * g.batch * splits <= g.opts.sms
+    }
+
+    /// The tile `opts.gemm_tile` forces (of those [`tile_allowed`]), else the one of least
+    /// estimated cost of those allowed, the TMA 128x64 tile where [`one_per_sm`].
     fn choose_pipe_tile(g: &Gemm) -> Option<PipeTile> {
         if let Some(f) = g.opts.gemm_tile {
             if let Some(t) = PIPE_TILES
                 .iter()
-                .find(|t| t.bn == f.n && t.ws == f.ws && (g.opts.gemm_ws || !t.ws))
+                .find(|t| t.bn == f.n && t.ws == f.ws && tile_allowed(t, g))
             {
                 return Some(*t);
             }
         }
         PIPE_TILES
             .iter()
-            .filter(|t| g.opts.gemm_ws || !t.ws)
+            .filter(|t| tile_allowed(t, g) && (!t.tma || one_per_sm(t, g)))
             .min_by(|a, b| pipe_cost(a, g).total_cmp(&pipe_cost(b, g)))
             .copied()
     }
@@ -1037,7 +1088,7 @@ pub(crate) mod cuda {
     ];
 
     /// The TMA kernels' names (`gemm_bf16t*`), by layout as [`PIPE_NAMES`], tile (128x128,
-    /// 128x256) and cluster (none, 2, 4 or 8 CTAs: `_k<S>`).
+    /// 128x256, 128x64) and cluster (none, 2, 4 or 8 CTAs: `_k<S>`).
     macro_rules! tma_names {
         ($layout:literal) => {
             [
@@ -1053,10 +1104,16 @@ pub(crate) mod cuda {
                     concat!("gemm_bf16t", $layout, "_128x256_k4"),
                     concat!("gemm_bf16t", $layout, "_128x256_k8"),
                 ],
+                [
+                    concat!("gemm_bf16t", $layout, "_128x64"),
+                    concat!("gemm_bf16t", $layout, "_128x64_k2"),
+                    concat!("gemm_bf16t", $layout, "_128x64_k4"),
+                    concat!("gemm_bf16t", $layout, "_128x64_k8"),
+                ],
             ]
         };
     }
-    const TMA_NAMES: [[[&str; 4]; 2]; 5] = [
+    const TMA_NAMES: [[[&str; 4]; 3]; 5] = [
         tma_names!(""),
         tma_names!("_mm"),
         tma_names!("_km"),
@@ -1071,7 +1128,12 @@ pub(crate) mod cuda {
 
     /// A TMA kernel's name, as [`pipe_name`] (the tile's width `bn`).
     fn tma_name(a_mn: bool, b_mn: bool, copy: bool, bn: usize, cluster: usize) -> &'static str {
-        TMA_NAMES[pipe_layout(copy, a_mn, b_mn)][usize::from(bn == 256)][cluster_index(cluster)]
+        let tile = match bn {
+            256 => 1,
+            64 => 2,
+            _ => 0,
+        };
+        TMA_NAMES[pipe_layout(copy, a_mn, b_mn)][tile][cluster_index(cluster)]
     }
 
     /// The index of a cluster size (1: none) among the kernels' `_k<S>` forms.
@@ -1280,6 +1342,10 @@ pub(crate) mod cuda {
                 ))
             })
             .flatten();
+        if t.tma && tma_maps.is_none() {
+            // an operand no descriptor describes: the 128x128 tile of the cp.async kernels
+            return gemm_pipe(g, PIPE_TILES[0]);
+        }
         if let Some((map_a, map_b)) = tma_maps {
             calls.push(KernelCall {
                 kernel: tma_name(a_mn, b_mn, fused_copy.is_some(), t.bn, cluster.unwrap_or(1)),

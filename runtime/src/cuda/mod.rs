@@ -186,7 +186,9 @@ fn fit_plan(o: PlanOptions, sms: u32, target: PtxTarget) -> PlanOptions {
     if target == PtxTarget::Sm80 {
         o.gemm_ws = false;
         o.gemm_tma = false;
-        o.gemm_tile = o.gemm_tile.filter(|t| !t.ws);
+        o.gemm_tma_n64 = erase_ops::cuda::LaunchSet::NONE;
+        // (the 128x64 tiles are the warp-specialized and the TMA kernels')
+        o.gemm_tile = o.gemm_tile.filter(|t| t.n != 64);
     }
     o
 }

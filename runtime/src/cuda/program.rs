@@ -117,7 +117,7 @@ impl<'a> CudaProgram<'a> {
             let p = cuda_plan(
                 &n.op,
                 &Operands {
-                    opts: dev.plan_options(),
+                    opts: dev.plan_options().at_launch(prog.launch_at(g, l)),
                     ins: &ins,
                     in_dtypes: &ind,
                     outs: &outs,

@@ -27,7 +27,7 @@ use std::fmt::{self, Write as _};
 use crate::kernels::KernelLibrary;
 use crate::program::occupancy::DeviceModel;
 use erase_graph::{Graph, NodeId, Partition, Phase, Tensor};
-use erase_ops::cuda::{cuda_plan, Operands};
+use erase_ops::cuda::{cuda_plan, LaunchAt, Operands};
 use erase_ops::{launch_spec, LaunchSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -166,7 +166,13 @@ pub struct ScheduleConfig {
 
 /// Replaces the declared footprint of `spec` with the real one of the heaviest call of
 /// the op's CUDA plan, when the kernel is in `lib`.
-fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrary) -> LaunchSpec {
+fn refine(
+    spec: LaunchSpec,
+    g: &Graph,
+    n: &erase_graph::Node,
+    at: LaunchAt,
+    lib: &KernelLibrary,
+) -> LaunchSpec {
     let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
     let ind: Vec<_> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
     let outs: Vec<_> = n.outputs.iter().map(|&t| g.shape(t)).collect();
@@ -174,7 +180,7 @@ fn refine(spec: LaunchSpec, g: &Graph, n: &erase_graph::Node, lib: &KernelLibrar
     let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
     // the H200 the cost model is of, with the environment's overrides (as a device has)
     let o = Operands {
-        opts: erase_ops::cuda::PlanOptions::from_env(),
+        opts: erase_ops::cuda::PlanOptions::from_env().at_launch(at),
         ins: &ins,
         in_dtypes: &ind,
         outs: &outs,
@@ -255,6 +261,18 @@ pub struct Launch {
     pub spec: Option<LaunchSpec>,
     /// The occupancy rule applies to this launch.
     pub exclusive: bool,
+}
+
+impl StepProgram {
+    /// Where launch `l` of this program (of `g`) runs, for the plans that depend on it
+    /// ([`erase_ops::cuda::PlanOptions::at_launch`]).
+    pub fn launch_at(&self, g: &Graph, l: &Launch) -> LaunchAt {
+        LaunchAt {
+            main: l.stream == StreamId::MAIN,
+            forward: g.node(l.node).phase == Phase::Forward,
+            serial: self.kind == ScheduleKind::Serial,
+        }
+    }
 }
 
 /// One training step as launches in issue order.
@@ -410,7 +428,12 @@ impl Builder<'_> {
             .collect();
         let mut spec = launch_spec(&n.op, &ins, &outs, dt);
         if let (Some(sp), Some(lib)) = (spec.clone(), self.cfg.kernels.as_ref()) {
-            spec = Some(refine(sp, g, n, lib));
+            let at = LaunchAt {
+                main: stream == StreamId::MAIN,
+                forward: n.phase == Phase::Forward,
+                serial: self.cfg.kind == ScheduleKind::Serial,
+            };
+            spec = Some(refine(sp, g, n, at, lib));
         }
         let exclusive = self.cfg.occupancy
             && spec
