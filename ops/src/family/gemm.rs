@@ -752,7 +752,7 @@ pub(crate) mod cuda {
     /// A tile of the pipelined kernels `gemm_bf16p_*` (operands rounded to bf16 into
     /// K-major, zero-padded scratch first; a `STAGES`-deep cp.async ring in dynamic shared
     /// memory), or of their warp-specialized form `gemm_bf16w_*` (`ws`: 384 threads, one
-    /// warpgroup loading; sm_90a only).
+    /// warpgroup loading; sm_90a only), or the TMA kernels' own (`tma`: `gemm_bf16t_*`).
     #[derive(Clone, Copy, Debug)]
     struct PipeTile {
         ws: bool,
@@ -821,9 +821,9 @@ pub(crate) mod cuda {
     ];
 
     /// Whether `t` may run `g`: the warp-specialized tile where `gemm_ws`; the TMA kernels'
-    /// own where `gemm_tma` and `gemm_tma_n64` is every launch, at batch 1, and with its splits (if any)
-    /// summed in a cluster (the launch writes C whole). `gemm_pipe` falls back to the
-    /// 128x128 tile where an operand has no descriptor.
+    /// own where `gemm_tma` and `gemm_tma_n64` is every launch, at batch 1, with its
+    /// splits (if any) summed in a cluster (the launch writes C whole). `gemm_pipe` falls
+    /// back to the 128x128 tile where an operand has no descriptor.
     fn tile_allowed(t: &PipeTile, g: &Gemm) -> bool {
         if t.ws {
             return g.opts.gemm_ws;
@@ -976,7 +976,8 @@ pub(crate) mod cuda {
             // 256 (an MN-major one)
             if bf16 && 256 * (ld as u64 + 1) > u64::from(u32::MAX) {
                 return Err(format!(
-                    "bf16 operand {what}: rows of {ld} elements are too long for the kernels'                  32-bit tile offsets (at most {})",
+                    "bf16 operand {what}: rows of {ld} elements are too long for the kernels' \
+                     32-bit tile offsets (at most {})",
                     u64::from(u32::MAX) / 256 - 1
                 ));
             }
