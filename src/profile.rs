@@ -16,6 +16,20 @@ pub fn node_plan(
     node: erase_graph::NodeId,
     at: erase_ops::cuda::LaunchAt,
 ) -> Result<erase_ops::cuda::CudaPlan, String> {
+    node_plan_with(
+        g,
+        node,
+        erase_ops::cuda::PlanOptions::from_env().at_launch(at),
+    )
+}
+
+/// The CUDA launch plan of node `node` of `g` under `opts` as they are (resolved for a
+/// launch already, or a lone op's).
+pub fn node_plan_with(
+    g: &Graph,
+    node: erase_graph::NodeId,
+    opts: erase_ops::cuda::PlanOptions,
+) -> Result<erase_ops::cuda::CudaPlan, String> {
     let n = g.node(node);
     let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
     let ind: Vec<_> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
@@ -23,7 +37,7 @@ pub fn node_plan(
     let outd: Vec<_> = n.outputs.iter().map(|&t| g.dtype(t)).collect();
     let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
     let o = erase_ops::cuda::Operands {
-        opts: erase_ops::cuda::PlanOptions::from_env().at_launch(at),
+        opts,
         ins: &ins,
         in_dtypes: &ind,
         outs: &outs,
@@ -220,9 +234,10 @@ pub fn load_measured(path: &std::path::Path) -> anyhow::Result<BTreeMap<String, 
         let args = e.get("args");
         let node = args.and_then(|a| a.get("node")).and_then(|n| n.as_str());
         let kind = args.and_then(|a| a.get("kind")).and_then(|k| k.as_str());
+        let launch = args.and_then(|a| a.get("launch")).and_then(|k| k.as_str());
         let dur = e.get("dur").and_then(|d| d.as_f64());
         if let (Some(node), Some("kernel"), Some(dur)) = (node, kind, dur) {
-            let x = sum.entry(node.to_string()).or_default();
+            let x = sum.entry(measured_key(node, launch)).or_default();
             x.0 += dur;
             x.1 += 1;
         }
@@ -236,8 +251,21 @@ pub fn load_measured(path: &std::path::Path) -> anyhow::Result<BTreeMap<String, 
         .collect())
 }
 
-/// Each launch's time alone in seconds: measured (by its node's name) where `measured`
-/// has it, else `dev`'s model. Returns the times and how many were measured.
+/// The key of a node's measured time in [`load_measured`]'s map: `node|launch` where the
+/// trace names the launch's kernel and grid (`launch_signature`), else the node alone (a
+/// trace written before it did).
+fn measured_key(node: &str, launch: Option<&str>) -> String {
+    match launch {
+        Some(l) if !l.is_empty() => format!("{node}|{l}"),
+        _ => node.to_string(),
+    }
+}
+
+/// Each launch's time alone in seconds: measured where `measured` has its node with the
+/// same kernel and grid (or the node alone, from a trace that does not name them), else
+/// `dev`'s model (a node whose kernels this program plans otherwise: the serial
+/// programs' GEMM tiles and splits are not ERASE's). Returns the times and how many were
+/// measured.
 pub fn measured_work(
     prog: &StepProgram,
     g: &Graph,
@@ -250,7 +278,13 @@ pub fn measured_work(
         .iter()
         .map(|l| match &l.spec {
             None => 0.0,
-            Some(s) => match measured.get(&g.node(l.node).name) {
+            Some(s) => match measured
+                .get(&measured_key(
+                    &g.node(l.node).name,
+                    Some(&erase_runtime::trace::launch_signature(s)),
+                ))
+                .or_else(|| measured.get(&g.node(l.node).name))
+            {
                 Some(&us) => {
                     found += 1;
                     us * 1e-6

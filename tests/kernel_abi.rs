@@ -266,3 +266,58 @@ fn the_serial_schedules_take_the_tma_128x64_tile_and_erase_does_not() {
         }
     }
 }
+
+#[test]
+fn the_erase_program_plans_its_gemms_with_the_overlapped_split_bounds() {
+    // the ERASE program's launches plan exactly as every launch did under the bounds
+    // measured for it (ERASE_GEMM_MIN_K_SPLIT=1024, ERASE_GEMM_MIN_K_SPLIT_FEW=256,
+    // ERASE_GEMM_PIPE_MIN_K_SPLIT=2048 on an H200: +2.8 % erase); the serial programs'
+    // launches as under the default bounds; and the two differ (fewer splits)
+    use erase::ops::cuda::PlanOptions;
+    let measured = PlanOptions::H200
+        .with_env(|k| {
+            match k {
+                "ERASE_GEMM_MIN_K_SPLIT" => Some("1024"),
+                "ERASE_GEMM_MIN_K_SPLIT_FEW" => Some("256"),
+                "ERASE_GEMM_PIPE_MIN_K_SPLIT" => Some("2048"),
+                "ERASE_GEMM_OVERLAPPED_SPLITS" => Some("0"),
+                _ => None,
+            }
+            .map(str::to_string)
+        })
+        .unwrap();
+    let serial_bounds = PlanOptions {
+        gemm_overlapped_splits: None,
+        ..PlanOptions::H200
+    };
+    let opt = OptimizerConfig::default();
+    let sched = ScheduleOptions::default();
+    for v in Variant::ALL {
+        let plan = plan_step(
+            &CtrConfig::default().with_variant(v),
+            DType::F32,
+            &opt,
+            &sched,
+        )
+        .unwrap_or_else(|e| panic!("{v}: {e:#}"));
+        let g = &plan.model.graph;
+        let prog = &plan.program;
+        let mut differ = 0;
+        for l in &prog.launches {
+            let at = prog.launch_at(g, l);
+            let got = erase::profile::node_plan_with(g, l.node, PlanOptions::H200.at_launch(at));
+            let with = |o: PlanOptions| erase::profile::node_plan_with(g, l.node, o.at_launch(at));
+            let name = &g.node(l.node).name;
+            if v == Variant::Erase {
+                assert_eq!(got, with(measured), "{v}: '{name}'");
+            } else {
+                assert_eq!(got, with(serial_bounds), "{v}: '{name}'");
+            }
+            differ += usize::from(got != with(serial_bounds));
+        }
+        if v == Variant::Erase {
+            assert!(differ >= 5, "{v}: {differ} launches plan other splits");
+            println!("{v}: {differ} launches plan fewer splits than the serial bounds give");
+        }
+    }
+}

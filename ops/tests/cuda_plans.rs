@@ -698,6 +698,39 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
     let fwd = LaunchSet::parse("fwd").unwrap();
     assert_eq!(resolved(fwd, at(false, true, false)), LaunchSet::ALL);
     assert_eq!(resolved(fwd, at(true, false, true)), LaunchSet::NONE);
+    // the overlapped programs' split bounds: replace the others at their launches only
+    let h = PlanOptions::H200;
+    let b = h.gemm_overlapped_splits.expect("on by default");
+    let erase_launch = h.at_launch(at(false, false, false));
+    assert_eq!(
+        (
+            erase_launch.gemm_min_k_per_split,
+            erase_launch.gemm_min_k_per_split_few,
+            erase_launch.gemm_pipe_min_k_per_split
+        ),
+        (b.min_k, b.min_k_few, b.pipe_min_k)
+    );
+    assert!(b.min_k > h.gemm_min_k_per_split && b.pipe_min_k > h.gemm_pipe_min_k_per_split);
+    let serial_launch = h.at_launch(at(true, true, true));
+    assert_eq!(
+        (
+            serial_launch.gemm_min_k_per_split,
+            serial_launch.gemm_pipe_min_k_per_split
+        ),
+        (h.gemm_min_k_per_split, h.gemm_pipe_min_k_per_split)
+    );
+    let same = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_OVERLAPPED_SPLITS", "0")]))
+        .unwrap();
+    assert_eq!(same.gemm_overlapped_splits, None);
+    assert_eq!(
+        same.at_launch(at(false, false, false)).gemm_min_k_per_split,
+        h.gemm_min_k_per_split
+    );
+    let e = PlanOptions::H200
+        .with_env(env(&[("ERASE_GEMM_OVERLAPPED_SPLITS", "yes")]))
+        .unwrap_err();
+    assert!(e.contains("ERASE_GEMM_OVERLAPPED_SPLITS=yes"), "{e}");
     // the default: the serial programs' launches, wherever they run
     assert_eq!(PlanOptions::H200.gemm_tma_n64, LaunchSet::SERIAL);
     let default = PlanOptions::H200.gemm_tma_n64;

@@ -63,6 +63,10 @@ pub struct TraceEvent {
     pub op: String,
     /// The graph node, e.g. `cross/linear0.dw` (may be empty).
     pub node: String,
+    /// The launch's main kernel and grid as the program planned them
+    /// ([`launch_signature`]; empty for a copy): a node's kernels can differ between
+    /// programs (a serial program's GEMM tiles and splits are not ERASE's).
+    pub launch: String,
     pub stream: u16,
     pub step: usize,
     pub start_us: f64,
@@ -157,6 +161,12 @@ fn ratio(a: f64, b: f64) -> f64 {
     }
 }
 
+/// A launch's main kernel and its grid, `kernel/ctas` (e.g. `gemm_bf16t_128x64/128`): what
+/// a measured time of the launch holds for.
+pub fn launch_signature(spec: &erase_ops::LaunchSpec) -> String {
+    format!("{}/{}", spec.kernel, spec.grid)
+}
+
 /// The name a stream id gets in a step program (`main`, `side1`, ...).
 pub fn stream_name(s: u16) -> String {
     crate::program::schedule::StreamId(s).to_string()
@@ -176,7 +186,8 @@ impl Trace {
     /// Launches without a kernel (free ops such as reshape) are left out.
     pub fn push_step(&mut self, prog: &StepProgram, g: &Graph, step: usize, times: &[(f64, f64)]) {
         for (l, &(start, end)) in prog.launches.iter().zip(times) {
-            if l.spec.is_none() || !start.is_finite() || !end.is_finite() {
+            let Some(spec) = &l.spec else { continue };
+            if !start.is_finite() || !end.is_finite() {
                 continue;
             }
             self.events.push(TraceEvent {
@@ -185,6 +196,7 @@ impl Trace {
                 phase: l.label.phase.to_string(),
                 op: l.label.op.clone(),
                 node: g.node(l.node).name.clone(),
+                launch: launch_signature(spec),
                 stream: l.stream.0,
                 step,
                 start_us: start * 1e6,
@@ -215,6 +227,7 @@ impl Trace {
                 phase: "copy".into(),
                 op: what.into(),
                 node: String::new(),
+                launch: String::new(),
                 stream,
                 step,
                 start_us: start * 1e6,
@@ -399,6 +412,7 @@ impl Trace {
                     "step": e.step,
                     "op": e.op,
                     "node": e.node,
+                    "launch": e.launch,
                     "kind": e.kind.as_str(),
                 },
             }));

@@ -59,7 +59,9 @@ pub(crate) struct PlanArgs {
     rank_memory: u64,
     /// Predict with kernel times measured on a GPU instead of the cost model's: a trace
     /// written by `train --trace` or `bench --trace-dir` (best of a serial variant, whose
-    /// kernels ran alone). Launches it lacks keep the model's time.
+    /// kernels ran alone). Launches it lacks, and those this variant plans with another
+    /// kernel or grid than the trace's (ERASE's GEMMs split less than a serial
+    /// program's), keep the model's time.
     #[arg(long, value_name = "TRACE.json")]
     measured: Option<std::path::PathBuf>,
     /// Also predict the `erase` step for every side-stream count from 1 to N (with the

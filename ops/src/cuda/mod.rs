@@ -194,6 +194,14 @@ pub struct PlanOptions {
     /// share the device with the forward, and fewer CTAs each made the CTR step 4.8 %
     /// faster, 2048 or 4096 less so; see BENCHMARKS.md).
     pub gemm_pipe_min_k_per_split: usize,
+    /// The split-K bounds of the launches of overlapped programs (ERASE's: not serial,
+    /// [`LaunchAt::serial`]), which replace the three above there; `None`: the same
+    /// bounds everywhere. On the H200 a single-launch split gets at least 1024 k (64 ->
+    /// 256 for narrow outputs) and a pipelined one 2048: under ERASE the early backward's
+    /// weight gradients share a full device with the forward, and fewer splits made the
+    /// CTR step 2.8 % faster, while the serial step, which has the device to itself, is
+    /// 7.1 % slower with them (BENCHMARKS.md).
+    pub gemm_overlapped_splits: Option<SplitBounds>,
     /// Fewest FLOPs (2·M·N·K·batch) for which a GEMM takes the pipelined path (its
     /// operands rounded to bf16 by separate launches); smaller ones run the single-launch
     /// kernels. 2^29 on the H200: the CTR model's mid-size layers (4096 x 256, K = 351 or
@@ -230,6 +238,26 @@ pub struct LaunchAt {
     pub main: bool,
     pub forward: bool,
     pub serial: bool,
+}
+
+/// The split-K bounds of a GEMM plan: the fewest k a split gets, of the single-launch
+/// kernels (`min_k`; `min_k_few` where the output has at most [`FEW_TILES`] 64x64 tiles)
+/// and of the pipelined ones (`pipe_min_k`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitBounds {
+    pub min_k: usize,
+    pub min_k_few: usize,
+    pub pipe_min_k: usize,
+}
+
+impl SplitBounds {
+    /// The overlapped programs' bounds on the H200 (see
+    /// [`PlanOptions::gemm_overlapped_splits`]).
+    pub const H200_OVERLAPPED: SplitBounds = SplitBounds {
+        min_k: 1024,
+        min_k_few: 256,
+        pipe_min_k: 2048,
+    };
 }
 
 /// A set of a step's launches, by where they run: every launch (`all`), or those of serial
@@ -310,22 +338,30 @@ impl PlanOptions {
         gemm_min_k_per_split: 256,
         gemm_min_k_per_split_few: 64,
         gemm_pipe_min_k_per_split: 1024,
+        gemm_overlapped_splits: Some(SplitBounds::H200_OVERLAPPED),
         gemm_pipe_min_flops: 1 << 29,
         gemm_pipe_min_mn: 128,
     };
 
     /// These options for one launch of a step, at `at`: the launch sets resolve to every
-    /// or no GEMM of the launch.
+    /// or no GEMM of the launch, and a launch of an overlapped program takes the
+    /// overlapped split bounds.
     pub fn at_launch(self, at: LaunchAt) -> PlanOptions {
         let n64 = if self.gemm_tma_n64.contains(at) {
             LaunchSet::ALL
         } else {
             LaunchSet::NONE
         };
-        PlanOptions {
+        let mut o = PlanOptions {
             gemm_tma_n64: n64,
             ..self
+        };
+        if let Some(b) = self.gemm_overlapped_splits.filter(|_| !at.serial) {
+            o.gemm_min_k_per_split = b.min_k;
+            o.gemm_min_k_per_split_few = b.min_k_few;
+            o.gemm_pipe_min_k_per_split = b.pipe_min_k;
         }
+        o
     }
 
     /// These options for a device of `sms` SMs.
@@ -345,7 +381,9 @@ impl PlanOptions {
     /// turns `gemm_ws` on) or `t128x64` (the TMA kernels' 128x64 tile, where the TMA
     /// kernels run; it also sets `gemm_tma_n64` to every launch), and the
     /// GEMM planner's thresholds as whole numbers: `ERASE_GEMM_MIN_K_SPLIT`,
-    /// `ERASE_GEMM_MIN_K_SPLIT_FEW`, `ERASE_GEMM_PIPE_MIN_K_SPLIT` (each at least 1),
+    /// `ERASE_GEMM_MIN_K_SPLIT_FEW`, `ERASE_GEMM_PIPE_MIN_K_SPLIT` (each at least 1; the
+    /// serial programs' and a lone op's: `ERASE_GEMM_OVERLAPPED_SPLITS=0` gives the
+    /// overlapped programs these too, `1` their own H200 bounds),
     /// `ERASE_GEMM_PIPE_MIN_FLOPS` and `ERASE_GEMM_PIPE_MIN_MN` (at least 16). Any other
     /// value of a variable is an error naming it.
     pub fn with_env(self, var: impl Fn(&str) -> Option<String>) -> Result<PlanOptions, String> {
@@ -378,6 +416,9 @@ impl PlanOptions {
         }
         if let Some(v) = flag("ERASE_GEMM_TMA", "0", "1")? {
             o.gemm_tma = v;
+        }
+        if let Some(v) = flag("ERASE_GEMM_OVERLAPPED_SPLITS", "0", "1")? {
+            o.gemm_overlapped_splits = v.then_some(SplitBounds::H200_OVERLAPPED);
         }
         match var("ERASE_GEMM_TMA_N64").as_deref() {
             None | Some("") => {}
