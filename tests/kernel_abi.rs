@@ -230,6 +230,17 @@ fn a_kernel_that_reads_before_its_wait_fails_the_pdl_check() {
         .contains("launch_dependents"));
 }
 
+/// The spec model's step at its sizes (batch 4096), as the CUDA backend schedules it.
+fn spec_plan(v: Variant) -> erase::train::StepPlan {
+    plan_step(
+        &CtrConfig::default().with_variant(v),
+        DType::F32,
+        &OptimizerConfig::default(),
+        &ScheduleOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("{v}: {e:#}"))
+}
+
 #[test]
 fn the_serial_schedules_take_the_tma_128x64_tile_and_erase_does_not() {
     // the spec model at batch 4096: the 4096 x 256 layers' GEMMs (64 CTAs of 128x128 on
@@ -239,16 +250,8 @@ fn the_serial_schedules_take_the_tma_128x64_tile_and_erase_does_not() {
         println!("ERASE_GEMM_TMA_N64 is set: the default launch set is not what runs");
         return;
     }
-    let opt = OptimizerConfig::default();
-    let sched = ScheduleOptions::default();
     for v in Variant::ALL {
-        let plan = plan_step(
-            &CtrConfig::default().with_variant(v),
-            DType::F32,
-            &opt,
-            &sched,
-        )
-        .unwrap_or_else(|e| panic!("{v}: {e:#}"));
+        let plan = spec_plan(v);
         let g = &plan.model.graph;
         let prog = &plan.program;
         let narrow = prog
@@ -290,16 +293,8 @@ fn the_erase_program_plans_its_gemms_with_the_overlapped_split_bounds() {
         gemm_overlapped_splits: None,
         ..PlanOptions::H200
     };
-    let opt = OptimizerConfig::default();
-    let sched = ScheduleOptions::default();
     for v in Variant::ALL {
-        let plan = plan_step(
-            &CtrConfig::default().with_variant(v),
-            DType::F32,
-            &opt,
-            &sched,
-        )
-        .unwrap_or_else(|e| panic!("{v}: {e:#}"));
+        let plan = spec_plan(v);
         let g = &plan.model.graph;
         let prog = &plan.program;
         let mut differ = 0;
