@@ -181,7 +181,7 @@ pub struct PlanOptions {
     /// [`PlanOptions::at_launch`]. On the H200 the serial programs' launches
     /// ([`LaunchSet::SERIAL`]): the CTR model's baseline step 3 % faster; under ERASE,
     /// where the early backward's GEMMs share the device with the forward, the wider grids
-    /// made the step 0.3-1.8 % slower whichever launches took them (BENCHMARKS.md).
+    /// made the step 0.3-1.9 % slower whichever launches took them (BENCHMARKS.md).
     pub gemm_tma_n64: LaunchSet,
     /// Fewest k one split of a single-launch GEMM gets (the split-K of small outputs with
     /// a long K: weight gradients over the batch's rows).
