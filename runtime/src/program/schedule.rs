@@ -263,15 +263,22 @@ pub struct Launch {
     pub exclusive: bool,
 }
 
+/// Where a launch on `stream` of a node of `phase` runs in a program of `kind`: the one
+/// rule the simulator's kernels (`refine`) and the device's (`StepProgram::launch_at`)
+/// are planned by.
+fn launch_at(kind: ScheduleKind, stream: StreamId, phase: Phase) -> LaunchAt {
+    LaunchAt {
+        main: stream == StreamId::MAIN,
+        forward: phase == Phase::Forward,
+        serial: kind == ScheduleKind::Serial,
+    }
+}
+
 impl StepProgram {
     /// Where launch `l` of this program (of `g`) runs, for the plans that depend on it
     /// ([`erase_ops::cuda::PlanOptions::at_launch`]).
     pub fn launch_at(&self, g: &Graph, l: &Launch) -> LaunchAt {
-        LaunchAt {
-            main: l.stream == StreamId::MAIN,
-            forward: g.node(l.node).phase == Phase::Forward,
-            serial: self.kind == ScheduleKind::Serial,
-        }
+        launch_at(self.kind, l.stream, g.node(l.node).phase)
     }
 }
 
@@ -428,11 +435,7 @@ impl Builder<'_> {
             .collect();
         let mut spec = launch_spec(&n.op, &ins, &outs, dt);
         if let (Some(sp), Some(lib)) = (spec.clone(), self.cfg.kernels.as_ref()) {
-            let at = LaunchAt {
-                main: stream == StreamId::MAIN,
-                forward: n.phase == Phase::Forward,
-                serial: self.cfg.kind == ScheduleKind::Serial,
-            };
+            let at = launch_at(self.cfg.kind, stream, n.phase);
             spec = Some(refine(sp, g, n, at, lib));
         }
         let exclusive = self.cfg.occupancy
