@@ -684,6 +684,7 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
         main,
         forward,
         serial,
+        examples: 4096,
     };
     let resolved = |set: LaunchSet, a: LaunchAt| {
         PlanOptions {
@@ -719,6 +720,37 @@ fn plan_options_read_the_documented_overrides_and_name_a_bad_one() {
         ),
         (h.gemm_min_k_per_split, h.gemm_pipe_min_k_per_split)
     );
+    // a larger step scales them (a weight gradient over its rows splits as often); a
+    // smaller or unknown one keeps them; the serial programs' never scale
+    let at_examples = |serial: bool, examples: usize| LaunchAt {
+        examples,
+        ..at(false, false, serial)
+    };
+    let big = h.at_launch(at_examples(false, 16384));
+    assert_eq!(
+        (
+            big.gemm_min_k_per_split,
+            big.gemm_min_k_per_split_few,
+            big.gemm_pipe_min_k_per_split
+        ),
+        (4 * b.min_k, 4 * b.min_k_few, 4 * b.pipe_min_k)
+    );
+    for examples in [0, 256, 4096] {
+        assert_eq!(
+            h.at_launch(at_examples(false, examples)),
+            erase_launch,
+            "{examples}"
+        );
+    }
+    assert_eq!(
+        h.at_launch(at_examples(true, 16384))
+            .gemm_pipe_min_k_per_split,
+        h.gemm_pipe_min_k_per_split
+    );
+    // (whole multiples of 64, never below the bound)
+    let odd = b.for_examples(6000);
+    assert_eq!(odd.min_k, 1024 * 6000 / 4096 / 64 * 64);
+    assert!(odd.min_k_few >= b.min_k_few && odd.min_k_few.is_multiple_of(64));
     let same = PlanOptions::H200
         .with_env(env(&[("ERASE_GEMM_OVERLAPPED_SPLITS", "0")]))
         .unwrap();

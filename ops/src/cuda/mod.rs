@@ -200,7 +200,9 @@ pub struct PlanOptions {
     /// 256 for narrow outputs) and a pipelined one 2048: under ERASE the early backward's
     /// weight gradients share a full device with the forward, and fewer splits made the
     /// CTR step 2.8 % faster, while the serial step, which has the device to itself, is
-    /// 7.1 % slower with them (BENCHMARKS.md).
+    /// 7.1 % slower with them (BENCHMARKS.md). Those are the bounds of a step of 4096
+    /// examples; a larger step scales them ([`SplitBounds::for_examples`]: at 16384, 4x,
+    /// 2.0-2.2 % faster there than the 4096 bounds).
     pub gemm_overlapped_splits: Option<SplitBounds>,
     /// Fewest FLOPs (2·M·N·K·batch) for which a GEMM takes the pipelined path (its
     /// operands rounded to bf16 by separate launches); smaller ones run the single-launch
@@ -232,12 +234,14 @@ impl GemmTile {
 }
 
 /// Where a step's launch runs: on the main stream or not, in the forward pass or not, in
-/// a serial program (one stream: the baseline and detached schedules) or not.
+/// a serial program (one stream: the baseline and detached schedules) or not, and in a
+/// step of how many examples (`examples`; 0 where unknown).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LaunchAt {
     pub main: bool,
     pub forward: bool,
     pub serial: bool,
+    pub examples: usize,
 }
 
 /// The split-K bounds of a GEMM plan: the fewest k a split gets, of the single-launch
@@ -252,12 +256,33 @@ pub struct SplitBounds {
 
 impl SplitBounds {
     /// The overlapped programs' bounds on the H200 (see
-    /// [`PlanOptions::gemm_overlapped_splits`]).
+    /// [`PlanOptions::gemm_overlapped_splits`]), for a step of up to
+    /// [`SplitBounds::EXAMPLES`] examples.
     pub const H200_OVERLAPPED: SplitBounds = SplitBounds {
         min_k: 1024,
         min_k_few: 256,
         pipe_min_k: 2048,
     };
+    /// The step size the overlapped bounds are given for: a larger step scales them
+    /// ([`SplitBounds::for_examples`]).
+    pub const EXAMPLES: usize = 4096;
+
+    /// These bounds for a step of `examples` examples: as they are up to
+    /// [`SplitBounds::EXAMPLES`] (or where the step's size is unknown, 0), else times
+    /// `examples / EXAMPLES` (whole multiples of 64), so that a weight gradient over the
+    /// step's rows splits as often at every batch. (On the H200 at batch 16384 the CTR
+    /// model's ERASE step was 2.0-2.2 % faster with 4x the bounds.)
+    pub fn for_examples(self, examples: usize) -> SplitBounds {
+        if examples <= Self::EXAMPLES {
+            return self;
+        }
+        let scale = |k: usize| (k * examples / Self::EXAMPLES / 64 * 64).max(k);
+        SplitBounds {
+            min_k: scale(self.min_k),
+            min_k_few: scale(self.min_k_few),
+            pipe_min_k: scale(self.pipe_min_k),
+        }
+    }
 }
 
 /// A set of a step's launches, by where they run: every launch (`all`), or those of serial
@@ -345,7 +370,7 @@ impl PlanOptions {
 
     /// These options for one launch of a step, at `at`: the launch sets resolve to every
     /// or no GEMM of the launch, and a launch of an overlapped program takes the
-    /// overlapped split bounds.
+    /// overlapped split bounds (for the step's examples).
     pub fn at_launch(self, at: LaunchAt) -> PlanOptions {
         let n64 = if self.gemm_tma_n64.contains(at) {
             LaunchSet::ALL
@@ -357,6 +382,7 @@ impl PlanOptions {
             ..self
         };
         if let Some(b) = self.gemm_overlapped_splits.filter(|_| !at.serial) {
+            let b = b.for_examples(at.examples);
             o.gemm_min_k_per_split = b.min_k;
             o.gemm_min_k_per_split_few = b.min_k_few;
             o.gemm_pipe_min_k_per_split = b.pipe_min_k;

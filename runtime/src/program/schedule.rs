@@ -266,19 +266,30 @@ pub struct Launch {
 /// Where a launch on `stream` of a node of `phase` runs in a program of `kind`: the one
 /// rule the simulator's kernels (`refine`) and the device's (`StepProgram::launch_at`)
 /// are planned by.
-fn launch_at(kind: ScheduleKind, stream: StreamId, phase: Phase) -> LaunchAt {
+fn launch_at(kind: ScheduleKind, stream: StreamId, phase: Phase, examples: usize) -> LaunchAt {
     LaunchAt {
         main: stream == StreamId::MAIN,
         forward: phase == Phase::Forward,
         serial: kind == ScheduleKind::Serial,
+        examples,
     }
+}
+
+/// The examples of `g`'s step: the rows of its first loss's input (the main logits), 0
+/// for a graph without a loss.
+pub fn step_examples(g: &Graph) -> usize {
+    g.losses()
+        .first()
+        .and_then(|l| g.producer(l.tensor).inputs.first().copied())
+        .and_then(|t| g.shape(t).dims().first().copied())
+        .unwrap_or(0)
 }
 
 impl StepProgram {
     /// Where launch `l` of this program (of `g`) runs, for the plans that depend on it
     /// ([`erase_ops::cuda::PlanOptions::at_launch`]).
     pub fn launch_at(&self, g: &Graph, l: &Launch) -> LaunchAt {
-        launch_at(self.kind, l.stream, g.node(l.node).phase)
+        launch_at(self.kind, l.stream, g.node(l.node).phase, step_examples(g))
     }
 }
 
@@ -435,7 +446,7 @@ impl Builder<'_> {
             .collect();
         let mut spec = launch_spec(&n.op, &ins, &outs, dt);
         if let (Some(sp), Some(lib)) = (spec.clone(), self.cfg.kernels.as_ref()) {
-            let at = launch_at(self.cfg.kind, stream, n.phase);
+            let at = launch_at(self.cfg.kind, stream, n.phase, step_examples(g));
             spec = Some(refine(sp, g, n, at, lib));
         }
         let exclusive = self.cfg.occupancy
