@@ -277,18 +277,22 @@ fn the_erase_program_plans_its_gemms_with_the_overlapped_split_bounds() {
     // ERASE_GEMM_PIPE_MIN_K_SPLIT=2048 on an H200: +2.8 % erase); the serial programs'
     // launches as under the default bounds; and the two differ (fewer splits)
     use erase::ops::cuda::PlanOptions;
-    let measured = PlanOptions::H200
-        .with_env(|k| {
-            match k {
-                "ERASE_GEMM_MIN_K_SPLIT" => Some("1024"),
-                "ERASE_GEMM_MIN_K_SPLIT_FEW" => Some("256"),
-                "ERASE_GEMM_PIPE_MIN_K_SPLIT" => Some("2048"),
-                "ERASE_GEMM_OVERLAPPED_SPLITS" => Some("0"),
-                _ => None,
-            }
-            .map(str::to_string)
-        })
-        .unwrap();
+    // the bounds of an A/B: every launch's, from the environment as it was set
+    let measured_bounds = |min_k: &str, few: &str, pipe: &str| {
+        PlanOptions::H200
+            .with_env(|k| {
+                match k {
+                    "ERASE_GEMM_MIN_K_SPLIT" => Some(min_k),
+                    "ERASE_GEMM_MIN_K_SPLIT_FEW" => Some(few),
+                    "ERASE_GEMM_PIPE_MIN_K_SPLIT" => Some(pipe),
+                    "ERASE_GEMM_OVERLAPPED_SPLITS" => Some("0"),
+                    _ => None,
+                }
+                .map(str::to_string)
+            })
+            .unwrap()
+    };
+    let measured = measured_bounds("1024", "256", "2048");
     let serial_bounds = PlanOptions {
         gemm_overlapped_splits: None,
         ..PlanOptions::H200
@@ -317,18 +321,7 @@ fn the_erase_program_plans_its_gemms_with_the_overlapped_split_bounds() {
     }
     // at batch 16384 the ERASE program's launches plan as under 4x the bounds (measured on
     // an H200: +2.2 % erase), and the program knows its step's size
-    let measured_16k = PlanOptions::H200
-        .with_env(|k| {
-            match k {
-                "ERASE_GEMM_MIN_K_SPLIT" => Some("4096"),
-                "ERASE_GEMM_MIN_K_SPLIT_FEW" => Some("1024"),
-                "ERASE_GEMM_PIPE_MIN_K_SPLIT" => Some("8192"),
-                "ERASE_GEMM_OVERLAPPED_SPLITS" => Some("0"),
-                _ => None,
-            }
-            .map(str::to_string)
-        })
-        .unwrap();
+    let measured_16k = measured_bounds("4096", "1024", "8192");
     let cfg = CtrConfig {
         batch: 16384,
         ..CtrConfig::default()
