@@ -51,6 +51,15 @@ fn pipelined(k: &str) -> bool {
     k.starts_with("gemm_bf16t") || k.starts_with("gemm_bf16p")
 }
 
+/// That no kernel of `p` is a TMA GEMM (`gemm_bf16t*`).
+fn assert_no_tma(p: &CudaPlan) {
+    assert!(
+        kernels(p).iter().all(|k| !k.starts_with("gemm_bf16t")),
+        "{:?}",
+        kernels(p)
+    );
+}
+
 const F: DType = DType::F32;
 
 #[test]
@@ -1053,12 +1062,7 @@ fn tma_gemms_take_descriptors_of_their_operands() {
         gemm_cluster: false,
         ..tma
     };
-    let p = plan_with(partials, &op, &ins, &outs).unwrap();
-    assert!(
-        kernels(&p).iter().all(|k| !k.starts_with("gemm_bf16t")),
-        "{:?}",
-        kernels(&p)
-    );
+    assert_no_tma(&plan_with(partials, &op, &ins, &outs).unwrap());
     // switched off, the cp.async kernels
     let off = PlanOptions {
         gemm_tma: false,
@@ -1133,10 +1137,5 @@ fn the_tma_128x64_tile_takes_outputs_that_leave_sms_idle() {
         gemm_cluster: false,
         ..on
     };
-    let p = plan_with(partials, &op, &ins, &outs).unwrap();
-    assert!(
-        kernels(&p).iter().all(|k| !k.starts_with("gemm_bf16t")),
-        "{:?}",
-        kernels(&p)
-    );
+    assert_no_tma(&plan_with(partials, &op, &ins, &outs).unwrap());
 }
