@@ -1139,3 +1139,95 @@ fn the_tma_128x64_tile_takes_outputs_that_leave_sms_idle() {
     };
     assert_no_tma(&plan_with(partials, &op, &ins, &outs).unwrap());
 }
+
+/// A one-output linear layer (a detached block's loss head, 3456 -> 1 at 4096 rows) runs
+/// the thin kernels: the forward one launch with its bias, the data gradient one (its
+/// residual and bf16 copy in the same launch), the weight gradient a split of the rows
+/// with the bias gradient's partials, summed in one reduction; `gemm_thin: false` gives
+/// the tiled kernels back, and bf16 operands are never the thin kernels'.
+#[test]
+fn a_loss_heads_gemms_run_the_thin_kernels() {
+    let f = DType::F32;
+    let fwd = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    let fwd_ins: &[(&[usize], DType)] = &[(&[4096, 3456], f), (&[1, 3456], f), (&[1], f)];
+    let y: &[(&[usize], DType)] = &[(&[4096, 1], f)];
+    let p = plan(&fwd, fwd_ins, y).expect("forward");
+    assert_eq!(kernels(&p), ["gemm_thin_n1"]);
+    assert_eq!(p.calls[0].grid, [512, 1, 1]);
+    // flags: the bias alone; float4 loads (K a multiple of 4)
+    assert_eq!(p.calls[0].args[11], KArg::I32(1));
+    assert_eq!(p.calls[0].args[12], KArg::I32(1));
+    let dx = Op::LinearGradInput {
+        relu_mask: false,
+        residual: true,
+    };
+    let dx_ins: &[(&[usize], DType)] = &[(&[4096, 1], f), (&[1, 3456], f), (&[4096, 3456], f)];
+    let dx_outs: &[(&[usize], DType)] = &[(&[4096, 3456], f)];
+    let p = plan(&dx, dx_ins, dx_outs).expect("data gradient");
+    assert_eq!(kernels(&p), ["gemm_thin_k1"]);
+    assert_eq!(p.calls[0].grid, [4096 * 3456 / 1024, 1, 1]);
+    // the residual (bit 4), read by the one launch
+    assert_eq!(p.calls[0].args[11], KArg::I32(16));
+    assert_eq!(p.calls[0].args[5], KArg::In(2));
+    // or, without it, the bf16 copy (bit 5) written by it
+    let copied = Op::LinearGradInput {
+        relu_mask: false,
+        residual: false,
+    };
+    let copy_outs: &[(&[usize], DType)] = &[(&[4096, 3456], f), (&[4096, 3456], DType::Bf16)];
+    let p = plan(&copied, &dx_ins[..2], copy_outs).expect("data gradient with a copy");
+    assert_eq!(kernels(&p), ["gemm_thin_k1"]);
+    assert_eq!(p.calls[0].args[11], KArg::I32(32));
+    assert_eq!(p.calls[0].args[6], KArg::Out(1));
+    let dw = Op::LinearGradWeight { bias: true };
+    let dw_ins: &[(&[usize], DType)] = &[(&[4096, 1], f), (&[4096, 3456], f)];
+    let dw_outs: &[(&[usize], DType)] = &[(&[1, 3456], f), (&[1], f)];
+    let p = plan(&dw, dw_ins, dw_outs).expect("weight gradient");
+    assert_eq!(kernels(&p), ["gemm_thin_m1", "gemm_splitk_reduce"]);
+    // 4096 rows in 32 splits of 128, 108 column blocks of 32
+    assert_eq!(p.calls[0].grid, [108, 32, 1]);
+    assert_eq!(p.scratch, vec![32 * 3456 * 4, 32 * 4]);
+    // the reduction sums the bias gradient's 32 partials into output 1
+    assert_eq!(p.calls[1].args[9], KArg::Out(1));
+    assert_eq!(p.calls[1].args[10], KArg::I32(32));
+    // a small one: one split, straight to the outputs
+    let small_ins: &[(&[usize], DType)] = &[(&[100, 1], f), (&[100, 64], f)];
+    let small_outs: &[(&[usize], DType)] = &[(&[1, 64], f), (&[1], f)];
+    let p = plan(&dw, small_ins, small_outs).expect("small weight gradient");
+    assert_eq!(kernels(&p), ["gemm_thin_m1"]);
+    assert_eq!(p.calls[0].args[2], KArg::Out(0));
+    assert_eq!(p.calls[0].args[3], KArg::Out(1));
+    assert!(p.scratch.is_empty());
+    // off: the tiled kernels
+    let tiled = PlanOptions {
+        gemm_thin: false,
+        ..PlanOptions::H200
+    };
+    for (op, ins, outs) in [
+        (&fwd, fwd_ins, y),
+        (&dx, dx_ins, dx_outs),
+        (&dw, dw_ins, dw_outs),
+    ] {
+        let p = plan_with(tiled, op, ins, outs).expect("tiled");
+        assert!(
+            kernels(&p).iter().all(|k| !k.starts_with("gemm_thin")),
+            "{:?}",
+            kernels(&p)
+        );
+    }
+    // a bf16 operand: not the thin kernels' (they read f32)
+    let bf16_x: &[(&[usize], DType)] = &[(&[4096, 1], f), (&[4096, 3456], DType::Bf16)];
+    let dw_plain = Op::LinearGradWeight { bias: false };
+    let p = plan(&dw_plain, bf16_x, &dw_outs[..1]).expect("bf16 x");
+    assert!(kernels(&p).iter().all(|k| !k.starts_with("gemm_thin")));
+    // and the environment turns them off
+    let env = PlanOptions::H200
+        .with_env(|v| (v == "ERASE_GEMM_THIN").then(|| "0".to_string()))
+        .expect("env");
+    assert!(!env.gemm_thin);
+    let bad = PlanOptions::H200.with_env(|v| (v == "ERASE_GEMM_THIN").then(|| "2".to_string()));
+    assert!(bad.unwrap_err().contains("ERASE_GEMM_THIN=2"));
+}

@@ -358,6 +358,8 @@ fn a_data_gradient_with_a_residual_is_the_product_plus_the_residual() {
     let cases = [
         (4096usize, 512usize, 3456usize, false, false),
         (4096, 512, 3456, true, false),
+        // a loss head's data gradient (N = 1: the thin kernel's outer product)
+        (4096, 1, 3456, false, false),
         (4096, 4096, 256, true, false),
         (1000, 384, 1001, false, false),
         (40_000, 64, 64, false, false),
@@ -2027,5 +2029,98 @@ fn check_dx_on_copies(
         let what = format!("{what} with its copy");
         assert_within(&what, &got[0].to_f64(), &want, &tol);
         assert_copy_is_rounding(&what, &[m, k], &got);
+    }
+}
+
+/// The thin kernels (a loss head's linear layer of one output and its gradients) against
+/// the bf16 reference, outputs poisoned by the runner, at the heads' sizes (DCNv2's
+/// 3456 -> 1 and the CTR model's 1728 -> 1 at 4096 rows) and ragged ones (K or N not a
+/// multiple of 4: scalar loads and stores): y = x·wᵀ + b (ReLU, and its bf16 copy bit for
+/// bit), dx = dy·w (the ReLU mask, the copy), dw = dyᵀ·x with db in splits of rows summed
+/// in a fixed order (the same bits twice), and the tiled kernels' results within the same
+/// tolerance.
+#[test]
+fn the_thin_gemms_match_the_bf16_reference() {
+    let Some(dev) = device("the_thin_gemms_match_the_bf16_reference") else {
+        return;
+    };
+    assert!(
+        dev.plan_options().gemm_thin,
+        "the thin kernels are on by default"
+    );
+    let tiled = handle_with(erase::ops::cuda::PlanOptions {
+        gemm_thin: false,
+        ..dev.plan_options()
+    });
+    for (i, &(m, k)) in [(4096usize, 3456usize), (4096, 1728), (1001, 1731), (37, 5)]
+        .iter()
+        .enumerate()
+    {
+        let seed = 2500 + 20 * i as u64;
+        // forward, N = 1
+        let (x, xv) = f32_arg(&[m, k], seed, -1.0, 1.0);
+        let (w, wv) = f32_arg(&[1, k], seed + 1, -1.0, 1.0);
+        let (b, bv) = f32_arg(&[1], seed + 2, -1.0, 1.0);
+        let (want, tol) = gemm_ref((1, m, 1, k), &xv, false, &wv, true, Some(&bv));
+        for relu in [false, true] {
+            let op = Op::Linear { bias: true, relu };
+            let outs: [(&[usize], DType); 2] = [(&[m, 1], DType::F32), (&[m, 1], DType::Bf16)];
+            let ins = [x.clone(), w.clone(), b.clone()];
+            let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+            let what = format!("thin linear {m}x{k} -> 1 relu {relu}");
+            assert_within(&what, &got[0].to_f64(), &relu_if(relu, &want), &tol);
+            assert_copy_is_rounding(&what, &[m, 1], &got);
+            let t = run_gpu(&tiled, &op, &ins, &outs[..1], &mut []);
+            assert_within(
+                &format!("{what}, tiled"),
+                &t[0].to_f64(),
+                &relu_if(relu, &want),
+                &tol,
+            );
+        }
+        // data gradient, K = 1: dx[m, k] = dy[m]·w[k], with the ReLU mask, and the copy
+        let (dy, dyv) = f32_arg(&[m, 1], seed + 3, -1.0, 1.0);
+        let (want, tol) = gemm_ref((1, m, k, 1), &dyv, false, &wv, false, None);
+        let (_, yv) = f32_arg(&[m, k], seed + 4, -1.0, 1.0);
+        let yv: Vec<f32> = yv.iter().map(|&v| v.max(0.0)).collect();
+        let y = arg(&[m, k], Buffer::F32(yv.clone()));
+        let what = format!("thin linear_grad_input {m} x 1 -> {k}");
+        let op = Op::LinearGradInput {
+            relu_mask: false,
+            residual: false,
+        };
+        let outs: [(&[usize], DType); 2] = [(&[m, k], DType::F32), (&[m, k], DType::Bf16)];
+        let got = run_gpu(dev, &op, &[dy.clone(), w.clone()], &outs, &mut []);
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        assert_copy_is_rounding(&what, &[m, k], &got);
+        let op = Op::LinearGradInput {
+            relu_mask: true,
+            residual: false,
+        };
+        let got = run_gpu(dev, &op, &[dy.clone(), w.clone(), y], &outs[..1], &mut []);
+        let masked: Vec<f64> = want
+            .iter()
+            .zip(&yv)
+            .map(|(&v, &y)| if y > 0.0 { v } else { 0.0 })
+            .collect();
+        assert_within(&format!("{what} masked"), &got[0].to_f64(), &masked, &tol);
+        // weight gradient, M = 1, with the bias gradient: the same bits twice
+        let op = Op::LinearGradWeight { bias: true };
+        let outs: [(&[usize], DType); 2] = [(&[1, k], DType::F32), (&[1], DType::F32)];
+        let ins = [dy, x];
+        let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let (want, tol) = gemm_ref((1, 1, k, m), &dyv, true, &xv, false, None);
+        let what = format!("thin linear_grad_weight rows {m} -> [1, {k}]");
+        assert_within(&what, &got[0].to_f64(), &want, &tol);
+        let db: f64 = dyv.iter().map(|&v| f64::from(v)).sum();
+        let mag: f64 = dyv.iter().map(|&v| f64::from(v).abs()).sum();
+        let db_tol = m as f64 * 2f64.powi(-24) * mag;
+        assert_within(&format!("{what}: db"), &got[1].to_f64(), &[db], &[db_tol]);
+        let again = run_gpu(dev, &op, &ins, &outs, &mut []);
+        for (a, b) in got.iter().zip(&again) {
+            assert_eq!(bits(a), bits(b), "{what}: two runs differ");
+        }
+        let t = run_gpu(&tiled, &op, &ins, &outs, &mut []);
+        assert_within(&format!("{what}, tiled"), &t[0].to_f64(), &want, &tol);
     }
 }

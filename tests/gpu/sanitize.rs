@@ -159,6 +159,60 @@ fn sanitize_gemm() {
             1e-4,
         );
     }
+    // the thin kernels (a loss head's layer of one output): the forward with its copy,
+    // ragged K (scalar loads); the data gradient with the ReLU mask and with a residual,
+    // ragged N (scalar stores) and whole float4s; the weight gradient with its bias
+    // gradient, one split and eight (partials, then the reduction)
+    for (m, k) in [(1000, 70), (300, 64)] {
+        let x = arg(&[m, k], Buffer::F32(rand_f32(20, m * k, -1.0, 1.0)));
+        let w = arg(&[1, k], Buffer::F32(rand_f32(21, k, -1.0, 1.0)));
+        let b = arg(&[1], Buffer::F32(rand_f32(22, 1, -1.0, 1.0)));
+        let dy = arg(&[m, 1], Buffer::F32(rand_f32(23, m, -1.0, 1.0)));
+        let y = arg(&[m, k], Buffer::F32(rand_f32(24, m * k, -1.0, 1.0)));
+        let op = Op::Linear {
+            bias: true,
+            relu: true,
+        };
+        let outs: [(&[usize], DType); 2] = [(&[m, 1], DType::F32), (&[m, 1], DType::Bf16)];
+        let ins = [x.clone(), w.clone(), b];
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(&format!("thin linear {m}x{k}"), &g[0], &c[0], 2e-2);
+        for (relu_mask, residual) in [(true, false), (false, true)] {
+            let op = Op::LinearGradInput {
+                relu_mask,
+                residual,
+            };
+            let ins = [dy.clone(), w.clone(), y.clone()];
+            let outs: [(&[usize], DType); 1] = [(&[m, k], DType::F32)];
+            let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+            let c = run_cpu(&op, &ins, &outs, &mut []);
+            close(
+                &format!("thin linear dx {m}x{k} mask {relu_mask}"),
+                &g[0],
+                &c[0],
+                2e-2,
+            );
+        }
+        let op = Op::LinearGradWeight { bias: true };
+        let outs: [(&[usize], DType); 2] = [(&[1, k], DType::F32), (&[1], DType::F32)];
+        let ins = [dy.clone(), x];
+        let g = run_gpu(dev, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(&format!("thin linear dw {m}x{k}"), &g[0], &c[0], 2e-2);
+        // db = Σ dy, f32 sums in different orders: within m·2^-24·Σ|dy| (the sum itself
+        // cancels to far less than its terms)
+        let (gd, cd) = (g[1].to_f64()[0], c[1].to_f64()[0]);
+        let mag: f64 = rand_f32(23, m, -1.0, 1.0)
+            .iter()
+            .map(|&v| f64::from(v).abs())
+            .sum();
+        let tol = m as f64 * 2f64.powi(-24) * mag;
+        assert!(
+            (gd - cd).abs() <= tol,
+            "thin linear db {m}x{k}: {gd} against {cd} (tolerance {tol:.3e})"
+        );
+    }
 }
 
 /// The warp-specialized pipelined kernels (loader and math warpgroups, mbarriers) on small

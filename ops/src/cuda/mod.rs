@@ -212,6 +212,11 @@ pub struct PlanOptions {
     /// Least M and N of a GEMM on the pipelined path (128, one tile; 64 made the CTR
     /// step 6 % slower on the H200).
     pub gemm_pipe_min_mn: usize,
+    /// GEMMs of one output row or column, or of K = 1 (a one-output linear layer, a
+    /// detached block's loss head, and its gradients), of f32 operands, run the thin
+    /// kernels (`gemm_thin_*`: the memory's rate, where a 64x64 tile computes one useful
+    /// row or column of 64; `false`: the tiled kernels).
+    pub gemm_thin: bool,
 }
 
 /// A pipelined GEMM tile: 128 rows by `n` columns, of the warp-specialized kernels
@@ -366,6 +371,7 @@ impl PlanOptions {
         gemm_overlapped_splits: Some(SplitBounds::H200_OVERLAPPED),
         gemm_pipe_min_flops: 1 << 29,
         gemm_pipe_min_mn: 128,
+        gemm_thin: true,
     };
 
     /// These options for one launch of a step, at `at`: the launch sets resolve to every
@@ -402,6 +408,7 @@ impl PlanOptions {
     /// environment, read once at start, in the trainer): `ERASE_GEMM_PIPELINE=0`,
     /// `ERASE_GEMM_CLUSTER=0`, `ERASE_GEMM_TALL=0`, `ERASE_GEMM_TALL_STORE=direct`,
     /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_WS=0` or `1`, `ERASE_GEMM_TMA=0` or `1`,
+    /// `ERASE_GEMM_THIN=0` or `1`,
     /// `ERASE_GEMM_TMA_N64` (a [`LaunchSet`]: `0`, `1`, or `serial`, `main` and `fwd`,
     /// comma separated), `ERASE_GEMM_TILE=128x128`, `128x256`, `ws128x64` (the `ws` tile also
     /// turns `gemm_ws` on) or `t128x64` (the TMA kernels' 128x64 tile, where the TMA
@@ -442,6 +449,9 @@ impl PlanOptions {
         }
         if let Some(v) = flag("ERASE_GEMM_TMA", "0", "1")? {
             o.gemm_tma = v;
+        }
+        if let Some(v) = flag("ERASE_GEMM_THIN", "0", "1")? {
+            o.gemm_thin = v;
         }
         if let Some(v) = flag("ERASE_GEMM_OVERLAPPED_SPLITS", "0", "1")? {
             o.gemm_overlapped_splits = v.then_some(SplitBounds::H200_OVERLAPPED);

@@ -144,10 +144,11 @@ fn every_plan_names_a_listed_kernel() {
 
 #[test]
 fn long_reductions_split_k_in_a_fixed_number_of_parts() {
+    // (two output rows: one row is the thin kernels', below)
     let p = plan_of(
         &Op::LinearGradWeight { bias: false },
-        &[&[110_592, 1], &[110_592, 351]],
-        &[&[1, 351]],
+        &[&[110_592, 2], &[110_592, 351]],
+        &[&[2, 351]],
     )
     .unwrap();
     assert_eq!(p.calls.len(), 2);
@@ -156,8 +157,22 @@ fn long_reductions_split_k_in_a_fixed_number_of_parts() {
         panic!("splits")
     };
     assert!(splits > 1);
-    assert_eq!(p.scratch, vec![splits as usize * 351 * 4]);
+    assert_eq!(p.scratch, vec![splits as usize * 2 * 351 * 4]);
     assert_eq!(p.calls[0].grid[2], splits as u32);
+    // one output row: the thin kernel's splits of rows, summed by the same reduction
+    let p = plan_of(
+        &Op::LinearGradWeight { bias: false },
+        &[&[110_592, 1], &[110_592, 351]],
+        &[&[1, 351]],
+    )
+    .unwrap();
+    let names: Vec<_> = p.calls.iter().map(|c| c.kernel).collect();
+    assert_eq!(names, ["gemm_thin_m1", "gemm_splitk_reduce"]);
+    let KArg::I32(splits) = p.calls[1].args[5] else {
+        panic!("splits")
+    };
+    assert_eq!(p.calls[0].grid[1], splits as u32);
+    assert_eq!(p.scratch, vec![splits as usize * 351 * 4]);
     // a square GEMM that fills the GPU needs no split
     let p = plan_of(
         &Op::Linear {
@@ -201,9 +216,10 @@ fn long_reductions_split_k_in_a_fixed_number_of_parts() {
         );
     }
     // a weight gradient of few output tiles splits its rows in parts of 64: 4096 rows
-    // of a [1, 256] dw in 64 splits (in parts of 256 beside more tiles: 16)
+    // of a [2, 256] dw in 64 splits (in parts of 256 beside more tiles: 16; one output row
+    // is the thin kernels')
     let dw = Op::LinearGradWeight { bias: false };
-    let (ins, outs): ([&[usize]; 2], [&[usize]; 1]) = ([&[4096, 1], &[4096, 256]], [&[1, 256]]);
+    let (ins, outs): ([&[usize]; 2], [&[usize]; 1]) = ([&[4096, 2], &[4096, 256]], [&[2, 256]]);
     for (few, splits) in [(CP_ASYNC.gemm_min_k_per_split_few, 64), (256, 16)] {
         let opts = PlanOptions {
             gemm_min_k_per_split_few: few,

@@ -223,6 +223,9 @@ pub(crate) mod cuda {
         "gemm_tall_n128_c_bo",
         "gemm_tall_n192_c_bo",
         "gemm_tall_n256_c_bo",
+        "gemm_thin_n1",
+        "gemm_thin_k1",
+        "gemm_thin_m1",
     ];
 
     /// The GEMM kernels' k step; a split's K range is a multiple of it.
@@ -473,6 +476,9 @@ pub(crate) mod cuda {
         } else if g.a_bf16 || g.b_bf16 {
             return gemm_pipe_bf16(&g);
         }
+        if let Some(plan) = gemm_thin(&g)? {
+            return Ok(plan);
+        }
         if let Some(plan) = gemm_tall(&g)? {
             return Ok(plan);
         }
@@ -601,6 +607,130 @@ pub(crate) mod cuda {
             scratch.push(splits * m * 4);
         }
         Ok(CudaPlan { calls, scratch })
+    }
+
+    /// The thin kernels (`gemm_thin_*`, where `PlanOptions::gemm_thin`): a GEMM of f32
+    /// operands and batch 1 with N = 1 and A not transposed (a one-output linear layer: a
+    /// detached block's loss head), K = 1 (its data gradient, an outer product) or M = 1
+    /// with B not transposed (its weight gradient, with the bias gradient as op(A)'s row
+    /// sums), at the memory's rate where the tiled kernels compute one useful row or
+    /// column of a 64x64 tile. `None`: another path's GEMM.
+    fn gemm_thin(g: &Gemm) -> Result<Option<CudaPlan>, String> {
+        if !g.opts.gemm_thin || g.batch != 1 || g.a_bf16 || g.b_bf16 || g.out_bf16 {
+            return Ok(None);
+        }
+        let Gemm { m, n, k, .. } = *g;
+        // a null pointer (the kernel reads no row sums)
+        let none = KArg::I64(0);
+        let ptr = |p: Option<KArg>| p.unwrap_or(g.a);
+        let flags =
+            g.flags() | (i32::from(g.residual.is_some()) << 4) | (i32::from(g.copy.is_some()) << 5);
+        // the epilogue's pointers: bias, mask, residual, copy (any valid pointer if unused)
+        let epilogue = [ptr(g.bias), ptr(g.mask), ptr(g.residual), ptr(g.copy)];
+        let call = |kernel, grid: [u32; 3], block: [u32; 3], args: Vec<KArg>| KernelCall {
+            kernel,
+            grid,
+            block,
+            smem: 0,
+            args,
+        };
+        if n == 1 && !g.ta && g.a_row_sums.is_none() {
+            let sbk = if g.tb { 1 } else { g.ldb };
+            let vec = g.lda.is_multiple_of(4) && k.is_multiple_of(4) && sbk == 1;
+            let mut args = vec![g.a, g.b, KArg::Out(0)];
+            args.extend(epilogue);
+            args.extend([
+                KArg::I32(i32_of(m, "M")?),
+                KArg::I32(i32_of(k, "K")?),
+                i64_of(g.lda),
+                i64_of(sbk),
+                KArg::I32(flags),
+                KArg::I32(i32::from(vec)),
+            ]);
+            let plan = CudaPlan {
+                calls: vec![call(
+                    "gemm_thin_n1",
+                    [blocks(m, 8), 1, 1],
+                    [256, 1, 1],
+                    args,
+                )],
+                scratch: vec![],
+            };
+            return Ok(Some(plan));
+        }
+        if k == 1 && g.a_row_sums.is_none() {
+            let (sa, sb) = (if g.ta { 1 } else { g.lda }, if g.tb { g.ldb } else { 1 });
+            let vec = n.is_multiple_of(4) && sb == 1;
+            let mut args = vec![g.a, g.b, KArg::Out(0)];
+            args.extend(epilogue);
+            args.extend([
+                KArg::I32(i32_of(m, "M")?),
+                KArg::I32(i32_of(n, "N")?),
+                i64_of(sa),
+                i64_of(sb),
+                KArg::I32(flags),
+                KArg::I32(i32::from(vec)),
+            ]);
+            let grid = blocks(m * n, 1024);
+            let plan = CudaPlan {
+                calls: vec![call("gemm_thin_k1", [grid, 1, 1], [256, 1, 1], args)],
+                scratch: vec![],
+            };
+            return Ok(Some(plan));
+        }
+        let plain = g.mask.is_none() && !g.relu && g.residual.is_none() && g.copy.is_none();
+        if m == 1 && !g.tb && plain && k >= 1 {
+            // rows of K a split: at least 128, at most 256 splits, a multiple of 8
+            let rows_per = k.div_ceil(256).max(128).next_multiple_of(8);
+            let splits = k.div_ceil(rows_per);
+            if splits > GRID_YZ || blocks(n, 32) as usize > i32::MAX as usize {
+                return Ok(None);
+            }
+            let sa = if g.ta { g.lda } else { 1 };
+            let direct = splits == 1 && g.bias.is_none();
+            let (part, rs) = if direct {
+                (KArg::Out(0), g.a_row_sums.unwrap_or(none))
+            } else {
+                (
+                    KArg::Scratch(0),
+                    if g.a_row_sums.is_some() {
+                        KArg::Scratch(1)
+                    } else {
+                        none
+                    },
+                )
+            };
+            let args = vec![
+                g.a,
+                g.b,
+                part,
+                rs,
+                KArg::I32(i32_of(k, "K")?),
+                KArg::I32(i32_of(n, "N")?),
+                i64_of(sa),
+                i64_of(g.ldb),
+                KArg::I32(rows_per as i32),
+            ];
+            let grid = [blocks(n, 32), splits as u32, 1];
+            let mut plan = CudaPlan {
+                calls: vec![call("gemm_thin_m1", grid, [32, 8, 1], args)],
+                scratch: vec![],
+            };
+            if !direct {
+                plan.scratch.push(splits * n * 4);
+                if g.a_row_sums.is_some() {
+                    plan.scratch.push(splits * 4);
+                }
+                plan.calls.push(reduce_call(
+                    g,
+                    KArg::Scratch(0),
+                    splits,
+                    g.a_row_sums.map(|out| (KArg::Scratch(1), out, splits)),
+                ));
+            }
+            return Ok(Some(plan));
+        }
+        Ok(None)
     }
 
     /// Fewest rows for the tall kernels: two 64-row blocks for each of two CTAs an SM.
