@@ -13,7 +13,16 @@ use erase::train::{plan_step, ScheduleOptions, StepPlan};
 /// The spec's model at batch 128 (every large layer has 128 rows: the least that gets
 /// copies), with copies for every layer of 128-multiple sizes, or none.
 fn plan(variant: Variant, copies: bool) -> StepPlan {
-    let mut cfg = CtrConfig::default().with_variant(variant);
+    plan_model("spec", variant, copies)
+}
+
+/// [`plan`] of the zoo model `model`.
+fn plan_model(model: &str, variant: Variant, copies: bool) -> StepPlan {
+    let mut cfg = CtrConfig {
+        model: model.to_string(),
+        ..CtrConfig::default()
+    }
+    .with_variant(variant);
     cfg.batch = 128;
     cfg.rows = 1000;
     let sched = ScheduleOptions {
@@ -291,11 +300,16 @@ fn step(p: &StepPlan) -> (Vec<f64>, Vec<(String, Vec<f64>)>) {
 
 #[test]
 fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
-    for variant in [Variant::Baseline, Variant::Erase] {
-        let (logits_on, on) = step(&plan(variant, true));
-        let (logits_off, off) = step(&plan(variant, false));
+    // (DCNv2: the top reads its copy of the detached cross network's output)
+    for (model, variant) in [
+        ("spec", Variant::Baseline),
+        ("spec", Variant::Erase),
+        ("dcnv2", Variant::Erase),
+    ] {
+        let (logits_on, on) = step(&plan_model(model, variant, true));
+        let (logits_off, off) = step(&plan_model(model, variant, false));
         // the forward multiplies the same bf16 values in the same order
-        assert_eq!(logits_on, logits_off, "{variant}: logits");
+        assert_eq!(logits_on, logits_off, "{model} {variant}: logits");
         assert_eq!(on.len(), off.len());
         let mut worst = 0f64;
         for ((name, a), (name_b, b)) in on.iter().zip(&off) {
@@ -315,15 +329,15 @@ fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
             };
             assert!(
                 rel <= tol,
-                "{variant}: gradient of {name}: relative L2 difference {rel:.2e}"
+                "{model} {variant}: gradient of {name}: relative L2 difference {rel:.2e}"
             );
             if tol == 1e-5 {
                 worst = worst.max(rel);
             }
         }
         println!(
-            "{variant}: gradients within {worst:.2e} (relative L2) of rounding in every GEMM, \
-             AutoInt's QKV biases aside"
+            "{model} {variant}: gradients within {worst:.2e} (relative L2) of rounding in \
+             every GEMM, AutoInt's QKV biases aside"
         );
     }
 }
@@ -419,5 +433,44 @@ fn data_parallel_plans_with_copies_keep_each_program_on_one_stream() {
             "program {} runs on {streams:?}",
             prog.name
         );
+    }
+}
+
+/// A detached block's output that a large layer reads (DCNv2's cross network, read by
+/// the top's first layer) gets its bf16 copy from the block's last op, in the same pass,
+/// through a detach of that op's copy: no RoundBf16 launch after the block.
+#[test]
+fn a_detached_blocks_output_gets_its_copy_from_the_blocks_last_op() {
+    for variant in [Variant::Detached, Variant::Erase] {
+        let p = plan_model("dcnv2", variant, true);
+        let g = &p.model.graph;
+        let detach_of_copy = g
+            .nodes()
+            .iter()
+            .find(|n| matches!(n.op, Op::Detach) && g.dtype(n.inputs[0]) == DType::Bf16);
+        let Some(d) = detach_of_copy else {
+            panic!("{variant}: no detach of a bf16 copy")
+        };
+        let src = g.producer(d.inputs[0]);
+        assert!(
+            matches!(src.op, Op::MulAdd) && src.outputs.get(1) == Some(&d.inputs[0]),
+            "{variant}: the copy is {} of {}",
+            g.name(d.inputs[0]),
+            src.name
+        );
+        // the top's first layer reads it
+        assert!(g
+            .nodes()
+            .iter()
+            .any(|n| matches!(n.op, Op::Linear { .. }) && n.inputs[0] == d.outputs[0]));
+        for n in g.nodes() {
+            if matches!(n.op, Op::RoundBf16 { .. }) {
+                assert!(
+                    !matches!(g.producer(n.inputs[0]).op, Op::Detach),
+                    "{variant}: {} rounds a detached output",
+                    n.name
+                );
+            }
+        }
     }
 }

@@ -164,7 +164,7 @@ impl Graph {
 
     /// The bf16 copy of the f32 activation `x` (a RoundBf16 node the first time). A
     /// reshaped view (each block's flatten of the field embeddings) gets the same reshape
-    /// of its source's one copy.
+    /// of its source's one copy, and a detached one the detach of it.
     fn bf16_copy(&mut self, x: Tensor) -> Tensor {
         if let Some(&c) = self.bf16_of.get(&x) {
             return c;
@@ -173,6 +173,13 @@ impl Graph {
         if matches!(producer.op, Op::Reshape) && self.shape(producer.inputs[0]).rank() >= 2 {
             let src_copy = self.bf16_copy(producer.inputs[0]);
             return self.add_copy_node(x, Op::Reshape, src_copy);
+        }
+        // a detached block's output (DCNv2's cross network, read by the top's first
+        // layer): the detach of its source's copy, which the source's producer writes in
+        // its pass instead of a RoundBf16 launch after the block
+        if matches!(producer.op, Op::Detach) {
+            let src_copy = self.bf16_copy(producer.inputs[0]);
+            return self.add_copy_node(x, Op::Detach, src_copy);
         }
         // an elementwise product, a concat or a linear layer writes the copy beside its
         // output in the same pass: a second output of its node (see Graph::copy_output)
