@@ -169,17 +169,19 @@ impl Graph {
         if let Some(&c) = self.bf16_of.get(&x) {
             return c;
         }
+        // a view of another activation: the same view of its copy (a detached block's
+        // output, DCNv2's cross network read by the top's first layer, so gets the copy
+        // its last op writes in its pass instead of a RoundBf16 launch after the block)
         let producer = self.producer(x);
-        if matches!(producer.op, Op::Reshape) && self.shape(producer.inputs[0]).rank() >= 2 {
-            let src_copy = self.bf16_copy(producer.inputs[0]);
-            return self.add_copy_node(x, Op::Reshape, src_copy);
-        }
-        // a detached block's output (DCNv2's cross network, read by the top's first
-        // layer): the detach of its source's copy, which the source's producer writes in
-        // its pass instead of a RoundBf16 launch after the block
-        if matches!(producer.op, Op::Detach) {
-            let src_copy = self.bf16_copy(producer.inputs[0]);
-            return self.add_copy_node(x, Op::Detach, src_copy);
+        let (src, view) = (producer.inputs.first().copied(), producer.op.clone());
+        let is_view = match view {
+            Op::Reshape => src.is_some_and(|t| self.shape(t).rank() >= 2),
+            Op::Detach => true,
+            _ => false,
+        };
+        if let (true, Some(src)) = (is_view, src) {
+            let src_copy = self.bf16_copy(src);
+            return self.add_copy_node(x, view, src_copy);
         }
         // an elementwise product, a concat or a linear layer writes the copy beside its
         // output in the same pass: a second output of its node (see Graph::copy_output)
