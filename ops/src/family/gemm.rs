@@ -680,12 +680,10 @@ pub(crate) mod cuda {
         }
         let plain = g.mask.is_none() && !g.relu && g.residual.is_none() && g.copy.is_none();
         if m == 1 && !g.tb && plain && k >= 1 {
-            // rows of K a split: at least 128, at most 256 splits, a multiple of 8
+            // rows of K a split: at least 128, a multiple of 8, so at most 256 splits (a
+            // grid's y holds them; N fits an i32 below, so its column blocks fit x)
             let rows_per = k.div_ceil(256).max(128).next_multiple_of(8);
             let splits = k.div_ceil(rows_per);
-            if splits > GRID_YZ || blocks(n, 32) as usize > i32::MAX as usize {
-                return Ok(None);
-            }
             let sa = if g.ta { g.lda } else { 1 };
             let direct = splits == 1 && g.bias.is_none();
             let (part, rs) = if direct {
