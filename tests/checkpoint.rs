@@ -2,6 +2,8 @@
 //! checkpoint is refused with a clear error; a non-finite loss stops training naming the
 //! step and the block.
 
+mod common;
+
 use erase::graph::DenseOptimizer;
 use erase::model::ctr::CtrConfig;
 use erase::train::{train, Eval, Progress, TrainConfig};
@@ -38,10 +40,8 @@ fn tensors(path: &std::path::Path) -> Vec<(String, Vec<u8>)> {
     v
 }
 
-fn tmpdir(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("erase-ckpt-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmpdir(tag: &str) -> common::TempDir {
+    common::TempDir::new(&format!("ckpt-{tag}"))
 }
 
 #[test]
@@ -71,7 +71,6 @@ fn resume_equals_an_uninterrupted_run_bit_for_bit() {
         a.iter().any(|(n, _)| n.ends_with("adam_m"))
             && a.iter().any(|(n, _)| n.contains("adagrad_acc"))
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -105,7 +104,6 @@ fn truncated_foreign_or_mismatched_checkpoints_are_refused() {
         .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
         .collect();
     assert!(leftovers.is_empty());
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -127,7 +125,6 @@ fn a_non_finite_loss_stops_training_naming_step_and_block() {
         !d.join("x.safetensors").exists(),
         "no checkpoint of a diverged run"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -161,5 +158,4 @@ fn evaluating_a_checkpoint_gives_the_training_runs_final_metrics() {
         e.contains("tensor '") && e.contains("the model needs"),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }

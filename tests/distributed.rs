@@ -2,6 +2,8 @@
 //! collectives in the same order, one rank is the same as plain training, and a rank
 //! that dies takes the others down with an error instead of a hang.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use erase::distributed::{evaluate_replica, train_data_parallel_cpu, FailAt};
@@ -224,8 +226,7 @@ fn cpu_ranks_train_real_data_with_checkpoints_killed_and_resumed_bit_identically
             schema,
         },
     ];
-    let dir = std::env::temp_dir().join(format!("erase-dp-ckpt-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("dp-ckpt");
     for (k, src) in sources.iter().enumerate() {
         let data = loaded(src);
         let erase::train::Data::Table { train, .. } = &data else {

@@ -4,7 +4,9 @@
 //! in-process backend's), every rank logs the same collectives, and a rank that fails,
 //! crashes or hangs takes the job down with an error naming it, within the timeout.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -63,10 +65,8 @@ fn text(o: &Output) -> (String, String) {
     )
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("erase-mp-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmp(name: &str) -> common::TempDir {
+    common::TempDir::new(&format!("mp-{name}"))
 }
 
 /// The state fingerprint each rank prints: `rank K: ... state fnv64 H, ...`.
@@ -147,7 +147,6 @@ fn two_processes_keep_replicas_bit_identical_and_log_the_same_collectives() {
         "processes and threads trained different replicas"
     );
     eprintln!("2 processes x 20 steps: {took:?}");
-    let _ = std::fs::remove_dir_all(&logs);
 }
 
 #[test]
@@ -177,7 +176,6 @@ fn end_all_reduce_is_one_bucket_a_step() {
         reduces.iter().all(|l| l.starts_with("all_reduce 'all'")),
         "{l0}"
     );
-    let _ = std::fs::remove_dir_all(&logs);
 }
 
 /// Runs 2 ranks for 10 steps with rank 1 failing at step 3 as `how` says.
@@ -358,5 +356,4 @@ fn row_sharded_tables_over_tcp_end_with_the_replicated_bits() {
         hashes[0].1,
         "row-sharded processes and replicated threads trained different replicas"
     );
-    let _ = std::fs::remove_dir_all(&logs);
 }

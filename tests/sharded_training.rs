@@ -4,6 +4,8 @@
 //! set too large for a rank's budget trains row-wise where replicated refuses it, and a
 //! checkpoint holds each table whole so it resumes on another rank count.
 
+mod common;
+
 use std::time::Duration;
 
 use erase::distributed::{train_data_parallel_cpu, FailAt, RankResult};
@@ -123,8 +125,7 @@ fn a_table_set_over_the_budget_trains_row_wise_where_replicated_refuses_it() {
 
 #[test]
 fn a_sharded_checkpoint_resumes_on_1_2_and_4_ranks() {
-    let dir = std::env::temp_dir().join(format!("erase-sharded-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("sharded");
     let ck = dir.join("k.st");
     let base = cfg(6, Sharding::Row);
     let whole = run(&base, 2);

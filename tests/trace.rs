@@ -1,6 +1,8 @@
 //! Traces: the Chrome JSON, the SVG and PNG timelines, and the overlap figures, on
 //! hand-made events and on the CTR model's predicted steps.
 
+mod common;
+
 use std::io::Read as _;
 
 use erase::graph::{DType, OptimizerConfig};
@@ -486,8 +488,7 @@ fn kernel_table_accounts_for_every_kernel_of_the_trace() {
 fn measured_times_from_a_trace_file_reproduce_the_simulation() {
     let (det, sim_cfg, _, t) = simulated(Variant::Detached);
     let (erase, ..) = simulated(Variant::Erase);
-    let dir = std::env::temp_dir().join(format!("erase-measured-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("measured");
     let path = dir.join("trace.json");
     std::fs::write(&path, t.to_chrome_json()).unwrap();
     let m = erase::profile::load_measured(&path).unwrap();
@@ -542,7 +543,6 @@ fn measured_times_from_a_trace_file_reproduce_the_simulation() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("traceEvents"), "{e}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `plan --sweep-side-streams`: every count predicted, the fastest named.

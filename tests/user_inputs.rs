@@ -3,7 +3,9 @@
 //! lists, per-field table sizes, zstd) train, and bad input or state is refused with a
 //! message that names the problem and where, before any work is lost.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output};
 
 const EXE: &str = env!("CARGO_BIN_EXE_erase-ctr");
@@ -12,11 +14,8 @@ fn fixture(p: &str) -> String {
     format!("{}/tests/data/{p}", env!("CARGO_MANIFEST_DIR"))
 }
 
-fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("erase-user-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmpdir(tag: &str) -> common::TempDir {
+    common::TempDir::new(&format!("user-{tag}"))
 }
 
 /// `erase-ctr ARGS` on the CPU with a small model.

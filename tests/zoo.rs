@@ -3,6 +3,8 @@
 //! its blocks are cut as it marks them, and a model of one's own (the
 //! `custom_model` example) gets the whole command line.
 
+mod common;
+
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::train::{train, Eval, Progress, TrainConfig};
 
@@ -113,8 +115,7 @@ fn a_custom_model_gets_the_whole_command_line() {
             .map(Into::into)
             .collect()
     };
-    let dir = std::env::temp_dir().join(format!("erase-zoo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("zoo");
     let ck = dir.join("tt.st");
     let ckp = ck.to_str().unwrap();
     erase::cli::run(args(&[
