@@ -590,3 +590,40 @@ fn plan_joins_before_the_updates_only_with_update_join_on() {
         "{off}"
     );
 }
+
+/// `plan --kernels`: the launches are priced at the rates the step is predicted with, so
+/// the serial baseline's launches add up to its predicted step (one stream, no host time).
+#[test]
+fn plan_lists_launches_at_the_rates_of_its_prediction() {
+    for rates in ["measured", "peak"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_erase-ctr"))
+            .args(["plan", "--preset", "small", "--variant", "baseline"])
+            .args(["--kernels", "1000", "--rates", rates])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let number_before = |line: &str, unit: &str| -> f64 {
+            let head = &line[..line.find(unit).unwrap()];
+            head.split_whitespace().last().unwrap().parse().unwrap()
+        };
+        let listed = text
+            .lines()
+            .find(|l| l.starts_with("longest launches predicted"))
+            .map(|l| number_before(l, " µs:"))
+            .unwrap_or_else(|| panic!("no launch list:\n{text}"));
+        let step = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("baseline ") && l.contains(" ex/s"))
+            .map(|l| number_before(l, " µs "))
+            .unwrap_or_else(|| panic!("no baseline prediction:\n{text}"));
+        assert!(
+            (listed - step).abs() <= 0.1 + 1e-3 * step,
+            "{rates}: the launches add up to {listed} µs, the step is predicted at {step} µs\n{text}"
+        );
+    }
+}

@@ -187,8 +187,9 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
     for v in Variant::ALL {
         let cfg = a.model.config(v)?;
         let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched)?;
-        let r = match &measured {
-            None => simulate(&p.program, &sim),
+        // each launch's time alone: measured where the trace has it, else the cost model's
+        let work = match &measured {
+            None => None,
             Some(m) => {
                 let (work, found) =
                     crate::profile::measured_work(&p.program, &p.model.graph, m, &sim.device);
@@ -199,8 +200,12 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                     .filter(|l| l.spec.is_some())
                     .count();
                 println!("{v}: {found} of {kernels} launches take their measured time");
-                crate::runtime::program::simulate::simulate_with(&p.program, &sim, &work)
+                Some(work)
             }
+        };
+        let r = match &work {
+            None => simulate(&p.program, &sim),
+            Some(w) => crate::runtime::program::simulate::simulate_with(&p.program, &sim, w),
         };
         let g = &p.model.graph;
         if v == shown {
@@ -315,13 +320,24 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
                     .launches
                     .iter()
                     .enumerate()
-                    .filter_map(|(i, l)| l.spec.as_ref().map(|s| (sched.device.duration_s(s), i)))
+                    .filter_map(|(i, l)| {
+                        let t = match &work {
+                            Some(w) => w[i],
+                            None => sim.device.duration_s(l.spec.as_ref()?),
+                        };
+                        l.spec.as_ref().map(|_| (t, i))
+                    })
                     .collect();
                 by_time.sort_by(|a, b| b.0.total_cmp(&a.0));
                 let total: f64 = by_time.iter().map(|x| x.0).sum();
                 println!(
-                    "longest launches predicted (alone) on {}; all launches add up to {:.1} µs:",
-                    sched.device.name,
+                    "longest launches predicted (alone) on {}{}; all launches add up to {:.1} µs:",
+                    sim.device.name,
+                    if work.is_some() {
+                        ", measured where the trace has them"
+                    } else {
+                        ""
+                    },
                     total * 1e6
                 );
                 println!(
