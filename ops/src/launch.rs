@@ -28,6 +28,9 @@ pub struct LaunchSpec {
     pub copies: bool,
     /// The fused attention kernels, at a rate of their own.
     pub attention: bool,
+    /// Launches of the op beside this one (its operands' rounding, a split-K reduction, a
+    /// column sum's last pass): set where the op's CUDA plan is known.
+    pub extra_launches: u32,
 }
 
 pub(crate) fn ceil(a: usize, b: usize) -> u64 {
@@ -49,6 +52,7 @@ pub(crate) fn gemm(kernel: &'static str, m: usize, n: usize, k: usize) -> Launch
         tensor_core: true,
         copies: false,
         attention: false,
+        extra_launches: 0,
     }
 }
 
@@ -65,6 +69,7 @@ pub(crate) fn elementwise(kernel: &'static str, elems: usize, bytes: f64) -> Lau
         tensor_core: false,
         copies: false,
         attention: false,
+        extra_launches: 0,
     }
 }
 

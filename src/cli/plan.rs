@@ -17,7 +17,8 @@ pub(crate) struct PlanArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The rates the simulator predicts with: `measured`, what Erase's kernels reach on
-    /// an H200 (GEMM 250 TFLOP/s, 350 reading bf16 copies in place, the fused attention
+    /// an H200 (the pipelined GEMM tiles by their CTAs' k steps and epilogue bytes, the
+    /// other GEMMs at 250 TFLOP/s, 350 reading bf16 copies in place, the fused attention
     /// 150, memory 3.6 TB/s, 6 µs a launch), or `peak`, what cuBLAS and a copy reach
     /// (736 TFLOP/s, 4.22 TB/s).
     #[arg(long, value_enum, default_value = "measured")]

@@ -101,6 +101,7 @@ fn occupancy_model_matches_the_driver_for_every_kernel() {
                 tensor_core: false,
                 copies: false,
                 attention: false,
+                extra_launches: 0,
             };
             let want = dev.occupancy(k.name, block, 0).unwrap();
             assert_eq!(

@@ -644,6 +644,7 @@ pub(crate) mod cost {
             tensor_core: true,
             copies: false,
             attention: true,
+            extra_launches: 0,
         }
     }
 }

@@ -865,6 +865,7 @@ pub(crate) mod cost {
             tensor_core: false,
             copies: false,
             attention: false,
+            extra_launches: 0,
         }
     }
 
@@ -893,6 +894,7 @@ pub(crate) mod cost {
             tensor_core: false,
             copies: false,
             attention: false,
+            extra_launches: 0,
         }
     }
 
@@ -910,6 +912,7 @@ pub(crate) mod cost {
             tensor_core: false,
             copies: false,
             attention: false,
+            extra_launches: 0,
         }
     }
 }

@@ -311,6 +311,7 @@ pub(crate) mod cost {
             tensor_core: false,
             copies: false,
             attention: false,
+            extra_launches: 0,
         }
     }
 }

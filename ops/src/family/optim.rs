@@ -246,6 +246,7 @@ pub(crate) mod cost {
             tensor_core: false,
             copies: false,
             attention: false,
+            extra_launches: 0,
         }
     }
 

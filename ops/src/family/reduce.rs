@@ -379,6 +379,7 @@ pub(crate) mod cost {
             tensor_core: false,
             copies: false,
             attention: false,
+            extra_launches: 0,
         }
     }
 
@@ -395,6 +396,7 @@ pub(crate) mod cost {
             tensor_core: false,
             copies: false,
             attention: false,
+            extra_launches: 0,
         }
     }
 

@@ -18,6 +18,19 @@ use erase_ops::LaunchSpec;
 /// the tails of each other's waves: on this device ordering never pays.
 pub const H200_CONTENTION: [f64; 3] = [-0.036, -0.047, -0.015];
 
+/// The pipelined GEMM tiles on the H200 (`DeviceModel::gemm_k_step_s`): a CTA's k step
+/// of 64 takes 0.11 µs in a tile 64 wide and 0.208 µs in one 128 wide, and the epilogue
+/// moves the op's bytes at 2.04 TB/s, beside the 6 µs a launch of the measured rates.
+/// Fitted by least squares to the 73 launches of these kernels in the traced serial steps
+/// of the spec model and DCNv2 at batch 4096 (build 3fbcdc5, 2026-12-04;
+/// `runtime/tests/data/h200-gemm-launches.tsv`; BENCHMARKS.md, "The simulator against
+/// today's steps"): 10 % off a launch on average, where the rates by kind (250 TFLOP/s,
+/// 350 on bf16 copies) were 43 % off (0.6x to 2x). The traced times include the events'
+/// few µs a launch.
+pub const H200_GEMM_K_STEP_S: [f64; 2] = [0.110e-6, 0.208e-6];
+/// See [`H200_GEMM_K_STEP_S`].
+pub const H200_GEMM_EPILOGUE_BW: f64 = 2.04e12;
+
 /// What the model needs to know about a device.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceModel {
@@ -53,6 +66,28 @@ pub struct DeviceModel {
     /// contend (caches, the tails of their waves); below 0 they overlap usefully.
     /// Measured pair by pair (`cargo bench --bench kernels -- --contention`).
     pub contention: [f64; 3],
+    /// The pipelined GEMM tiles' model (`gemm_bf16t_*`, `gemm_bf16p_*`, `gemm_bf16w_*`,
+    /// their tile in the kernel's name): seconds of one CTA's k step of 64 for tiles 64
+    /// and 128 wide (256: twice 128's), each SM taking its share of the grid's CTAs one
+    /// after the other (two at a time, as these kernels run, sharing its L2 bandwidth).
+    /// `None`: those GEMMs are priced at `tensor_flops` as the others.
+    pub gemm_k_step_s: Option<[f64; 2]>,
+    /// With `gemm_k_step_s`: the rate at which such a GEMM's epilogue moves its bytes
+    /// (the output, a residual or mask, a bf16 copy), bytes/s, not overlapped with its
+    /// k steps.
+    pub gemm_epilogue_bw: f64,
+}
+
+/// A pipelined GEMM kernel's tile (rows, columns) from its name (`gemm_bf16t_km_128x64_k2`),
+/// or `None` for every other kernel.
+pub fn pipelined_gemm_tile(kernel: &str) -> Option<(u32, u32)> {
+    let rest = ["gemm_bf16t_", "gemm_bf16p_", "gemm_bf16w_"]
+        .iter()
+        .find_map(|p| kernel.strip_prefix(p))?;
+    rest.split('_').find_map(|part| {
+        let (m, n) = part.split_once('x')?;
+        Some((m.parse().ok()?, n.parse().ok()?))
+    })
 }
 
 impl DeviceModel {
@@ -76,6 +111,8 @@ impl DeviceModel {
             launch_s: 2.5e-6,
             exclusive_threshold_s: 20e-6,
             contention: H200_CONTENTION,
+            gemm_k_step_s: None,
+            gemm_epilogue_bw: 4.22e12,
         }
     }
 
@@ -96,6 +133,8 @@ impl DeviceModel {
             attention_flops: 150e12,
             mem_bw: 3.6e12,
             launch_s: 6e-6,
+            gemm_k_step_s: Some(H200_GEMM_K_STEP_S),
+            gemm_epilogue_bw: H200_GEMM_EPILOGUE_BW,
             ..Self::h200()
         }
     }
@@ -119,6 +158,8 @@ impl DeviceModel {
             launch_s: 1e-6,
             exclusive_threshold_s: f64::INFINITY,
             contention: [0.0; 3],
+            gemm_k_step_s: None,
+            gemm_epilogue_bw: 10e9,
         }
     }
 
@@ -169,6 +210,24 @@ impl DeviceModel {
 
     /// Predicted time of the launch running alone.
     pub fn duration_s(&self, spec: &LaunchSpec) -> f64 {
+        if let (Some(k_step), Some((bm, bn))) =
+            (self.gemm_k_step_s, pipelined_gemm_tile(spec.kernel))
+        {
+            // each CTA's k steps (the FLOPs over its tile's k step of 64), the SMs' CTAs
+            // one after the other, then the epilogue's bytes
+            let grid = spec.grid.max(1) as f64;
+            let k_steps = spec.flops / (2.0 * f64::from(bm) * f64::from(bn) * 64.0 * grid);
+            let per_sm = spec.grid.max(1).div_ceil(u64::from(self.sms.max(1))) as f64;
+            let step = match bn {
+                0..=64 => k_step[0],
+                65..=128 => k_step[1],
+                _ => k_step[1] * f64::from(bn) / 128.0,
+            };
+            let launches = 1.0 + f64::from(spec.extra_launches);
+            return launches * self.launch_s
+                + per_sm * k_steps * step
+                + spec.bytes / self.gemm_epilogue_bw;
+        }
         let peak = self.flop_rate(spec).max(1.0);
         let work = (spec.flops / peak).max(spec.bytes / self.mem_bw);
         let wave = self.wave(spec) as f64;
@@ -239,5 +298,67 @@ mod tests {
         )
         .expect("a launch");
         assert!(!cast.copies);
+    }
+
+    #[test]
+    fn pipelined_gemm_tiles_are_read_from_the_kernels_names() {
+        use super::pipelined_gemm_tile as tile;
+        assert_eq!(tile("gemm_bf16t_km_128x64_k2"), Some((128, 64)));
+        assert_eq!(tile("gemm_bf16t_128x128"), Some((128, 128)));
+        assert_eq!(tile("gemm_bf16p_128x256_k4"), Some((128, 256)));
+        assert_eq!(tile("gemm_bf16w_c_128x64"), Some((128, 64)));
+        for other in [
+            "gemm_bf16_nt_64x64",
+            "gemm_tall_n64_c",
+            "gemm_thin_m1",
+            "gemm_linear",
+        ] {
+            assert_eq!(tile(other), None, "{other}");
+        }
+    }
+
+    /// The per-CTA model of the pipelined GEMMs against their launches in traced serial
+    /// steps on an H200 (the spec model's and DCNv2's, `tests/data/h200-gemm-launches.tsv`):
+    /// within 12 % a launch on average, and under half the error of pricing them at one
+    /// device-wide rate.
+    #[test]
+    fn the_pipelined_gemms_model_fits_their_measured_launches() {
+        let data = include_str!("../../tests/data/h200-gemm-launches.tsv");
+        let m = DeviceModel::h200_measured();
+        let rate = DeviceModel {
+            gemm_k_step_s: None,
+            ..m.clone()
+        };
+        let (mut err, mut err_rate, mut n) = (0.0, 0.0, 0);
+        for line in data.lines().filter(|l| !l.starts_with('#')) {
+            let f: Vec<&str> = line.split('\t').collect();
+            assert_eq!(f.len(), 8, "{line}");
+            let kernel: &'static str = Box::leak(f[2].to_string().into_boxed_str());
+            let spec = erase_ops::LaunchSpec {
+                kernel,
+                grid: f[4].parse().expect("grid"),
+                block: 256,
+                regs_per_thread: 102,
+                smem_bytes: 3 * (128 + 128) * 72 * 2 + 1024,
+                flops: f[5].parse::<f64>().expect("GFLOP") * 1e9,
+                bytes: f[6].parse::<f64>().expect("MB") * 1e6,
+                tensor_core: true,
+                copies: false,
+                attention: false,
+                extra_launches: f[3].parse().expect("extra launches"),
+            };
+            let measured = f[7].parse::<f64>().expect("µs") * 1e-6;
+            err += (m.duration_s(&spec) / measured - 1.0).abs();
+            err_rate += (rate.duration_s(&spec) / measured - 1.0).abs();
+            n += 1;
+        }
+        assert!(n >= 70, "{n} launches");
+        let (err, err_rate) = (err / n as f64, err_rate / n as f64);
+        eprintln!("{n} launches: mean error {err:.3} a launch, {err_rate:.3} at one rate");
+        assert!(err <= 0.12, "mean error {err:.3} a launch");
+        assert!(
+            err < 0.5 * err_rate,
+            "{err:.3} against {err_rate:.3} at one rate"
+        );
     }
 }

@@ -202,6 +202,7 @@ fn refine(
         block: call.block[0] * call.block[1] * call.block[2],
         regs_per_thread: info.regs,
         smem_bytes: info.smem + call.smem,
+        extra_launches: (plan.calls.len() - 1) as u32,
         ..spec
     }
 }
