@@ -184,16 +184,36 @@ fn named(op: &Op, p: Result<CudaPlan, String>) -> Result<CudaPlan, String> {
 /// The launch of `op` with operand shapes `ins` -> `outs` (element type `dt`): one line
 /// an op, no fallback, each estimate in its family's `cost`.
 pub fn launch_spec(op: &Op, ins: &[&Shape], outs: &[&Shape], dt: DType) -> Option<LaunchSpec> {
+    launch_spec_typed(op, ins, &[], outs, &[], dt)
+}
+
+/// [`launch_spec`] with each operand's element type (`in_dtypes`, `out_dtypes`; those
+/// past their end take `dt`): bytes moved count a bf16 operand's 2 bytes an element.
+pub fn launch_spec_typed(
+    op: &Op,
+    ins: &[&Shape],
+    in_dtypes: &[DType],
+    outs: &[&Shape],
+    out_dtypes: &[DType],
+    dt: DType,
+) -> Option<LaunchSpec> {
     use crate::family::{
         attention::cost as attention, elementwise::cost as elementwise,
         embedding::cost as embedding, gemm::cost as gemm, interaction::cost as interaction,
         loss::cost as loss, norm::cost as norm, optim::cost as optim, reduce::cost as reduce,
         shape::cost as shape,
     };
+    let size = |d: &DType| d.size_bytes() as f64;
+    let (in_e, out_e): (Vec<f64>, Vec<f64>) = (
+        in_dtypes.iter().map(size).collect(),
+        out_dtypes.iter().map(size).collect(),
+    );
     let c = &Cost {
         ins,
         outs,
         e: dt.size_bytes() as f64,
+        in_e: &in_e,
+        out_e: &out_e,
     };
     let mut spec = match op {
         Op::Leaf(_) | Op::Reshape | Op::Detach => return None,

@@ -3,7 +3,7 @@
 //! these. Register and shared-memory figures are declared estimates until the kernels'
 //! ptxas reports replace them.
 
-pub use crate::dispatch::launch_spec;
+pub use crate::dispatch::{launch_spec, launch_spec_typed};
 use erase_graph::Shape;
 
 /// One kernel launch of an op.
@@ -73,24 +73,33 @@ pub(crate) fn elementwise(kernel: &'static str, elems: usize, bytes: f64) -> Lau
     }
 }
 
-/// What a family's cost estimate reads: the operands' shapes and the element size.
+/// What a family's cost estimate reads: the operands' shapes and element sizes.
 pub(crate) struct Cost<'a> {
     pub ins: &'a [&'a Shape],
     pub outs: &'a [&'a Shape],
-    /// Bytes of one element.
+    /// Bytes of one element of the op's float type.
     pub e: f64,
+    /// Bytes of one element of each input and output, where known (a bf16 operand is 2);
+    /// `e` for those past their end.
+    pub in_e: &'a [f64],
+    pub out_e: &'a [f64],
 }
 
 impl Cost<'_> {
     pub fn out_bytes(&self) -> f64 {
-        self.outs.iter().map(|s| s.numel() as f64 * self.e).sum()
+        self.outs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| s.numel() as f64 * self.out_e.get(i).copied().unwrap_or(self.e))
+            .sum()
     }
 
     /// Bytes of every operand, read or written once.
     pub fn moved(&self) -> f64 {
         self.ins
             .iter()
-            .map(|s| s.numel() as f64 * self.e)
+            .enumerate()
+            .map(|(i, s)| s.numel() as f64 * self.in_e.get(i).copied().unwrap_or(self.e))
             .sum::<f64>()
             + self.out_bytes()
     }

@@ -10,4 +10,4 @@ pub mod launch;
 
 pub use buffer::Buffer;
 pub use cpu::{execute, NodeCall, OpError};
-pub use launch::{launch_spec, LaunchSpec};
+pub use launch::{launch_spec, launch_spec_typed, LaunchSpec};

@@ -300,6 +300,32 @@ mod tests {
         assert!(!cast.copies);
     }
 
+    /// A launch's bytes count each operand at its own element size: the cross update
+    /// that writes its output's bf16 copy beside it moves 18 bytes an element, not 20.
+    #[test]
+    fn bytes_count_each_operands_element_size() {
+        use erase_ops::launch_spec_typed;
+        let s = Shape::new(&[4096, 3456]);
+        let n = s.numel() as f64;
+        let f = DType::F32;
+        let plain = launch_spec(&Op::MulAdd, &[&s, &s, &s], &[&s, &s], f).expect("a launch");
+        let typed = launch_spec_typed(
+            &Op::MulAdd,
+            &[&s, &s, &s],
+            &[f, f, f],
+            &[&s, &s],
+            &[f, DType::Bf16],
+            f,
+        )
+        .expect("a launch");
+        assert_eq!(plain.bytes, 20.0 * n);
+        assert_eq!(typed.bytes, 18.0 * n);
+        // types past the lists' end are the op's
+        let short = launch_spec_typed(&Op::MulAdd, &[&s, &s, &s], &[], &[&s, &s], &[], f)
+            .expect("a launch");
+        assert_eq!(short.bytes, plain.bytes);
+    }
+
     #[test]
     fn pipelined_gemm_tiles_are_read_from_the_kernels_names() {
         use super::pipelined_gemm_tile as tile;

@@ -28,7 +28,7 @@ use crate::kernels::KernelLibrary;
 use crate::program::occupancy::DeviceModel;
 use erase_graph::{Graph, NodeId, Partition, Phase, Tensor};
 use erase_ops::cuda::{cuda_plan, LaunchAt, Operands};
-use erase_ops::{launch_spec, LaunchSpec};
+use erase_ops::{launch_spec_typed, LaunchSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamId(pub u16);
@@ -445,7 +445,14 @@ impl Builder<'_> {
             .chain(&n.updates)
             .map(|&t| g.shape(t))
             .collect();
-        let mut spec = launch_spec(&n.op, &ins, &outs, dt);
+        let in_dt: Vec<_> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
+        let out_dt: Vec<_> = n
+            .outputs
+            .iter()
+            .chain(&n.updates)
+            .map(|&t| g.dtype(t))
+            .collect();
+        let mut spec = launch_spec_typed(&n.op, &ins, &in_dt, &outs, &out_dt, dt);
         if let (Some(sp), Some(lib)) = (spec.clone(), self.cfg.kernels.as_ref()) {
             let at = launch_at(self.cfg.kind, stream, n.phase, step_examples(g));
             spec = Some(refine(sp, g, n, at, lib));
