@@ -545,19 +545,26 @@ fn measured_times_from_a_trace_file_reproduce_the_simulation() {
     assert!(e.contains("traceEvents"), "{e}");
 }
 
-/// `plan --sweep-side-streams`: every count predicted, the fastest named.
-#[test]
-fn plan_sweeps_side_streams_and_names_the_fastest() {
+/// `erase-ctr plan ARGS`'s output; fails the test if the command does.
+fn plan_output(args: &[&str]) -> String {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_erase-ctr"))
-        .args(["plan", "--preset", "small", "--sweep-side-streams", "3"])
+        .arg("plan")
+        .args(args)
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         out.status.success(),
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    text
+}
+
+/// `plan --sweep-side-streams`: every count predicted, the fastest named.
+#[test]
+fn plan_sweeps_side_streams_and_names_the_fastest() {
+    let text = plan_output(&["--preset", "small", "--sweep-side-streams", "3"]);
     for k in 1..=3 {
         assert!(text.contains(&format!("  {k} side stream(s):")), "{text}");
     }
@@ -567,19 +574,7 @@ fn plan_sweeps_side_streams_and_names_the_fastest() {
 /// `plan --update-join`: the join before the updates only where asked for.
 #[test]
 fn plan_joins_before_the_updates_only_with_update_join_on() {
-    let run = |join: &str| -> String {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_erase-ctr"))
-            .args(["plan", "--preset", "small", "--full", "--update-join", join])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(
-            out.status.success(),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        text
-    };
+    let run = |join: &str| plan_output(&["--preset", "small", "--full", "--update-join", join]);
     let (on, off) = (run("on"), run("off"));
     assert!(on.contains("join: optim"), "{on}");
     assert!(!off.contains("join: "), "{off}");
@@ -596,17 +591,16 @@ fn plan_joins_before_the_updates_only_with_update_join_on() {
 #[test]
 fn plan_lists_launches_at_the_rates_of_its_prediction() {
     for rates in ["measured", "peak"] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_erase-ctr"))
-            .args(["plan", "--preset", "small", "--variant", "baseline"])
-            .args(["--kernels", "1000", "--rates", rates])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(
-            out.status.success(),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let text = plan_output(&[
+            "--preset",
+            "small",
+            "--variant",
+            "baseline",
+            "--kernels",
+            "1000",
+            "--rates",
+            rates,
+        ]);
         let number_before = |line: &str, unit: &str| -> f64 {
             let head = &line[..line.find(unit).unwrap()];
             head.split_whitespace().last().unwrap().parse().unwrap()

@@ -21,12 +21,12 @@ pub const H200_CONTENTION: [f64; 3] = [-0.036, -0.047, -0.015];
 /// The pipelined GEMM tiles on the H200 (`DeviceModel::gemm_k_step_s`): a CTA's k step
 /// of 64 takes 0.11 µs in a tile 64 wide and 0.208 µs in one 128 wide, and the epilogue
 /// moves the op's bytes at 2.04 TB/s, beside the 6 µs a launch of the measured rates.
-/// Fitted by least squares to the 73 launches of these kernels in the traced serial steps
-/// of the spec model and DCNv2 at batch 4096 (build 3fbcdc5, 2026-12-04;
-/// `runtime/tests/data/h200-gemm-launches.tsv`; BENCHMARKS.md, "The simulator against
-/// today's steps"): 10 % off a launch on average, where the rates by kind (250 TFLOP/s,
-/// 350 on bf16 copies) were 43 % off (0.6x to 2x). The traced times include the events'
-/// few µs a launch.
+/// Fitted by least squares to the launches of these kernels in the traced serial steps of
+/// the spec model and DCNv2 at batch 4096 (build 3fbcdc5, 2026-12-04; the 77 of
+/// `runtime/tests/data/h200-gemm-launches.tsv`, less the 4 with a rounding pass of their
+/// own; BENCHMARKS.md, "The simulator against today's steps"): 10.6 % off a launch on
+/// average, where the rates by kind (250 TFLOP/s, 350 on bf16 copies) were 43 % off
+/// (0.6x to 2x). The traced times include the events' few µs a launch.
 pub const H200_GEMM_K_STEP_S: [f64; 2] = [0.110e-6, 0.208e-6];
 /// See [`H200_GEMM_K_STEP_S`].
 pub const H200_GEMM_EPILOGUE_BW: f64 = 2.04e12;

@@ -438,20 +438,11 @@ impl Builder<'_> {
             .map(|&t| g.dtype(t))
             .find(|d| d.is_float())
             .unwrap_or(g.float_dtype());
-        let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
-        let outs: Vec<_> = n
-            .outputs
-            .iter()
-            .chain(&n.updates)
-            .map(|&t| g.shape(t))
-            .collect();
-        let in_dt: Vec<_> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
-        let out_dt: Vec<_> = n
-            .outputs
-            .iter()
-            .chain(&n.updates)
-            .map(|&t| g.dtype(t))
-            .collect();
+        let written: Vec<_> = n.outputs.iter().chain(&n.updates).copied().collect();
+        let (ins, in_dt): (Vec<_>, Vec<_>) =
+            n.inputs.iter().map(|&t| (g.shape(t), g.dtype(t))).unzip();
+        let (outs, out_dt): (Vec<_>, Vec<_>) =
+            written.iter().map(|&t| (g.shape(t), g.dtype(t))).unzip();
         let mut spec = launch_spec_typed(&n.op, &ins, &in_dt, &outs, &out_dt, dt);
         if let (Some(sp), Some(lib)) = (spec.clone(), self.cfg.kernels.as_ref()) {
             let at = launch_at(self.cfg.kind, stream, n.phase, step_examples(g));
