@@ -621,3 +621,61 @@ fn plan_lists_launches_at_the_rates_of_its_prediction() {
         );
     }
 }
+
+/// The critical path of a predicted step (`simulate::critical_path`): a chain of
+/// dependencies (each launch after the one before it on its stream, or after a launch
+/// whose event it waits for) from the step's start to its end, each starting as the one
+/// before ends, so that with no host time its launches cover the step exactly; and
+/// `plan` prints it.
+#[test]
+fn the_critical_path_runs_the_step_end_to_end() {
+    for variant in [Variant::Baseline, Variant::Erase] {
+        let (p, _, sim, _) = simulated(variant);
+        let path = erase::runtime::program::simulate::critical_path(&p.program, &sim);
+        assert!(!path.is_empty(), "{variant}");
+        let l = |i: usize| sim.launches[i];
+        assert!(
+            l(path[0]).start.abs() < 1e-12,
+            "{variant}: starts at the step's start"
+        );
+        let last = *path.last().unwrap();
+        assert!(
+            (l(last).end - sim.step_s).abs() < 1e-12,
+            "{variant}: ends at its end"
+        );
+        let recorder = p.program.recorders();
+        for w in path.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            let (la, lb) = (&p.program.launches[a], &p.program.launches[b]);
+            let same_stream = la.stream == lb.stream
+                && p.program.stream_queues()[la.stream.0 as usize]
+                    .windows(2)
+                    .any(|q| q == [a, b]);
+            let waited = lb.waits.iter().any(|x| recorder.get(&x.event) == Some(&a));
+            assert!(same_stream || waited, "{variant}: {b} does not follow {a}");
+            assert!(
+                (l(b).start - l(a).end).abs() < 1e-12,
+                "{variant}: a gap at {b}"
+            );
+        }
+        let covered: f64 = path.iter().map(|&i| l(i).end - l(i).start).sum();
+        assert!(
+            (covered - sim.step_s).abs() < 1e-9 * sim.step_s,
+            "{variant}"
+        );
+        if variant == Variant::Baseline {
+            // one stream: every launch of the serial step is on it
+            let kernels = p.program.launches.len();
+            assert_eq!(path.len(), kernels, "{variant}");
+        }
+    }
+    let text = plan_output(&["--preset", "small"]);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("critical path (erase): "))
+        .unwrap_or_else(|| panic!("no critical path:\n{text}"));
+    assert!(
+        line.contains(" launches, ") && line.ends_with(" µs"),
+        "{line}"
+    );
+}

@@ -178,6 +178,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
     let shown = Variant::from(a.variant);
     let mut rows = Vec::new();
     let mut erase_overlap = None;
+    let mut critical = None;
     let measured = match &a.measured {
         Some(path) => Some(
             crate::profile::load_measured(path)
@@ -209,6 +210,9 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             Some(w) => crate::runtime::program::simulate::simulate_with(&p.program, &sim, w),
         };
         let g = &p.model.graph;
+        if v == shown {
+            critical = Some((v, critical_path_text(&p.program, &r)));
+        }
         if v == shown {
             println!(
                 "== {v}: batch {}, {} side stream(s), occupancy {} ==",
@@ -634,6 +638,9 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             busy.join(", ")
         );
     }
+    if let Some((v, text)) = critical {
+        print!("critical path ({v}): {text}");
+    }
     if let Some(o) = erase_overlap {
         println!(
             "predicted overlap (erase): early backward {:.1} µs, of which {:.1} µs ({:.1} %) ran while forward work ran on another stream",
@@ -653,6 +660,51 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The predicted step's critical path (`simulate::critical_path`): its launches' time by
+/// stream and by block and phase, and its longest launches.
+fn critical_path_text(
+    prog: &crate::runtime::program::schedule::StepProgram,
+    r: &crate::runtime::program::simulate::SimResult,
+) -> String {
+    use std::collections::BTreeMap;
+    let path = crate::runtime::program::simulate::critical_path(prog, r);
+    let us = |i: usize| (r.launches[i].end - r.launches[i].start) * 1e6;
+    let total: f64 = path.iter().map(|&i| us(i)).sum();
+    let mut runs: Vec<(String, f64, usize)> = Vec::new();
+    for &i in &path {
+        let l = &prog.launches[i];
+        let key = format!("{} {}:{}", l.stream, l.label.phase, l.label.block);
+        match runs.last_mut() {
+            Some((k, t, c)) if *k == key => {
+                *t += us(i);
+                *c += 1;
+            }
+            _ => runs.push((key, us(i), 1)),
+        }
+    }
+    let mut by_op: BTreeMap<String, f64> = BTreeMap::new();
+    for &i in &path {
+        *by_op.entry(prog.launches[i].label.to_string()).or_default() += us(i);
+    }
+    let mut ops: Vec<(String, f64)> = by_op.into_iter().collect();
+    ops.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let runs: Vec<String> = runs
+        .iter()
+        .map(|(k, t, c)| format!("{k} {t:.1} µs ({c})"))
+        .collect();
+    let ops: Vec<String> = ops
+        .iter()
+        .take(5)
+        .map(|(k, t)| format!("{k} {t:.1} µs"))
+        .collect();
+    format!(
+        "{} launches, {total:.1} µs\n  in order: {}\n  most of it: {}\n",
+        path.len(),
+        runs.join(" -> "),
+        ops.join(", ")
+    )
 }
 
 /// `plan --dispatch`.

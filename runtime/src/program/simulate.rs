@@ -41,6 +41,51 @@ pub struct SimResult {
     pub busy_s: Vec<f64>,
 }
 
+/// The launches that bound the predicted step, in step order: from the launch that ends
+/// last, back through what each started after (the launch before it on its stream, or
+/// one whose event it waited for: the one of them that ended last), to a launch that
+/// started with the step or when the host issued it. With no host time a launch starts
+/// as the last of those ends, so the path's launches cover the step end to end.
+pub fn critical_path(p: &StepProgram, r: &SimResult) -> Vec<usize> {
+    let n = p.launches.len().min(r.launches.len());
+    let Some(mut i) = (0..n).max_by(|&a, &b| r.launches[a].end.total_cmp(&r.launches[b].end))
+    else {
+        return Vec::new();
+    };
+    let recorder = p.recorders();
+    let mut before = vec![None; n];
+    for q in p.stream_queues() {
+        for w in q.windows(2) {
+            if w[1] < n {
+                before[w[1]] = Some(w[0]);
+            }
+        }
+    }
+    let mut path = vec![i];
+    loop {
+        let after = before[i]
+            .into_iter()
+            .chain(
+                p.launches[i]
+                    .waits
+                    .iter()
+                    .filter_map(|w| recorder.get(&w.event).copied()),
+            )
+            .filter(|&j| j < n)
+            .max_by(|&a, &b| r.launches[a].end.total_cmp(&r.launches[b].end));
+        match after {
+            // (it started as that one ended, not later at the host's issue)
+            Some(j) if r.launches[j].end >= r.launches[i].start - 1e-12 => {
+                path.push(j);
+                i = j;
+            }
+            _ => break,
+        }
+    }
+    path.reverse();
+    path
+}
+
 /// Simulates one step of `p`, each launch taking the device model's time alone.
 pub fn simulate(p: &StepProgram, cfg: &SimConfig) -> SimResult {
     let work: Vec<f64> = p
