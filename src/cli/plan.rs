@@ -675,7 +675,11 @@ fn critical_path_text(
     let mut runs: Vec<(String, f64, usize)> = Vec::new();
     for &i in &path {
         let l = &prog.launches[i];
-        let key = format!("{} {}:{}", l.stream, l.label.phase, l.label.block);
+        let key = if l.label.phase == "optim" {
+            format!("{} optim", l.stream)
+        } else {
+            format!("{} {}:{}", l.stream, l.label.phase, l.label.block)
+        };
         match runs.last_mut() {
             Some((k, t, c)) if *k == key => {
                 *t += us(i);
