@@ -304,6 +304,31 @@ fn one_config_file_serves_every_subcommand_and_type_errors_name_file_table_and_k
     ]));
     assert!(out.contains("step 2, NE"), "{out}");
 
+    // [data] is shared though `data` is also a subcommand: train takes its keys
+    let cache = dir.join("cache");
+    let with_data = write(
+        &dir,
+        "data.toml",
+        &format!(
+            "[model]\nbatch = 64\n[train]\nsteps = 2\neval_every = 0\n[data]\ndata = \"criteo:{}\"\ncache_dir = \"{}\"\n",
+            fixture("criteo_floats.tsv"),
+            cache.display()
+        ),
+    );
+    let out = ok(&run(&["train", "--device", "cpu", "--config", &with_data]));
+    assert!(
+        out.contains("criteo_floats.tsv"),
+        "[data] data not used:\n{out}"
+    );
+    assert!(cache.is_dir(), "[data] cache_dir not used:\n{out}");
+    // one config file a command
+    fails_with(
+        &run(&[
+            "train", "--device", "cpu", "--config", &cfg, "--config", &with_data,
+        ]),
+        &["--config is given 2 times"],
+    );
+
     for (body, parts) in [
         (
             "[train]\nsteps = -20\n",

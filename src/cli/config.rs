@@ -84,6 +84,20 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
         .iter()
         .position(|a| a == "--config" || a.starts_with("--config="));
     let Some(pos) = pos else { return Ok(args) };
+    // a bare `--config` takes the next argument as its file
+    let (mut given, mut i) = (0, pos);
+    while i < strs.len() {
+        if strs[i] == "--config" {
+            given += 1;
+            i += 1;
+        } else if strs[i].starts_with("--config=") {
+            given += 1;
+        }
+        i += 1;
+    }
+    if given > 1 {
+        bail!("--config is given {given} times; a command reads one config file (merge them)");
+    }
     let path = match strs[pos].strip_prefix("--config=") {
         Some(p) => p.to_string(),
         None => strs
@@ -100,9 +114,11 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
     let this = cli
         .find_subcommand(&sub)
         .ok_or_else(|| anyhow::anyhow!("--config must follow a subcommand"))?;
+    // the subcommands' own tables (`data` is a subcommand too, but its table is shared)
     let names: Vec<String> = cli
         .get_subcommands()
         .map(|c| c.get_name().to_string())
+        .filter(|n| !SHARED.contains(&n.as_str()))
         .collect();
     let mut extra: Vec<OsString> = Vec::new();
     for (section, body) in &table {
@@ -110,9 +126,10 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
             bail!("{path}: `{section}` must be a table such as [train]");
         };
         let shared = SHARED.contains(&section.as_str());
+        // a shared table is shared even where a subcommand has its name (`data`)
         let owner = match cli.find_subcommand(section) {
+            _ if shared => None,
             Some(c) => Some(c),
-            None if shared => None,
             None => bail!(
                 "{path}: [{section}] is not a table of erase-ctr's config (tables: [model], [data], {})",
                 names

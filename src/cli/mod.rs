@@ -182,9 +182,10 @@ impl From<VariantArg> for Variant {
 
 #[derive(Args, Clone)]
 struct ModelArgs {
-    /// A TOML file of settings: keys of its [model], [train], [bench], [plan] and [data]
-    /// tables are this command's flags (e.g. `steps = 500`); flags given on the command
-    /// line win. `[data.schema]` describes the columns of `--data tsv:PATH`.
+    /// A TOML file of settings: the keys of its [model] and [data] tables are flags of
+    /// every command that has them, those of [train], [eval], [bench] and [plan] flags of
+    /// that command alone (e.g. `[train] steps = 500`); flags given on the command line
+    /// win. `[data.schema]` describes the columns of `--data tsv:PATH`.
     #[arg(long, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
     /// The model: `spec` (the spec's six-block CTR model), `dlrm`, `dcnv2` (MLPerf's
