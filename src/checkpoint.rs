@@ -387,6 +387,9 @@ pub fn load(
         .map_err(|e| anyhow!("{}: {e}", path.display()))?;
     let hint = || -> String {
         let mut h = Vec::new();
+        if let Some(model) = state.get("model.model") {
+            h.push(format!("--model {}", model.trim_matches('"')));
+        }
         if let Some(variant) = state.get("variant") {
             h.push(format!("--variant {variant}"));
         }

@@ -150,6 +150,84 @@ fn real_layouts_train_and_learn() {
     );
 }
 
+/// `eval` takes the model a checkpoint records and refuses one that computes otherwise
+/// (the same parameters pooled another way), naming the setting.
+#[test]
+fn eval_takes_the_recorded_model_and_refuses_another() {
+    let dir = tmpdir("eval-model");
+    let ck = dir.join("dlrm.st");
+    let ckp = ck.to_str().unwrap();
+    ok(&run(&[
+        "train",
+        "--device",
+        "cpu",
+        "--model",
+        "dlrm",
+        "--batch",
+        "64",
+        "--rows",
+        "500",
+        "--steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--checkpoint",
+        ckp,
+    ]));
+    let out = ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        ckp,
+        "--eval-examples",
+        "128",
+    ]));
+    assert!(out.contains("step 2, NE"), "{out}");
+
+    // sum-pooled genres in training, mean-pooled in eval
+    let sum = write(
+        &dir,
+        "sum.toml",
+        &format!("[model]\nbatch = 64\nrows = 2000\n{MULTIHOT_SCHEMA}"),
+    );
+    let mean = format!("{}/configs/multihot.toml", env!("CARGO_MANIFEST_DIR"));
+    let data = format!("tsv:{}", fixture("multihot_sample.tsv"));
+    let ck = dir.join("multi.st");
+    let ckp = ck.to_str().unwrap();
+    ok(&train(&[
+        "--config",
+        &sum,
+        "--data",
+        &data,
+        "--steps",
+        "2",
+        "--checkpoint",
+        ckp,
+    ]));
+    let eval = |cfg: &str| {
+        run(&[
+            "eval",
+            "--device",
+            "cpu",
+            "--config",
+            cfg,
+            "--data",
+            &data,
+            "--checkpoint",
+            ckp,
+        ])
+    };
+    ok(&eval(&sum));
+    fails_with(
+        &eval(&mean),
+        &[
+            "multi.st was trained with another model",
+            "model.mean_fields",
+        ],
+    );
+}
+
 #[test]
 fn float_integers_with_a_fraction_nan_or_inf_are_errors_naming_file_and_line() {
     let dir = tmpdir("floats");

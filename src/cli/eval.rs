@@ -56,6 +56,12 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
     let recorded_size = |key: &str| recorded.get(key).and_then(|v| v.parse::<usize>().ok());
     m.batch = m.batch.or_else(|| recorded_size("model.batch"));
     m.rows = m.rows.or_else(|| recorded_size("model.rows"));
+    // the model it records (`"dlrm"`), where none is given
+    m.model = m.model.or_else(|| {
+        recorded
+            .get("model.model")
+            .map(|v| v.trim_matches('"').to_string())
+    });
     // per-field table sizes as recorded (`[3, 1000, ..]`), where none are given
     if m.table_rows.is_none() {
         m.table_rows = recorded
@@ -71,6 +77,7 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
         a.cache_dir.as_deref(),
         a.threads,
     )?;
+    check_same_model(&a.checkpoint, &recorded.identity, &model)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -98,5 +105,61 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
         e.auc,
         e.examples
     );
+    Ok(())
+}
+
+/// The model's settings that change what a checkpoint's parameters compute; the batch,
+/// the variant (its own flag), the bag slots (the held-out data's longest lists) and the
+/// auxiliary losses' weight may differ between training and evaluation.
+const SAME_MODEL: [&str; 17] = [
+    "model.model",
+    "model.num_dense",
+    "model.num_sparse",
+    "model.rows",
+    "model.table_rows",
+    "model.mean_fields",
+    "model.dim",
+    "model.bottom",
+    "model.interaction",
+    "model.cross_rank",
+    "model.cross_layers",
+    "model.autoint_layers",
+    "model.heads",
+    "model.head_dim",
+    "model.deep",
+    "model.masknet_hidden",
+    "model.top",
+];
+
+/// Refuses to evaluate a checkpoint with a model other than the one it was trained as
+/// (another pooling of a field computes other values from the same parameters), naming
+/// each setting that differs. A checkpoint that records none of them is not checked.
+fn check_same_model(
+    path: &std::path::Path,
+    recorded: &[(String, String)],
+    model: &crate::model::ctr::CtrConfig,
+) -> Result<()> {
+    let keep = |v: &[(String, String)]| -> Vec<(String, String)> {
+        v.iter()
+            .filter(|(k, _)| SAME_MODEL.contains(&k.as_str()))
+            .cloned()
+            .collect()
+    };
+    let was = keep(recorded);
+    if was.is_empty() {
+        return Ok(());
+    }
+    let now = keep(&crate::checkpoint::flatten_debug(
+        "model",
+        &format!("{model:?}"),
+    ));
+    let diff = crate::checkpoint::identity_diff(&was, &now);
+    if !diff.is_empty() {
+        anyhow::bail!(
+            "{} was trained with another model than this command builds; pass the flags and config it was trained with:\n  {}",
+            path.display(),
+            diff.join("\n  ")
+        );
+    }
     Ok(())
 }
