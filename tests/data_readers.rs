@@ -431,6 +431,7 @@ fn tsv_recbole_header_crlf_and_time_split() {
         categorical: vec!["0".into(), "1".into()],
         time: None,
         eval_fraction: 0.1,
+        max_list: 1024,
         list_separator: None,
         mean: vec![],
     };
@@ -662,6 +663,7 @@ fn cache_is_invalidated_by_changed_sources() {
         categorical: vec!["14".into()],
         time: None,
         eval_fraction: 0.1,
+        max_list: 1024,
         list_separator: None,
         mean: vec![],
     };
@@ -718,6 +720,7 @@ fn movielens_1m_when_present() {
         categorical: vec!["user_id".into(), "item_id".into()],
         time: None,
         eval_fraction: 0.1,
+        max_list: 1024,
         list_separator: None,
         mean: vec![],
     };
@@ -850,5 +853,46 @@ fn data_streamed_into_the_cache_equals_data_parsed_in_memory_and_splits_as_views
         // and a second load maps the same file again
         let (again, _, r3) = load(src, &opts).unwrap();
         assert!(r3.from_cache && again.digest() == mem.digest());
+    }
+}
+
+/// A list longer than the schema's `max_list` makes its line malformed (it would size every
+/// example's bag): skipped and counted, or with `strict` an error naming file and line.
+#[test]
+fn a_list_longer_than_max_list_is_a_malformed_line() {
+    let schema = |max: usize| {
+        TsvSchema::from_toml(&format!(
+            "label = \"label\"\ndense = [\"price\"]\ncategorical = [\"user\", \"item\", \"genres\"]\nlist_separator = \"|\"\nmax_list = {max}\n"
+        ))
+        .unwrap()
+    };
+    let src = |max: usize| DataSource::Tsv {
+        path: fixture("tests/data/multihot_sample.tsv"),
+        schema: schema(max),
+    };
+    let (all, _, r) = load_plain(&src(1024));
+    assert_eq!(r.malformed, 0, "{r}");
+    let longest = all.max_bag_lens()[2];
+    assert!(longest > 2, "the sample's longest genres list: {longest}");
+    let (some, _, r) = load_plain(&src(longest - 1));
+    assert!(r.malformed > 0 && some.len() < all.len(), "{r}");
+    assert!(some.max_bag_lens()[2] < longest);
+    assert!(
+        r.first_errors[0].contains("more than max_list"),
+        "{:?}",
+        r.first_errors
+    );
+    let strict = LoadOptions {
+        strict: true,
+        ..Default::default()
+    };
+    let e = err_text(load(&src(longest - 1), &strict));
+    assert!(
+        e.contains("multihot_sample.tsv:") && e.contains("'genres' holds"),
+        "{e}"
+    );
+    match TsvSchema::from_toml("label = \"l\"\nmax_list = 0\n") {
+        Ok(_) => panic!("max_list = 0 accepted"),
+        Err(e) => assert!(e.to_string().contains("max_list"), "{e}"),
     }
 }

@@ -228,6 +228,45 @@ fn eval_takes_the_recorded_model_and_refuses_another() {
     );
 }
 
+/// Without a time column, the schema's eval_fraction holds out the last lines read; an
+/// eval_fraction outside (0, 1) is an error whether or not there is a time column.
+#[test]
+fn eval_fraction_splits_data_without_time_and_is_checked() {
+    let dir = tmpdir("eval-fraction");
+    let data = format!("tsv:{}", fixture("multihot_sample.tsv"));
+    let half = write(
+        &dir,
+        "half.toml",
+        &format!("[model]\nbatch = 64\n{MULTIHOT_SCHEMA}eval_fraction = 0.5\n"),
+    );
+    let out = ok(&train(&[
+        "--config", &half, "--data", &data, "--steps", "1",
+    ]));
+    let split = out
+        .lines()
+        .find_map(|l| l.strip_prefix("data: "))
+        .unwrap_or_else(|| panic!("no split line:\n{out}"));
+    let n: Vec<f64> = split
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert!(
+        n.len() >= 2 && (n[0] - n[1]).abs() <= 1.0,
+        "not half and half: {split}"
+    );
+    for bad in ["1.5", "0"] {
+        let cfg = write(
+            &dir,
+            "bad.toml",
+            &format!("[model]\nbatch = 64\n{MULTIHOT_SCHEMA}eval_fraction = {bad}\n"),
+        );
+        fails_with(
+            &train(&["--config", &cfg, "--data", &data, "--steps", "1"]),
+            &["eval_fraction", "strictly between 0 and 1"],
+        );
+    }
+}
+
 #[test]
 fn float_integers_with_a_fraction_nan_or_inf_are_errors_naming_file_and_line() {
     let dir = tmpdir("floats");

@@ -577,10 +577,15 @@ fn model_and_data(
     let (train, eval) = match eval {
         Some(e) => (std::sync::Arc::new(train), std::sync::Arc::new(e)),
         None => {
-            // no split in the source: hold out the last tenth
-            let (tr, ev) = train
-                .split_tail(0.1)
-                .context("holding out a tenth for evaluation")?;
+            // no split in the source: hold out the last lines read (a tenth, or the
+            // schema's eval_fraction)
+            let fraction = match &src {
+                crate::data::DataSource::Tsv { schema, .. } => schema.eval_fraction,
+                crate::data::DataSource::Criteo { .. } => 0.1,
+            };
+            let (tr, ev) = train.split_tail(fraction).with_context(|| {
+                format!("holding out {fraction} of the examples for evaluation")
+            })?;
             (std::sync::Arc::new(tr), std::sync::Arc::new(ev))
         }
     };

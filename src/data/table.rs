@@ -67,6 +67,7 @@ impl DataSource {
 /// eval_fraction = 0.1
 /// list_separator = "|"        # optional: a categorical field holds a list ("12|7|99")
 /// mean = ["genres"]           # optional: these lists are mean-pooled (default: sum)
+/// max_list = 1024             # optional: a longer list makes its line malformed
 /// ```
 ///
 /// A column is found by its header name, where a RecBole-style `name:type` header also
@@ -99,8 +100,13 @@ pub struct TsvSchema {
     /// Categorical columns pooled by the mean of their bag instead of the sum.
     #[serde(default, deserialize_with = "names_or_indices")]
     pub mean: Vec<String>,
-    /// Share of examples, latest by `time`, held out for evaluation (default 0.1; used
-    /// only with `time`).
+    /// The most ids one field's list may hold (default 1024): every example's bag of a
+    /// field gets as many slots as the longest list of the data, so one runaway line
+    /// would size them all; a longer list makes its line malformed.
+    #[serde(default = "default_max_list")]
+    pub max_list: usize,
+    /// Share of examples held out for evaluation (default 0.1): the latest by `time`, or
+    /// without it the last lines read.
     #[serde(default = "default_eval_fraction")]
     pub eval_fraction: f64,
 }
@@ -113,6 +119,9 @@ fn default_true() -> bool {
 }
 fn default_eval_fraction() -> f64 {
     0.1
+}
+fn default_max_list() -> usize {
+    1024
 }
 
 #[derive(Deserialize)]
@@ -183,7 +192,10 @@ impl TsvSchema {
                 bail!("schema: label_threshold {t} is not finite");
             }
         }
-        if self.time.is_some() && !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {
+        if self.max_list == 0 {
+            bail!("schema: max_list must be at least 1");
+        }
+        if !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {
             bail!(
                 "schema: eval_fraction {} must lie strictly between 0 and 1",
                 self.eval_fraction

@@ -231,6 +231,12 @@ impl LineParser for TsvParser {
                     }
                 }
                 let n = row.multi.len() - before;
+                if n > s.max_list {
+                    return Err(format!(
+                        "'{}' holds {n} ids, more than max_list = {} ([data.schema] max_list)",
+                        s.categorical[k], s.max_list
+                    ));
+                }
                 row.lens.push(n as u32);
                 row.missing[k] = n == 0;
             }
