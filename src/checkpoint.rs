@@ -113,15 +113,36 @@ pub fn flatten_debug(prefix: &str, text: &str) -> Vec<(String, String)> {
     out
 }
 
-/// Checks, before a run spends its steps, that a checkpoint can be written at `path`:
-/// not a folder, in a folder that exists and takes new files.
-pub fn check_writable(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        bail!(
+/// The file a checkpoint at `path` replaces: `path`, or the file a link there names (the
+/// link is kept). Refuses a folder and what is not a regular file (a device, a pipe, a
+/// socket), which a checkpoint would replace.
+fn target_file(path: &Path) -> Result<std::path::PathBuf> {
+    let real = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path).with_context(|| {
+            format!(
+                "checkpoint {}: a link to nothing that exists",
+                path.display()
+            )
+        })?,
+        _ => path.to_path_buf(),
+    };
+    match std::fs::metadata(&real) {
+        Ok(m) if m.is_dir() => bail!(
             "checkpoint {} is a folder; give a file name",
             path.display()
-        );
+        ),
+        Ok(m) if !m.is_file() => bail!(
+            "checkpoint {} is not a regular file (a device, a pipe or a socket), which a checkpoint would replace; give a file name",
+            path.display()
+        ),
+        _ => Ok(real),
     }
+}
+
+/// Checks, before a run spends its steps, that a checkpoint can be written at `path`:
+/// a regular file or none, in a folder that exists and takes new files.
+pub fn check_writable(path: &Path) -> Result<()> {
+    let path = &target_file(path)?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -254,6 +275,9 @@ pub fn save(
     info.insert("erase".to_string(), meta.to_string());
     let bytes = safetensors::serialize(views, Some(info))
         .map_err(|e| anyhow!("serialising the checkpoint: {e}"))?;
+    let shown = path;
+    let path =
+        &target_file(path).with_context(|| format!("writing checkpoint {}", shown.display()))?;
 
     let dir = path
         .parent()
@@ -282,7 +306,7 @@ pub fn save(
     if r.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    r.with_context(|| format!("writing checkpoint {}", path.display()))
+    r.with_context(|| format!("writing checkpoint {}", shown.display()))
 }
 
 /// The metadata of a checkpoint file and its bytes, checked to be an Erase checkpoint.

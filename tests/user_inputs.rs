@@ -570,6 +570,27 @@ fn bad_targets_fail_before_training_and_stale_temp_files_are_removed() {
     assert!(!stale.exists(), "the stale temporary file is still there");
     assert!(live.exists(), "a live process's temporary file was removed");
 
+    // what is not a regular file is refused (a socket here; a device alike), not replaced
+    let socket = dir.join("s.st");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let o = train(&["--steps", "1", "--checkpoint", socket.to_str().unwrap()]);
+    fails_with(&o, &["is not a regular file"]);
+    let kind = std::fs::symlink_metadata(&socket).unwrap().file_type();
+    assert!(std::os::unix::fs::FileTypeExt::is_socket(&kind));
+    // a link is kept: the file it names is replaced
+    let link = dir.join("latest.st");
+    std::os::unix::fs::symlink(dir.join("k.st"), &link).unwrap();
+    ok(&train(&[
+        "--steps",
+        "1",
+        "--checkpoint",
+        link.to_str().unwrap(),
+    ]));
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+
     // a metrics file that cannot be written is an error, not silence
     if Path::new("/dev/full").exists() {
         let o = train(&["--steps", "2", "--metrics", "/dev/full"]);
