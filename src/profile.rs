@@ -237,6 +237,9 @@ pub fn load_measured(path: &std::path::Path) -> anyhow::Result<BTreeMap<String, 
         let launch = args.and_then(|a| a.get("launch")).and_then(|k| k.as_str());
         let dur = e.get("dur").and_then(|d| d.as_f64());
         if let (Some(node), Some("kernel"), Some(dur)) = (node, kind, dur) {
+            if !(dur.is_finite() && dur >= 0.0) {
+                anyhow::bail!("kernel '{node}' lasts {dur} µs: a duration must be a finite number, at least 0");
+            }
             let x = sum.entry(measured_key(node, launch)).or_default();
             x.0 += dur;
             x.1 += 1;

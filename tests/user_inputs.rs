@@ -267,6 +267,72 @@ fn eval_fraction_splits_data_without_time_and_is_checked() {
     }
 }
 
+/// Output paths and counts are checked before a command does its work, and settings
+/// that contradict each other are errors, not silently resolved.
+#[test]
+fn outputs_and_contradictions_are_refused_before_the_work() {
+    let dir = tmpdir("outputs");
+    let nowhere = dir.join("no/such/folder/x.json");
+    let nowhere = nowhere.to_str().unwrap();
+    let o = run(&[
+        "bench", "--device", "cpu", "--steps", "1", "--json", nowhere,
+    ]);
+    fails_with(&o, &["--json", "does not exist"]);
+    assert!(
+        !text(&o).contains("p90"),
+        "it benchmarked first:\n{}",
+        text(&o)
+    );
+    fails_with(
+        &run(&["plan", "--trace", nowhere]),
+        &["--trace", "does not exist"],
+    );
+    let jpg = dir.join("t.jpg");
+    fails_with(
+        &run(&["plan", "--timeline", jpg.to_str().unwrap()]),
+        &["--timeline", ".svg or .png"],
+    );
+    fails_with(&run(&["plan", "--gpus", "0"]), &["--gpus", "at least 1"]);
+    fails_with(
+        &run(&["plan", "--sweep-side-streams", "1000"]),
+        &["--sweep-side-streams", "at most"],
+    );
+    fails_with(
+        &run(&["train", "--device", "cpu", "--cpu-ranks", "0"]),
+        &["--cpu-ranks", "at least 1"],
+    );
+    let criteo = format!("criteo:{}", fixture("criteo_floats.tsv"));
+    fails_with(
+        &run(&["data", "--write-criteo", nowhere, "--data", &criteo]),
+        &["--write-criteo", "drop --data"],
+    );
+    fails_with(
+        &run(&["data", "--data", &criteo, "--json", nowhere]),
+        &["--json", "does not exist"],
+    );
+    fails_with(
+        &train(&[
+            "--data",
+            &criteo,
+            "--table-rows",
+            "C1=5,C1=7",
+            "--steps",
+            "1",
+        ]),
+        &["'C1' is given twice"],
+    );
+    // a measured trace with a negative kernel time
+    let bad = write(
+        &dir,
+        "trace.json",
+        r#"{"traceEvents": [{"ph": "X", "name": "k", "ts": 0, "dur": -5, "args": {"node": "top/linear0", "kind": "kernel"}}]}"#,
+    );
+    fails_with(
+        &run(&["plan", "--measured", &bad]),
+        &["top/linear0", "at least 0"],
+    );
+}
+
 #[test]
 fn float_integers_with_a_fraction_nan_or_inf_are_errors_naming_file_and_line() {
     let dir = tmpdir("floats");

@@ -53,6 +53,12 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
     if a.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    if let Some(p) = &a.json {
+        super::check_output("--json", p)?;
+    }
+    if let Some(dir) = &a.trace_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("--trace-dir {}", dir.display()))?;
+    }
     let model = a.model.config(Variant::Erase)?;
     let dev = open(a.device, &a.model)?;
     let threads = a

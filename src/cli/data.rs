@@ -55,7 +55,13 @@ fn schema_of(config: Option<&std::path::Path>) -> Result<Option<TsvSchema>> {
 }
 
 pub(super) fn run(a: &DataArgs) -> Result<()> {
+    if let Some(p) = &a.json {
+        super::check_output("--json", p)?;
+    }
     if let Some(path) = &a.write_criteo {
+        if a.data.is_some() {
+            bail!("--write-criteo writes synthetic data and reads none; drop --data (or run `data --data` on its own)");
+        }
         return write_criteo(path, a.lines, a.seed);
     }
     let data = a.data.as_deref().unwrap_or_default();

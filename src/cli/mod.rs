@@ -31,6 +31,26 @@ use train::TrainArgs;
 /// model six), and each stream costs the plan's printout and events.
 const MAX_SIDE_STREAMS: usize = 32;
 
+/// Checks, before a command does its work, that the file `flag` names can be written:
+/// not a folder, in a folder that exists.
+pub(super) fn check_output(flag: &str, path: &std::path::Path) -> Result<()> {
+    if path.is_dir() {
+        bail!("{flag} {} is a folder; give a file name", path.display());
+    }
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if !dir.is_dir() {
+        bail!(
+            "{flag} {}: the folder {} does not exist",
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 /// A count flag that must be at least 1 (`--threads 0` is a mistake, not "none").
 fn at_least_one(s: &str) -> std::result::Result<usize, String> {
     match s.parse::<usize>() {
@@ -40,7 +60,6 @@ fn at_least_one(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
-/// `--side-streams`: 1 to [`MAX_SIDE_STREAMS`].
 /// A positive, finite number of GB (`--rank-memory`), in bytes.
 pub(super) fn gigabytes(v: &str) -> Result<u64, String> {
     match v.parse::<f64>() {
@@ -68,6 +87,7 @@ fn contention_costs(v: &str) -> Result<[f64; 3], String> {
     Ok(out)
 }
 
+/// `--side-streams`: 1 to [`MAX_SIDE_STREAMS`].
 fn side_stream_count(s: &str) -> std::result::Result<usize, String> {
     let n = at_least_one(s)?;
     if n > MAX_SIDE_STREAMS {
@@ -332,6 +352,7 @@ fn table_rows(
         return Ok(sizes);
     }
     let mut sizes = vec![rows; names.len()];
+    let mut given = vec![false; names.len()];
     for p in parts {
         let Some((name, n)) = p.split_once('=') else {
             bail!("--table-rows: '{p}' is not NAME=ROWS (a list cannot mix both forms)");
@@ -343,6 +364,9 @@ fn table_rows(
                 names.join(", ")
             )
         })?;
+        if std::mem::replace(&mut given[j], true) {
+            bail!("--table-rows: '{name}' is given twice");
+        }
         sizes[j] = at_least_one(n).map_err(|e| anyhow::anyhow!("--table-rows: {name}={n}: {e}"))?;
     }
     Ok(sizes)

@@ -47,7 +47,7 @@ pub(crate) struct PlanArgs {
     kernels: Option<usize>,
     /// Also predict data-parallel steps on this many GPUs (NVLink, ring collectives),
     /// with each block's gradients all-reduced early and with one all-reduce at the end.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = super::at_least_one)]
     gpus: Option<usize>,
     /// With --gpus: where the embedding tables would live (`auto`: by size, the ranks'
     /// memory and the communication; `replicated`, `table` or `row` to force one), as
@@ -67,7 +67,7 @@ pub(crate) struct PlanArgs {
     measured: Option<std::path::PathBuf>,
     /// Also predict the `erase` step for every side-stream count from 1 to N (with the
     /// occupancy rule as set) and name the fastest: how the simulator chooses the pool.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = super::side_stream_count)]
     sweep_side_streams: Option<usize>,
 }
 
@@ -163,6 +163,19 @@ fn data_parallel_inputs(
 }
 
 pub(super) fn run(a: &PlanArgs) -> Result<()> {
+    if let Some(p) = a.timeline.as_deref().filter(|p| p.as_os_str() != "-") {
+        super::check_output("--timeline", p)?;
+        let ext = p.extension().and_then(|e| e.to_str()).unwrap_or_default();
+        if !matches!(ext.to_ascii_lowercase().as_str(), "svg" | "png") {
+            bail!(
+                "--timeline {}: a picture is written as .svg or .png (or `-` prints it as text)",
+                p.display()
+            );
+        }
+    }
+    if let Some(p) = &a.trace {
+        super::check_output("--trace", p)?;
+    }
     let mut dp: Vec<(Variant, DpInputs)> = Vec::new();
     let sched = a.model.schedule();
     let sim = SimConfig {

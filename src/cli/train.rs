@@ -96,7 +96,7 @@ pub(crate) struct TrainArgs {
     /// split evenly (rank k takes examples i with i mod N = k of each); gradients are
     /// all-reduced and the replicas stay bit-identical. Any --data; --checkpoint (rank 0
     /// writes the common replica) and --resume, on any rank count.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = super::at_least_one)]
     cpu_ranks: Option<usize>,
     /// Data parallelism over N worker processes on this host, one per GPU (NCCL); with
     /// --device cpu each worker is a CPU rank and the collectives go over TCP on
