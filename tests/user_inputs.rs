@@ -526,6 +526,15 @@ fn one_config_file_serves_every_subcommand_and_type_errors_name_file_table_and_k
             &["[model] bogus is not a setting"][..],
         ),
         ("[trian]\nsteps = 1\n", &["[trian] is not a table"][..]),
+        // values that pass the flag's parser but not the command: the key is named too
+        (
+            "[model]\nmodel = \"nosuch\"\n",
+            &["unknown model 'nosuch'", "(--model is ", "[model] model)"][..],
+        ),
+        (
+            "[model]\nbatch = 0\n",
+            &["batch must be at least 1", "(--batch is ", "[model] batch)"][..],
+        ),
     ] {
         let p = write(&dir, "bad.toml", body);
         let o = run(&["train", "--device", "cpu", "--config", &p]);

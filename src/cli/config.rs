@@ -73,9 +73,42 @@ fn flag_args(arg: &Arg, flag: &str, value: &toml::Value, at: &str) -> Result<Vec
     Ok(vec![format!("--{flag}={text}").into()])
 }
 
+/// The command line with a config file's settings in it, and where each came from.
+pub(super) struct Expanded {
+    pub args: Vec<OsString>,
+    /// `(flag, "FILE: [table] key")` for each setting the config gave and the command
+    /// line did not.
+    pub from_config: Vec<(String, String)>,
+}
+
+impl Expanded {
+    /// `message` with a line naming the config key of each flag it names that came from
+    /// the config file, so an error about `--batch` points at `[model] batch`.
+    pub fn annotate(&self, message: String) -> String {
+        let mut out = message;
+        let mut notes = Vec::new();
+        for (flag, at) in &self.from_config {
+            let named = out.match_indices(&format!("--{flag}")).any(|(i, m)| {
+                !out[i + m.len()..]
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == '-')
+            });
+            if named {
+                notes.push(format!("  (--{flag} is {at})"));
+            }
+        }
+        for n in notes {
+            out.push('\n');
+            out.push_str(&n);
+        }
+        out
+    }
+}
+
 /// `args` (the program name first) with the settings of the `--config FILE` they name
 /// inserted after the subcommand, so that flags given on the command line win.
-pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
+pub(super) fn expand_config(args: Vec<OsString>) -> Result<Expanded> {
     let strs: Vec<String> = args
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
@@ -83,7 +116,12 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
     let pos = strs
         .iter()
         .position(|a| a == "--config" || a.starts_with("--config="));
-    let Some(pos) = pos else { return Ok(args) };
+    let Some(pos) = pos else {
+        return Ok(Expanded {
+            args,
+            from_config: Vec::new(),
+        });
+    };
     // a bare `--config` takes the next argument as its file
     let (mut given, mut i) = (0, pos);
     while i < strs.len() {
@@ -121,6 +159,13 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
         .filter(|n| !SHARED.contains(&n.as_str()))
         .collect();
     let mut extra: Vec<OsString> = Vec::new();
+    let mut from_config: Vec<(String, String)> = Vec::new();
+    // a flag the command line gives wins over the config's
+    let on_command_line = |flag: &str| {
+        let long = format!("--{flag}");
+        strs.iter()
+            .any(|a| *a == long || a.starts_with(&format!("{long}=")))
+    };
     for (section, body) in &table {
         let Some(body) = body.as_table() else {
             bail!("{path}: `{section}` must be a table such as [train]");
@@ -154,12 +199,20 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
                     let args = flag_args(arg, &flag, value, &at)?;
                     if cmd.get_name() == this.get_name() {
                         extra.extend(args);
+                        if !on_command_line(&flag) {
+                            from_config.push((flag.clone(), at.clone()));
+                        }
                     }
                 }
                 // a shared table: a flag of this subcommand is used, one of another
                 // subcommand is left to it, anything else is a mistake
                 None => match flag_of(this, &flag) {
-                    Some(arg) => extra.extend(flag_args(arg, &flag, value, &at)?),
+                    Some(arg) => {
+                        extra.extend(flag_args(arg, &flag, value, &at)?);
+                        if !on_command_line(&flag) {
+                            from_config.push((flag.clone(), at.clone()));
+                        }
+                    }
                     None => {
                         let other = cli
                             .get_subcommands()
@@ -180,5 +233,8 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Vec<OsString>> {
     let mut out: Vec<OsString> = args[..2.min(args.len())].to_vec();
     out.extend(extra);
     out.extend(args.into_iter().skip(2));
-    Ok(out)
+    Ok(Expanded {
+        args: out,
+        from_config,
+    })
 }

@@ -798,7 +798,7 @@ pub fn main_with(model: std::sync::Arc<dyn crate::model::api::Model>) -> ExitCod
 /// The `erase-ctr` program: parses the command line (after `--config` expansion) and
 /// runs the subcommand; errors are printed, and make the exit code 1.
 pub fn main() -> ExitCode {
-    let args = match config::expand_config(std::env::args_os().collect()) {
+    let expanded = match config::expand_config(std::env::args_os().collect()) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("erase-ctr: error: {e:#}");
@@ -806,11 +806,11 @@ pub fn main() -> ExitCode {
         }
     };
     // clap prints --help, --version and usage errors itself (and exits)
-    let cli = Cli::parse_from(args);
+    let cli = Cli::parse_from(expanded.args.clone());
     match dispatch(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("erase-ctr: error: {e:#}");
+            eprintln!("erase-ctr: error: {}", expanded.annotate(format!("{e:#}")));
             ExitCode::FAILURE
         }
     }
@@ -819,9 +819,9 @@ pub fn main() -> ExitCode {
 /// The program on `args` (the program name first), as a value: what [`main`] does, with
 /// usage errors returned instead of printed (for tests and embedding).
 pub fn run(args: Vec<std::ffi::OsString>) -> Result<()> {
-    let args = config::expand_config(args)?;
-    let cli = Cli::try_parse_from(args).map_err(|e| anyhow::anyhow!("{e}"))?;
-    dispatch(&cli)
+    let expanded = config::expand_config(args)?;
+    let cli = Cli::try_parse_from(expanded.args.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    dispatch(&cli).map_err(|e| anyhow::anyhow!("{}", expanded.annotate(format!("{e:#}"))))
 }
 
 fn dispatch(cli: &Cli) -> Result<()> {

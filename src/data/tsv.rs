@@ -1,6 +1,6 @@
 //! A user-described separated-values log (see [`TsvSchema`]).
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use super::table::{dense_transform, hash_category, show, LineParser, Row, TsvSchema};
 
@@ -36,7 +36,8 @@ impl TsvParser {
             schema,
         };
         if !p.schema.header {
-            p.resolve(&[])?;
+            p.resolve(&[])
+                .context("[data.schema] with header = false")?;
         }
         Ok(p)
     }
