@@ -191,6 +191,20 @@ fn empty_and_missing_files_are_clear_errors() {
     ));
     assert!(msg.starts_with(&format!("no examples in {}", bad.display())));
     assert!(msg.contains("1 malformed"), "{msg}");
+    // Mostly malformed lines (another format): an error, not a run on the few that parse.
+    let good = fs::read_to_string(fixture("tests/data/criteo_floats.tsv")).unwrap();
+    let mut mixed: String = good.lines().take(3).map(|l| format!("{l}\n")).collect();
+    mixed += &"a,b,c\n".repeat(4);
+    let mixed_path = dir.join("mixed.tsv");
+    fs::write(&mixed_path, mixed).unwrap();
+    let msg = err_text(load(
+        &criteo(mixed_path.to_str().unwrap()),
+        &LoadOptions::default(),
+    ));
+    assert!(
+        msg.contains("4 of the 7 lines") && msg.contains("mixed.tsv:4"),
+        "{msg}"
+    );
 
     let missing = dir.join("nope.tsv");
     let msg = err_text(load(

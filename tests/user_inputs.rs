@@ -692,15 +692,37 @@ fn tables_larger_than_memory_are_refused_before_allocation() {
 #[test]
 fn one_class_data_and_bad_counts_are_errors() {
     let dir = tmpdir("oneclass");
-    let mut lines = vec!["user\titem\trating".to_string()];
-    for i in 0..300 {
-        lines.push(format!("u{}\ti{}\t{}", i % 17, i % 31, 1 + i % 5));
-    }
-    let data = write(&dir, "ratings.tsv", &(lines.join("\n") + "\n"));
+    // ratings of 1 to 5 read as 0/1 labels: mostly malformed, and it says why
+    let ratings = |rating: &dyn Fn(usize) -> usize| {
+        let mut lines = vec!["user\titem\trating".to_string()];
+        for i in 0..300 {
+            lines.push(format!("u{}\ti{}\t{}", i % 17, i % 31, rating(i)));
+        }
+        lines.join("\n") + "\n"
+    };
+    let five = write(&dir, "five.tsv", &ratings(&|i| 1 + i % 5));
     let cfg = write(
         &dir,
         "r.toml",
         "[data.schema]\nlabel = \"rating\"\ncategorical = [\"user\", \"item\"]\n",
+    );
+    let o = train(&[
+        "--steps",
+        "2",
+        "--config",
+        &cfg,
+        "--data",
+        &format!("tsv:{five}"),
+    ]);
+    fails_with(
+        &o,
+        &["240 of the 300 lines", "malformed", "label_threshold"],
+    );
+    // ones, and a tenth of twos (malformed, skipped): one class
+    let data = write(
+        &dir,
+        "ratings.tsv",
+        &ratings(&|i| 1 + usize::from(i % 10 == 0)),
     );
     let o = train(&[
         "--steps",

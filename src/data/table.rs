@@ -1213,7 +1213,7 @@ pub fn load(
             report.examples = w.len() as u64;
             let n = w.len();
             let joined = parsed.and_then(|()| {
-                if n == 0 {
+                if too_few_examples(n as u64, &report) {
                     bail!("{}", no_examples(src, &report));
                 }
                 w.finish(key, &report)
@@ -1231,7 +1231,7 @@ pub fn load(
     read_files(&files, &mut parser, opts, &mut report, &mut sink)?;
     let (cols, times) = (sink.cols, sink.times);
     report.parse_secs = t0.elapsed().as_secs_f64();
-    if cols.len == 0 {
+    if too_few_examples(cols.len as u64, &report) {
         bail!("{}", no_examples(src, &report));
     }
     report.examples = cols.len as u64;
@@ -1261,18 +1261,34 @@ pub fn load(
     ))
 }
 
-/// The error of a load that found no examples.
+/// Whether a load found no examples, or fewer than malformed lines: data in another
+/// format than the one asked for (a folder of other files, the wrong separator), which
+/// skipping would turn into a run on the few lines that happen to parse.
+fn too_few_examples(examples: u64, report: &LoadReport) -> bool {
+    examples == 0 || report.malformed > examples
+}
+
+/// The error of a load that found no examples, or mostly malformed lines.
 fn no_examples(src: &DataSource, report: &LoadReport) -> String {
+    let examples = report.lines.saturating_sub(report.malformed);
+    let first = report
+        .first_errors
+        .first()
+        .map(String::as_str)
+        .unwrap_or("");
+    if report.malformed > 0 && examples > 0 {
+        return format!(
+            "{} of the {} lines of {} are malformed, more than parse: is the data in this format? (skipping is for a few bad lines; first: {first})",
+            report.malformed,
+            report.lines,
+            src.path()
+        );
+    }
     let mut msg = format!("no examples in {}", src.path());
     if report.malformed > 0 {
         msg += &format!(
-            " ({} malformed lines skipped; first: {})",
-            report.malformed,
-            report
-                .first_errors
-                .first()
-                .map(String::as_str)
-                .unwrap_or("")
+            " ({} malformed lines skipped; first: {first})",
+            report.malformed
         );
     }
     msg
