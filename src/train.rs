@@ -1289,6 +1289,12 @@ impl<'a> Session<'a> {
         }
         self.exec.restart_timing();
         if let Some(class) = one_class(&ys) {
+            if ys.len() < 100 {
+                bail!(
+                    "the {} held-out examples are all {class}: NE and AUC are undefined on one class; evaluate more examples (--eval-examples)",
+                    ys.len()
+                );
+            }
             bail!(
                 "the {} held-out examples are all {class}: NE and AUC are undefined on one class (is the label right? a rating needs label_threshold in the schema)",
                 ys.len()

@@ -301,6 +301,23 @@ fn outputs_and_contradictions_are_refused_before_the_work() {
         &run(&["train", "--device", "cpu", "--cpu-ranks", "0"]),
         &["--cpu-ranks", "at least 1"],
     );
+    let o = run(&[
+        "train",
+        "--device",
+        "cpu",
+        "--batch",
+        "1",
+        "--eval-examples",
+        "1",
+        "--steps",
+        "50",
+    ]);
+    fails_with(&o, &["--eval-examples 1", "at least 2 held-out examples"]);
+    assert!(
+        !text(&o).contains("step 1/"),
+        "it trained first:\n{}",
+        text(&o)
+    );
     let criteo = format!("criteo:{}", fixture("criteo_floats.tsv"));
     fails_with(
         &run(&["data", "--write-criteo", nowhere, "--data", &criteo]),

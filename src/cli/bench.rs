@@ -72,7 +72,7 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         chunk: a.chunk,
         seed: 0,
         data_seed: 0,
-        eval_examples: a.eval_examples.max(model.batch),
+        eval_examples: super::eval_count(a.eval_examples, model.batch)?,
         threads,
         schedule: a.model.schedule(),
         optimizer: OptimizerConfig::default(),

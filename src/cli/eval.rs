@@ -30,7 +30,8 @@ pub(crate) struct EvalArgs {
     /// Keep a binary cache of parsed data here.
     #[arg(long, value_name = "DIR")]
     cache_dir: Option<std::path::PathBuf>,
-    /// Held-out examples to evaluate (rounded down to whole batches).
+    /// Held-out examples to evaluate (rounded down to whole batches; at least one batch
+    /// and 2 examples: NE and AUC need both classes).
     #[arg(long, default_value_t = 20_000)]
     eval_examples: usize,
     /// Where to run.
@@ -97,7 +98,7 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
         threads,
     )?;
     let step = s.load_weights(&a.checkpoint)?;
-    let e = s.evaluate(a.eval_examples.max(model.batch))?;
+    let e = s.evaluate(super::eval_count(a.eval_examples, model.batch)?)?;
     println!(
         "{}: step {step}, NE {:.4}, AUC {:.4} on {} held-out examples",
         a.checkpoint.display(),

@@ -51,6 +51,16 @@ pub(super) fn check_output(flag: &str, path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// The held-out examples an evaluation reads for `--eval-examples n`: at least one batch,
+/// and at least 2 (NE and AUC need both classes), checked before any training.
+pub(super) fn eval_count(n: usize, batch: usize) -> Result<usize> {
+    let n = n.max(batch);
+    if n < 2 {
+        bail!("--eval-examples {n} with --batch {batch}: NE and AUC need at least 2 held-out examples (both classes); ask for more");
+    }
+    Ok(n)
+}
+
 /// A count flag that must be at least 1 (`--threads 0` is a mistake, not "none").
 fn at_least_one(s: &str) -> std::result::Result<usize, String> {
     match s.parse::<usize>() {

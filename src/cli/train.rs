@@ -50,7 +50,8 @@ pub(crate) struct TrainArgs {
     /// Evaluate on held-out data every N steps (0: only at the end).
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
-    /// Held-out examples per evaluation (rounded down to whole batches).
+    /// Held-out examples per evaluation (rounded down to whole batches; at least one
+    /// batch and 2 examples: NE and AUC need both classes).
     #[arg(long, default_value_t = 20_000)]
     eval_examples: usize,
     /// CPU threads (default: all cores; at least 1).
@@ -204,7 +205,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         seed: a.seed,
         data_seed: a.data_seed,
         eval_every: a.eval_every,
-        eval_examples: a.eval_examples.max(model.batch),
+        eval_examples: super::eval_count(a.eval_examples, model.batch)?,
         threads,
         schedule: a.model.schedule(),
         optimizer: OptimizerConfig::default(),
