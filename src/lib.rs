@@ -15,6 +15,7 @@ pub mod data;
 pub mod distributed;
 pub mod distributed_cuda;
 pub mod gpu;
+pub mod interrupt;
 pub mod kernels;
 pub mod launch;
 pub mod loader;

@@ -289,6 +289,9 @@ pub struct TrainConfig {
     pub sharding: crate::sharding::Sharding,
     /// Bytes of tables a rank may hold (`--rank-memory`), what the sharding plans for.
     pub rank_memory: u64,
+    /// Set (by a signal, see [`crate::interrupt`]) to end the run after the step under
+    /// way, with a checkpoint where one is asked for.
+    pub stop: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
 /// Which steps a measured trace covers: `steps` steps from step `start` (0-based).
@@ -358,6 +361,7 @@ impl TrainConfig {
             trace: None,
             sharding: crate::sharding::Sharding::Auto,
             rank_memory: crate::sharding::DEFAULT_RANK_MEMORY,
+            stop: None,
         }
     }
 
@@ -424,6 +428,8 @@ pub struct TrainReport {
     pub trace: Option<Trace>,
     /// Where the traced steps' time went (see [`crate::profile`]), when asked for.
     pub kernel_table: Option<String>,
+    /// The step after which the run was stopped (`TrainConfig::stop`) before its last.
+    pub interrupted: Option<usize>,
 }
 
 /// Where progress goes: a live line on a terminal, plain lines otherwise.
@@ -1468,6 +1474,7 @@ pub fn drive(
         qps: None,
         arena_bytes: plan.memory.arena_bytes,
         launches: plan.program.launches.len(),
+        interrupted: None,
         loader_stall_secs: 0.0,
         trace: None,
         kernel_table: None,
@@ -1563,6 +1570,22 @@ pub fn drive(
             if let Some(e) = evals.last() {
                 progress.eval(e);
             }
+        }
+        let stop = cfg
+            .stop
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
+        if stop && !last {
+            if let Some(r) = s.drain()? {
+                record(r, &mut report, progress);
+            }
+            if writes && !save {
+                if let Some(path) = &cfg.checkpoint {
+                    s.save(path, &identity)
+                        .with_context(|| format!("{who}step {step}: checkpoint"))?;
+                }
+            }
+            report.interrupted = Some(step);
+            break;
         }
     }
     if let Some(r) = s.drain()? {

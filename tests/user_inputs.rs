@@ -350,6 +350,89 @@ fn outputs_and_contradictions_are_refused_before_the_work() {
     );
 }
 
+/// Ctrl-C ends a run after the step under way, with its checkpoint, and exit status 130;
+/// the run continues from there with --resume.
+#[test]
+fn an_interrupted_run_keeps_its_checkpoint_and_resumes() {
+    use std::io::BufRead;
+    let dir = tmpdir("interrupt");
+    let ck = dir.join("k.st");
+    let ckp = ck.to_str().unwrap();
+    let args = [
+        "train",
+        "--device",
+        "cpu",
+        "--batch",
+        "64",
+        "--rows",
+        "500",
+        "--steps",
+        "1000000",
+        "--eval-every",
+        "0",
+        "--checkpoint",
+        ckp,
+    ];
+    let mut child = Command::new(EXE)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    // the first progress line: the handler is in place and a step has run
+    while !seen.contains("step 1/") {
+        let mut line = String::new();
+        assert!(
+            err.read_line(&mut line).unwrap() > 0,
+            "no progress:\n{seen}"
+        );
+        seen += &line;
+    }
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{seen}{rest}");
+    let at: usize = rest
+        .split("interrupted after step ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no interruption message:\n{rest}"));
+    assert!((1..1_000_000).contains(&at), "{rest}");
+    assert!(rest.contains(&format!("--resume {ckp}")), "{rest}");
+    // the checkpoint holds that step: resuming starts right after it
+    let out = ok(&run(&[
+        "train",
+        "--device",
+        "cpu",
+        "--batch",
+        "64",
+        "--rows",
+        "500",
+        "--steps",
+        &(at + 2).to_string(),
+        "--eval-every",
+        "0",
+        "--eval-examples",
+        "128",
+        "--checkpoint",
+        ckp,
+        "--resume",
+        ckp,
+    ]));
+    assert!(
+        out.contains(&format!("resumed from {ckp} at step {at}")),
+        "{out}"
+    );
+}
+
 #[test]
 fn float_integers_with_a_fraction_nan_or_inf_are_errors_naming_file_and_line() {
     let dir = tmpdir("floats");

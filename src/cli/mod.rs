@@ -819,6 +819,10 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse_from(expanded.args.clone());
     match dispatch(&cli) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<crate::interrupt::Interrupted>().is_some() => {
+            eprintln!("erase-ctr: {e:#}");
+            ExitCode::from(130)
+        }
         Err(e) => {
             eprintln!("erase-ctr: error: {}", expanded.annotate(format!("{e:#}")));
             ExitCode::FAILURE

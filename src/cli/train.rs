@@ -224,6 +224,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         }),
         sharding: a.sharding.into(),
         rank_memory: a.rank_memory,
+        stop: None,
     };
     if (a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some()) && dev.is_none() {
         bail!("--trace, --timeline and --kernels measure kernels on a CUDA device; this run is on the CPU (`erase-ctr plan --trace/--timeline` gives the simulator's prediction)");
@@ -329,6 +330,11 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         return Ok(());
     }
     let mut progress = ConsoleProgress::new(jsonl);
+    // Ctrl-C ends the run after the step under way, with its checkpoint
+    let cfg = crate::train::TrainConfig {
+        stop: Some(crate::interrupt::install()),
+        ..cfg
+    };
     let r = train_on(&cfg, dev.as_ref(), &mut progress)?;
     println!();
     println!(
@@ -390,6 +396,21 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
             "--metrics {}: a write failed ({e}); training finished, but the metrics file is incomplete",
             a.metrics.as_deref().unwrap_or(std::path::Path::new("?")).display()
         );
+    }
+    if let Some(step) = r.interrupted {
+        let what = match &cfg.checkpoint {
+            Some(p) => format!(
+                "the checkpoint {} holds it: continue with --resume {} (and the same flags)",
+                p.display(),
+                p.display()
+            ),
+            None => "no checkpoint was asked for (--checkpoint FILE keeps one)".to_string(),
+        };
+        return Err(crate::interrupt::Interrupted(format!(
+            "interrupted after step {step} of {}; {what}",
+            cfg.steps
+        ))
+        .into());
     }
     Ok(())
 }
