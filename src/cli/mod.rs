@@ -599,6 +599,7 @@ fn model_and_data(
         cache_dir: cache_dir.map(|p| p.to_path_buf()),
         threads,
         stream: None,
+        progress: true,
     };
     let t0 = std::time::Instant::now();
     let (train, eval, report) = crate::data::load(&src, &opts)?;

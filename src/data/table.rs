@@ -235,6 +235,20 @@ pub struct LoadOptions {
     /// memory. `None`: when the text is more than half the memory available. Not for a
     /// split by time, which needs every example at once.
     pub stream: Option<bool>,
+    /// Print the parse's progress on stderr while it runs (after its first 2 s: every
+    /// half second on a terminal, rewriting one line, else every 10 s).
+    pub progress: bool,
+}
+
+/// Whether a file starts as a gzip or zstd stream (`None`: it cannot be read).
+fn is_compressed(f: &Path) -> Option<bool> {
+    std::fs::File::open(f)
+        .and_then(|mut h| {
+            let mut m = [0u8; 4];
+            std::io::Read::read(&mut h, &mut m)
+                .map(|n| n >= 2 && (m[..2] == [0x1f, 0x8b] || m == [0x28, 0xb5, 0x2f, 0xfd]))
+        })
+        .ok()
 }
 
 /// Whether `files` would take more than half the available memory once parsed (a
@@ -244,14 +258,7 @@ fn larger_than_memory(files: &[PathBuf]) -> bool {
         .iter()
         .map(|f| {
             let len = std::fs::metadata(f).map_or(0, |m| m.len());
-            let compressed = std::fs::File::open(f)
-                .and_then(|mut h| {
-                    let mut m = [0u8; 4];
-                    std::io::Read::read(&mut h, &mut m).map(|n| {
-                        n >= 2 && (m[..2] == [0x1f, 0x8b] || m == [0x28, 0xb5, 0x2f, 0xfd])
-                    })
-                })
-                .unwrap_or(false);
+            let compressed = is_compressed(f).unwrap_or(false);
             if compressed {
                 len * 4
             } else {
@@ -1725,6 +1732,7 @@ fn read_files(
     // line breaks before the next piece of its file
     let (mut before, mut last_file) = (0u64, usize::MAX);
     let mut pieces_done = 0usize;
+    let mut progress = opts.progress.then(|| ParseProgress::new(files));
     loop {
         let mut batch = Vec::with_capacity(window);
         while batch.len() < window {
@@ -1769,9 +1777,94 @@ fn read_files(
             }
             sink.add(&piece.cols, piece.times.as_deref())?;
         }
+        if let Some(p) = &mut progress {
+            p.show(report);
+        }
+    }
+    if let Some(p) = &mut progress {
+        p.done();
     }
     report.parse_threads = threads.min(pieces_done.max(1));
     Ok(())
+}
+
+/// The progress of a long parse, on stderr.
+struct ParseProgress {
+    t0: std::time::Instant,
+    last: Option<std::time::Instant>,
+    terminal: bool,
+    /// The files' bytes on disk, where none is compressed (a share can then be given).
+    plain_bytes: Option<u64>,
+    shown: bool,
+}
+
+impl ParseProgress {
+    fn new(files: &[PathBuf]) -> Self {
+        use std::io::IsTerminal;
+        let mut total = Some(0u64);
+        for f in files {
+            let compressed = is_compressed(f).unwrap_or(true);
+            let len = std::fs::metadata(f).map(|m| m.len());
+            total = match (total, len, compressed) {
+                (Some(t), Ok(n), false) => Some(t + n),
+                _ => None,
+            };
+        }
+        ParseProgress {
+            t0: std::time::Instant::now(),
+            last: None,
+            terminal: std::io::stderr().is_terminal(),
+            plain_bytes: total,
+            shown: false,
+        }
+    }
+
+    fn show(&mut self, report: &LoadReport) {
+        let Some(line) = self.line(report, std::time::Instant::now()) else {
+            return;
+        };
+        if self.terminal {
+            eprint!("\r{line}\x1b[K");
+        } else {
+            eprintln!("{line}");
+        }
+        self.shown = true;
+    }
+
+    /// The line to print at `now`, if one is due.
+    fn line(&mut self, report: &LoadReport, now: std::time::Instant) -> Option<String> {
+        let since = |t: std::time::Instant| now.saturating_duration_since(t).as_secs_f64();
+        let every = if self.terminal { 0.5 } else { 10.0 };
+        if since(self.t0) < 2.0 || self.last.is_some_and(|t| since(t) < every) {
+            return None;
+        }
+        self.last = Some(now);
+        let secs = since(self.t0);
+        let share = self
+            .plain_bytes
+            .filter(|&t| t > 0)
+            .map(|t| {
+                format!(
+                    " of {:.0} MB ({:.0} %)",
+                    t as f64 / 1e6,
+                    100.0 * report.parse_bytes as f64 / t as f64
+                )
+            })
+            .unwrap_or_default();
+        Some(format!(
+            "parsing: {} lines, {:.0} MB{share}, {:.0}k lines/s, {} malformed",
+            report.lines,
+            report.parse_bytes as f64 / 1e6,
+            report.lines as f64 / secs / 1e3,
+            report.malformed
+        ))
+    }
+
+    fn done(&mut self) {
+        if self.terminal && self.shown {
+            eprintln!();
+        }
+    }
 }
 
 /// Gives `parser` what every thread must share before parsing starts: the first file's
@@ -1948,4 +2041,39 @@ pub(crate) fn show(field: &[u8]) -> String {
         out.push('…');
     }
     format!("'{}'", out.escape_debug())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_progress_is_quiet_for_2_s_then_shows_the_share_every_interval() {
+        let t0 = std::time::Instant::now();
+        let mut p = ParseProgress {
+            t0,
+            last: None,
+            terminal: false,
+            plain_bytes: Some(1_000_000),
+            shown: false,
+        };
+        let report = LoadReport {
+            lines: 5000,
+            parse_bytes: 250_000,
+            ..Default::default()
+        };
+        let at = |s: f64| t0 + std::time::Duration::from_secs_f64(s);
+        assert_eq!(p.line(&report, at(1.0)), None);
+        let line = p.line(&report, at(2.5)).expect("due after 2 s");
+        assert!(
+            line.contains("5000 lines") && line.contains("(25 %)"),
+            "{line}"
+        );
+        assert_eq!(p.line(&report, at(5.0)), None, "within the interval");
+        assert!(p.line(&report, at(12.6)).is_some());
+        // a compressed file: no share
+        p.plain_bytes = None;
+        let line = p.line(&report, at(30.0)).expect("due");
+        assert!(!line.contains('%'), "{line}");
+    }
 }
