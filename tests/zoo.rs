@@ -108,7 +108,7 @@ mod custom_model;
 #[test]
 fn a_custom_model_gets_the_whole_command_line() {
     // what `erase::cli::main_with(Arc::new(TwoTower))` does, with the arguments given
-    erase::model::api::register(std::sync::Arc::new(custom_model::TwoTower));
+    erase::model::api::register(std::sync::Arc::new(custom_model::TwoTower)).unwrap();
     let args = |a: &[&str]| -> Vec<std::ffi::OsString> {
         std::iter::once("custom_model")
             .chain(a.iter().copied())
@@ -170,4 +170,112 @@ fn a_custom_model_gets_the_whole_command_line() {
     let r = train(&c, &mut Quiet).unwrap();
     let ne = r.evals.last().unwrap().ne;
     assert!(ne < 0.99, "two-tower: NE {ne}");
+}
+
+/// A model of the API for one misuse (`case`), to see that building it is refused with a
+/// message naming what is wrong.
+struct Misuse(&'static str);
+
+impl erase::model::api::Model for Misuse {
+    fn name(&self) -> &str {
+        self.0
+    }
+    fn build(
+        &self,
+        g: &mut erase::graph::Graph,
+        x: &erase::model::api::ModelInputs,
+        _: &erase::model::ctr::CtrConfig,
+        b: &mut erase::model::api::Blocks,
+    ) -> anyhow::Result<erase::graph::Tensor> {
+        let flat = g.flatten(x.fields)?;
+        let u = g.scoped("u", |g| g.linear(flat, 8))?;
+        let logit = |g: &mut erase::graph::Graph, t| -> anyhow::Result<_> {
+            let y = g.scoped("top", |g| g.linear(t, 1))?;
+            Ok(g.reshape(y, &[x.batch])?)
+        };
+        match self.0 {
+            "label" => Ok(x.label),
+            "constant" => Ok(g.constant("c", &[x.batch], vec![0.5; x.batch])?),
+            "read-original" => {
+                let _ = b.mark(g, "u", u)?;
+                logit(g, u)
+            }
+            "unread" => {
+                let _ = b.mark(g, "u", u)?;
+                logit(g, flat)
+            }
+            "input-block" => {
+                let cut = b.mark(g, "inputs", flat)?;
+                let h = g.scoped("h", |g| g.linear(cut, 8))?;
+                logit(g, h)
+            }
+            "logit-block" => {
+                let y = logit(g, u)?;
+                b.mark(g, "u", y)
+            }
+            "twice" => {
+                let a = b.mark(g, "u", u)?;
+                let v = g.scoped("v", |g| g.linear(a, 8))?;
+                let c = b.mark(g, "u", v)?;
+                logit(g, c)
+            }
+            "column" => {
+                let y = logit(g, u)?;
+                Ok(g.reshape(y, &[x.batch, 1])?)
+            }
+            _ => {
+                let cut = b.mark(g, "u", u)?;
+                logit(g, cut)
+            }
+        }
+    }
+}
+
+#[test]
+fn a_models_misuse_of_the_api_is_refused_naming_it() {
+    use erase::model::api::register;
+    use std::sync::Arc;
+    let e = register(Arc::new(Misuse("spec"))).unwrap_err();
+    assert!(format!("{e:#}").contains("cannot be named 'spec'"), "{e:#}");
+    let build = |case: &'static str, variant: Variant| {
+        register(Arc::new(Misuse(case))).unwrap();
+        let mut c = cfg(case, variant, 1).model;
+        c.batch = 16;
+        erase::model::ctr::build(&c, erase::graph::DType::F32).map(|_| ())
+    };
+    // the well-formed one builds in every variant
+    for v in [Variant::Baseline, Variant::Erase] {
+        build("fine", v).unwrap();
+    }
+    for (case, variants, want) in [
+        ("label", &[Variant::Erase][..], "computed from the label"),
+        ("constant", &[Variant::Erase], "computed from no parameter"),
+        (
+            "read-original",
+            &[Variant::Erase],
+            "node 'top/linear0' reads block 'u''s output",
+        ),
+        (
+            "unread",
+            &[Variant::Baseline, Variant::Erase],
+            "the logit does not read block 'u'",
+        ),
+        (
+            "input-block",
+            &[Variant::Baseline, Variant::Erase],
+            "block 'inputs' has no parameter of its own",
+        ),
+        (
+            "logit-block",
+            &[Variant::Baseline, Variant::Erase],
+            "a block's output is [batch = 16, features..]",
+        ),
+        ("twice", &[Variant::Baseline], "block 'u' is marked twice"),
+        ("column", &[Variant::Baseline], "g.reshape(logit, &[batch])"),
+    ] {
+        for &v in variants {
+            let e = build(case, v).expect_err(case);
+            assert!(format!("{e:#}").contains(want), "{case} ({v:?}): {e:#}");
+        }
+    }
 }

@@ -802,7 +802,10 @@ static DEFAULT_MODEL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// ```
 pub fn main_with(model: std::sync::Arc<dyn crate::model::api::Model>) -> ExitCode {
     let _ = DEFAULT_MODEL.set(model.name().to_string());
-    crate::model::api::register(model);
+    if let Err(e) = crate::model::api::register(model) {
+        eprintln!("erase-ctr: error: {e:#}");
+        return ExitCode::FAILURE;
+    }
     main()
 }
 

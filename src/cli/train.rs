@@ -276,7 +276,8 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         None => format!("the CPU ({threads} threads)"),
     };
     eprintln!(
-        "erase-ctr: training '{variant}' on {where_}: batch {}, {} tables of {} rows in all, dim {}, {} dense features, {} steps, data {} (seed {})",
+        "erase-ctr: training model '{}' ({variant}) on {where_}: batch {}, {} tables of {} rows in all, dim {}, {} dense features, {} steps, data {} (seed {})",
+        model.model,
         model.batch,
         model.num_sparse,
         model.field_rows().iter().sum::<usize>(),

@@ -69,6 +69,9 @@ pub struct Blocks {
     pub aux_losses: Vec<(String, Tensor)>,
     /// `(block, output)`, in marking order.
     pub outputs: Vec<(String, Tensor)>,
+    /// The nodes each mark added (the head and the cut), by index: what may read the
+    /// block's output besides the block itself.
+    pub marked_nodes: Vec<std::ops::Range<usize>>,
 }
 
 impl Blocks {
@@ -79,14 +82,39 @@ impl Blocks {
             batch,
             aux_losses: Vec::new(),
             outputs: Vec::new(),
+            marked_nodes: Vec::new(),
         }
     }
 
     /// Marks `o` (`[B, ..]`, built in scope `name`) as the output of block `name`; returns
-    /// what the rest of the model must read instead of `o`.
+    /// what the rest of the model must read instead of `o` (reading `o` itself would join
+    /// the block's backward to the rest's: refused when the model is built).
     pub fn mark(&mut self, g: &mut Graph, name: &str, o: Tensor) -> Result<Tensor> {
+        if name.is_empty() {
+            bail!("a block needs a name (Blocks::mark with \"\")");
+        }
+        if self.outputs.iter().any(|(n, _)| n == name) {
+            bail!("block '{name}' is marked twice; give each block its own name");
+        }
+        if o.0 as usize >= g.num_tensors() {
+            bail!(
+                "block '{name}': tensor #{} is not of this graph (it has {})",
+                o.0,
+                g.num_tensors()
+            );
+        }
+        let dims = g.shape(o).dims().to_vec();
+        if dims.len() < 2 || dims[0] != self.batch {
+            bail!(
+                "block '{name}': its output '{}' is {dims:?}; a block's output is [batch = {}, features..] (a logit [batch] is not a block's output)",
+                g.name(o),
+                self.batch
+            );
+        }
         self.outputs.push((name.to_string(), o));
+        let first = g.nodes().len();
         if !self.detached {
+            self.marked_nodes.push(first..first);
             return Ok(o);
         }
         let (label, batch) = (self.label, self.batch);
@@ -101,7 +129,9 @@ impl Blocks {
             Ok(g.bce_with_logits(h, label)?)
         })?;
         self.aux_losses.push((name.to_string(), loss));
-        Ok(g.detach(o)?)
+        let cut = g.detach(o)?;
+        self.marked_nodes.push(first..g.nodes().len());
+        Ok(cut)
     }
 }
 
@@ -129,12 +159,23 @@ fn registry() -> &'static Mutex<Vec<Arc<dyn Model>>> {
     R.get_or_init(|| Mutex::new(super::zoo::models()))
 }
 
-/// Makes `model` selectable by its name (replacing one of the same name).
-pub fn register(model: Arc<dyn Model>) {
-    if let Ok(mut r) = registry().lock() {
-        r.retain(|m| m.name() != model.name());
-        r.push(model);
+/// Makes `model` selectable by its name, replacing a model of the zoo of the same name;
+/// `spec`, the spec's model, cannot be replaced, and a name must be one word.
+pub fn register(model: Arc<dyn Model>) -> Result<()> {
+    let name = model.name();
+    if name == "spec" {
+        bail!("a model cannot be named 'spec': that is the spec's model, built by the trainer itself; choose another name");
     }
+    if name.is_empty() || name.chars().any(|c| c.is_whitespace() || c == ',') {
+        bail!("model name '{name}': a name is one word, without spaces or commas");
+    }
+    let mut r = match registry().lock() {
+        Ok(r) => r,
+        Err(_) => bail!("the model registry is unusable (a thread panicked holding it)"),
+    };
+    r.retain(|m| m.name() != name);
+    r.push(model);
+    Ok(())
 }
 
 /// The model named `name`; `spec` is built by `model::ctr` itself and is not here.

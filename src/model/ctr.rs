@@ -948,12 +948,14 @@ fn build_api(
     let logit = model
         .build(&mut g, &x, cfg, &mut blocks)
         .with_context(|| format!("building model '{}'", model.name()))?;
-    ensure!(
-        g.shape(logit).dims() == [b],
-        "model '{}' returned a logit of shape {:?}; it must be [batch] = [{b}]",
+    check_api_model(
+        &g,
         model.name(),
-        g.shape(logit).dims()
-    );
+        logit,
+        &x,
+        &blocks,
+        cfg.variant.is_detached(),
+    )?;
     let main_loss = g.scoped("top", |g| g.bce_with_logits(logit, inputs.label))?;
     g.loss(main_loss, 1.0)?;
     for &(_, l) in &blocks.aux_losses {
@@ -971,6 +973,122 @@ fn build_api(
         cfg: cfg.clone(),
         float,
     })
+}
+
+/// Every tensor `t` is computed from (itself included), crossing `detach` where
+/// `through_detach`, and not past the tensors of `stop`.
+fn ancestors_until(
+    g: &Graph,
+    t: Tensor,
+    through_detach: bool,
+    stop: &[Tensor],
+) -> std::collections::BTreeSet<Tensor> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut todo = vec![t];
+    while let Some(t) = todo.pop() {
+        if !seen.insert(t) || stop.contains(&t) {
+            continue;
+        }
+        let node = g.node(g.info(t).producer);
+        if !through_detach && node.op == erase_graph::Op::Detach {
+            continue;
+        }
+        todo.extend(node.inputs.iter().copied());
+    }
+    seen
+}
+
+fn ancestors(g: &Graph, t: Tensor, through_detach: bool) -> std::collections::BTreeSet<Tensor> {
+    ancestors_until(g, t, through_detach, &[])
+}
+
+/// What a model of the model API returned, checked before it is trained: a logit of
+/// this graph, `[batch]`, computed from a parameter and not from the label; in the
+/// detached variants, each block's output read only by its head and its cut, and the cut
+/// read by the rest (else the block's backward would join the rest's, or the block would
+/// train on its local loss alone).
+fn check_api_model(
+    g: &Graph,
+    model: &str,
+    logit: Tensor,
+    x: &super::api::ModelInputs,
+    blocks: &super::api::Blocks,
+    detached: bool,
+) -> Result<()> {
+    let b = x.batch;
+    ensure!(
+        (logit.0 as usize) < g.num_tensors(),
+        "model '{model}' returned tensor #{}, which is not of its graph",
+        logit.0
+    );
+    let dims = g.shape(logit).dims();
+    ensure!(
+        dims == [b],
+        "model '{model}' returned '{}' of shape {dims:?} as its logit; a logit is [batch] = [{b}]{}",
+        g.name(logit),
+        if dims.len() == 2 && dims[0] == b && dims[1] == 1 {
+            " (g.reshape(logit, &[batch]) makes one of a [batch, 1])"
+        } else {
+            ""
+        }
+    );
+    let from = ancestors(g, logit, true);
+    ensure!(
+        !from.contains(&x.label),
+        "model '{model}': its logit '{}' is computed from the label, which it must predict",
+        g.name(logit)
+    );
+    ensure!(
+        from.iter()
+            .any(|&t| matches!(g.leaf(t), Some(erase_graph::Leaf::Param { trainable: true, .. }))),
+        "model '{model}': its logit '{}' is computed from no parameter (a constant, or cut off by detach), so training would change nothing",
+        g.name(logit)
+    );
+    let main = ancestors(g, logit, false);
+    for ((name, o), marked) in blocks.outputs.iter().zip(&blocks.marked_nodes) {
+        let o = *o;
+        // its own parameters: not those behind the model's inputs (the tables)
+        let inputs: Vec<Tensor> = [Some(x.fields), x.dense].into_iter().flatten().collect();
+        let own = ancestors_until(g, o, true, &inputs);
+        ensure!(
+            own.iter()
+                .any(|&t| matches!(g.leaf(t), Some(erase_graph::Leaf::Param { trainable: true, .. }))),
+            "model '{model}': block '{name}' has no parameter of its own to train (its output '{}' is computed from the model's inputs alone); mark a block's output, not an input",
+            g.name(o)
+        );
+        if !detached {
+            ensure!(
+                main.contains(&o),
+                "model '{model}': the logit does not read block '{name}' (its output '{}'); use what Blocks::mark returns",
+                g.name(o)
+            );
+            continue;
+        }
+        let mut cut = None;
+        for n in g.nodes() {
+            if !n.inputs.contains(&o) {
+                continue;
+            }
+            if marked.contains(&n.id.index()) {
+                if n.op == erase_graph::Op::Detach {
+                    cut = n.outputs.first().copied();
+                }
+                continue;
+            }
+            bail!(
+                "model '{model}': node '{}' reads block '{name}''s output '{}' itself; read what Blocks::mark returns (the block's cut), or the block's backward joins the rest's",
+                n.name,
+                g.name(o)
+            );
+        }
+        // read by the rest, maybe through another block (DCNv2's cross reads the bottom)
+        ensure!(
+            cut.is_some_and(|c| from.contains(&c)),
+            "model '{model}': the logit does not read block '{name}' (its output '{}'), which would train on its local loss alone; use what Blocks::mark returns",
+            g.name(o)
+        );
+    }
+    Ok(())
 }
 
 // ---- feeding ------------------------------------------------------------------------------
