@@ -1421,14 +1421,19 @@ pub fn check_memory(plan: &StepPlan, dev: Option<&CudaDevice>) -> Result<()> {
         let c = &plan.model.cfg;
         let gb = |b: u64| b as f64 / 1e9;
         bail!(
-            "the model needs {:.1} GB, of which the embedding tables ({} fields, {} rows in all, dim {}, with their optimizer state) take {:.1} GB, but {} has {:.1} GB free; use fewer rows per table (--rows, or per-field sizes)",
+            "the model needs {:.1} GB, of which the embedding tables ({} fields, {} rows in all, dim {}, with their optimizer state) take {:.1} GB, but {} has {:.1} GB free; {}",
             gb(need),
             c.num_sparse,
             c.field_rows().iter().sum::<usize>(),
             c.dim,
             gb(tables),
             if dev.is_some() { "the GPU" } else { "this machine" },
-            gb(have)
+            gb(have),
+            if tables * 2 >= need {
+                "use fewer rows per table (--rows, or per-field sizes)"
+            } else {
+                "the dense layers and their activations take most of it: use a smaller batch (--batch) or narrower layers"
+            }
         );
     }
     Ok(())

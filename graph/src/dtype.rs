@@ -67,6 +67,11 @@ impl Shape {
         self.0.iter().product()
     }
 
+    /// The element count, or `None` where it does not fit in a `usize`.
+    pub fn checked_numel(&self) -> Option<usize> {
+        self.0.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
+    }
+
     /// The last dimension (1 for a scalar).
     pub fn last(&self) -> usize {
         self.0.last().copied().unwrap_or(1)

@@ -464,12 +464,13 @@ impl Graph {
         let first = self.dtype(ts[0]);
         for &t in ts {
             let d = self.dtype(t);
-            if !d.is_float() || d != first {
+            if d != self.float {
                 return Err(GraphError::DType {
                     op,
                     node: self.peek_name(op),
                     detail: format!(
-                        "operands must share one floating-point type, got {}",
+                        "operands must be of the graph's float type {}, got {}",
+                        self.float,
                         ts.iter()
                             .map(|&t| self.desc(t))
                             .collect::<Vec<_>>()
@@ -522,11 +523,14 @@ impl Graph {
 
     /// An input fed each step.
     pub fn input(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        if shape.contains(&0) {
+        if shape.contains(&0) || Shape::new(shape).checked_numel().is_none() {
             return Err(GraphError::Invalid {
                 op: "input",
                 node: self.full_name(name),
-                detail: format!("shape {} has a zero dimension", Shape::new(shape)),
+                detail: format!(
+                    "shape {} has a zero dimension or more elements than a machine holds",
+                    Shape::new(shape)
+                ),
             });
         }
         Ok(self.leaf_node(name, Leaf::Input, Shape::new(shape), dtype))
@@ -544,10 +548,29 @@ impl Graph {
         init: Init,
         trainable: bool,
     ) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
+        let Some(n) = Shape::new(shape).checked_numel() else {
+            return Err(GraphError::Invalid {
+                op: "param",
+                node: self.full_name(name),
+                detail: format!(
+                    "shape {} has more elements than a machine holds",
+                    Shape::new(shape)
+                ),
+            });
+        };
+        let full = self.full_name(name);
+        if self.tensors.iter().zip(0u32..).any(|(i, k)| {
+            i.name == full && matches!(self.leaf(Tensor(k)), Some(Leaf::Param { .. } | Leaf::State))
+        }) {
+            return Err(GraphError::Invalid {
+                op: "param",
+                node: full,
+                detail: "a parameter of this name exists; parameters are saved by name, so each needs its own (use g.scoped)".to_string(),
+            });
+        }
         let bad = shape.contains(&0)
             || matches!(&init, Init::Values(v) if v.len() != n)
-            || matches!(&init, Init::Tables { field_rows } if field_rows.iter().sum::<usize>() != shape[0])
+            || matches!(&init, Init::Tables { field_rows } if shape.first() != Some(&field_rows.iter().sum::<usize>()))
             || matches!(init, Init::Uniform { bound } if !(bound.is_finite() && bound >= 0.0))
             || matches!(init, Init::Normal { std } if !(std.is_finite() && std >= 0.0));
         if bad {
@@ -953,11 +976,16 @@ impl Graph {
     /// Element type conversion (e.g. to bf16 for GEMM operands and back).
     pub fn cast(&mut self, x: Tensor, to: DType) -> Result<Tensor> {
         let from = self.dtype(x);
-        if !from.is_float() || !to.is_float() {
+        let ok = |d: DType| d == self.float || d == DType::Bf16;
+        if !ok(from) || !ok(to) {
             return Err(GraphError::DType {
                 op: "cast",
                 node: self.peek_name("cast"),
-                detail: format!("only float-to-float casts, got {} to {to}", self.desc(x)),
+                detail: format!(
+                    "casts go between the graph's float type {} and bf16, got {} to {to}",
+                    self.float,
+                    self.desc(x)
+                ),
             });
         }
         let s = self.shape(x).clone();
@@ -986,7 +1014,16 @@ impl Graph {
         let dt = self.expect_float(op, &[x, gamma, beta])?;
         let xs = self.shape(x).clone();
         let d = xs.last();
-        if xs.rank() == 0 || self.shape(gamma).dims() != [d] || self.shape(beta).dims() != [d] {
+        if xs.rank() == 0 {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "{} is a scalar: layer norm normalises a last dimension",
+                    self.desc(x)
+                ),
+            ));
+        }
+        if self.shape(gamma).dims() != [d] || self.shape(beta).dims() != [d] {
             return Err(self.shape_err(
                 op,
                 format!(
@@ -1023,14 +1060,15 @@ impl Graph {
 
     pub fn reshape(&mut self, x: Tensor, shape: &[usize]) -> Result<Tensor> {
         let s = Shape::new(shape);
-        if s.numel() != self.shape(x).numel() {
+        if s.checked_numel() != Some(self.shape(x).numel()) {
             return Err(self.shape_err(
                 "reshape",
                 format!(
                     "{} has {} elements, the new shape {s} has {}",
                     self.desc(x),
                     self.shape(x).numel(),
-                    s.numel()
+                    s.checked_numel()
+                        .map_or("more than a machine holds".to_string(), |n| n.to_string())
                 ),
             ));
         }
@@ -1086,12 +1124,17 @@ impl Graph {
 
     pub fn slice(&mut self, x: Tensor, axis: usize, start: usize, len: usize) -> Result<Tensor> {
         let s = self.shape(x).clone();
-        if axis >= s.rank() || len == 0 || start + len > s.dims()[axis] {
+        if axis >= s.rank()
+            || len == 0
+            || start
+                .checked_add(len)
+                .is_none_or(|end| end > s.dims()[axis])
+        {
             return Err(self.shape_err(
                 "slice",
                 format!(
                     "entries {start}..{} of axis {axis} do not fit in {}",
-                    start + len,
+                    start.saturating_add(len),
                     self.desc(x)
                 ),
             ));
@@ -1175,9 +1218,9 @@ impl Graph {
     pub fn attention_packed(&mut self, qkv: Tensor, heads: usize, causal: bool) -> Result<Tensor> {
         let op = "attention";
         // a bf16 qkv (Graph::linear_for_attention): the outputs in the graph's f32
-        let dt = match self.expect_float(op, &[qkv])? {
+        let dt = match self.dtype(qkv) {
             DType::Bf16 => self.expect_bf16_attention_input(op, qkv)?,
-            dt => dt,
+            _ => self.expect_float(op, &[qkv])?,
         };
         self.expect_rank(op, qkv, 3, "packed q, k, v")?;
         let d = self.shape(qkv).dims().to_vec();

@@ -136,3 +136,66 @@ fn a_projection_for_attention_is_stored_in_bf16_only_where_the_attention_reads_i
         "{msg}"
     );
 }
+
+/// What a model's code can ask for and no graph can hold is an error naming the node, not
+/// an arithmetic overflow or an index out of bounds.
+#[test]
+fn impossible_sizes_and_names_are_errors_not_panics() {
+    use erase_graph::Init;
+    let mut g = Graph::new(DType::F32);
+    let x = g.input("x", &[4, 6], DType::F32).unwrap();
+    let e = g.slice(x, 1, usize::MAX, 1).unwrap_err().to_string();
+    assert!(e.contains("slice0") && e.contains("do not fit"), "{e}");
+    let e = g.reshape(x, &[(1 << 63) + 12, 2]).unwrap_err().to_string();
+    assert!(
+        e.contains("reshape0") && e.contains("more than a machine holds"),
+        "{e}"
+    );
+    let e = g.linear(x, usize::MAX / 2).unwrap_err().to_string();
+    assert!(e.contains("more elements than a machine holds"), "{e}");
+    assert!(g
+        .input("huge", &[usize::MAX, 2], DType::F32)
+        .unwrap_err()
+        .to_string()
+        .contains("huge"));
+    let e = g
+        .param(
+            "t",
+            &[],
+            Init::Tables {
+                field_rows: vec![3],
+            },
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("'t'") || e.contains("t:") || e.contains("param"),
+        "{e}"
+    );
+    // parameters are saved by name: one name, one parameter
+    g.param("w", &[2], Init::Zeros).unwrap();
+    let e = g.param("w", &[3], Init::Zeros).unwrap_err().to_string();
+    assert!(e.contains("a parameter of this name exists"), "{e}");
+    g.scoped("other", |g| g.param("w", &[2], Init::Zeros))
+        .unwrap();
+}
+
+/// A graph computes in its float type: a cast to another float, or an elementwise op on
+/// a bf16 copy, is refused when it is built, not when the step runs.
+#[test]
+fn other_float_types_are_refused_when_built() {
+    let mut g = Graph::new(DType::F32);
+    let x = g.input("x", &[4, 6], DType::F32).unwrap();
+    let e = g.cast(x, DType::F64).unwrap_err().to_string();
+    assert!(
+        e.contains("cast0") && e.contains("graph's float type f32"),
+        "{e}"
+    );
+    let b = g.cast(x, DType::Bf16).unwrap();
+    let e = g.relu(b).unwrap_err().to_string();
+    assert!(
+        e.contains("relu0") && e.contains("graph's float type f32"),
+        "{e}"
+    );
+    g.cast(b, DType::F32).unwrap();
+}

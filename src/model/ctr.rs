@@ -1081,9 +1081,12 @@ fn check_api_model(
                 g.name(o)
             );
         }
-        // read by the rest, maybe through another block (DCNv2's cross reads the bottom)
+        // read by the rest, maybe through another block (DCNv2's cross reads the bottom),
+        // through its cut or the bf16 copy of it that the block's last op writes
+        let last_op = g.info(o).producer;
         ensure!(
-            cut.is_some_and(|c| from.contains(&c)),
+            cut.is_some_and(|c| from.contains(&c))
+                || from.iter().any(|&t| t != o && g.info(t).producer == last_op),
             "model '{model}': the logit does not read block '{name}' (its output '{}'), which would train on its local loss alone; use what Blocks::mark returns",
             g.name(o)
         );
