@@ -195,6 +195,11 @@ impl erase::model::api::Model for Misuse {
         };
         match self.0 {
             "label" => Ok(x.label),
+            "input" => {
+                let extra = g.input("extra", &[x.batch, 3], erase::graph::DType::F32)?;
+                let h = g.concat(&[flat, extra], 1)?;
+                logit(g, h)
+            }
             "constant" => Ok(g.constant("c", &[x.batch], vec![0.5; x.batch])?),
             "read-original" => {
                 let _ = b.mark(g, "u", u)?;
@@ -249,6 +254,7 @@ fn a_models_misuse_of_the_api_is_refused_naming_it() {
     }
     for (case, variants, want) in [
         ("label", &[Variant::Erase][..], "computed from the label"),
+        ("input", &[Variant::Baseline], "adds an input 'extra'"),
         ("constant", &[Variant::Erase], "computed from no parameter"),
         (
             "read-original",

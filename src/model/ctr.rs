@@ -948,6 +948,7 @@ fn build_api(
     let logit = model
         .build(&mut g, &x, cfg, &mut blocks)
         .with_context(|| format!("building model '{}'", model.name()))?;
+    let fed = [inputs.dense, inputs.ids, inputs.offsets, inputs.label];
     check_api_model(
         &g,
         model.name(),
@@ -955,6 +956,7 @@ fn build_api(
         &x,
         &blocks,
         cfg.variant.is_detached(),
+        &fed,
     )?;
     let main_loss = g.scoped("top", |g| g.bce_with_logits(logit, inputs.label))?;
     g.loss(main_loss, 1.0)?;
@@ -1014,8 +1016,19 @@ fn check_api_model(
     x: &super::api::ModelInputs,
     blocks: &super::api::Blocks,
     detached: bool,
+    fed: &[Tensor],
 ) -> Result<()> {
     let b = x.batch;
+    // the trainer feeds its own inputs only
+    if let Some(t) = g
+        .tensors()
+        .find(|&t| matches!(g.leaf(t), Some(erase_graph::Leaf::Input)) && !fed.contains(&t))
+    {
+        bail!(
+            "model '{model}' adds an input '{}'; a model reads what the trainer feeds it (ModelInputs: dense, fields, label)",
+            g.name(t)
+        );
+    }
     ensure!(
         (logit.0 as usize) < g.num_tensors(),
         "model '{model}' returned tensor #{}, which is not of its graph",
