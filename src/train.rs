@@ -596,7 +596,7 @@ impl StepExec for CpuExec<'_> {
     fn get(&self, t: Tensor) -> Result<Buffer> {
         self.runner
             .get(t)
-            .ok_or_else(|| anyhow::anyhow!("'{}' has no value", t.0))
+            .ok_or_else(|| anyhow::anyhow!("'{}' has no value", t.index()))
     }
     fn slots(
         &mut self,

@@ -10,9 +10,10 @@ use crate::op::{Init, Leaf, Op};
 /// the fused attention kernels (one 64-row tile of queries and keys) read it as it is.
 pub const ATTENTION_BF16_MAX_SEQ: usize = 64;
 
-/// A handle to a tensor (a value) of a graph.
+/// A handle to a tensor (a value) of a graph. Only the graph's methods make one (the
+/// field is private), so a handle always names a tensor of some graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Tensor(pub u32);
+pub struct Tensor(pub(crate) u32);
 
 /// A handle to a node (an operation) of a graph. Ids grow in insertion order, which is
 /// also a valid execution order.

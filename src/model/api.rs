@@ -96,10 +96,10 @@ impl Blocks {
         if self.outputs.iter().any(|(n, _)| n == name) {
             bail!("block '{name}' is marked twice; give each block its own name");
         }
-        if o.0 as usize >= g.num_tensors() {
+        if o.index() >= g.num_tensors() {
             bail!(
                 "block '{name}': tensor #{} is not of this graph (it has {})",
-                o.0,
+                o.index(),
                 g.num_tensors()
             );
         }

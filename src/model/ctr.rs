@@ -1030,9 +1030,9 @@ fn check_api_model(
         );
     }
     ensure!(
-        (logit.0 as usize) < g.num_tensors(),
+        logit.index() < g.num_tensors(),
         "model '{model}' returned tensor #{}, which is not of its graph",
-        logit.0
+        logit.index()
     );
     let dims = g.shape(logit).dims();
     ensure!(

@@ -532,7 +532,7 @@ impl<'a> Stepper<'a> {
             .to_f64()
             .first()
             .copied()
-            .ok_or_else(|| anyhow!("tensor {} is empty", t.0))
+            .ok_or_else(|| anyhow!("tensor {} is empty", t.index()))
     }
 
     /// One whole training step on the fed inputs.
