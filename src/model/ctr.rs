@@ -1069,9 +1069,14 @@ fn check_api_model(
             "model '{model}': block '{name}' has no parameter of its own to train (its output '{}' is computed from the model's inputs alone); mark a block's output, not an input",
             g.name(o)
         );
+        // the op that makes a block's output may write its bf16 copy too: a read of either
+        let last_op = g.info(o).producer;
+        let reads = |set: &std::collections::BTreeSet<Tensor>| {
+            set.iter().any(|&t| g.info(t).producer == last_op)
+        };
         if !detached {
             ensure!(
-                main.contains(&o),
+                reads(&main),
                 "model '{model}': the logit does not read block '{name}' (its output '{}'); use what Blocks::mark returns",
                 g.name(o)
             );
@@ -1096,10 +1101,8 @@ fn check_api_model(
         }
         // read by the rest, maybe through another block (DCNv2's cross reads the bottom),
         // through its cut or the bf16 copy of it that the block's last op writes
-        let last_op = g.info(o).producer;
         ensure!(
-            cut.is_some_and(|c| from.contains(&c))
-                || from.iter().any(|&t| t != o && g.info(t).producer == last_op),
+            cut.is_some_and(|c| from.contains(&c)) || reads(&from),
             "model '{model}': the logit does not read block '{name}' (its output '{}'), which would train on its local loss alone; use what Blocks::mark returns",
             g.name(o)
         );
