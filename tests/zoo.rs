@@ -195,6 +195,11 @@ impl erase::model::api::Model for Misuse {
         };
         match self.0 {
             "label" => Ok(x.label),
+            "relu" | "relu-original" => {
+                let r = g.scoped("u", |g| g.relu(u))?;
+                let cut = b.mark(g, "u", r)?;
+                logit(g, if self.0 == "relu" { cut } else { r })
+            }
             "input" => {
                 let extra = g.input("extra", &[x.batch, 3], erase::graph::DType::F32)?;
                 let h = g.concat(&[flat, extra], 1)?;
@@ -251,6 +256,24 @@ fn a_models_misuse_of_the_api_is_refused_naming_it() {
     // the well-formed one builds in every variant
     for v in [Variant::Baseline, Variant::Erase] {
         build("fine", v).unwrap();
+    }
+    // with bf16 copies of every layer's operands (as on a GPU), a block whose last op
+    // cannot write the copy itself (a ReLU) gets a RoundBf16 of its output: the rest
+    // reads it through the cut, or, reading the output itself, is refused
+    let with_copies = |case: &'static str| {
+        register(Arc::new(Misuse(case))).unwrap();
+        let mut c = cfg(case, Variant::Erase, 1).model;
+        c.batch = 16;
+        erase::model::ctr::build_with(&c, erase::graph::DType::F32, Some(0)).map(|_| ())
+    };
+    with_copies("relu").unwrap();
+    with_copies("fine").unwrap();
+    for case in ["relu-original", "read-original"] {
+        let e = with_copies(case).expect_err(case);
+        assert!(
+            format!("{e:#}").contains("reads block 'u''s output"),
+            "{case}: {e:#}"
+        );
     }
     for (case, variants, want) in [
         ("label", &[Variant::Erase][..], "computed from the label"),

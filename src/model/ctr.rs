@@ -1082,15 +1082,33 @@ fn check_api_model(
             );
             continue;
         }
+        // o and its bf16 copies (written beside it by its op, or by a RoundBf16 of it),
+        // which the rest may read only through a cut (a Detach)
+        let is_copy_of_o = |n: &erase_graph::Node| {
+            matches!(n.op, erase_graph::Op::RoundBf16 { .. }) && n.inputs == [o]
+        };
+        let mut watched = vec![o];
+        for n in g.nodes() {
+            if n.id == last_op || is_copy_of_o(n) {
+                watched.extend(
+                    n.outputs.iter().copied().filter(|&t| {
+                        t != o && g.dtype(t) == DType::Bf16 && g.shape(t) == g.shape(o)
+                    }),
+                );
+            }
+        }
         let mut cut = None;
         for n in g.nodes() {
-            if !n.inputs.contains(&o) {
+            if !n.inputs.iter().any(|t| watched.contains(t)) {
                 continue;
             }
             if marked.contains(&n.id.index()) {
                 if n.op == erase_graph::Op::Detach {
                     cut = n.outputs.first().copied();
                 }
+                continue;
+            }
+            if n.op == erase_graph::Op::Detach || is_copy_of_o(n) {
                 continue;
             }
             bail!(
