@@ -291,7 +291,7 @@ pub struct TrainConfig {
     pub rank_memory: u64,
     /// Set (by a signal, see [`crate::interrupt`]) to end the run after the step under
     /// way, with a checkpoint where one is asked for.
-    pub stop: Option<&'static std::sync::atomic::AtomicBool>,
+    pub stop: Option<&'static crate::interrupt::StopFlag>,
 }
 
 /// Which steps a measured trace covers: `steps` steps from step `start` (0-based).
@@ -430,6 +430,9 @@ pub struct TrainReport {
     pub kernel_table: Option<String>,
     /// The step after which the run was stopped (`TrainConfig::stop`) before its last.
     pub interrupted: Option<usize>,
+    /// Whether a stopped run wrote its checkpoint (not over a file that was there before
+    /// the run and that the run had not written yet).
+    pub interrupted_saved: bool,
 }
 
 /// Where progress goes: a live line on a terminal, plain lines otherwise.
@@ -1480,6 +1483,7 @@ pub fn drive(
         arena_bytes: plan.memory.arena_bytes,
         launches: plan.program.launches.len(),
         interrupted: None,
+        interrupted_saved: false,
         loader_stall_secs: 0.0,
         trace: None,
         kernel_table: None,
@@ -1526,6 +1530,16 @@ pub fn drive(
         let start = w.start.min(cfg.steps.saturating_sub(1));
         (start, w.steps.clamp(1, cfg.steps - start))
     });
+    // a stopped run writes its checkpoint where it is its own: a file it resumed from or
+    // has written, or none that was there before
+    let ours_from_start = cfg
+        .checkpoint
+        .as_ref()
+        .is_some_and(|p| !p.exists() || cfg.resume.as_ref() == Some(p));
+    let mut saved_once = false;
+    if let Some(f) = cfg.stop {
+        f.arm(true);
+    }
     while s.step < cfg.steps {
         if let Some((start, n)) = window.filter(|w| w.0 == s.step) {
             let (trace, results) = s.trace_steps(n)?;
@@ -1568,6 +1582,7 @@ pub fn drive(
             if let Some(path) = &cfg.checkpoint {
                 s.save(path, &identity)
                     .with_context(|| format!("{who}step {step}: checkpoint"))?;
+                saved_once = true;
             }
         }
         if eval {
@@ -1576,22 +1591,25 @@ pub fn drive(
                 progress.eval(e);
             }
         }
-        let stop = cfg
-            .stop
-            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
-        if stop && !last {
+        if cfg.stop.is_some_and(|f| f.requested()) && !last {
             if let Some(r) = s.drain()? {
                 record(r, &mut report, progress);
             }
-            if writes && !save {
+            if writes && (ours_from_start || saved_once) {
                 if let Some(path) = &cfg.checkpoint {
-                    s.save(path, &identity)
-                        .with_context(|| format!("{who}step {step}: checkpoint"))?;
+                    if !save {
+                        s.save(path, &identity)
+                            .with_context(|| format!("{who}step {step}: checkpoint"))?;
+                    }
+                    report.interrupted_saved = true;
                 }
             }
             report.interrupted = Some(step);
             break;
         }
+    }
+    if let Some(f) = cfg.stop {
+        f.arm(false);
     }
     if let Some(r) = s.drain()? {
         record(r, &mut report, progress);

@@ -350,38 +350,34 @@ fn outputs_and_contradictions_are_refused_before_the_work() {
     );
 }
 
-/// Ctrl-C ends a run after the step under way, with its checkpoint, and exit status 130;
-/// the run continues from there with --resume.
-#[test]
-fn an_interrupted_run_keeps_its_checkpoint_and_resumes() {
+/// Runs `erase-ctr ARGS` until its first progress line, sends it SIGINT, and returns its
+/// exit status and what it printed on stderr after that (killed after 120 s: a run that
+/// ignores the signal fails the test instead of hanging it).
+fn interrupted(args: &[&str]) -> (std::process::ExitStatus, String) {
     use std::io::BufRead;
-    let dir = tmpdir("interrupt");
-    let ck = dir.join("k.st");
-    let ckp = ck.to_str().unwrap();
-    let args = [
-        "train",
-        "--device",
-        "cpu",
-        "--batch",
-        "64",
-        "--rows",
-        "500",
-        "--steps",
-        "1000000",
-        "--eval-every",
-        "0",
-        "--checkpoint",
-        ckp,
-    ];
     let mut child = Command::new(EXE)
         .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let pid = child.id().to_string();
+    // killed if it has not ended within 120 s (the channel says it has)
+    let (done, ended) = std::sync::mpsc::channel::<()>();
+    let watchdog = {
+        let pid = pid.clone();
+        std::thread::spawn(move || {
+            if ended
+                .recv_timeout(std::time::Duration::from_secs(120))
+                .is_err()
+            {
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            }
+        })
+    };
     let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
     let mut seen = String::new();
-    // the first progress line: the handler is in place and a step has run
+    // the first progress line: the training loop runs, so the first signal is a stop
     while !seen.contains("step 1/") {
         let mut line = String::new();
         assert!(
@@ -390,15 +386,52 @@ fn an_interrupted_run_keeps_its_checkpoint_and_resumes() {
         );
         seen += &line;
     }
-    let kill = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
+    assert!(Command::new("kill")
+        .args(["-INT", &pid])
         .status()
-        .unwrap();
-    assert!(kill.success());
+        .unwrap()
+        .success());
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
     let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(130), "{seen}{rest}");
+    let _ = done.send(());
+    let _ = watchdog.join();
+    (status, rest)
+}
+
+/// Ctrl-C ends a run after the step under way, with its checkpoint, and exit status 130;
+/// the run continues from there with --resume. A checkpoint file that was there before
+/// the run, and that it had not written yet, is kept as it was.
+#[test]
+fn an_interrupted_run_keeps_its_checkpoint_and_resumes() {
+    let dir = tmpdir("interrupt");
+    let ck = dir.join("k.st");
+    let ckp = ck.to_str().unwrap();
+    let run_args = |steps: &str| -> Vec<String> {
+        [
+            "train",
+            "--device",
+            "cpu",
+            "--batch",
+            "64",
+            "--rows",
+            "500",
+            "--steps",
+            steps,
+            "--eval-every",
+            "0",
+            "--eval-examples",
+            "128",
+            "--checkpoint",
+            ckp,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let args = run_args("1000000");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (status, rest) = interrupted(&args);
+    assert_eq!(status.code(), Some(130), "{rest}");
     let at: usize = rest
         .split("interrupted after step ")
         .nth(1)
@@ -408,29 +441,29 @@ fn an_interrupted_run_keeps_its_checkpoint_and_resumes() {
     assert!((1..1_000_000).contains(&at), "{rest}");
     assert!(rest.contains(&format!("--resume {ckp}")), "{rest}");
     // the checkpoint holds that step: resuming starts right after it
-    let out = ok(&run(&[
-        "train",
-        "--device",
-        "cpu",
-        "--batch",
-        "64",
-        "--rows",
-        "500",
-        "--steps",
-        &(at + 2).to_string(),
-        "--eval-every",
-        "0",
-        "--eval-examples",
-        "128",
-        "--checkpoint",
-        ckp,
-        "--resume",
-        ckp,
-    ]));
+    let more = (at + 2).to_string();
+    let mut resume = run_args(&more);
+    resume.extend(["--resume".to_string(), ckp.to_string()]);
+    let resume: Vec<&str> = resume.iter().map(String::as_str).collect();
+    let out = ok(&run(&resume));
     assert!(
         out.contains(&format!("resumed from {ckp} at step {at}")),
         "{out}"
     );
+    // a new run pointed at that file, stopped before it wrote it: the file is kept
+    let (status, rest) = interrupted(&args);
+    assert_eq!(status.code(), Some(130), "{rest}");
+    assert!(rest.contains("is kept as it was"), "{rest}");
+    let out = ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        ckp,
+        "--eval-examples",
+        "128",
+    ]));
+    assert!(out.contains(&format!("step {}, NE", at + 2)), "{out}");
 }
 
 #[test]

@@ -332,11 +332,13 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
     }
     let mut progress = ConsoleProgress::new(jsonl);
     // Ctrl-C ends the run after the step under way, with its checkpoint
+    let signals = crate::interrupt::install();
     let cfg = crate::train::TrainConfig {
-        stop: Some(crate::interrupt::install()),
+        stop: Some(signals.flag()),
         ..cfg
     };
     let r = train_on(&cfg, dev.as_ref(), &mut progress)?;
+    drop(signals);
     println!();
     println!(
         "summary ({variant}, {})",
@@ -392,26 +394,34 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         r.launches,
         r.arena_bytes as f64 / (1 << 20) as f64
     );
+    if let Some(step) = r.interrupted {
+        let what = match &cfg.checkpoint {
+            Some(p) if r.interrupted_saved => format!(
+                "the checkpoint {} holds it: continue with --resume {} (and the same flags)",
+                p.display(),
+                p.display()
+            ),
+            Some(p) => format!(
+                "{} was there before this run and is kept as it was (this run had not written it yet)",
+                p.display()
+            ),
+            None => "no checkpoint was asked for (--checkpoint FILE keeps one)".to_string(),
+        };
+        let metrics = match progress.write_error.take() {
+            Some(e) => format!("; --metrics: a write failed ({e}), the file is incomplete"),
+            None => String::new(),
+        };
+        return Err(crate::interrupt::Interrupted(format!(
+            "interrupted after step {step} of {}; {what}{metrics}",
+            cfg.steps
+        ))
+        .into());
+    }
     if let Some(e) = progress.write_error.take() {
         bail!(
             "--metrics {}: a write failed ({e}); training finished, but the metrics file is incomplete",
             a.metrics.as_deref().unwrap_or(std::path::Path::new("?")).display()
         );
-    }
-    if let Some(step) = r.interrupted {
-        let what = match &cfg.checkpoint {
-            Some(p) => format!(
-                "the checkpoint {} holds it: continue with --resume {} (and the same flags)",
-                p.display(),
-                p.display()
-            ),
-            None => "no checkpoint was asked for (--checkpoint FILE keeps one)".to_string(),
-        };
-        return Err(crate::interrupt::Interrupted(format!(
-            "interrupted after step {step} of {}; {what}",
-            cfg.steps
-        ))
-        .into());
     }
     Ok(())
 }
