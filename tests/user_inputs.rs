@@ -637,6 +637,34 @@ fn one_config_file_serves_every_subcommand_and_type_errors_name_file_table_and_k
         "[data] data not used:\n{out}"
     );
     assert!(cache.is_dir(), "[data] cache_dir not used:\n{out}");
+    // [data]'s keys other than the data's description are the data subcommand's own:
+    // its threads list and seed do not become train's flags of those names
+    let both = write(
+        &dir,
+        "both.toml",
+        &format!(
+            "[model]\nbatch = 64\n[train]\nsteps = 2\neval_every = 0\n[data]\ndata = \"criteo:{}\"\nthreads = \"1,all\"\nseed = 7\n",
+            fixture("criteo_floats.tsv"),
+        ),
+    );
+    let out = ok(&run(&["train", "--device", "cpu", "--config", &both]));
+    assert!(out.contains("criteo_floats.tsv"), "{out}");
+    let out = ok(&run(&["data", "--config", &both]));
+    assert!(out.contains("1 thread"), "{out}");
+    let written = dir.join("w.tsv");
+    ok(&run(&[
+        "data",
+        "--config",
+        &both,
+        "--write-criteo",
+        written.to_str().unwrap(),
+        "--lines",
+        "10",
+    ]));
+    assert_eq!(
+        std::fs::read_to_string(&written).unwrap().lines().count(),
+        10
+    );
     // one config file a command
     fails_with(
         &run(&[

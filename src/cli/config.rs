@@ -1,8 +1,10 @@
 //! Expands `--config FILE` into the flags of the subcommand it follows.
 //!
 //! One config file serves every subcommand. Its tables:
-//! - `[model]` and `[data]`: settings shared by the subcommands; each subcommand takes
-//!   the keys that are flags of it and leaves the others (`eval` has no `--steps`);
+//! - `[model]`, and `[data]`'s description of the data (`data`, `cache_dir`, `strict`,
+//!   `data_seed`): settings shared by the subcommands; each subcommand takes the keys
+//!   that are flags of it and leaves the others (`eval` has no `--steps`); `[data]`'s
+//!   other keys are the `data` subcommand's own;
 //! - `[train]`, `[eval]`, `[bench]`, `[plan]`: settings of that subcommand alone;
 //! - `[data.schema]`: the columns of `--data tsv:PATH`, read by the data loader.
 //!
@@ -19,6 +21,11 @@ use super::Cli;
 
 /// Tables whose keys every subcommand may take.
 const SHARED: [&str; 2] = ["model", "data"];
+
+/// The keys of `[data]` that describe the data, for every subcommand that reads data; its
+/// other keys are the `data` subcommand's own (its `threads`, `seed` and `json` mean other
+/// things than train's and bench's flags of those names).
+const DATA_SOURCE_KEYS: [&str; 4] = ["data", "cache-dir", "strict", "data-seed"];
 
 fn flag_of<'a>(cmd: &'a Command, flag: &str) -> Option<&'a Arg> {
     cmd.get_arguments().find(|a| a.get_long() == Some(flag))
@@ -63,9 +70,11 @@ fn flag_args(arg: &Arg, flag: &str, value: &toml::Value, at: &str) -> Result<Vec
         other => bail!("{at} = {other} is not a flag value"),
     };
     // the value must parse as the flag's: parse it with that flag alone
-    let alone = Command::new("erase-ctr")
-        .no_binary_name(true)
-        .arg(arg.clone().required(false));
+    let alone = Command::new("erase-ctr").no_binary_name(true).arg(
+        arg.clone()
+            .required(false)
+            .required_unless_present(clap::builder::Resettable::<clap::Id>::Reset),
+    );
     alone
         .try_get_matches_from([format!("--{flag}={text}")])
         .map_err(|e| anyhow::anyhow!("{at} = {value}: {}", clap_reason(&e)))?;
@@ -190,6 +199,19 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Expanded> {
             }
             let at = format!("{path}: [{section}] {key}");
             let flag = key.replace('_', "-");
+            // `[data]`'s keys other than the data's description are the `data`
+            // subcommand's own
+            let owner = match (section.as_str(), owner) {
+                ("data", None) if !DATA_SOURCE_KEYS.contains(&flag.as_str()) => {
+                    cli.find_subcommand("data")
+                }
+                (_, o) => o,
+            };
+            // `data --write-criteo` writes data and reads none: the config's source is
+            // not for it
+            if sub == "data" && flag == "data" && on_command_line("write-criteo") {
+                continue;
+            }
             match owner {
                 // a subcommand's own table: checked against it, used only by it
                 Some(cmd) => {

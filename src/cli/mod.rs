@@ -212,10 +212,11 @@ impl From<VariantArg> for Variant {
 
 #[derive(Args, Clone)]
 struct ModelArgs {
-    /// A TOML file of settings: the keys of its [model] and [data] tables are flags of
-    /// every command that has them, those of [train], [eval], [bench] and [plan] flags of
-    /// that command alone (e.g. `[train] steps = 500`); flags given on the command line
-    /// win. `[data.schema]` describes the columns of `--data tsv:PATH`.
+    /// A TOML file of settings: the keys of its [model] table, and [data]'s data,
+    /// cache_dir, strict and data_seed, are flags of every command that has them; those of
+    /// [train], [eval], [bench] and [plan] (and [data]'s others, for `data`) flags of that
+    /// command alone (e.g. `[train] steps = 500`); flags given on the command line win.
+    /// `[data.schema]` describes the columns of `--data tsv:PATH`.
     #[arg(long, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
     /// The model: `spec` (the spec's six-block CTR model), `dlrm`, `dcnv2` (MLPerf's
