@@ -118,12 +118,18 @@ pub fn flatten_debug(prefix: &str, text: &str) -> Vec<(String, String)> {
 /// socket), which a checkpoint would replace.
 fn target_file(path: &Path) -> Result<std::path::PathBuf> {
     let real = match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path).with_context(|| {
-            format!(
-                "checkpoint {}: a link to nothing that exists",
-                path.display()
-            )
-        })?,
+        Ok(m) if m.file_type().is_symlink() => match std::fs::canonicalize(path) {
+            Ok(p) => p,
+            // a link to a file not written yet: its target, beside the link
+            Err(_) => {
+                let to = std::fs::read_link(path)
+                    .with_context(|| format!("checkpoint {}: reading the link", path.display()))?;
+                match path.parent() {
+                    Some(dir) if to.is_relative() => dir.join(to),
+                    _ => to,
+                }
+            }
+        },
         _ => path.to_path_buf(),
     };
     match std::fs::metadata(&real) {

@@ -813,6 +813,20 @@ fn bad_targets_fail_before_training_and_stale_temp_files_are_removed() {
     fails_with(&o, &["is not a regular file"]);
     let kind = std::fs::symlink_metadata(&socket).unwrap().file_type();
     assert!(std::os::unix::fs::FileTypeExt::is_socket(&kind));
+    // a link to a file not written yet: the file is written, the link kept
+    let ahead = dir.join("ahead.st");
+    std::os::unix::fs::symlink("run7.st", &ahead).unwrap();
+    ok(&train(&[
+        "--steps",
+        "1",
+        "--checkpoint",
+        ahead.to_str().unwrap(),
+    ]));
+    assert!(dir.join("run7.st").is_file());
+    assert!(std::fs::symlink_metadata(&ahead)
+        .unwrap()
+        .file_type()
+        .is_symlink());
     // a link is kept: the file it names is replaced
     let link = dir.join("latest.st");
     std::os::unix::fs::symlink(dir.join("k.st"), &link).unwrap();

@@ -977,7 +977,10 @@ impl Graph {
     /// Element type conversion (e.g. to bf16 for GEMM operands and back).
     pub fn cast(&mut self, x: Tensor, to: DType) -> Result<Tensor> {
         let from = self.dtype(x);
-        let ok = |d: DType| d == self.float || d == DType::Bf16;
+        // bf16 copies; and f32 in an f64 reference graph (rounding to f32 and back)
+        let ok = |d: DType| {
+            d == self.float || d == DType::Bf16 || (self.float == DType::F64 && d == DType::F32)
+        };
         if !ok(from) || !ok(to) {
             return Err(GraphError::DType {
                 op: "cast",

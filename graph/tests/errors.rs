@@ -168,10 +168,7 @@ fn impossible_sizes_and_names_are_errors_not_panics() {
         )
         .unwrap_err()
         .to_string();
-    assert!(
-        e.contains("'t'") || e.contains("t:") || e.contains("param"),
-        "{e}"
-    );
+    assert!(e.contains("do not fit"), "{e}");
     // parameters are saved by name: one name, one parameter
     g.param("w", &[2], Init::Zeros).unwrap();
     let e = g.param("w", &[3], Init::Zeros).unwrap_err().to_string();
@@ -198,4 +195,9 @@ fn other_float_types_are_refused_when_built() {
         "{e}"
     );
     g.cast(b, DType::F32).unwrap();
+    // an f64 reference graph may round to f32 and back
+    let mut g = Graph::new(DType::F64);
+    let x = g.input("x", &[4], DType::F64).unwrap();
+    let r = g.cast(x, DType::F32).unwrap();
+    g.cast(r, DType::F64).unwrap();
 }
