@@ -46,6 +46,19 @@ fn ok(o: &Output) -> String {
     t
 }
 
+/// What `eval` prints of checkpoint `ckp` on 128 held-out examples (it must succeed).
+fn eval_checkpoint(ckp: &str) -> String {
+    ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        ckp,
+        "--eval-examples",
+        "128",
+    ]))
+}
+
 /// The final NE a `train` run printed.
 fn final_ne(out: &str) -> f64 {
     let line = out
@@ -174,15 +187,7 @@ fn eval_takes_the_recorded_model_and_refuses_another() {
         "--checkpoint",
         ckp,
     ]));
-    let out = ok(&run(&[
-        "eval",
-        "--device",
-        "cpu",
-        "--checkpoint",
-        ckp,
-        "--eval-examples",
-        "128",
-    ]));
+    let out = eval_checkpoint(ckp);
     assert!(out.contains("step 2, NE"), "{out}");
 
     // sum-pooled genres in training, mean-pooled in eval
@@ -454,15 +459,7 @@ fn an_interrupted_run_keeps_its_checkpoint_and_resumes() {
     let (status, rest) = interrupted(&args);
     assert_eq!(status.code(), Some(130), "{rest}");
     assert!(rest.contains("is kept as it was"), "{rest}");
-    let out = ok(&run(&[
-        "eval",
-        "--device",
-        "cpu",
-        "--checkpoint",
-        ckp,
-        "--eval-examples",
-        "128",
-    ]));
+    let out = eval_checkpoint(ckp);
     assert!(out.contains(&format!("step {}, NE", at + 2)), "{out}");
 }
 
