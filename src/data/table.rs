@@ -240,13 +240,17 @@ pub struct LoadOptions {
     pub progress: bool,
 }
 
+/// The first bytes of a gzip and of a zstd stream.
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+
 /// Whether a file starts as a gzip or zstd stream (`None`: it cannot be read).
 fn is_compressed(f: &Path) -> Option<bool> {
     std::fs::File::open(f)
         .and_then(|mut h| {
             let mut m = [0u8; 4];
             std::io::Read::read(&mut h, &mut m)
-                .map(|n| n >= 2 && (m[..2] == [0x1f, 0x8b] || m == [0x28, 0xb5, 0x2f, 0xfd]))
+                .map(|n| m[..n].starts_with(&GZIP_MAGIC) || m[..n].starts_with(&ZSTD_MAGIC))
         })
         .ok()
 }
@@ -1497,14 +1501,14 @@ fn open_text(path: &Path) -> Result<Text> {
         .fill_buf()
         .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?
         .to_vec();
-    if head.starts_with(&[0x1f, 0x8b]) {
+    if head.starts_with(&GZIP_MAGIC) {
         let gz = flate2::bufread::MultiGzDecoder::new(reader);
         return Ok(Text::Stream(Box::new(BufReader::with_capacity(
             1 << 20,
             gz,
         ))));
     }
-    if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+    if head.starts_with(&ZSTD_MAGIC) {
         let zs = zstd::stream::read::Decoder::with_buffer(reader)
             .map_err(|e| anyhow!("{}: not a readable zstd stream: {e}", path.display()))?;
         return Ok(Text::Stream(Box::new(BufReader::with_capacity(
@@ -1728,11 +1732,11 @@ fn read_files(
         .map_err(|e| anyhow!("cannot start {threads} parsing threads: {e}"))?;
     let proto = parser.clone();
     let window = threads * 3;
+    let mut progress = opts.progress.then(|| ParseProgress::new(&texts));
     let mut chunks = Chunks::new(&mut texts, &names);
     // line breaks before the next piece of its file
     let (mut before, mut last_file) = (0u64, usize::MAX);
     let mut pieces_done = 0usize;
-    let mut progress = opts.progress.then(|| ParseProgress::new(files));
     loop {
         let mut batch = Vec::with_capacity(window);
         while batch.len() < window {
@@ -1799,17 +1803,15 @@ struct ParseProgress {
 }
 
 impl ParseProgress {
-    fn new(files: &[PathBuf]) -> Self {
+    /// For `texts` as `open_text` opened them: their size is known where none is a
+    /// decompressed stream.
+    fn new(texts: &[Text]) -> Self {
         use std::io::IsTerminal;
-        let mut total = Some(0u64);
-        for f in files {
-            let compressed = is_compressed(f).unwrap_or(true);
-            let len = std::fs::metadata(f).map(|m| m.len());
-            total = match (total, len, compressed) {
-                (Some(t), Ok(n), false) => Some(t + n),
-                _ => None,
-            };
-        }
+        let total = texts.iter().try_fold(0u64, |t, x| match x {
+            Text::Plain(m) => Some(t + m.len() as u64),
+            Text::Empty => Some(t),
+            Text::Stream(_) => None,
+        });
         ParseProgress {
             t0: std::time::Instant::now(),
             last: None,
