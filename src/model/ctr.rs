@@ -1097,18 +1097,11 @@ fn check_api_model(
                 );
             }
         }
-        let mut cut = None;
         for n in g.nodes() {
-            if !n.inputs.iter().any(|t| watched.contains(t)) {
-                continue;
-            }
-            if marked.contains(&n.id.index()) {
-                if n.op == erase_graph::Op::Detach {
-                    cut = n.outputs.first().copied();
-                }
-                continue;
-            }
-            if n.op == erase_graph::Op::Detach || is_copy_of_o(n) {
+            let cut_or_copy = marked.contains(&n.id.index())
+                || n.op == erase_graph::Op::Detach
+                || is_copy_of_o(n);
+            if cut_or_copy || !n.inputs.iter().any(|t| watched.contains(t)) {
                 continue;
             }
             bail!(
@@ -1117,10 +1110,10 @@ fn check_api_model(
                 g.name(o)
             );
         }
-        // read by the rest, maybe through another block (DCNv2's cross reads the bottom),
-        // through its cut or the bf16 copy of it that the block's last op writes
+        // read by the rest (`from` crosses cuts), maybe through another block (DCNv2's
+        // cross reads the bottom), through its cut or a bf16 copy its last op writes
         ensure!(
-            cut.is_some_and(|c| from.contains(&c)) || reads(&from),
+            reads(&from),
             "model '{model}': the logit does not read block '{name}' (its output '{}'), which would train on its local loss alone; use what Blocks::mark returns",
             g.name(o)
         );
