@@ -19,35 +19,77 @@ pub fn to_unit(u: u64) -> f64 {
 
 /// The initial values of a parameter, row-major.
 pub fn init_param(init: &Init, shape: &Shape, seed: u64, param_index: u64) -> Vec<f64> {
+    init_param_as(init, shape, seed, param_index, |x| x)
+}
+
+/// [`init_param`]'s values, each converted by `conv` as it is drawn (no f64 copy of the
+/// whole parameter: a large table is made in its own type), on every core for a large
+/// one. The same values whatever the thread count: each element's draw depends on its
+/// index alone.
+pub fn init_param_as<T: Copy + Send + Default>(
+    init: &Init,
+    shape: &Shape,
+    seed: u64,
+    param_index: u64,
+    conv: impl Fn(f64) -> T + Sync,
+) -> Vec<T> {
     let n = shape.numel();
     let base = param_base(seed, param_index);
-    let uniform = |e: usize, slot: u64| uniform_at(base, e, slot);
     match init {
-        Init::Zeros => vec![0.0; n],
-        Init::Ones => vec![1.0; n],
-        Init::Values(v) => v.clone(),
-        Init::Uniform { bound } => (0..n)
-            .map(|e| (2.0 * uniform(e, 0) - 1.0) * bound)
-            .collect(),
-        Init::Normal { std } => (0..n)
-            .map(|e| {
-                let (u1, u2) = (uniform(e, 0), uniform(e, 1));
-                std * (-2.0 * (1.0 - u1).ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-            })
-            .collect(),
+        Init::Zeros => return vec![conv(0.0); n],
+        Init::Ones => return vec![conv(1.0); n],
+        Init::Values(v) => return v.iter().map(|&x| conv(x)).collect(),
+        _ => {}
+    }
+    // field starts (in elements) and bounds of a stacked table
+    let (starts, bounds): (Vec<usize>, Vec<f64>) = match init {
         Init::Tables { field_rows } => {
             let d = shape.last();
-            let mut v = Vec::with_capacity(n);
-            for &rows in field_rows {
-                let bound = table_bound(rows);
-                for _ in 0..rows * d {
-                    let e = v.len();
-                    v.push((2.0 * uniform(e, 0) - 1.0) * bound);
-                }
-            }
-            v
+            let mut at = 0;
+            field_rows
+                .iter()
+                .map(|&rows| {
+                    let s = at;
+                    at += rows * d;
+                    (s, table_bound(rows))
+                })
+                .unzip()
         }
-    }
+        _ => (Vec::new(), Vec::new()),
+    };
+    let value = |e: usize| -> f64 {
+        let u = |slot: u64| uniform_at(base, e, slot);
+        match init {
+            Init::Uniform { bound } => (2.0 * u(0) - 1.0) * bound,
+            Init::Normal { std } => {
+                let (u1, u2) = (u(0), u(1));
+                std * (-2.0 * (1.0 - u1).ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+            }
+            Init::Tables { .. } => {
+                let f = starts.partition_point(|&s| s <= e).saturating_sub(1);
+                (2.0 * u(0) - 1.0) * bounds.get(f).copied().unwrap_or(0.0)
+            }
+            Init::Zeros | Init::Ones | Init::Values(_) => 0.0,
+        }
+    };
+    let mut out = vec![T::default(); n];
+    let threads = if n < 1 << 20 {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |t| t.get())
+    };
+    let chunk = n.div_ceil(threads).max(1);
+    std::thread::scope(|sc| {
+        for (k, part) in out.chunks_mut(chunk).enumerate() {
+            let (value, conv) = (&value, &conv);
+            sc.spawn(move || {
+                for (i, o) in part.iter_mut().enumerate() {
+                    *o = conv(value(k * chunk + i));
+                }
+            });
+        }
+    });
+    out
 }
 
 /// The initial values of some rows of an `Init::Tables` parameter of `field_rows` (its
@@ -121,5 +163,49 @@ mod tests {
         // another parameter index or seed draws other values
         assert_ne!(init_table_rows(&fields, d, 11, 5, &rows), some);
         assert_ne!(init_table_rows(&fields, d, 12, 4, &rows), some);
+    }
+
+    #[test]
+    fn a_parameter_made_in_f32_has_the_f64_values_rounded_on_any_thread_count() {
+        // 3 fields of 70000 rows (over 2^20 elements, so drawn on every core)
+        let fields = vec![70_000usize, 3, 70_000];
+        let d = 8;
+        let rows: usize = fields.iter().sum();
+        let cases = [
+            (Init::Tables { field_rows: fields }, Shape::new(&[rows, d])),
+            (Init::Uniform { bound: 0.3 }, Shape::new(&[1200, 1000])),
+            (Init::Normal { std: 0.02 }, Shape::new(&[64, 33])),
+            (Init::Values(vec![0.1, -2.5, 3.0]), Shape::new(&[3])),
+            (Init::Ones, Shape::new(&[5])),
+            (Init::Zeros, Shape::new(&[4, 2])),
+        ];
+        for (init, shape) in &cases {
+            let wide = init_param(init, shape, 7, 3);
+            assert_eq!(wide.len(), shape.numel(), "{init:?}");
+            let narrow = init_param_as(init, shape, 7, 3, |x| x as f32);
+            let want: Vec<f32> = wide.iter().map(|&x| x as f32).collect();
+            assert!(narrow == want, "{init:?}: f32 values differ");
+        }
+        // element by element, as the generator is defined
+        let base = param_base(7, 3);
+        let u = |e: usize, k: u64| uniform_at(base, e, k);
+        let uni = init_param(&cases[1].0, &cases[1].1, 7, 3);
+        assert!(uni
+            .iter()
+            .enumerate()
+            .all(|(e, &x)| x == (2.0 * u(e, 0) - 1.0) * 0.3));
+        let nor = init_param(&cases[2].0, &cases[2].1, 7, 3);
+        let box_muller = |e: usize| {
+            0.02 * (-2.0 * (1.0 - u(e, 0)).ln()).sqrt()
+                * (2.0 * std::f64::consts::PI * u(e, 1)).cos()
+        };
+        assert!(nor.iter().enumerate().all(|(e, &x)| x == box_muller(e)));
+        // the stacked table's fields keep their own bounds (1/sqrt(rows))
+        let t = init_param(&cases[0].0, &cases[0].1, 7, 3);
+        let small_field = &t[70_000 * d..70_003 * d];
+        assert!(small_field.iter().any(|x| x.abs() > 0.05));
+        assert!(t[..70_000 * d]
+            .iter()
+            .all(|x| x.abs() <= 1.0 / 70_000f64.sqrt()));
     }
 }

@@ -5,7 +5,7 @@
 pub mod runner;
 
 use crate::error::RuntimeError;
-use crate::init::init_param;
+use crate::init::{init_param, init_param_as};
 use erase_graph::{DType, Graph, Leaf, NodeId, Op, Tensor};
 use erase_ops::{Buffer, NodeCall};
 
@@ -116,9 +116,14 @@ pub fn initial_store(graph: &Graph, seed: u64) -> Vec<Option<Buffer>> {
         store[t.index()] = match leaf {
             Leaf::Input => None,
             Leaf::Param { init, .. } => {
-                let v = init_param(init, &info.shape, seed, param_index);
+                let (shape, i) = (&info.shape, param_index);
                 param_index += 1;
-                Some(Buffer::from_f64(info.dtype, &v))
+                // made in the parameter's type: no f64 copy of a large table
+                Some(match info.dtype {
+                    DType::F32 => Buffer::F32(init_param_as(init, shape, seed, i, |x| x as f32)),
+                    DType::F64 => Buffer::F64(init_param(init, shape, seed, i)),
+                    other => Buffer::from_f64(other, &init_param(init, shape, seed, i)),
+                })
             }
             Leaf::State => Some(Buffer::zeros(info.dtype, n)),
             Leaf::Const(v) => Some(Buffer::from_f64(info.dtype, v)),
