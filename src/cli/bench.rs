@@ -59,7 +59,7 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
     if let Some(dir) = &a.trace_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("--trace-dir {}", dir.display()))?;
     }
-    let model = a.model.config(Variant::Erase)?;
+    let model = a.model.synthetic_config(Variant::Erase)?;
     let dev = open(a.device, &a.model)?;
     let threads = a
         .threads

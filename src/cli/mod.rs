@@ -514,6 +514,40 @@ impl ModelArgs {
         Ok(c)
     }
 
+    /// [`ModelArgs::config`] with the table sizes of --table-rows, for synthetic data
+    /// (its fields are named C1..Cn): what `train` without --data, `plan` and `bench` run.
+    fn synthetic_config(&self, variant: Variant) -> Result<CtrConfig> {
+        self.check_rows_cap()?;
+        let mut model = self.config(variant)?;
+        if let Some(spec) = &self.table_rows {
+            if spec.trim() == "auto" {
+                bail!("--table-rows auto counts ids in the data; synthetic data has none to count (give sizes, or --data)");
+            }
+            let names: Vec<String> = (1..=model.num_sparse).map(|j| format!("C{j}")).collect();
+            model.table_rows = table_rows(spec, &names, model.rows, model.rows, || Ok(vec![]))?;
+            model.validate().context("--table-rows")?;
+            // once, though `plan` and `bench` ask for each variant's model
+            static SHOWN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !SHOWN.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                print_tables(&model, "given: ", &names);
+            }
+        }
+        Ok(model)
+    }
+
+    /// --rows-cap bounds the sizes --table-rows auto counts; with any other sizes it
+    /// would do nothing.
+    fn check_rows_cap(&self) -> Result<()> {
+        let auto = self
+            .table_rows
+            .as_deref()
+            .is_some_and(|s| s.trim() == "auto");
+        if let (Some(cap), false) = (self.rows_cap, auto) {
+            bail!("--rows-cap {cap} bounds the sizes of --table-rows auto, which is not given; drop it, or use --table-rows auto with --data");
+        }
+        Ok(())
+    }
+
     fn schedule(&self) -> ScheduleOptions {
         ScheduleOptions {
             side_streams: self.side_streams,
@@ -582,19 +616,11 @@ fn model_and_data(
             p.display()
         );
     }
-    let mut model = m.config(variant)?;
+    m.check_rows_cap()?;
     let Some(src) = source else {
-        if let Some(spec) = &m.table_rows {
-            if spec.trim() == "auto" {
-                bail!("--table-rows auto counts ids in the data; synthetic data has none to count (give sizes, or --data)");
-            }
-            let names: Vec<String> = (1..=model.num_sparse).map(|j| format!("C{j}")).collect();
-            model.table_rows = table_rows(spec, &names, model.rows, model.rows, || Ok(vec![]))?;
-            model.validate().context("--table-rows")?;
-            print_tables(&model, "given: ", &names);
-        }
-        return Ok((model, crate::train::Data::Synthetic));
+        return Ok((m.synthetic_config(variant)?, crate::train::Data::Synthetic));
     };
+    let mut model = m.config(variant)?;
     let opts = crate::data::LoadOptions {
         strict,
         cache_dir: cache_dir.map(|p| p.to_path_buf()),

@@ -47,6 +47,8 @@ pub(crate) struct PlanArgs {
     kernels: Option<usize>,
     /// Also predict data-parallel steps on this many GPUs (NVLink, ring collectives),
     /// with each block's gradients all-reduced early and with one all-reduce at the end.
+    /// Here --batch is each GPU's batch (`train --gpus N --batch B` splits a global B:
+    /// plan it with --batch B/N).
     #[arg(long, value_name = "N", value_parser = super::at_least_one)]
     gpus: Option<usize>,
     /// With --gpus: where the embedding tables would live (`auto`: by size, the ranks'
@@ -200,7 +202,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         None => None,
     };
     for v in Variant::ALL {
-        let cfg = a.model.config(v)?;
+        let cfg = a.model.synthetic_config(v)?;
         let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched)?;
         // each launch's time alone: measured where the trace has it, else the cost model's
         let work = match &measured {
@@ -415,7 +417,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         ));
     }
     if let Some(max) = a.sweep_side_streams {
-        let cfg = a.model.config(Variant::Erase)?;
+        let cfg = a.model.synthetic_config(Variant::Erase)?;
         println!(
             "erase step by side streams (occupancy rule {}), {}:",
             sched.occupancy.as_str(),
@@ -462,7 +464,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             bail!("--gpus must be at least 1");
         }
         let link = LinkModel::nvlink_h200();
-        let mc = a.model.config(Variant::Erase)?;
+        let mc = a.model.synthetic_config(Variant::Erase)?;
         let batch = mc.batch;
         let tables: Vec<crate::sharding::Table> = mc
             .field_rows()
@@ -636,7 +638,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
     );
     let base = rows[0].1;
     for (v, t, mem, busy, flops) in &rows {
-        let batch = a.model.config(*v)?.batch as f64;
+        let batch = a.model.synthetic_config(*v)?.batch as f64;
         let qps = batch / t;
         let busy: Vec<String> = busy.iter().map(|b| format!("{:.0}", b * 1e6)).collect();
         println!(
