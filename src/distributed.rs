@@ -168,11 +168,11 @@ pub fn train_data_parallel_cpu_with(
     progress: &mut (dyn Progress + Send),
 ) -> Result<Vec<Result<RankResult>>> {
     if cfg.schedule.early_updates {
-        bail!("early per-block updates would run before the gradients are all-reduced; data parallelism updates at the end");
+        bail!("--optimizer-update early would update a block before its gradients are all-reduced; data parallelism updates at the end (--optimizer-update end)");
     }
     if world == 0 || !cfg.model.batch.is_multiple_of(world) {
         bail!(
-            "the global batch {} must split evenly over {world} ranks",
+            "--batch {} (the global batch) must split evenly over the {world} ranks of --cpu-ranks",
             cfg.model.batch
         );
     }
@@ -273,6 +273,7 @@ pub fn run_rank<C: Collective>(
     };
     let plan = plan_step_data_parallel(&stored, DType::F32, &cfg.optimizer, &sched)?;
     let g = &plan.model.graph;
+    check_rank_memory(&plan, local, (store.is_some(), true), comm)?;
     let mut runner = ProgramRunner::new(g, &plan.program, &plan.memory, cfg.seed, 1)?;
     // launches before the optimizer, and the dense optimizer's (row-wise Adagrad is
     // applied by the rank, on the gathered sparse gradients)
@@ -287,6 +288,9 @@ pub fn run_rank<C: Collective>(
     }
     let share = Share { rank, world };
     let sparse_opt_all = sparse_opt.clone();
+    let landing_bytes = store
+        .as_ref()
+        .map_or(0, |st| (st.landing_rows() * (local.dim + 1) * 4) as u64);
     let sharded = store
         .map(|st| crate::sharded::ShardedTables::new(g, &sparse_opt, st, &mut runner, cfg.seed))
         .transpose()
@@ -299,8 +303,10 @@ pub fn run_rank<C: Collective>(
     let table_bytes = stored_table_bytes(g, &sparse_opt_all);
     if sharded.is_some() {
         eprintln!(
-            "rank {rank}: stores {} of embedding tables and their state (the whole tables: {})",
+            "rank {rank}: stores {} of embedding tables and their state: {} of the rows it holds (what --rank-memory budgets), {} of landing slots for the rows its batch fetches (the whole tables: {})",
             crate::sharding::size(table_bytes),
+            crate::sharding::size(table_bytes.saturating_sub(landing_bytes)),
+            crate::sharding::size(landing_bytes),
             crate::sharding::size(local.table_bytes().0 + local.table_bytes().1)
         );
     }
@@ -343,6 +349,94 @@ pub fn run_rank<C: Collective>(
         evals: report.evals,
         table_bytes,
     })
+}
+
+/// Refuses, before any rank allocates, a job whose ranks need more of this machine's
+/// memory than it has. Every rank sends what it needs and what it sees free (one
+/// all-to-all over `comm`), so every rank reaches the same verdict. A rank needs its
+/// plan where it runs on the CPU (its share of the tables, the dense model, the
+/// activations; a CUDA rank only makes its initial state here before it uploads it),
+/// and, at a checkpoint and the end, a copy of the model's whole state and, with sharded
+/// tables, the whole tables assembled beside its own rows. The ranks of one machine
+/// (threads of this process, or the processes `LOCAL_WORLD_SIZE` counts) share it.
+pub(crate) fn check_rank_memory<C: Collective>(
+    plan: &StepPlan,
+    model: &crate::model::ctr::CtrConfig,
+    (sharded, on_cpu): (bool, bool),
+    comm: &mut C,
+) -> Result<()> {
+    let (own, own_tables) = crate::train::plan_bytes(plan);
+    let arena = plan.memory.arena_bytes as u64;
+    let whole_tables = {
+        let (w, acc) = model.table_bytes();
+        w + acc
+    };
+    let whole_state = (own - own_tables).saturating_sub(arena) + whole_tables;
+    let at_end = whole_state + if sharded { whole_tables } else { 0 };
+    let need = if on_cpu {
+        own + at_end
+    } else {
+        at_end.max(own.saturating_sub(arena))
+    };
+    let have = crate::train::available_memory(None).unwrap_or(u64::MAX);
+    let mine: Vec<u8> = need
+        .to_le_bytes()
+        .into_iter()
+        .chain(have.to_le_bytes())
+        .collect();
+    // (an all-to-all of the same bytes to every rank: a step's gathers stay its own)
+    let world = comm.world();
+    let all = comm.all_to_all("memory check", &vec![mine; world])?;
+    let word = |b: &[u8], i: usize| {
+        b.get(i * 8..i * 8 + 8)
+            .and_then(|w| w.try_into().ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    let local = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| (1..world).contains(&n));
+    let needs: Vec<u64> = all.iter().map(|b| word(b, 0)).collect();
+    let have = all.iter().map(|b| word(b, 1)).min().unwrap_or(u64::MAX);
+    // the ranks of one machine: all of them, or (several machines) the largest needs
+    let total: u64 = match local {
+        None => needs.iter().sum(),
+        Some(n) => needs.iter().max().copied().unwrap_or(0) * n as u64,
+    };
+    if total > have {
+        let gb = |b: u64| b as f64 / 1e9;
+        let here = local.unwrap_or(world);
+        let plan_part = if on_cpu {
+            format!(
+                "its plan: {:.1} GB, of which {:.1} GB of tables; ",
+                gb(own),
+                gb(own_tables)
+            )
+        } else {
+            String::new()
+        };
+        bail!(
+            "{here} ranks on this machine need {:.1} GB of its memory in all, but it has \
+             {:.1} GB free: each rank needs up to {:.1} GB ({plan_part}at a checkpoint and the \
+             end a copy of the model's state, {:.1} GB{}); use fewer ranks, fewer rows \
+             (--rows, --table-rows){}",
+            gb(total),
+            gb(have),
+            gb(needs.iter().max().copied().unwrap_or(0)),
+            gb(whole_state),
+            if sharded {
+                format!(", and the whole tables, {:.1} GB", gb(whole_tables))
+            } else {
+                String::new()
+            },
+            if sharded {
+                ""
+            } else {
+                ", or sharded tables (--sharding)"
+            }
+        );
+    }
+    Ok(())
 }
 
 /// A CPU rank's step: the program up to the optimizer, the dense gradients' mean over

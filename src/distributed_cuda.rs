@@ -35,9 +35,10 @@ pub fn run_worker_cuda(
     if cfg.schedule.early_updates {
         bail!("--optimizer-update early updates a block before its gradients are all-reduced; with several ranks use end");
     }
-    nccl_check().context("--gpus on CUDA needs NCCL")?;
+    // the device first: on a machine without a GPU that is the error to read
     let mut dev = crate::gpu::open_device_ordinal(env.local_rank)
         .with_context(|| format!("rank {rank}: CUDA device {} (LOCAL_RANK)", env.local_rank))?;
+    nccl_check().context("--gpus on CUDA needs NCCL")?;
     dev.set_plan_options(opts.plan);
     let blob = if rank == 0 { unique_id()? } else { Vec::new() };
     let tag = format!(
@@ -126,6 +127,8 @@ fn train(
     };
     let plan = plan_step_data_parallel(&stored, DType::F32, &cfg.optimizer, &cfg.schedule)?;
     crate::train::check_memory(&plan, Some(dev))?;
+    // the host's memory: the initial state, and the whole state at a checkpoint and the end
+    crate::distributed::check_rank_memory(&plan, &local, (shards.is_some(), false), control)?;
     let g = &plan.model.graph;
     let sparse: Vec<_> = plan
         .program
@@ -146,9 +149,12 @@ fn train(
                 bail!("'{}' updates no table and state", n.name);
             };
             prog.feed(table, &Buffer::F32(store.initial(g, table, cfg.seed)?))?;
+            let landing = (store.landing_rows() * (local.dim + 1) * 4) as u64;
             eprintln!(
-                "rank {rank}: stores {} of embedding tables and their state (the whole tables: {})",
+                "rank {rank}: stores {} of embedding tables and their state: {} of the rows it holds (what --rank-memory budgets), {} of landing slots for the rows its batch fetches (the whole tables: {})",
                 crate::sharding::size(table_bytes),
+                crate::sharding::size(table_bytes.saturating_sub(landing)),
+                crate::sharding::size(landing),
                 crate::sharding::size(local.table_bytes().0 + local.table_bytes().1)
             );
             Some(CudaShards {

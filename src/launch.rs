@@ -91,7 +91,7 @@ pub fn run_worker(cfg: &TrainConfig, env: &RankEnv, opts: &WorkerOptions) -> Res
     }
     if !cfg.model.batch.is_multiple_of(world) {
         bail!(
-            "the global batch {} must split evenly over {world} ranks",
+            "--batch {} (the global batch) must split evenly over the {world} ranks (--gpus, WORLD_SIZE)",
             cfg.model.batch
         );
     }

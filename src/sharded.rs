@@ -170,11 +170,12 @@ impl Storage {
             local_base += fs.stored();
             fields.push(fs);
         }
-        Ok(Some(Storage {
+        let store = Storage {
             fields,
             rank,
             world,
-        }))
+        };
+        Ok(Some(store))
     }
 
     /// Every rank's storage of the placement, laid out for CUDA ranks
@@ -202,6 +203,12 @@ impl Storage {
     }
 
     /// Rows of each field in this rank's storage (`CtrConfig::storage_rows`).
+    /// The landing slots of every field, in rows: the rows this rank fetches each step
+    /// (outside `--rank-memory`, which budgets the rows it holds).
+    pub(crate) fn landing_rows(&self) -> usize {
+        self.fields.iter().map(|f| f.landing).sum()
+    }
+
     pub(crate) fn stored_rows(&self) -> Vec<usize> {
         self.fields.iter().map(FieldStore::stored).collect()
     }

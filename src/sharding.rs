@@ -21,6 +21,18 @@ pub enum Sharding {
     Auto,
 }
 
+impl Sharding {
+    /// The `--sharding` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sharding::Replicated => "replicated",
+            Sharding::Table => "table",
+            Sharding::Row => "row",
+            Sharding::Auto => "auto",
+        }
+    }
+}
+
 /// Where one table lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Placement {
@@ -182,7 +194,8 @@ pub fn plan(tables: &[Table], ranks: usize, budget: u64, mode: Sharding) -> Resu
     }
     if let Some((k, b)) = rank_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
         bail!(
-            "sharding {mode:?}: rank {k} would hold {} of tables, over its budget of {}, even with its tables split row-wise over {ranks} ranks",
+            "--sharding {}: rank {k} would hold {} of tables, over its budget of {} (--rank-memory), even with its tables split row-wise over {ranks} ranks",
+            mode.as_str(),
             gb(*b),
             gb(budget)
         );

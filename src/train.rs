@@ -1402,7 +1402,7 @@ pub fn plan_bytes(plan: &StepPlan) -> (u64, u64) {
 }
 
 /// Memory this machine (`None`) or device has for a run, in bytes, if it can tell.
-fn available_memory(dev: Option<&CudaDevice>) -> Option<u64> {
+pub(crate) fn available_memory(dev: Option<&CudaDevice>) -> Option<u64> {
     match dev {
         Some(d) => d.memory_info().ok().map(|(free, _)| free as u64),
         None => {

@@ -771,8 +771,12 @@ fn checkpoints_are_verified_and_resume_identifies_data_by_content() {
     std::fs::write(&flipped, &bytes).unwrap();
     let mut f = vec!["eval", "--device", "cpu", "--variant", "baseline"];
     f.extend(["--rows", "2000", "--batch", "64", "--eval-examples", "64"]);
-    f.extend(["--checkpoint", flipped.to_str().unwrap()]);
+    f.extend(["--checkpoint", flipped.to_str().unwrap(), "--data", &rel]);
     fails_with(&run(&f), &["does not match its checksum", "corrupted"]);
+    // ... and one trained on files is not scored on synthetic data
+    let mut s = vec!["eval", "--device", "cpu", "--checkpoint", ckp];
+    s.extend(["--eval-examples", "64"]);
+    fails_with(&run(&s), &["trained on data files", "--data"]);
 }
 
 #[test]
@@ -1179,4 +1183,108 @@ fn contention_and_sharding_flags_are_checked_and_sharded_cpu_ranks_train() {
     a.extend(["--sharding", "row", "--rank-memory", "0.0004"]);
     let out = ok(&run(&a));
     assert!(out.contains("replicas bit-identical"), "{out}");
+}
+
+/// The settings of several ranks are checked together before anything trains: one way
+/// to run ranks, settings that need several, a budget that holds the landing slots, the
+/// machine's memory for all the CPU ranks; `plan` and `bench` take the table sizes.
+#[test]
+fn rank_settings_and_table_sizes_are_checked_before_training() {
+    let small = [
+        "train",
+        "--preset",
+        "small",
+        "--batch",
+        "64",
+        "--rows",
+        "300",
+        "--steps",
+        "2",
+        "--eval-examples",
+        "64",
+    ];
+    let with = |extra: &[&str]| {
+        let mut a = small.to_vec();
+        a.extend(extra);
+        run(&a)
+    };
+    fails_with(
+        &with(&["--cpu-ranks", "2", "--gpus", "2"]),
+        &["--cpu-ranks 2", "--gpus 2", "give one"],
+    );
+    fails_with(
+        &with(&["--sharding", "row"]),
+        &["--sharding", "this run has one"],
+    );
+    fails_with(
+        &with(&["--rank-memory", "3"]),
+        &["--rank-memory", "this run has one"],
+    );
+    fails_with(
+        &with(&["--cpu-ranks", "2", "--dispatch", "threaded"]),
+        &["--cpu-ranks", "blocking", "--dispatch"],
+    );
+    fails_with(
+        &with(&["--cpu-ranks", "3"]),
+        &["--batch 64", "3 ranks of --cpu-ranks"],
+    );
+    // 300 KB holds a rank's rows (265 KB); the slots of the rows it fetches come on top
+    let o = with(&[
+        "--cpu-ranks",
+        "2",
+        "--sharding",
+        "row",
+        "--rank-memory",
+        "0.00030",
+    ]);
+    let out = ok(&o);
+    assert!(
+        out.contains(
+            "0.27 MB of the rows it holds (what --rank-memory budgets), 0.06 MB of landing slots"
+        ),
+        "{out}"
+    );
+    // 1.4 TB of tables: refused before a rank allocates them
+    let huge: Vec<String> = (1..=10).map(|j| format!("C{j}=2000000000")).collect();
+    let huge = huge.join(",");
+    let o = with(&[
+        "--cpu-ranks",
+        "2",
+        "--sharding",
+        "row",
+        "--rank-memory",
+        "1000000",
+        "--table-rows",
+        &huge,
+    ]);
+    fails_with(
+        &o,
+        &["2 ranks on this machine need", "GB free", "fewer rows"],
+    );
+
+    // plan and bench size the tables as train does, and refuse what they cannot use
+    let out = text(&run(&[
+        "plan",
+        "--preset",
+        "small",
+        "--table-rows",
+        "C1=5000000",
+    ]));
+    assert!(out.contains("given: C1 5000000"), "{out}");
+    fails_with(
+        &run(&["plan", "--preset", "small", "--table-rows", "garbage"]),
+        &["--table-rows", "garbage"],
+    );
+    fails_with(
+        &run(&[
+            "bench",
+            "--device",
+            "cpu",
+            "--rows-cap",
+            "5",
+            "--steps",
+            "1",
+        ]),
+        &["--rows-cap 5", "--table-rows auto"],
+    );
 }

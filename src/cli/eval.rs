@@ -1,6 +1,6 @@
 //! `erase-ctr eval`: NE and AUC of a checkpoint on held-out data.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use super::{model_and_data, open, DeviceArg, ModelArgs, VariantArg};
@@ -52,6 +52,16 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
             .with_context(|| format!("{}: the variant it records", a.checkpoint.display()))?,
         (None, None) => Variant::Erase,
     };
+    // trained on data files: synthetic data (the default) would score it on examples of
+    // another distribution
+    if let Some(trained_on) = recorded.get("data").filter(|d| *d != "synthetic") {
+        if a.data.trim() == "synthetic" {
+            bail!(
+                "{} was trained on data files ({trained_on}), and this would evaluate it on synthetic data; pass its held-out data with --data (as given to train, e.g. --data criteo:PATH)",
+                a.checkpoint.display()
+            );
+        }
+    }
     // the sizes the checkpoint records, where the command line gives none
     let mut m = a.model.clone();
     let recorded_size = |key: &str| recorded.get(key).and_then(|v| v.parse::<usize>().ok());

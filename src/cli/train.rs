@@ -131,8 +131,10 @@ pub(crate) struct TrainArgs {
     sharding: super::plan::ShardingArg,
     /// With several ranks: each rank's memory for embedding tables and their optimizer
     /// state, GB (what --sharding plans for; a replicated table set larger than this is
-    /// refused).
-    #[arg(long, value_name = "GB", default_value = "120", value_parser = super::gigabytes)]
+    /// refused). It budgets the rows a rank holds; a sharded rank also stores landing
+    /// slots for the rows its batch fetches (batch x slots x (dim + 1) x 4 bytes), which
+    /// each rank prints.
+    #[arg(long, value_name = "GB", default_value = DEFAULT_RANK_MEMORY, value_parser = super::gigabytes)]
     rank_memory: u64,
 }
 
@@ -142,6 +144,41 @@ enum AllReduceArg {
     End,
 }
 
+/// The settings of several ranks, checked together before anything starts: one way to
+/// run several ranks, and the settings that only mean
+/// something with several (`worker_world`: this process is a worker of that many).
+fn check_ranks(a: &TrainArgs, worker_world: Option<usize>) -> Result<()> {
+    if let (Some(c), Some(g)) = (a.cpu_ranks, a.gpus) {
+        bail!("--cpu-ranks {c} runs ranks as threads of this process and --gpus {g} one process per rank; give one of them");
+    }
+    if let (Some(c), Some(w)) = (a.cpu_ranks, worker_world) {
+        bail!("--cpu-ranks {c} in a worker of a data-parallel job (WORLD_SIZE={w} is set); unset RANK and WORLD_SIZE, or drop --cpu-ranks");
+    }
+    let ranks = a.cpu_ranks.or(a.gpus).or(worker_world).unwrap_or(1);
+    if ranks <= 1 {
+        let default_memory = super::gigabytes(DEFAULT_RANK_MEMORY).unwrap_or(0);
+        if a.sharding != super::plan::ShardingArg::Auto || a.rank_memory != default_memory {
+            bail!("--sharding and --rank-memory place the tables over several ranks; this run has one (add --gpus N or --cpu-ranks N)");
+        }
+        return Ok(());
+    }
+    if a.cpu_ranks.is_some() {
+        if a.dispatch.is_some_and(|d| d != DispatchArg::Blocking) {
+            bail!("--cpu-ranks runs CPU ranks, which dispatch blocking; drop --dispatch");
+        }
+        if a.model.optimizer_update == UpdateArg::Early {
+            bail!("--optimizer-update early updates a block before its gradients are all-reduced; with --cpu-ranks use end");
+        }
+        if a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some() {
+            bail!("--trace, --timeline and --kernels measure kernels on a CUDA device; --cpu-ranks runs on the CPU");
+        }
+    }
+    Ok(())
+}
+
+/// --rank-memory's default, GB.
+const DEFAULT_RANK_MEMORY: &str = "120";
+
 pub(super) fn run(a: &TrainArgs) -> Result<()> {
     if a.steps == 0 {
         bail!("--steps must be at least 1");
@@ -149,6 +186,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
     // a worker of a data-parallel job (RANK and WORLD_SIZE set), or its supervisor
     let rank_env =
         crate::runtime::collective::rendezvous::RankEnv::from_env().map_err(anyhow::Error::msg)?;
+    check_ranks(a, rank_env.as_ref().map(|e| e.world))?;
     if let (None, Some(n)) = (&rank_env, a.gpus) {
         // refuse what every worker would refuse, once, before starting them
         if matches!(a.device, DeviceArg::Cpu)
