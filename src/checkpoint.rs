@@ -7,12 +7,11 @@
 //! foreign or corrupted file (one flipped bit) is refused on load, and so is a
 //! parameter that is not finite, by the tensor's name.
 
-use std::collections::HashMap;
 use std::io::Write as _;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
 use erase_graph::{DType, Graph, Tensor};
 use erase_ops::Buffer;
@@ -26,11 +25,22 @@ pub trait TensorStore {
     fn dims(&self, g: &Graph, t: Tensor) -> Vec<usize> {
         g.shape(t).dims().to_vec()
     }
+    /// Calls `f` with `t`'s value: borrowed where the store keeps it on the host (no
+    /// copy of a large table), else as [`TensorStore::read`] gives it.
+    fn visit(&self, t: Tensor, f: &mut dyn FnMut(&Buffer) -> Result<()>) -> Result<()> {
+        f(&self.read(t)?)
+    }
 }
 
 impl TensorStore for erase_runtime::cpu::runner::ProgramRunner<'_> {
     fn read(&self, t: Tensor) -> Result<Buffer> {
         self.get(t).ok_or_else(|| anyhow!("tensor has no value"))
+    }
+    fn visit(&self, t: Tensor, f: &mut dyn FnMut(&Buffer) -> Result<()>) -> Result<()> {
+        match self.leaf(t) {
+            Some(b) => f(b),
+            None => f(&self.read(t)?),
+        }
     }
     fn write(&mut self, t: Tensor, b: Buffer) -> Result<()> {
         Ok(self.feed(t, b)?)
@@ -235,7 +245,44 @@ fn persistent(g: &Graph) -> Result<Vec<(String, Tensor)>> {
     Ok(v)
 }
 
-/// Writes a checkpoint of `store` to `path` atomically.
+/// The safetensors name of a tensor type.
+fn st_dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "F32",
+        DType::F64 => "F64",
+        DType::I32 => "I32",
+        DType::Bf16 => "BF16",
+    }
+}
+
+/// A safetensors header: each tensor's type, shape and byte range, and the metadata
+/// (`erase`: `meta` as JSON text), padded with spaces to a multiple of 8 bytes.
+fn st_header(
+    entries: &[(String, DType, Vec<usize>, usize, usize)],
+    meta: &serde_json::Value,
+) -> Vec<u8> {
+    let mut h = serde_json::Map::new();
+    h.insert(
+        "__metadata__".into(),
+        serde_json::json!({ "erase": meta.to_string() }),
+    );
+    for (name, d, dims, a, b) in entries {
+        h.insert(
+            name.clone(),
+            serde_json::json!({ "dtype": st_dtype_name(*d), "shape": dims, "data_offsets": [a, b] }),
+        );
+    }
+    let mut bytes = serde_json::Value::Object(h).to_string().into_bytes();
+    bytes.resize(bytes.len().next_multiple_of(8), b' ');
+    bytes
+}
+
+/// Writes a checkpoint of `store` to `path` atomically, one tensor at a time: each is
+/// read (borrowed, from a CPU store), summed and written before the next is read, so
+/// the write needs at most the memory of the largest tensor beside the store, not a
+/// copy of the whole state. The header is
+/// written first with placeholder checksums of the same length and rewritten with the
+/// real ones at the end.
 pub fn save(
     path: &Path,
     g: &Graph,
@@ -243,48 +290,44 @@ pub fn save(
     state: &CheckpointState,
 ) -> Result<()> {
     let names = persistent(g)?;
-    let mut bufs = Vec::with_capacity(names.len());
+    // every tensor's place in the file, from its type and the shape it is stored with
+    let mut entries = Vec::with_capacity(names.len());
+    let mut end = 0usize;
     for (name, t) in &names {
-        bufs.push((
-            name.clone(),
-            *t,
-            store
-                .read(*t)
-                .with_context(|| format!("reading '{name}' for the checkpoint"))?,
-        ));
+        let dims = store.dims(g, *t);
+        let len = dims
+            .iter()
+            .try_fold(g.dtype(*t).size_bytes(), |a, &d| a.checked_mul(d))
+            .ok_or_else(|| anyhow!("tensor '{name}' {dims:?} is too large to checkpoint"))?;
+        entries.push((name.clone(), g.dtype(*t), dims, end, end + len));
+        end += len;
     }
-    let views: Vec<(String, TensorView)> = bufs
-        .iter()
-        .map(|(name, t, b)| {
-            let view = TensorView::new(st_dtype(b.dtype()), store.dims(g, *t), b.bytes())
-                .map_err(|e| anyhow!("tensor '{name}': {e}"))?;
-            Ok((name.clone(), view))
-        })
-        .collect::<Result<_>>()?;
-    let sums: serde_json::Map<String, serde_json::Value> = bufs
-        .iter()
-        .map(|(name, _, b)| (name.clone(), tensor_checksum(b.bytes()).into()))
-        .collect();
     let identity: serde_json::Map<String, serde_json::Value> = state
         .identity
         .iter()
         .map(|(k, v)| (k.clone(), v.clone().into()))
         .collect();
-    let meta = serde_json::json!({
-        "format": FORMAT,
-        "step": state.step,
-        "next_example": state.next_example,
-        "identity": identity,
-        "checksums": sums,
-    });
-    let mut info = HashMap::new();
-    info.insert("erase".to_string(), meta.to_string());
-    let bytes = safetensors::serialize(views, Some(info))
-        .map_err(|e| anyhow!("serialising the checkpoint: {e}"))?;
+    let meta_with = |sums: &[String]| {
+        let sums: serde_json::Map<String, serde_json::Value> = names
+            .iter()
+            .zip(sums)
+            .map(|((name, _), c)| (name.clone(), c.clone().into()))
+            .collect();
+        serde_json::json!({
+            "format": FORMAT,
+            "step": state.step,
+            "next_example": state.next_example,
+            "identity": identity,
+            "checksums": sums,
+        })
+    };
+    // checksums are 16 hex digits: the header keeps its length when they are filled in
+    let placeholder = vec!["0".repeat(16); names.len()];
+    let header = st_header(&entries, &meta_with(&placeholder));
+
     let shown = path;
     let path =
         &target_file(path).with_context(|| format!("writing checkpoint {}", shown.display()))?;
-
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -296,9 +339,37 @@ pub fn save(
     remove_stale_temps(dir, &tmp_prefix, &[]);
     let tmp = dir.join(format!("{tmp_prefix}{}", std::process::id()));
     let write = || -> Result<()> {
-        let mut f =
+        use std::io::{Seek as _, SeekFrom};
+        let f =
             std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(&bytes)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        let mut sums = Vec::with_capacity(names.len());
+        for ((name, t), (_, d, _, a, b)) in names.iter().zip(&entries) {
+            let mut put = |buf: &Buffer| -> Result<()> {
+                if buf.dtype() != *d || buf.bytes().len() != b - a {
+                    bail!(
+                        "tensor '{name}': the store holds {} bytes of {}, its shape needs {} of {d}",
+                        buf.bytes().len(),
+                        buf.dtype(),
+                        b - a
+                    );
+                }
+                sums.push(tensor_checksum(buf.bytes()));
+                Ok(w.write_all(buf.bytes())?)
+            };
+            store
+                .visit(*t, &mut put)
+                .with_context(|| format!("reading '{name}' for the checkpoint"))?;
+        }
+        let final_header = st_header(&entries, &meta_with(&sums));
+        if final_header.len() != header.len() {
+            bail!("the checkpoint header changed length when its checksums were filled in");
+        }
+        let mut f = w.into_inner().map_err(|e| e.into_error())?;
+        f.seek(SeekFrom::Start(8))?;
+        f.write_all(&final_header)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)
             .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
@@ -337,6 +408,12 @@ fn read_meta(path: &Path) -> Result<(Vec<u8>, CheckpointState, serde_json::Value
                 path.display()
             )
         })?;
+    let (state, v) = state_of(path, json)?;
+    Ok((bytes, state, v))
+}
+
+/// The state an Erase checkpoint's metadata (`json`, the `erase` entry) records.
+fn state_of(path: &Path, json: &str) -> Result<(CheckpointState, serde_json::Value)> {
     let v: serde_json::Value = serde_json::from_str(json)
         .with_context(|| format!("{}: bad checkpoint metadata", path.display()))?;
     if v["format"] != FORMAT {
@@ -361,13 +438,59 @@ fn read_meta(path: &Path) -> Result<(Vec<u8>, CheckpointState, serde_json::Value
             .ok_or_else(|| anyhow!("{}: no data position", path.display()))?,
         identity,
     };
-    Ok((bytes, state, v))
+    Ok((state, v))
 }
 
 /// What a checkpoint says besides its tensors, without loading them (to choose the
-/// model a checkpoint needs before building it).
+/// model a checkpoint needs before building it): its header alone is read, and its
+/// length checked against the tensors the header lists (a truncated file is refused
+/// here; `load` verifies every tensor).
 pub fn peek(path: &Path) -> Result<CheckpointState> {
-    read_meta(path).map(|(_, s, _)| s)
+    use std::io::Read as _;
+    let incomplete = |why: &str| {
+        anyhow!(
+            "{} is not a complete checkpoint ({why}); was it truncated?",
+            path.display()
+        )
+    };
+    let mut f = std::fs::File::open(path)
+        .with_context(|| format!("reading checkpoint {}", path.display()))?;
+    let len = f
+        .metadata()
+        .with_context(|| format!("reading checkpoint {}", path.display()))?
+        .len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)
+        .map_err(|_| incomplete("no header length"))?;
+    let n = u64::from_le_bytes(n);
+    if n > len.saturating_sub(8) || n > 100 << 20 {
+        return Err(incomplete("a header longer than the file"));
+    }
+    let mut head = vec![0u8; n as usize];
+    f.read_exact(&mut head)
+        .map_err(|_| incomplete("a short header"))?;
+    let header: serde_json::Value = serde_json::from_slice(&head)
+        .map_err(|e| anyhow!("{} is not a safetensors file ({e})", path.display()))?;
+    let end = header
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(_, t)| t["data_offsets"][1].as_u64())
+        .max()
+        .unwrap_or(0);
+    if 8 + n + end != len {
+        return Err(incomplete(&format!(
+            "{len} bytes, its header lists {}",
+            8 + n + end
+        )));
+    }
+    let json = header["__metadata__"]["erase"].as_str().ok_or_else(|| {
+        anyhow!(
+            "{} is a safetensors file but not an Erase checkpoint",
+            path.display()
+        )
+    })?;
+    state_of(path, json).map(|(s, _)| s)
 }
 
 /// The keys whose values differ between a checkpoint's identity and a run's, as

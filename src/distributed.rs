@@ -630,6 +630,12 @@ impl<C: Collective> crate::checkpoint::TensorStore for RankExec<'_, C> {
             _ => self.cpu.write(t, b),
         }
     }
+    fn visit(&self, t: Tensor, f: &mut dyn FnMut(&Buffer) -> Result<()>) -> Result<()> {
+        match &self.sharded {
+            Some(sh) if sh.holds(t) => f(&sh.read_whole(t)?),
+            _ => self.cpu.visit(t, f),
+        }
+    }
     fn dims(&self, g: &erase_graph::Graph, t: Tensor) -> Vec<usize> {
         match &self.sharded {
             Some(sh) if sh.holds(t) => sh.whole_dims(g, t),

@@ -579,6 +579,9 @@ impl crate::checkpoint::TensorStore for CpuExec<'_> {
     fn read(&self, t: Tensor) -> Result<Buffer> {
         crate::checkpoint::TensorStore::read(&self.runner, t)
     }
+    fn visit(&self, t: Tensor, f: &mut dyn FnMut(&Buffer) -> Result<()>) -> Result<()> {
+        crate::checkpoint::TensorStore::visit(&self.runner, t, f)
+    }
     fn write(&mut self, t: Tensor, b: Buffer) -> Result<()> {
         crate::checkpoint::TensorStore::write(&mut self.runner, t, b)
     }

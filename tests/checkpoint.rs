@@ -86,6 +86,28 @@ fn truncated_foreign_or_mismatched_checkpoints_are_refused() {
         e.contains("cut.safetensors") && e.contains("not a complete checkpoint"),
         "{e}"
     );
+    // peek reads the header alone, and checks the length it lists
+    let state = erase::checkpoint::peek(&d.join("ok.safetensors")).unwrap();
+    assert_eq!(state.step, 1);
+    let e = format!(
+        "{:#}",
+        erase::checkpoint::peek(&d.join("cut.safetensors")).unwrap_err()
+    );
+    assert!(e.contains("not a complete checkpoint"), "{e}");
+    let mut longer = bytes.clone();
+    longer.extend_from_slice(b"tail");
+    std::fs::write(d.join("long.safetensors"), &longer).unwrap();
+    let e = format!(
+        "{:#}",
+        erase::checkpoint::peek(&d.join("long.safetensors")).unwrap_err()
+    );
+    assert!(e.contains("its header lists"), "{e}");
+    std::fs::write(d.join("tiny.safetensors"), b"abc").unwrap();
+    let e = format!(
+        "{:#}",
+        erase::checkpoint::peek(&d.join("tiny.safetensors")).unwrap_err()
+    );
+    assert!(e.contains("not a complete checkpoint"), "{e}");
     // another configuration
     let mut other = cfg(2, &d, "out.safetensors");
     other.seed = 4;

@@ -84,6 +84,15 @@ impl<'a> ProgramRunner<'a> {
         self.store.get_mut(t.index()).and_then(Option::take)
     }
 
+    /// A leaf's value (a parameter or optimizer state), borrowed: `None` for an arena
+    /// tensor or one without a value.
+    pub fn leaf(&self, t: Tensor) -> Option<&Buffer> {
+        if self.plan.get(t).is_some() {
+            return None;
+        }
+        self.store.get(t.index()).and_then(Option::as_ref)
+    }
+
     /// The value of a tensor now: a leaf, or an arena tensor's current bytes.
     pub fn get(&self, t: Tensor) -> Option<Buffer> {
         if let Some(pl) = self.plan.get(t) {
