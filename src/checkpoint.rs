@@ -245,16 +245,6 @@ fn persistent(g: &Graph) -> Result<Vec<(String, Tensor)>> {
     Ok(v)
 }
 
-/// The safetensors name of a tensor type.
-fn st_dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "F32",
-        DType::F64 => "F64",
-        DType::I32 => "I32",
-        DType::Bf16 => "BF16",
-    }
-}
-
 /// A safetensors header: each tensor's type, shape and byte range, and the metadata
 /// (`erase`: `meta` as JSON text), padded with spaces to a multiple of 8 bytes.
 fn st_header(
@@ -269,7 +259,7 @@ fn st_header(
     for (name, d, dims, a, b) in entries {
         h.insert(
             name.clone(),
-            serde_json::json!({ "dtype": st_dtype_name(*d), "shape": dims, "data_offsets": [a, b] }),
+            serde_json::json!({ "dtype": st_dtype(*d), "shape": dims, "data_offsets": [a, b] }),
         );
     }
     let mut bytes = serde_json::Value::Object(h).to_string().into_bytes();

@@ -162,16 +162,26 @@ fn check_ranks(a: &TrainArgs, worker_world: Option<usize>) -> Result<()> {
         }
         return Ok(());
     }
-    if a.cpu_ranks.is_some() {
-        if a.dispatch.is_some_and(|d| d != DispatchArg::Blocking) {
-            bail!("--cpu-ranks runs CPU ranks, which dispatch blocking; drop --dispatch");
-        }
-        if a.model.optimizer_update == UpdateArg::Early {
-            bail!("--optimizer-update early updates a block before its gradients are all-reduced; with --cpu-ranks use end");
-        }
-        if a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some() {
-            bail!("--trace, --timeline and --kernels measure kernels on a CUDA device; --cpu-ranks runs on the CPU");
-        }
+    Ok(())
+}
+
+/// What every rank of `--cpu-ranks N` or of the workers `--gpus N` starts would refuse,
+/// refused once, before any starts.
+fn check_rank_options(a: &TrainArgs) -> Result<()> {
+    let flag = match (a.cpu_ranks, a.gpus) {
+        (Some(n), _) => format!("--cpu-ranks {n}"),
+        (None, Some(n)) => format!("--gpus {n}"),
+        (None, None) => return Ok(()),
+    };
+    let cpu_ranks = a.cpu_ranks.is_some() || matches!(a.device, DeviceArg::Cpu);
+    if cpu_ranks && a.dispatch.is_some_and(|d| d != DispatchArg::Blocking) {
+        bail!("{flag} runs CPU ranks, which dispatch blocking; drop --dispatch (or, with --gpus, use --device cuda)");
+    }
+    if a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some() {
+        bail!("--trace, --timeline and --kernels trace one process; run them without {flag}");
+    }
+    if a.model.optimizer_update == UpdateArg::Early {
+        bail!("--optimizer-update early updates a block before its gradients are all-reduced; with {flag} use end");
     }
     Ok(())
 }
@@ -187,19 +197,10 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
     let rank_env =
         crate::runtime::collective::rendezvous::RankEnv::from_env().map_err(anyhow::Error::msg)?;
     check_ranks(a, rank_env.as_ref().map(|e| e.world))?;
+    if rank_env.is_none() {
+        check_rank_options(a)?;
+    }
     if let (None, Some(n)) = (&rank_env, a.gpus) {
-        // refuse what every worker would refuse, once, before starting them
-        if matches!(a.device, DeviceArg::Cpu)
-            && a.dispatch.is_some_and(|d| d != DispatchArg::Blocking)
-        {
-            bail!("--gpus {n} --device cpu runs CPU ranks, which dispatch blocking; drop --dispatch or use --device cuda");
-        }
-        if a.trace.is_some() || a.timeline.is_some() || a.kernels.is_some() {
-            bail!("--trace, --timeline and --kernels trace one process; run them without --gpus");
-        }
-        if a.model.optimizer_update == UpdateArg::Early {
-            bail!("--optimizer-update early updates a block before its gradients are all-reduced; with --gpus use end");
-        }
         let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
         return crate::launch::supervise(n, &args);
     }
