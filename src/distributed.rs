@@ -24,8 +24,13 @@ use erase_runtime::cpu::runner::ProgramRunner;
 #[derive(Debug, Clone)]
 pub struct RankResult {
     pub rank: usize,
-    /// Every persistent tensor's bytes (parameters and optimizer state), in tensor order.
+    /// Every persistent tensor's bytes (parameters and optimizer state), in tensor order;
+    /// on the ranks other than 0, less the sharded tables (`sharded`), which rank 0 alone
+    /// assembles whole.
     pub state: Vec<u8>,
+    /// The names of the sharded tables and their state (none when every table is
+    /// replicated).
+    pub sharded: Vec<String>,
     /// What `state` holds: each tensor's name, element type and element count, in order.
     pub layout: StateLayout,
     /// The main loss of the rank's shard, per step.
@@ -48,6 +53,31 @@ pub struct RankResult {
 }
 
 impl RankResult {
+    /// The bytes of the persistent tensor `name` in `state`, if this rank holds it.
+    pub fn tensor(&self, name: &str) -> Option<&[u8]> {
+        self.tensors().find(|(n, _)| *n == name).map(|(_, b)| b)
+    }
+
+    /// `state`'s tensors in order: name and bytes (cut short where `state` is).
+    fn tensors(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.layout.iter().scan(0usize, |at, (name, dtype, n)| {
+            let end = *at + n * dtype.size_bytes();
+            let bytes = self.state.get(*at..end)?;
+            *at = end;
+            Some((name.as_str(), bytes))
+        })
+    }
+
+    /// [`crate::launch::fnv64`] of what every rank holds: `state` less the sharded
+    /// tables (all of it when none is). Equal on every rank of a run.
+    pub fn replicated_fingerprint(&self) -> u64 {
+        crate::launch::fnv64_parts(
+            self.tensors()
+                .filter(|(n, _)| !self.sharded.iter().any(|s| s == n))
+                .map(|(_, b)| b),
+        )
+    }
+
     /// The run's held-out evaluation: the rank's own after the last step, or `whole`
     /// (the replica's at the global batch).
     pub fn evaluation(
@@ -310,6 +340,7 @@ pub fn run_rank<C: Collective>(
             crate::sharding::size(local.table_bytes().0 + local.table_bytes().1)
         );
     }
+    let sharded_t: Vec<Tensor> = sharded.as_ref().map_or(Vec::new(), |sh| sh.tensors());
     let (report, state, layout) = {
         let exec = RankExec {
             whole_at: WholeAt::of(cfg),
@@ -334,13 +365,14 @@ pub fn run_rank<C: Collective>(
         )?;
         s.evaluate_at_end = sharded_run;
         let report = drive(cfg, &mut s, progress, Some(share))?;
-        let (state, layout) = persistent_state(g, |t| s.read(t))?;
+        let (state, layout) = persistent_state(g, |t| s.read(t), left_out(rank, &sharded_t))?;
         (report, state, layout)
     };
     comm.barrier("end of training")?;
     Ok(RankResult {
         rank,
         state,
+        sharded: sharded_t.iter().map(|&t| g.name(t).to_string()).collect(),
         layout,
         losses: report.losses,
         log: comm.log().to_vec(),
@@ -351,13 +383,68 @@ pub fn run_rank<C: Collective>(
     })
 }
 
+/// What a rank's plan and the model's tables take of a host's memory, bytes.
+#[derive(Debug, Clone, Copy)]
+struct RankBytes {
+    /// The rank's plan: its state (with its tables, or its share of them) and arena.
+    own: u64,
+    /// Of `own`, the tables and their state (all of them, or the rank's share).
+    own_tables: u64,
+    arena: u64,
+    /// The model's whole tables and their state.
+    whole_tables: u64,
+}
+
+impl RankBytes {
+    /// The final state's copy with the whole tables.
+    fn whole_state(&self) -> u64 {
+        self.dense_state() + self.whole_tables
+    }
+
+    fn dense_state(&self) -> u64 {
+        (self.own - self.own_tables).saturating_sub(self.arena)
+    }
+
+    /// What the rank needs of its host: on the CPU its plan, plus at a checkpoint and the
+    /// end the final state's copy (the whole tables in it where the rank holds them:
+    /// every rank when they are replicated; sharded, `root` alone, which assembles them
+    /// beside its rows); a CUDA rank the larger of its initial state and that copy.
+    fn need(&self, sharded: bool, root: bool, on_cpu: bool) -> u64 {
+        let at_end = match (sharded, root) {
+            (false, _) => self.whole_state(),
+            (true, true) => self.whole_state() + self.whole_tables,
+            (true, false) => self.dense_state(),
+        };
+        if on_cpu {
+            self.own + at_end
+        } else {
+            at_end.max(self.own.saturating_sub(self.arena))
+        }
+    }
+}
+
+/// What the ranks of one machine need together, of every rank's `needs`: all of them,
+/// or, where `local` ranks share a machine (several machines, each running consecutive
+/// ranks, as launchers number them), the neediest machine's.
+fn machine_need(needs: &[u64], local: Option<usize>) -> u64 {
+    match local {
+        None => needs.iter().sum(),
+        Some(n) => needs
+            .chunks(n.max(1))
+            .map(|c| c.iter().sum())
+            .max()
+            .unwrap_or(0),
+    }
+}
+
 /// Refuses, before any rank allocates, a job whose ranks need more of this machine's
 /// memory than it has. Every rank sends what it needs and what it sees free (one
 /// all-to-all over `comm`), so every rank reaches the same verdict. A rank needs its
 /// plan where it runs on the CPU (its share of the tables, the dense model, the
 /// activations; a CUDA rank only makes its initial state here before it uploads it),
-/// and, at a checkpoint and the end, a copy of the model's whole state and, with sharded
-/// tables, the whole tables assembled beside its own rows. The ranks of one machine
+/// and, at a checkpoint and the end, a copy of the model's state: whole, on every rank
+/// when the tables are replicated; with sharded tables, on rank 0 (which assembles the
+/// whole tables beside its own rows), the others' without the tables. The ranks of one machine
 /// (threads of this process, or the processes `LOCAL_WORLD_SIZE` counts) share it.
 pub(crate) fn check_rank_memory<C: Collective>(
     plan: &StepPlan,
@@ -366,18 +453,16 @@ pub(crate) fn check_rank_memory<C: Collective>(
     comm: &mut C,
 ) -> Result<()> {
     let (own, own_tables) = crate::train::plan_bytes(plan);
-    let arena = plan.memory.arena_bytes as u64;
-    let whole_tables = {
-        let (w, acc) = model.table_bytes();
-        w + acc
+    let (w, acc) = model.table_bytes();
+    let bytes = RankBytes {
+        own,
+        own_tables,
+        arena: plan.memory.arena_bytes as u64,
+        whole_tables: w + acc,
     };
-    let whole_state = (own - own_tables).saturating_sub(arena) + whole_tables;
-    let at_end = whole_state + if sharded { whole_tables } else { 0 };
-    let need = if on_cpu {
-        own + at_end
-    } else {
-        at_end.max(own.saturating_sub(arena))
-    };
+    let root = comm.rank() == crate::sharded::WHOLE_RANK;
+    let need = bytes.need(sharded, root, on_cpu);
+    let (whole_state, whole_tables) = (bytes.whole_state(), bytes.whole_tables);
     let have = crate::train::available_memory(None).unwrap_or(u64::MAX);
     let mine: Vec<u8> = need
         .to_le_bytes()
@@ -398,11 +483,7 @@ pub(crate) fn check_rank_memory<C: Collective>(
         .filter(|&n| (1..world).contains(&n));
     let needs: Vec<u64> = all.iter().map(|b| word(b, 0)).collect();
     let have = all.iter().map(|b| word(b, 1)).min().unwrap_or(u64::MAX);
-    // the ranks of one machine: all of them, or (several machines) the largest needs
-    let total: u64 = match local {
-        None => needs.iter().sum(),
-        Some(n) => needs.iter().max().copied().unwrap_or(0) * n as u64,
-    };
+    let total = machine_need(&needs, local);
     if total > have {
         let gb = |b: u64| b as f64 / 1e9;
         let here = local.unwrap_or(world);
@@ -425,7 +506,11 @@ pub(crate) fn check_rank_memory<C: Collective>(
             gb(needs.iter().max().copied().unwrap_or(0)),
             gb(whole_state),
             if sharded {
-                format!(", and the whole tables, {:.1} GB", gb(whole_tables))
+                format!(
+                    ", which rank 0 alone holds with the whole tables assembled beside it, \
+                     {:.1} GB; the other ranks hold the state without the tables",
+                    gb(whole_tables)
+                )
             } else {
                 String::new()
             },
@@ -577,6 +662,16 @@ impl<C: Collective> RankExec<'_, C> {
     }
 }
 
+/// What a rank leaves out of its final state: the sharded tables `sharded`, except on
+/// the rank that assembles them whole.
+pub(crate) fn left_out(rank: usize, sharded: &[Tensor]) -> &[Tensor] {
+    if rank == crate::sharded::WHOLE_RANK {
+        &[]
+    } else {
+        sharded
+    }
+}
+
 /// A rank's own evaluation after the last step (`steps`), when it made one.
 pub(crate) fn final_eval(
     made: bool,
@@ -696,13 +791,18 @@ impl<C: Collective> StepExec for RankExec<'_, C> {
 }
 
 /// The persistent tensors of `g` (read through `get`) as one byte string in tensor
-/// order, with each one's name, type and length.
+/// order, with each one's name, type and length; `left_out` are not read (a sharded
+/// table on a rank that holds only its rows).
 pub(crate) fn persistent_state(
     g: &erase_graph::Graph,
     get: impl Fn(Tensor) -> Result<Buffer>,
+    left_out: &[Tensor],
 ) -> Result<(Vec<u8>, StateLayout)> {
     let (mut state, mut layout) = (Vec::new(), Vec::new());
-    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
+    for t in g
+        .tensors()
+        .filter(|&t| g.is_persistent(t) && !left_out.contains(&t))
+    {
         let b = get(t)?;
         state.extend_from_slice(b.bytes());
         layout.push((g.name(t).to_string(), b.dtype(), b.len()));
@@ -767,4 +867,35 @@ pub fn evaluate_replica(
 
 fn bytemuck_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
     bytemuck::pod_collect_to_vec(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{machine_need, RankBytes};
+
+    #[test]
+    fn sharded_tables_are_whole_on_rank_0_alone_at_the_end() {
+        // 4 ranks, 1000 bytes of whole tables, each rank 250 of them in a plan of 400 (50
+        // of arena): the dense state is 100
+        let b = RankBytes {
+            own: 400,
+            own_tables: 250,
+            arena: 50,
+            whole_tables: 1000,
+        };
+        // CPU ranks: the plan, and rank 0 the state with the whole tables and the whole
+        // tables assembled beside its rows; the others the dense state alone
+        assert_eq!(b.need(true, true, true), 400 + 1100 + 1000);
+        assert_eq!(b.need(true, false, true), 400 + 100);
+        let needs: Vec<u64> = (0..4).map(|r| b.need(true, r == 0, true)).collect();
+        assert_eq!(machine_need(&needs, None), 2500 + 3 * 500);
+        // replicated: every rank's final state holds the whole tables
+        assert_eq!(b.need(false, false, true), 400 + 1100);
+        // a CUDA rank: the larger of its initial state and the final copy
+        assert_eq!(b.need(true, false, false), 350);
+        assert_eq!(b.need(true, true, false), 2100);
+        // two machines of two ranks: rank 0's machine is the neediest
+        assert_eq!(machine_need(&needs, Some(2)), 2500 + 500);
+        assert_eq!(machine_need(&[1, 2, 3, 4, 5], Some(2)), 7);
+    }
 }

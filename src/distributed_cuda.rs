@@ -169,6 +169,9 @@ fn train(
         None => None,
     };
     let sharded_run = sharded.is_some();
+    let sharded_t: Vec<Tensor> = sharded
+        .as_ref()
+        .map_or(Vec::new(), |sh| vec![sh.table, sh.acc]);
     let dp = DataParallel::with_shards(
         &prog,
         &plan.partition,
@@ -220,7 +223,8 @@ fn train(
         )?;
         s.evaluate_at_end = sharded_run;
         let report = drive(cfg, &mut s, progress, Some(share))?;
-        let (state, layout) = crate::distributed::persistent_state(g, |t| s.read(t))?;
+        let left_out = crate::distributed::left_out(rank, &sharded_t);
+        let (state, layout) = crate::distributed::persistent_state(g, |t| s.read(t), left_out)?;
         (report, state, layout)
     };
     let mut log: Vec<CollectiveRecord> = Vec::new();
@@ -248,6 +252,7 @@ fn train(
     Ok(RankResult {
         rank,
         state,
+        sharded: sharded_t.iter().map(|&t| g.name(t).to_string()).collect(),
         layout,
         losses: report.losses,
         log,
@@ -284,8 +289,8 @@ enum Issued {
     Lookup,
 }
 
-/// A CUDA rank's sharded table: its placement, and the whole copy assembled for a
-/// checkpoint or the end.
+/// A CUDA rank's sharded table: its placement, and (rank 0) the whole copy assembled
+/// for a checkpoint or the end.
 struct CudaShards {
     store: crate::sharded::Storage,
     name: String,
@@ -296,8 +301,8 @@ struct CudaShards {
 }
 
 impl RankExec<'_> {
-    /// Every rank's rows of the sharded table gathered into a whole copy (after step
-    /// `step`, which is waited for), over the TCP connections.
+    /// Every rank's rows of the sharded table gathered into rank 0's whole copy (after
+    /// step `step`, which is waited for), over the TCP connections.
     fn assemble(&mut self, step: u64) -> Result<()> {
         let Some(sh) = self.sharded.as_mut() else {
             return Ok(());
@@ -312,11 +317,10 @@ impl RankExec<'_> {
         let table = f32s(self.prog.get(sh.table)?, &sh.name)?;
         let acc = f32s(self.prog.get(sh.acc)?, &sh.name)?;
         let d = table.len() / sh.store.stored_rows().iter().sum::<usize>().max(1);
-        sh.whole = Some(
-            sh.store
-                .assemble(&sh.name, &table, &acc, d, &mut *self.control)
-                .with_context(|| format!("rank {}, step {step}: the whole tables", self.rank))?,
-        );
+        sh.whole = sh
+            .store
+            .assemble(&sh.name, &table, &acc, d, &mut *self.control)
+            .with_context(|| format!("rank {}, step {step}: the whole tables", self.rank))?;
         self.wd.leave();
         Ok(())
     }

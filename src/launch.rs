@@ -57,8 +57,13 @@ pub struct WorkerOptions {
 
 /// FNV-1a, 64 bits: a cheap fingerprint to compare replicas and logs across ranks.
 pub fn fnv64(bytes: &[u8]) -> u64 {
+    fnv64_parts([bytes])
+}
+
+/// [`fnv64`] of the concatenation of `parts`, without concatenating them.
+pub fn fnv64_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
+    for &b in parts.into_iter().flatten() {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
@@ -180,7 +185,8 @@ pub fn report<C: Collective>(
         let text: String = r.log.iter().map(|x| format!("{x}\n")).collect();
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     }
-    let (hs, hl) = (fnv64(&r.state), log_hash(&r.log));
+    // what every rank holds: the whole state, less any sharded table (rank 0's alone)
+    let (hs, hl) = (r.replicated_fingerprint(), log_hash(&r.log));
     let mine: Vec<u8> = [hs.to_le_bytes(), hl.to_le_bytes()].concat();
     let all = comm.all_gather("replica check", &mine)?;
     let warm = cfg.warmup.min(r.step_secs.len().saturating_sub(1));
@@ -189,11 +195,21 @@ pub fn report<C: Collective>(
         .map(|s| cfg.model.batch as f64 / s.max(1e-12))
         .collect();
     let q = crate::metrics::qps_summary(&qps);
+    // a rank's own state; with sharded tables, rank 0's holds them whole and the others'
+    // none, so the replicas are compared on the rest
+    let held = if r.sharded.is_empty() {
+        String::new()
+    } else if rank == crate::sharded::WHOLE_RANK {
+        format!(" (with the whole sharded tables; replicated tensors fnv64 {hs:016x})")
+    } else {
+        format!(" (without the sharded tables; replicated tensors fnv64 {hs:016x})")
+    };
     println!(
-        "rank {rank}: {} steps, last loss of its shard {:.6}, {} collectives, state fnv64 {hs:016x}, log fnv64 {hl:016x}",
+        "rank {rank}: {} steps, last loss of its shard {:.6}, {} collectives, state fnv64 {:016x}, log fnv64 {hl:016x}{held}",
         r.losses.len(),
         r.losses.last().copied().unwrap_or(f64::NAN),
-        r.log.len()
+        r.log.len(),
+        fnv64(&r.state)
     );
     let word = |b: &[u8], k: usize| -> u64 {
         let mut w = [0u8; 8];
@@ -218,8 +234,13 @@ pub fn report<C: Collective>(
             r.losses.len(),
             cfg.model.batch
         );
+        let what = if r.sharded.is_empty() {
+            "state"
+        } else {
+            "replicated tensors; the sharded tables whole on rank 0"
+        };
         println!(
-            "  replicas bit-identical on all {world} ranks (state fnv64 {hs:016x}); collective logs identical ({} calls, fnv64 {hl:016x})",
+            "  replicas bit-identical on all {world} ranks ({what}: fnv64 {hs:016x}); collective logs identical ({} calls, fnv64 {hl:016x})",
             r.log.len()
         );
         if let Some(q) = q {

@@ -18,10 +18,11 @@
 //!    the same order as the replicated update, which gathers every rank's occurrences:
 //!    the same bits.
 //! 3. **Whole tables** where a step needs them (a checkpoint, the end): every owner
-//!    sends its rows and their Adagrad state to every rank (a fourth all-to-all), which
-//!    assembles a whole copy beside its storage until the next step, so a checkpoint
-//!    holds each table whole, whatever the sharding, and resumes on any rank count. An
-//!    evaluation needs none: its forward looks rows up as a step does.
+//!    sends its rows and their Adagrad state to rank 0 (a fourth all-to-all, empty to
+//!    the other ranks), which assembles a whole copy beside its storage until the next
+//!    step and writes it, so a checkpoint holds each table whole, whatever the sharding,
+//!    and resumes on any rank count, while one host holds one whole copy, not one a rank.
+//!    An evaluation needs none: its forward looks rows up as a step does.
 
 use std::collections::HashMap;
 
@@ -33,6 +34,10 @@ use erase_ops::cpu::embedding::{Bags, PAD};
 use erase_ops::{Buffer, NodeCall};
 use erase_runtime::collective::Collective;
 use erase_runtime::cpu::runner::ProgramRunner;
+
+/// The rank that assembles the whole sharded tables for a checkpoint and the end (the
+/// rank that writes checkpoints); the others hold only their rows.
+pub(crate) const WHOLE_RANK: usize = 0;
 
 /// Who holds a row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -304,8 +309,9 @@ impl Storage {
     }
 
     /// Step 3 of the module documentation: every rank's rows of the table `name` (this
-    /// rank's storage `table` of width `d`, its row-wise Adagrad state `acc`) exchanged
-    /// over `comm`, so that every rank returns the same whole table and state.
+    /// rank's storage `table` of width `d`, its row-wise Adagrad state `acc`) sent over
+    /// `comm` to rank 0 ([`WHOLE_RANK`]), which returns the whole table and state; every
+    /// other rank returns `None`. Every rank must call it, in the same order.
     pub(crate) fn assemble<C: Collective>(
         &self,
         name: &str,
@@ -313,7 +319,7 @@ impl Storage {
         acc: &[f32],
         d: usize,
         comm: &mut C,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
         if table.len() != self.stored_total() * d || acc.len() != self.stored_total() {
             bail!(
                 "'{name}': {} and {} stored values, the placement stores {} rows of {d}",
@@ -322,8 +328,10 @@ impl Storage {
                 self.stored_total()
             );
         }
+        let whole_here = self.rank == WHOLE_RANK;
         let mine: Vec<u8> = self
             .owned_by(self.rank)
+            .filter(|_| !whole_here)
             .flat_map(|r| {
                 let at = self.local(r).unwrap_or(0);
                 table[at * d..(at + 1) * d]
@@ -333,8 +341,12 @@ impl Storage {
                     .collect::<Vec<u8>>()
             })
             .collect();
-        let parts = vec![mine; self.world];
+        let mut parts = vec![Vec::new(); self.world];
+        parts[WHOLE_RANK] = mine;
         let got = comm.all_to_all(&format!("{name}.whole"), &parts)?;
+        if !whole_here {
+            return Ok(None);
+        }
         let n = self.whole_rows();
         let (mut wt, mut wa) = (vec![0f32; n * d], vec![0f32; n]);
         for (r, at) in self.held() {
@@ -360,7 +372,7 @@ impl Storage {
                 wa[r] = v[d];
             }
         }
-        Ok((wt, wa))
+        Ok(Some((wt, wa)))
     }
 
     /// A whole table `b` of rows of `width` values (a resumed checkpoint's table, or its
@@ -486,7 +498,7 @@ pub(crate) struct ShardedTables {
     /// Whether the runner's ids are a fed batch's, not yet remapped.
     fresh: bool,
     /// A whole copy of the table and its state, from [`ShardedTables::assemble`] until
-    /// the next update.
+    /// the next update, on rank [`WHOLE_RANK`] alone.
     whole: Option<(Vec<f32>, Vec<f32>)>,
 }
 
@@ -808,8 +820,8 @@ impl ShardedTables {
         r.map(|_| ())
     }
 
-    /// Step 3: every owner's rows and their state to every rank, so that every rank holds
-    /// a whole copy of the table (the copies identical) until its next update.
+    /// Step 3: every owner's rows and their state to rank [`WHOLE_RANK`], which holds a
+    /// whole copy of the table until its next update.
     pub(crate) fn assemble<C: Collective>(
         &mut self,
         runner: &mut ProgramRunner,
@@ -829,8 +841,13 @@ impl ShardedTables {
             .assemble(&self.name, &table, &acc, self.dim, comm);
         runner.feed(self.table, Buffer::F32(table))?;
         runner.feed(self.acc, Buffer::F32(acc))?;
-        self.whole = Some(whole?);
+        self.whole = whole?;
         Ok(())
+    }
+
+    /// The table and its state.
+    pub(crate) fn tensors(&self) -> Vec<Tensor> {
+        vec![self.table, self.acc]
     }
 
     /// Whether `t` is the table or its state (read and written whole).
@@ -866,7 +883,7 @@ impl ShardedTables {
     }
 }
 
-/// The whole table (`table`) or its state from a rank's whole copy of sharded table
+/// The whole table (`table`) or its state from rank 0's whole copy of sharded table
 /// `name`, which [`Storage::assemble`] made for a checkpoint or the end.
 pub(crate) fn read_whole(
     whole: &Option<(Vec<f32>, Vec<f32>)>,
@@ -874,7 +891,10 @@ pub(crate) fn read_whole(
     table: bool,
 ) -> Result<Buffer> {
     let (t, a) = whole.as_ref().ok_or_else(|| {
-        anyhow!("'{name}' is sharded: it is whole only after a checkpoint's or the last step")
+        anyhow!(
+            "'{name}' is sharded: it is whole only on rank {WHOLE_RANK}, after a checkpoint's \
+             or the last step"
+        )
     })?;
     Ok(Buffer::F32(if table { t.clone() } else { a.clone() }))
 }

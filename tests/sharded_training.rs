@@ -35,6 +35,39 @@ fn run(c: &TrainConfig, world: usize) -> Vec<RankResult> {
         .collect()
 }
 
+/// Rank `r` ends with `reference`'s bits: every tensor of it (rank 0 holds the sharded
+/// tables whole), or every tensor but the sharded tables, which the other ranks do not
+/// hold whole.
+fn assert_same_bits(r: &RankResult, reference: &RankResult, what: &str) {
+    if r.rank == 0 {
+        assert!(r.state == reference.state, "{what}: rank 0's bits differ");
+        return;
+    }
+    assert!(!r.sharded.is_empty(), "{what}: no table is sharded");
+    for (name, _, _) in &reference.layout {
+        let held = r.tensor(name);
+        if r.sharded.contains(name) {
+            assert!(
+                held.is_none(),
+                "{what}: rank {} holds '{name}' whole",
+                r.rank
+            );
+        } else {
+            assert!(
+                held.is_some() && held == reference.tensor(name),
+                "{what}: rank {}'s '{name}' differs",
+                r.rank
+            );
+        }
+    }
+    assert_eq!(
+        r.replicated_fingerprint(),
+        reference.replicated_fingerprint(),
+        "{what}: rank {}",
+        r.rank
+    );
+}
+
 fn sharded_calls(r: &RankResult) -> usize {
     r.log
         .iter()
@@ -63,12 +96,18 @@ fn table_row_and_auto_sharding_train_to_the_bits_of_replicated_tables() {
                 "{name} on {world}: the step exchanged no rows ({} sharded calls)",
                 sharded_calls(&ranks[0])
             );
+            // rank 0 alone assembles the whole tables: the others' state leaves them out
+            assert_eq!(ranks[0].sharded.len(), 2, "{name}: the table and its state");
             for r in &ranks {
-                assert!(
-                    r.state == replicated[0].state,
-                    "{name} on {world} ranks: rank {} ends with other bits than replicated tables",
-                    r.rank
-                );
+                let what = format!("{name} on {world} ranks");
+                let reference = RankResult {
+                    sharded: r.sharded.clone(),
+                    ..replicated[0].clone()
+                };
+                assert_same_bits(r, &reference, &what);
+                if r.rank > 0 {
+                    assert!(r.state.len() < ranks[0].state.len(), "{what}");
+                }
                 assert_eq!(
                     r.log, ranks[0].log,
                     "{name} on {world}: rank {} issued other collectives",
@@ -104,7 +143,14 @@ fn a_table_set_over_the_budget_trains_row_wise_where_replicated_refuses_it() {
     );
     c.sharding = Sharding::Row;
     let ranks = run(&c, 4);
-    assert!(ranks.iter().all(|r| r.state == ranks[0].state));
+    for r in &ranks {
+        assert_eq!(
+            r.replicated_fingerprint(),
+            ranks[0].replicated_fingerprint(),
+            "rank {}",
+            r.rank
+        );
+    }
     assert!(sharded_calls(&ranks[0]) > 0);
     // each rank stores a quarter of the rows and a landing slot per id of its batch of
     // 16 (26 fields): (75 + 16) rows of 16 values and their state, under the budget
@@ -113,7 +159,7 @@ fn a_table_set_over_the_budget_trains_row_wise_where_replicated_refuses_it() {
         assert_eq!(r.table_bytes, 26 * (75 + 16) * 17 * 4, "rank {}", r.rank);
         assert!(r.table_bytes < budget, "rank {}", r.rank);
     }
-    // and the whole tables come back at the end: the state has every row
+    // and the whole tables come back at the end, on rank 0: its state has every row
     let replicated = {
         let mut c = cfg(3, Sharding::Replicated);
         c.rank_memory = 1 << 30;

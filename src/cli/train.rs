@@ -341,7 +341,8 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         for r in results {
             ok.push(r?);
         }
-        let same = ok.iter().all(|r| r.state == ok[0].state);
+        let fp = ok[0].replicated_fingerprint();
+        let same = ok.iter().all(|r| r.replicated_fingerprint() == fp);
         let secs = t0.elapsed().as_secs_f64();
         println!(
             "data parallel on {n} CPU ranks: {} steps of a global batch of {} in {secs:.1} s",
@@ -356,8 +357,13 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
             );
         }
         println!(
-            "  replicas {}",
-            if same { "bit-identical" } else { "DIFFER" }
+            "  replicas {}{}",
+            if same { "bit-identical" } else { "DIFFER" },
+            if ok[0].sharded.is_empty() {
+                ""
+            } else {
+                " (the replicated tensors; the sharded tables whole on rank 0)"
+            }
         );
         if !same {
             bail!("the replicas differ after training");
