@@ -1,10 +1,11 @@
 //! The top-level dispatch of every op, one exhaustive `match` each with no fallback: the
-//! CPU reference (`exec_inner`, under `cpu::execute`), the CUDA launch plan
-//! (`cuda_plan`) and the cost estimate (`launch_spec`). Each line hands an op to its
-//! family (`crate::family::<family>`), so a new op does not compile until this file
-//! names it three times, and its family file has the three parts.
+//! CPU reference (`exec_untyped` for the ops of any element type and `exec_inner` for the
+//! others, both under `cpu::execute`), the CUDA launch plan (`cuda_plan`) and the cost
+//! estimate (`launch_spec`). Each line hands an op to its family
+//! (`crate::family::<family>`), so a new op does not compile until this file names it in
+//! each, and its family file has the three parts.
 
-use crate::cpu::{Buffer, Elem, NodeCall};
+use crate::cpu::{Buffer, Elem, NodeCall, OpError};
 use crate::cuda::{CudaPlan, Operands};
 use crate::launch::{Cost, LaunchSpec};
 use erase_graph::{DType, Op, Shape};
@@ -73,10 +74,82 @@ pub(crate) fn exec_inner<T: Elem>(
         | Op::RoundBf16 { .. }
         | Op::EmbeddingSort { .. }
         | Op::StepIncrement => Err(format!(
-            "no CPU implementation of {} here: execute runs it",
+            "no typed CPU implementation of {}: exec_untyped runs it",
             call.op.name()
         )),
     }
+}
+
+/// The CPU reference of the ops of any element type, in their families: copies and casts,
+/// the bf16 copy of a GEMM operand, a linear layer with its residual (two ops composed),
+/// the ids' sort and the step counter; `None` for the ops of one float type, which
+/// [`exec_inner`] runs once `execute` has found their type.
+pub(crate) fn exec_untyped(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+) -> Option<Result<(), OpError>> {
+    use crate::family::{
+        elementwise::cpu as elementwise, embedding::cpu as embedding, gemm::cpu as gemm,
+        optim::cpu as optim,
+    };
+    let r = match call.op {
+        Op::Leaf(_) => Err("leaves are not executed".to_string()),
+        Op::Reshape | Op::Detach | Op::Cast { .. } => elementwise::exec_copy(call, ins, outs),
+        Op::RoundBf16 { col_sums } => gemm::exec_round_bf16(ins, outs, *col_sums),
+        Op::LinearAdd { bias } => return Some(gemm::exec_linear_add(call, ins, outs, upd, *bias)),
+        Op::EmbeddingSort { .. } if ins.len() != 2 => Err(format!(
+            "expected ids and offsets, got {} inputs",
+            ins.len()
+        )),
+        Op::EmbeddingSort { field_rows } => embedding::exec_embedding_sort(ins, outs, field_rows),
+        Op::StepIncrement => optim::exec_step_increment(upd),
+        Op::Linear { .. }
+        | Op::LinearGradInput { .. }
+        | Op::LinearGradWeight { .. }
+        | Op::MatMul { .. }
+        | Op::MulAdd
+        | Op::MulGrad
+        | Op::Add
+        | Op::Mul
+        | Op::Scale { .. }
+        | Op::Relu
+        | Op::Gelu
+        | Op::Silu
+        | Op::Sigmoid
+        | Op::ReluGrad
+        | Op::GeluGrad
+        | Op::SiluGrad
+        | Op::SigmoidGrad
+        | Op::LayerNorm { .. }
+        | Op::LayerNormGrad
+        | Op::SumToShape
+        | Op::Sum
+        | Op::Mean
+        | Op::Broadcast { .. }
+        | Op::GradSum
+        | Op::SliceSum { .. }
+        | Op::Concat { .. }
+        | Op::Slice { .. }
+        | Op::Split { .. }
+        | Op::Pad { .. }
+        | Op::PairwiseDot
+        | Op::PairwiseDotGrad
+        | Op::Attention { .. }
+        | Op::AttentionGrad { .. }
+        | Op::EmbeddingBag { .. }
+        | Op::BagMean { .. }
+        | Op::EmbeddingBagGradDense { .. }
+        | Op::RowwiseAdagrad { .. }
+        | Op::BceWithLogits
+        | Op::BceWithLogitsGrad
+        | Op::SoftmaxCrossEntropy
+        | Op::SoftmaxCrossEntropyGrad
+        | Op::Sgd { .. }
+        | Op::Adam { .. } => return None,
+    };
+    Some(r.map_err(|m| call.error(m)))
 }
 
 /// The launches of `op`, or why it cannot run on a CUDA device.

@@ -40,9 +40,18 @@ pub struct NodeCall<'a> {
 }
 
 impl<'a> NodeCall<'a> {
+    /// An error of this node.
+    pub(crate) fn error(&self, msg: String) -> OpError {
+        OpError {
+            op: self.op.name(),
+            node: self.name.to_string(),
+            msg,
+        }
+    }
+
     /// The same call with only its first `k` outputs: the plain op under one that also
     /// writes copies of an output (computed from the plain op's outputs).
-    fn first_outputs(&self, k: usize) -> NodeCall<'a> {
+    pub(crate) fn first_outputs(&self, k: usize) -> NodeCall<'a> {
         NodeCall {
             op: self.op,
             name: self.name,
@@ -133,47 +142,9 @@ pub fn execute(
         node: call.name.to_string(),
         msg,
     };
-    // Type-agnostic ops first.
-    match call.op {
-        Op::Leaf(_) => return Err(err("leaves are not executed".into())),
-        Op::Reshape | Op::Detach => {
-            outs[0] = ins[0].clone();
-            return Ok(());
-        }
-        Op::Cast { to } => {
-            outs[0] = cast(ins[0], *to);
-            return Ok(());
-        }
-        Op::EmbeddingSort { field_rows } => {
-            if ins.len() != 2 {
-                return Err(err(format!(
-                    "expected ids and offsets, got {} inputs",
-                    ins.len()
-                )));
-            }
-            return embedding_sort(ins, outs, field_rows).map_err(err);
-        }
-        Op::RoundBf16 { col_sums } => {
-            let x = get::<f32>(ins[0], "x").map_err(err)?;
-            outs[0] = cast(ins[0], DType::Bf16);
-            if *col_sums {
-                let [_, s] = outs else {
-                    return Err(err("expected two outputs: the copy and the sums".into()));
-                };
-                kernels::sum_to_shape(x, out(s).map_err(err)?);
-            }
-            return Ok(());
-        }
-        Op::StepIncrement => {
-            return match upd.first_mut() {
-                Some(Buffer::I32(v)) if v.len() == 1 => {
-                    v[0] = v[0].saturating_add(1);
-                    Ok(())
-                }
-                _ => Err(err("the step counter must be one i32".into())),
-            };
-        }
-        _ => {}
+    // the ops of any element type first, each in its family
+    if let Some(r) = crate::dispatch::exec_untyped(call, ins, outs, upd) {
+        return r;
     }
     if matches!(
         call.op,
@@ -219,30 +190,6 @@ pub fn execute(
         }
         outs[0] = da;
         return Ok(());
-    }
-    if let Op::LinearAdd { bias } = call.op {
-        // the layer, then the residual added to its output: Linear, then Add
-        let n = 2 + usize::from(*bias);
-        let (Some(r), Some(&r_shape)) = (ins.get(n), call.in_shapes.get(n)) else {
-            return Err(err(format!("expected {} inputs", n + 1)));
-        };
-        let linear = Op::Linear {
-            bias: *bias,
-            relu: false,
-        };
-        let layer = NodeCall {
-            op: &linear,
-            in_shapes: call.in_shapes[..n].to_vec(),
-            ..call.first_outputs(1)
-        };
-        execute(&layer, &ins[..n], outs, upd)?;
-        let y = outs[0].clone();
-        let add = NodeCall {
-            op: &Op::Add,
-            in_shapes: vec![call.out_shapes[0], r_shape],
-            ..call.first_outputs(1)
-        };
-        return execute(&add, &[&y, r], outs, upd);
     }
     if matches!(call.op, Op::AttentionGrad { packed: true, .. })
         && outs.len() == 1
@@ -291,46 +238,6 @@ pub fn execute(
         ))),
         None => Err(err("no floating-point operand".into())),
     }
-}
-
-/// `EmbeddingSort`: the occurrences' (row, bag) pairs, sorted by row (stably), into the
-/// two i32 outputs.
-pub(crate) fn embedding_sort(
-    ins: &[&Buffer],
-    outs: &mut [Buffer],
-    field_rows: &[usize],
-) -> Result<(), String> {
-    let bags = embedding::Bags::new(
-        get_i32(ins[0], "ids")?,
-        get_i32(ins[1], "offsets")?,
-        field_rows,
-    )?;
-    let mut occ = embedding::sorted_occurrences(&bags);
-    let [Buffer::I32(rows), Buffer::I32(bag)] = outs else {
-        return Err("expected two i32 outputs: rows and bags".into());
-    };
-    let n = bags.ids.len();
-    if rows.len() != n || bag.len() != n {
-        return Err(format!(
-            "{n} occurrences into outputs of {} and {}",
-            rows.len(),
-            bag.len()
-        ));
-    }
-    // padding slots last, in slot order, under the sentinel row (as the CUDA sort has them)
-    if occ.len() < n {
-        let (sentinel, slot_bag) = (embedding::sentinel_row(&bags), embedding::slot_bags(&bags));
-        for (k, &id) in bags.ids.iter().enumerate() {
-            if id == embedding::PAD {
-                occ.push((sentinel, slot_bag[k]));
-            }
-        }
-    }
-    for (k, &(r, b)) in occ.iter().enumerate() {
-        rows[k] = i32::try_from(r).map_err(|_| format!("row {r} does not fit an i32"))?;
-        bag[k] = i32::try_from(b).map_err(|_| format!("bag {b} does not fit an i32"))?;
-    }
-    Ok(())
 }
 
 /// `y[r·w + c] = Σ_j in_j[r·ld + off + c]`, summed in input order, left to right (as the

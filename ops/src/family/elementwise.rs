@@ -112,6 +112,24 @@ pub mod cpu {
         let s = kernels::sigmoid(x);
         s * (T::ONE + x * (T::ONE - s))
     }
+
+    /// The copies of any element type: a reshape or a detach (the input as it is) and a
+    /// cast (each element converted; to bf16 rounded to nearest even).
+    pub(crate) fn exec_copy(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+    ) -> Result<(), String> {
+        let ([x], [y]) = (ins, outs) else {
+            return Err("expected one input and one output".into());
+        };
+        match call.op {
+            Op::Reshape | Op::Detach => *y = (*x).clone(),
+            Op::Cast { to } => *y = cast(x, *to),
+            other => return Err(format!("elementwise: {} is not a copy", other.name())),
+        }
+        Ok(())
+    }
 }
 
 // ---- the CUDA launch plans ----

@@ -254,6 +254,46 @@ pub mod cpu {
         }
     }
 
+    /// `EmbeddingSort`: the occurrences' (row, bag) pairs, sorted by row (stably), into the
+    /// two i32 outputs.
+    pub(crate) fn exec_embedding_sort(
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        field_rows: &[usize],
+    ) -> Result<(), String> {
+        let bags = Bags::new(
+            get_i32(ins[0], "ids")?,
+            get_i32(ins[1], "offsets")?,
+            field_rows,
+        )?;
+        let mut occ = sorted_occurrences(&bags);
+        let [Buffer::I32(rows), Buffer::I32(bag)] = outs else {
+            return Err("expected two i32 outputs: rows and bags".into());
+        };
+        let n = bags.ids.len();
+        if rows.len() != n || bag.len() != n {
+            return Err(format!(
+                "{n} occurrences into outputs of {} and {}",
+                rows.len(),
+                bag.len()
+            ));
+        }
+        // padding slots last, in slot order, under the sentinel row (as the CUDA sort has them)
+        if occ.len() < n {
+            let (sentinel, slot_bag) = (sentinel_row(&bags), slot_bags(&bags));
+            for (k, &id) in bags.ids.iter().enumerate() {
+                if id == PAD {
+                    occ.push((sentinel, slot_bag[k]));
+                }
+            }
+        }
+        for (k, &(r, b)) in occ.iter().enumerate() {
+            rows[k] = i32::try_from(r).map_err(|_| format!("row {r} does not fit an i32"))?;
+            bag[k] = i32::try_from(b).map_err(|_| format!("bag {b} does not fit an i32"))?;
+        }
+        Ok(())
+    }
+
     /// Embedding bags, mean pooling, the dense table gradient and row-wise Adagrad.
     pub(crate) fn exec_embedding<T: Elem>(
         call: &NodeCall,

@@ -6,9 +6,63 @@
 
 // ---- the CPU reference ----
 pub mod cpu {
-    //! The CPU reference of the gemm ops: linear layers, their gradients and matmul.
+    //! The CPU reference of the gemm ops: linear layers, their gradients and matmul; a
+    //! linear layer with a residual; the bf16 copy of an operand.
 
     use crate::cpu::*;
+
+    /// `RoundBf16`: the bf16 copy of an f32 operand (nearest even), and with `col_sums`
+    /// its column sums (a linear layer's bias gradient, from the f32 values) beside it.
+    pub(crate) fn exec_round_bf16(
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        col_sums: bool,
+    ) -> Result<(), String> {
+        let [x] = ins else {
+            return Err("expected one input".into());
+        };
+        let first = outs.first_mut().ok_or("expected an output: the copy")?;
+        *first = cast(x, DType::Bf16);
+        if col_sums {
+            let [_, s] = outs else {
+                return Err("expected two outputs: the copy and the sums".into());
+            };
+            kernels::sum_to_shape(get::<f32>(x, "x")?, out(s)?);
+        }
+        Ok(())
+    }
+
+    /// `LinearAdd`: the layer, then the residual (its last input) added to its output, as
+    /// `Linear` then `Add` compute them (each through [`execute`]).
+    pub(crate) fn exec_linear_add(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+        bias: bool,
+    ) -> Result<(), OpError> {
+        let n = 2 + usize::from(bias);
+        let (Some(r), Some(&r_shape)) = (ins.get(n), call.in_shapes.get(n)) else {
+            return Err(call.error(format!("expected {} inputs", n + 1)));
+        };
+        let linear = Op::Linear { bias, relu: false };
+        let layer = NodeCall {
+            op: &linear,
+            in_shapes: call.in_shapes[..n].to_vec(),
+            ..call.first_outputs(1)
+        };
+        execute(&layer, &ins[..n], outs, upd)?;
+        let y = outs
+            .first()
+            .ok_or_else(|| call.error("expected an output".into()))?
+            .clone();
+        let add = NodeCall {
+            op: &Op::Add,
+            in_shapes: vec![call.out_shapes[0], r_shape],
+            ..call.first_outputs(1)
+        };
+        execute(&add, &[&y, r], outs, upd)
+    }
 
     /// Linear layers, their gradients and matmul.
     pub(crate) fn exec_gemm<T: Elem>(

@@ -6,9 +6,20 @@
 
 // ---- the CPU reference ----
 pub mod cpu {
-    //! The CPU reference of the optim ops: sGD and Adam.
+    //! The CPU reference of the optim ops: SGD, Adam and the step counter.
 
     use crate::cpu::*;
+
+    /// `StepIncrement`: the step counter (one i32, updated in place) plus one.
+    pub(crate) fn exec_step_increment(upd: &mut [Buffer]) -> Result<(), String> {
+        match upd.first_mut() {
+            Some(Buffer::I32(v)) if v.len() == 1 => {
+                v[0] = v[0].saturating_add(1);
+                Ok(())
+            }
+            _ => Err("the step counter must be one i32".into()),
+        }
+    }
 
     /// SGD and Adam.
     pub(crate) fn exec_optim<T: Elem>(
