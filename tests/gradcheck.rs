@@ -374,7 +374,7 @@ fn padded_bags_and_bag_mean() {
 #[test]
 fn zoo_models() {
     // each zoo model's dense part on tiny sizes, its fields and dense features parameters
-    for (k, name) in ["dlrm", "dcnv2", "deepfm"].iter().enumerate() {
+    for (k, name) in erase::model::zoo::names().iter().enumerate() {
         check(&format!("zoo {name}"), 300 + k as u64, |g, r| {
             let cfg = erase::model::ctr::CtrConfig {
                 model: name.to_string(),

@@ -31,7 +31,9 @@ fn cfg(model: &str, variant: Variant, steps: usize) -> TrainConfig {
 
 #[test]
 fn every_zoo_model_learns_and_its_detached_and_erase_variants_agree_bit_for_bit() {
-    for name in ["dlrm", "dcnv2", "deepfm"] {
+    let names = erase::model::zoo::names();
+    assert!(names.len() >= 3, "{names:?}");
+    for name in &names {
         // learns: NE on 4096 held-out examples of the spec's stream after 80 steps
         let r = train(&cfg(name, Variant::Erase, 80), &mut Quiet).unwrap();
         let ne = r.evals.last().unwrap().ne;
@@ -56,11 +58,19 @@ fn every_zoo_model_learns_and_its_detached_and_erase_variants_agree_bit_for_bit(
 #[test]
 fn the_zoo_models_blocks_are_cut_where_they_mark_them() {
     let opt = erase::graph::OptimizerConfig::default();
-    for (name, blocks) in [
+    let expected = [
         ("dlrm", vec!["bottom"]),
         ("dcnv2", vec!["bottom", "cross"]),
         ("deepfm", vec!["deep"]),
-    ] {
+    ];
+    // a model added to the zoo names its blocks here
+    let listed: Vec<String> = expected.iter().map(|(n, _)| n.to_string()).collect();
+    assert_eq!(
+        listed,
+        erase::model::zoo::names(),
+        "every zoo model's blocks"
+    );
+    for (name, blocks) in expected {
         let c = cfg(name, Variant::Erase, 1).model;
         let p = erase::train::plan_step(&c, erase::graph::DType::F32, &opt, &Default::default())
             .unwrap();

@@ -22,6 +22,13 @@ pub(crate) fn models() -> Vec<Arc<dyn Model>> {
     vec![Arc::new(Dlrm), Arc::new(DcnV2), Arc::new(DeepFm)]
 }
 
+/// The zoo's model names, in the order `--help` lists them (whatever else is
+/// registered): what the tests of every zoo model iterate over, so a model added to
+/// [`models`] is tested without a test naming it.
+pub fn names() -> Vec<String> {
+    models().iter().map(|m| m.name().to_string()).collect()
+}
+
 /// Linear layers of the `widths`, ReLU after each (after the last too when `last_relu`):
 /// the MLP the zoo's models are made of, for models of one's own too. Each ReLU runs in
 /// its layer's GEMM epilogue (`Graph::linear_relu`): no pass of its own, and the bf16 copy
