@@ -133,6 +133,9 @@ pub struct ScheduleOptions {
     /// The streams' priority levels; `None`: the occupancy model's choice under
     /// `Occupancy::Auto`, [`Priorities::RANKED`] otherwise.
     pub priorities: Option<Priorities>,
+    /// The kernel paths the cost model plans each launch with (`--kernel-paths`; see
+    /// `ScheduleConfig::plan_options`); `None`: the H200's defaults and the environment.
+    pub plan_options: Option<erase_ops::cuda::PlanOptions>,
 }
 
 /// Least FLOPs of a layer given bf16 operand copies: the size from which the CUDA plans
@@ -153,6 +156,7 @@ impl Default for ScheduleOptions {
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
             updates_by_data: true,
             priorities: None,
+            plan_options: None,
         }
     }
 }
@@ -224,6 +228,7 @@ pub fn plan_step(
         exclusive_only: None,
         device: sched.device.clone(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
+        plan_options: sched.plan_options,
         late_stream: sched.late_stream,
         weight_grad_streams: sched.weight_grad_streams,
         forward_streams: sched.forward_streams,

@@ -1,12 +1,12 @@
 //! The typed kernel ABI, checked without a GPU: every launch that the plans of the CTR
-//! model, mlp30 and nanochat make (at several sizes and in every variant) passes its
-//! kernel exactly the parameters the kernel's PTX declares, in count, width and kind;
-//! and the kernel exists. A wrong argument list fails here, not on a GPU machine. (And
+//! model, the zoo's models, mlp30 and nanochat make (at several sizes and in every
+//! variant) passes its kernel exactly the parameters the kernel's PTX declares, in count,
+//! width and kind; and the kernel exists. A wrong argument list fails here, not on a GPU machine. (And
 //! which programs' launches take the TMA kernels' 128x64 tile.)
 
 use erase::graph::{DType, OptimizerConfig};
 use erase::model::ctr::{CtrConfig, Variant};
-use erase::ops::cuda::{KArg, KernelCall};
+use erase::ops::cuda::{KArg, KernelCall, PlanOptions};
 use erase::runtime::kernels::check_call;
 use erase::runtime::program::schedule::ScheduleKind;
 use erase::train::{plan_step, ScheduleOptions};
@@ -53,7 +53,7 @@ fn check_program(
 }
 
 #[test]
-fn every_plan_of_the_ctr_model_mlp30_and_nanochat_matches_its_kernels_parameters() {
+fn every_plan_of_the_ctr_models_mlp30_and_nanochat_matches_its_kernels_parameters() {
     let Some(lib) = library() else { return };
     let mut total = 0;
     let opt = OptimizerConfig::default();
@@ -86,6 +86,21 @@ fn every_plan_of_the_ctr_model_mlp30_and_nanochat_matches_its_kernels_parameters
                 .unwrap_or_else(|e| panic!("{name} {v}: {e:#}"));
             let g = &plan.model.graph;
             total += check_program(&format!("ctr {name} {v}"), &lib, g, &plan.program);
+        }
+    }
+    // the zoo at its spec-preset sizes (DCNv2's 128-wide embeddings, its thin heads)
+    for name in erase::model::zoo::names() {
+        let cfg = erase::model::api::configure(&name, CtrConfig::default(), true).unwrap();
+        for v in Variant::ALL {
+            let plan = plan_step(
+                &cfg.clone().with_variant(v),
+                DType::F32,
+                &opt,
+                &ScheduleOptions::default(),
+            )
+            .unwrap_or_else(|e| panic!("{name} {v}: {e:#}"));
+            let g = &plan.model.graph;
+            total += check_program(&format!("zoo {name} {v}"), &lib, g, &plan.program);
         }
     }
     for (width, layers, batch) in [(256usize, 30usize, 256usize), (1024, 30, 256), (64, 4, 7)] {
@@ -276,7 +291,6 @@ fn the_erase_program_plans_its_gemms_with_the_overlapped_split_bounds() {
     // measured for it (ERASE_GEMM_MIN_K_SPLIT=1024, ERASE_GEMM_MIN_K_SPLIT_FEW=256,
     // ERASE_GEMM_PIPE_MIN_K_SPLIT=2048 on an H200: +2.8 % erase); the serial programs'
     // launches as under the default bounds; and the two differ (fewer splits)
-    use erase::ops::cuda::PlanOptions;
     // the bounds of an A/B: every launch's, from the environment as it was set
     let measured_bounds = |min_k: &str, few: &str, pipe: &str| {
         PlanOptions::H200
@@ -342,4 +356,38 @@ fn the_erase_program_plans_its_gemms_with_the_overlapped_split_bounds() {
         let want = erase::profile::node_plan_with(g, l.node, measured_16k.at_launch(at));
         assert_eq!(got, want, "batch 16384: '{}'", g.node(l.node).name);
     }
+}
+
+#[test]
+fn the_cost_model_plans_each_launch_with_the_kernel_paths_asked_for() {
+    if library().is_none() {
+        return;
+    }
+    let kernels = |plan_options: Option<PlanOptions>| -> Vec<&'static str> {
+        let plan = plan_step(
+            &CtrConfig::default().with_variant(Variant::Baseline),
+            DType::F32,
+            &OptimizerConfig::default(),
+            &ScheduleOptions {
+                plan_options,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let kernels = plan.program.launches.iter();
+        kernels
+            .filter_map(|l| l.spec.as_ref().map(|s| s.kernel))
+            .collect()
+    };
+    let tall = |k: &&str| k.starts_with("gemm_tall");
+    let default = kernels(None);
+    assert!(default.iter().any(tall), "{default:?}");
+    assert_eq!(default, kernels(Some(PlanOptions::H200)));
+    // `--kernel-paths no-tall`: AutoInt's tall projections on the other GEMM kernels
+    let other = kernels(Some(PlanOptions {
+        gemm_tall: false,
+        ..PlanOptions::H200
+    }));
+    assert!(!other.iter().any(tall), "{other:?}");
+    assert_eq!(other.len(), default.len());
 }

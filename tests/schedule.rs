@@ -117,6 +117,7 @@ fn cfg(kind: ScheduleKind, side: usize) -> ScheduleConfig {
         exclusive_only: None,
         device: DeviceModel::h200(),
         kernels: None,
+        plan_options: None,
         late_stream: false,
         weight_grad_streams: false,
         forward_streams: false,

@@ -74,7 +74,7 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         data_seed: 0,
         eval_examples: super::eval_count(a.eval_examples, model.batch)?,
         threads,
-        schedule: a.model.schedule(),
+        schedule: a.model.schedule()?,
         optimizer: OptimizerConfig::default(),
         dispatch: if a.dispatch.is_empty() {
             // the fastest measured mode on a CUDA device; the CPU backend's only one

@@ -96,7 +96,7 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
         &model,
         crate::graph::DType::F32,
         &OptimizerConfig::default(),
-        &m.schedule(),
+        &m.schedule()?,
     )?;
     let mut s = crate::train::Session::with_dispatch(
         &plan,

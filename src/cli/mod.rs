@@ -241,7 +241,7 @@ struct ModelArgs {
     /// default) orders one against the other streams only where the simulator predicts
     /// the step shorter for it, and chooses the streams' priorities (`plan` lists each
     /// constraint it kept, the priorities it tried and the predicted gains); `on` orders
-    /// every such launch (the blunt rule: 17 % slower on the CTR model on an H200); `off`
+    /// every such launch (the blunt rule: 16 % slower on the CTR model on an H200); `off`
     /// never. `on` and `off` run the ranked priorities unless --stream-priorities says
     /// otherwise.
     #[arg(long, value_enum, default_value = "auto")]
@@ -274,7 +274,7 @@ struct ModelArgs {
     late_stream: OnOff,
     /// Each side stream's weight gradients on a companion stream of their own, beside the
     /// block's chain of data gradients (which the next layer's gradient waits for and the
-    /// weight gradient does not): the block that ends last ends sooner (1.2 % faster on
+    /// weight gradient does not): the block that ends last ends sooner (1.3 % faster on
     /// an H200, see docs/benchmarks-history.md). Only under ERASE.
     #[arg(long, value_enum, default_value = "on")]
     weight_grad_streams: OnOff,
@@ -313,8 +313,10 @@ struct ModelArgs {
     #[arg(long, value_name = "N", value_parser = at_least_one)]
     rows_cap: Option<usize>,
     /// CUDA kernel paths to switch off, comma separated, to compare them on a model
-    /// (default: every fast path): `no-pipeline` (every GEMM on the single-launch
-    /// kernels), `no-cluster` (split-K partials and a reduction launch instead of
+    /// (default: every fast path); `plan` predicts the step with them too:
+    /// `no-pipeline` (the GEMMs on the single-launch kernels, but for those that read
+    /// bf16 operand copies, which only the pipelined kernels read: every GEMM with
+    /// --bf16-copies off), `no-cluster` (split-K partials and a reduction launch instead of
     /// thread-block clusters), `no-tall` (no persistent tall GEMMs), `tall-store-direct`
     /// (the tall GEMMs store from registers), `no-node-priority` (captured graphs without
     /// stream priorities per node). The environment's ERASE_GEMM_PIPELINE=0,
@@ -548,8 +550,10 @@ impl ModelArgs {
         Ok(())
     }
 
-    fn schedule(&self) -> ScheduleOptions {
-        ScheduleOptions {
+    /// The schedule the flags ask for; its cost model plans the launches with
+    /// `--kernel-paths` (and the environment's overrides).
+    fn schedule(&self) -> Result<ScheduleOptions> {
+        Ok(ScheduleOptions {
             side_streams: self.side_streams,
             occupancy: match self.occupancy {
                 OccupancyArg::Off => crate::train::Occupancy::Off,
@@ -575,7 +579,8 @@ impl ModelArgs {
             },
             bf16_copies: self.bf16_copies == OnOff::On,
             bf16_copy_min_flops: self.bf16_copy_min_flops,
-        }
+            plan_options: Some(self.plan_options()?),
+        })
     }
 }
 

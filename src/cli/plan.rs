@@ -179,7 +179,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
         super::check_output("--trace", p)?;
     }
     let mut dp: Vec<(Variant, DpInputs)> = Vec::new();
-    let sched = a.model.schedule();
+    let sched = a.model.schedule()?;
     let sim = SimConfig {
         device: match a.rates {
             Rates::Measured => DeviceModel::h200_measured(),
@@ -237,7 +237,7 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             );
             if let Some(c) = &p.occupancy {
                 println!(
-                    "occupancy model: {} of {} device-filling launches ordered against the other streams (predicted step {:.1} µs without, {:.1} µs with)",
+                    "occupancy model: {} of {} device-filling launches ordered against the other streams (predicted step {:.1} µs with --occupancy off, {:.1} µs as chosen)",
                     c.kept.len(),
                     c.candidates,
                     c.off_s * 1e6,

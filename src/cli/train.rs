@@ -246,7 +246,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         eval_every: a.eval_every,
         eval_examples: super::eval_count(a.eval_examples, model.batch)?,
         threads,
-        schedule: a.model.schedule(),
+        schedule: a.model.schedule()?,
         optimizer: OptimizerConfig::default(),
         warmup: a.warmup.min(a.steps.saturating_sub(1)),
         checkpoint: a.checkpoint.clone(),

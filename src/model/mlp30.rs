@@ -318,6 +318,7 @@ pub fn plan_graph(
         exclusive_only: None,
         device: DeviceModel::h200(),
         kernels: Some(crate::kernels::library()).filter(|l| !l.modules.is_empty()),
+        plan_options: None,
         late_stream: false,
         weight_grad_streams: false,
         forward_streams: false,

@@ -134,6 +134,9 @@ pub struct ScheduleConfig {
     /// its CUDA plan really launches (grid, block, ptxas's registers and shared memory)
     /// instead of the declared estimate.
     pub kernels: Option<KernelLibrary>,
+    /// The kernel paths those plans take (`--kernel-paths`); `None`: the H200's defaults
+    /// with the environment's overrides, as a device has them.
+    pub plan_options: Option<erase_ops::cuda::PlanOptions>,
     /// With two or more side streams, the last early backward program (the one readied
     /// last, so with the least time to finish before the join) gets the last side stream
     /// to itself, at the priority just below main's; the others share the rest.
@@ -171,16 +174,18 @@ fn refine(
     g: &Graph,
     n: &erase_graph::Node,
     at: LaunchAt,
-    lib: &KernelLibrary,
+    (lib, opts): (&KernelLibrary, Option<erase_ops::cuda::PlanOptions>),
 ) -> LaunchSpec {
     let ins: Vec<_> = n.inputs.iter().map(|&t| g.shape(t)).collect();
     let ind: Vec<_> = n.inputs.iter().map(|&t| g.dtype(t)).collect();
     let outs: Vec<_> = n.outputs.iter().map(|&t| g.shape(t)).collect();
     let outd: Vec<_> = n.outputs.iter().map(|&t| g.dtype(t)).collect();
     let upd: Vec<_> = n.updates.iter().map(|&t| g.shape(t)).collect();
-    // the H200 the cost model is of, with the environment's overrides (as a device has)
+    // the H200 the cost model is of, with the kernel paths asked for (or the
+    // environment's overrides, as a device has them)
+    let opts = opts.unwrap_or_else(erase_ops::cuda::PlanOptions::from_env);
     let o = Operands {
-        opts: erase_ops::cuda::PlanOptions::from_env().at_launch(at),
+        opts: opts.at_launch(at),
         ins: &ins,
         in_dtypes: &ind,
         outs: &outs,
@@ -446,7 +451,7 @@ impl Builder<'_> {
         let mut spec = launch_spec_typed(&n.op, &ins, &in_dt, &outs, &out_dt, dt);
         if let (Some(sp), Some(lib)) = (spec.clone(), self.cfg.kernels.as_ref()) {
             let at = launch_at(self.cfg.kind, stream, n.phase, step_examples(g));
-            spec = Some(refine(sp, g, n, at, lib));
+            spec = Some(refine(sp, g, n, at, (lib, self.cfg.plan_options)));
         }
         let exclusive = self.cfg.occupancy
             && spec
