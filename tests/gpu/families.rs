@@ -1,5 +1,5 @@
 //! GPU tests of every op family's kernels but GEMM and attention (the plans of
-//! ops/src/cuda/{elementwise,shape,reduce,norm,interaction,loss,optim,embedding}.rs, the
+//! ops/src/family/{elementwise,shape,reduce,norm,interaction,loss,optim,embedding}.rs, the
 //! kernels of kernels-cuda/{elementwise,norm,reduce,interaction,loss,optim,embedding_bag}.cu)
 //! against the CPU reference.
 //!

@@ -142,7 +142,7 @@ pub struct Operands<'a> {
 
 /// How the plans choose among kernels: a value, so that a plan is a function of its
 /// operands and these. The defaults are the fastest measured on an H200; the switches
-/// exist to compare paths on a model (`--gemm` of `erase-ctr train`/`bench`, or the
+/// exist to compare paths on a model (`--kernel-paths` of `erase-ctr train`/`bench`, or the
 /// environment variables of [`PlanOptions::with_env`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlanOptions {

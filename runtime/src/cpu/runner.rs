@@ -123,7 +123,7 @@ impl<'a> ProgramRunner<'a> {
         let g = self.g;
         let node = g.node(self.prog.launches[i].node);
         // aliases whose bytes are their input's move nothing
-        if matches!(node.op, erase_graph::Op::Reshape | erase_graph::Op::Detach) {
+        if crate::program::memory::is_alias(g, self.prog.launches[i].node) {
             let (o, x) = (node.outputs[0], node.inputs[0]);
             if let (Some(po), Some(px)) = (self.plan.get(o), self.plan.get(x)) {
                 if po.offset == px.offset {

@@ -13,7 +13,7 @@ use crate::error::RuntimeError;
 use crate::program::memory::{alias_root, MemoryPlan};
 use crate::program::schedule::{Label, StepProgram, StreamId};
 use cudarc::driver::{result, sys};
-use erase_graph::{DType, Graph, Op, Tensor};
+use erase_graph::{DType, Graph, Tensor};
 use erase_ops::cuda::{cuda_plan, KArg, Operands};
 use erase_ops::Buffer;
 
@@ -97,7 +97,7 @@ impl<'a> CudaProgram<'a> {
         let mut prepared = Vec::with_capacity(prog.launches.len());
         for l in &prog.launches {
             let n = g.node(l.node);
-            let alias = matches!(n.op, Op::Reshape | Op::Detach)
+            let alias = crate::program::memory::is_alias(g, l.node)
                 && plan
                     .get(n.outputs[0])
                     .zip(plan.get(n.inputs[0]))
