@@ -1278,6 +1278,16 @@ impl<'a> Session<'a> {
     /// NE and AUC on `examples` held-out examples (stream 2, whole batches). Waits for
     /// the steps in flight first.
     pub fn evaluate(&mut self, examples: usize) -> Result<Eval> {
+        self.evaluate_with(examples, &mut |_, _| {})
+    }
+
+    /// [`Session::evaluate`], calling `progress(done, total)` with the examples evaluated
+    /// after each batch.
+    pub fn evaluate_with(
+        &mut self,
+        examples: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Eval> {
         let _range = erase_runtime::cuda::nvtx::range("eval");
         if !self.in_flight.is_empty() {
             bail!(
@@ -1295,7 +1305,9 @@ impl<'a> Session<'a> {
         };
         // whole global batches, so that a rank evaluates the examples one process would
         let world = self.world();
-        for k in 0..(available / (b * world)).max(1) * world {
+        let batches = (available / (b * world)).max(1) * world;
+        for k in 0..batches {
+            progress(k * b, batches * b);
             self.feed(2, (k * b) as u64)?;
             self.exec.run_launches(&self.forward)?;
             let logits = self.exec.get(m.logit)?.to_f64();

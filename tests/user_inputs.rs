@@ -233,6 +233,79 @@ fn eval_takes_the_recorded_model_and_refuses_another() {
     );
 }
 
+/// `eval` takes the preset whose sizes a checkpoint records (trained with `--preset spec`,
+/// evaluated without it) and the synthetic data's seed it was trained on, and says when a
+/// seed given differs.
+#[test]
+fn eval_takes_the_recorded_preset_and_data_seed() {
+    let dir = tmpdir("eval-preset-seed");
+    let ck = dir.join("spec.st");
+    let ckp = ck.to_str().unwrap();
+    ok(&run(&[
+        "train",
+        "--device",
+        "cpu",
+        "--preset",
+        "spec",
+        "--rows",
+        "50",
+        "--batch",
+        "32",
+        "--steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--eval-examples",
+        "64",
+        "--checkpoint",
+        ckp,
+    ]));
+    let out = eval_checkpoint(ckp);
+    assert!(
+        out.contains("records the sizes of --preset spec") && out.contains("step 2, NE"),
+        "{out}"
+    );
+
+    let ck = dir.join("seed7.st");
+    let ckp = ck.to_str().unwrap();
+    let trained = ok(&run(&[
+        "train",
+        "--device",
+        "cpu",
+        "--data-seed",
+        "7",
+        "--steps",
+        "20",
+        "--eval-every",
+        "0",
+        "--eval-examples",
+        "128",
+        "--checkpoint",
+        ckp,
+    ]));
+    // the same 128 held-out examples of seed 7: the NE train printed
+    let ne = format!("NE {:.4},", final_ne(&trained));
+    let out = eval_checkpoint(ckp);
+    assert!(out.contains(&ne), "expected {ne}:\n{out}");
+    let other = ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        ckp,
+        "--eval-examples",
+        "128",
+        "--data-seed",
+        "3",
+    ]));
+    assert!(
+        other.contains("trained on the synthetic data of seed 7")
+            && other.contains("another distribution")
+            && !other.contains(&ne),
+        "{other}"
+    );
+}
+
 /// Without a time column, the schema's eval_fraction holds out the last lines read; an
 /// eval_fraction outside (0, 1) is an error whether or not there is a time column.
 #[test]

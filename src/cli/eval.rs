@@ -21,9 +21,10 @@ pub(crate) struct EvalArgs {
     /// Held-out data, as for train (for synthetic: stream 2 of --data-seed).
     #[arg(long, default_value = "synthetic")]
     data: String,
-    /// Seed of the synthetic data.
-    #[arg(long, default_value_t = 0)]
-    data_seed: u64,
+    /// Seed of the synthetic data (default: the one the checkpoint records; another seed
+    /// draws examples of another distribution).
+    #[arg(long)]
+    data_seed: Option<u64>,
     /// Stop at the first malformed line.
     #[arg(long)]
     strict: bool,
@@ -62,6 +63,21 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
             );
         }
     }
+    // synthetic data: the seed it was trained on, where none is given
+    let recorded_seed = recorded
+        .get("data_seed")
+        .and_then(|v| v.parse::<u64>().ok());
+    let data_seed = match (a.data_seed, recorded_seed) {
+        (Some(s), Some(r)) if s != r && a.data.trim() == "synthetic" => {
+            eprintln!(
+                "eval: {} was trained on the synthetic data of seed {r}; --data-seed {s} draws examples of another distribution",
+                a.checkpoint.display()
+            );
+            s
+        }
+        (Some(s), _) => s,
+        (None, r) => r.unwrap_or(0),
+    };
     // the sizes the checkpoint records, where the command line gives none
     let mut m = a.model.clone();
     let recorded_size = |key: &str| recorded.get(key).and_then(|v| v.parse::<usize>().ok());
@@ -79,6 +95,24 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
             .get("model.table_rows")
             .map(|v| v.trim_matches(|c| c == '[' || c == ']').replace(' ', ""))
             .filter(|v| !v.is_empty());
+    }
+    // the other preset, where the flags' preset builds another model and it builds the
+    // checkpoint's (a checkpoint of `--preset spec` evaluated without the flag)
+    if let Ok(c) = m.synthetic_config(variant) {
+        if check_same_model(&a.checkpoint, &recorded.identity, &c).is_err() {
+            let other = m.with_other_preset();
+            if other
+                .synthetic_config(variant)
+                .is_ok_and(|c| check_same_model(&a.checkpoint, &recorded.identity, &c).is_ok())
+            {
+                eprintln!(
+                    "eval: {} records the sizes of --preset {}; evaluating with them",
+                    a.checkpoint.display(),
+                    other.preset_name()
+                );
+                m = other;
+            }
+        }
     }
     let (model, data) = model_and_data(
         &m,
@@ -104,11 +138,29 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
         Dispatch::Blocking,
         &data,
         0,
-        a.data_seed,
+        data_seed,
         threads,
     )?;
     let step = s.load_weights(&a.checkpoint)?;
-    let e = s.evaluate(super::eval_count(a.eval_examples, model.batch)?)?;
+    // progress on stderr every few seconds: a large --eval-examples takes minutes on a CPU
+    let t0 = std::time::Instant::now();
+    let mut last = t0;
+    let e = s.evaluate_with(
+        super::eval_count(a.eval_examples, model.batch)?,
+        &mut |done, total| {
+            let now = std::time::Instant::now();
+            if now.duration_since(last).as_secs_f64() >= 5.0 {
+                last = now;
+                let secs = now.duration_since(t0).as_secs_f64();
+                let rate = done as f64 / secs.max(1e-9);
+                eprintln!(
+                    "eval: {done} of {total} held-out examples, {:.0} a second, about {:.0} s left",
+                    rate,
+                    (total - done) as f64 / rate.max(1e-9)
+                );
+            }
+        },
+    )?;
     println!(
         "{}: step {step}, NE {:.4}, AUC {:.4} on {} held-out examples",
         a.checkpoint.display(),

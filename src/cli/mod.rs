@@ -492,6 +492,24 @@ impl ModelArgs {
         Ok(o)
     }
 
+    /// These arguments with the other preset (`small` for `spec` and back).
+    fn with_other_preset(&self) -> ModelArgs {
+        ModelArgs {
+            preset: match self.preset {
+                Preset::Small => Preset::Spec,
+                Preset::Spec => Preset::Small,
+            },
+            ..self.clone()
+        }
+    }
+
+    fn preset_name(&self) -> &'static str {
+        match self.preset {
+            Preset::Small => "small",
+            Preset::Spec => "spec",
+        }
+    }
+
     fn config(&self, variant: Variant) -> Result<CtrConfig> {
         let mut c = match self.preset {
             Preset::Small => CtrConfig::small(),
