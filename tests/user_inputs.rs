@@ -233,6 +233,66 @@ fn eval_takes_the_recorded_model_and_refuses_another() {
     );
 }
 
+/// `data --write-criteo` writes data a model learns from (its label depends on the ids
+/// and the first integer), refuses what it cannot write before it starts, and leaves no
+/// temporary file behind.
+#[test]
+fn write_criteo_writes_learnable_data_and_refuses_what_it_cannot_write() {
+    let dir = tmpdir("write-criteo");
+    let file = dir.join("day.tsv");
+    let path = file.to_str().unwrap();
+    ok(&run(&["data", "--write-criteo", path, "--lines", "20000"]));
+    let out = ok(&train(&[
+        "--data",
+        &format!("criteo:{path}"),
+        "--table-rows",
+        "auto",
+        "--steps",
+        "80",
+        "--eval-every",
+        "0",
+    ]));
+    let auc: f64 = out
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("AUC final"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no final AUC in:\n{out}"));
+    assert!(
+        auc > 0.6,
+        "AUC {auc}: the written labels carry no signal\n{out}"
+    );
+    assert!(final_ne(&out) < 1.0, "{out}");
+
+    let folder = dir.join("sub");
+    std::fs::create_dir(&folder).unwrap();
+    fails_with(
+        &run(&[
+            "data",
+            "--write-criteo",
+            folder.to_str().unwrap(),
+            "--lines",
+            "10",
+        ]),
+        &["--write-criteo", "is a folder"],
+    );
+    fails_with(
+        &run(&["data", "--write-criteo", path, "--lines", "0"]),
+        &["--lines 0"],
+    );
+    fails_with(
+        &run(&["data", "--write-criteo", path, "--counts"]),
+        &["--counts", "--write-criteo"],
+    );
+    let left: Vec<_> = std::fs::read_dir(&*dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+}
+
 /// `eval` takes the preset whose sizes a checkpoint records (trained with `--preset spec`,
 /// evaluated without it) and the synthetic data's seed it was trained on, and says when a
 /// seed given differs.

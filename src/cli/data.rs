@@ -29,7 +29,9 @@ pub(crate) struct DataArgs {
     json: Option<std::path::PathBuf>,
     /// Instead: write a Criteo-layout file of --lines random lines here (plain text;
     /// integers, some written as floats and some missing; 8-hex-digit ids of skewed
-    /// frequency; a label of about 25 % positives), then stop.
+    /// frequency; a label of about 25 % positives that depends on the ids of the first 8
+    /// fields and the first integer, so a model trained on it learns), then stop. The other flags of `data`
+    /// do not apply.
     #[arg(long, value_name = "PATH")]
     write_criteo: Option<std::path::PathBuf>,
     /// Lines of --write-criteo.
@@ -62,6 +64,13 @@ pub(super) fn run(a: &DataArgs) -> Result<()> {
         if a.data.is_some() {
             bail!("--write-criteo writes synthetic data and reads none; drop --data (or run `data --data` on its own)");
         }
+        if a.json.is_some() || a.counts {
+            bail!("--json and --counts describe data that `data --data` reads; --write-criteo writes data and reports neither (run `data --data criteo:PATH` on the file it writes)");
+        }
+        if a.lines == 0 {
+            bail!("--lines 0: --write-criteo needs at least one line");
+        }
+        super::check_output("--write-criteo", path)?;
         return write_criteo(path, a.lines, a.seed);
     }
     let data = a.data.as_deref().unwrap_or_default();
@@ -136,7 +145,9 @@ pub(super) fn run(a: &DataArgs) -> Result<()> {
 }
 
 /// Writes `lines` random Criteo-layout lines to `path` (atomically: a temporary file
-/// beside it, then a rename), printing progress every tenth.
+/// beside it, then a rename; the temporary file removed on an error or Ctrl-C), printing
+/// progress every tenth. Each line's label is drawn with a probability that rises with a
+/// score of the ids of its first 8 fields (at most 64 values each) and its first integer.
 fn write_criteo(path: &std::path::Path, lines: u64, seed: u64) -> Result<()> {
     use crate::data::synthetic::splitmix64;
     let dir = path
@@ -148,6 +159,10 @@ fn write_criteo(path: &std::path::Path, lines: u64, seed: u64) -> Result<()> {
         path.file_name().unwrap_or_default().to_string_lossy(),
         std::process::id()
     ));
+    // Ctrl-C stops at the next line, so that the temporary file goes too
+    let signals = crate::interrupt::install();
+    let stop = signals.flag();
+    stop.arm(true);
     let file = std::fs::File::create(&tmp)
         .with_context(|| format!("--write-criteo: cannot create {}", tmp.display()))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 22, file);
@@ -161,22 +176,32 @@ fn write_criteo(path: &std::path::Path, lines: u64, seed: u64) -> Result<()> {
     let result = (|| -> Result<()> {
         for i in 0..lines {
             use std::fmt::Write as _;
+            if i % 4096 == 0 && stop.requested() {
+                bail!("interrupted after {i} of {lines} lines; nothing written");
+            }
             line.clear();
-            let r = next();
-            let label = u8::from(r % 4 == 0);
-            let _ = write!(line, "{label}");
+            // the label's place, set once the features are drawn
+            line.push('0');
+            // the label's score: a weight in [-1, 1) of each id (a hash of the field and
+            // the value), and the first integer's size
+            let mut score = 0.0f64;
+            let weight = |h: u64| (h >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
             for k in 0..13u64 {
                 let r = next();
                 line.push('\t');
+                let x = (r >> 8) % (10 << k.min(10));
                 match r % 16 {
                     0 | 1 => {}               // missing
                     2 => line.push_str("-1"), // Criteo's -1
                     3 => {
-                        let _ = write!(line, "{}.0", (r >> 8) % (10 << k.min(10)));
+                        let _ = write!(line, "{x}.0");
                     }
                     _ => {
-                        let _ = write!(line, "{}", (r >> 8) % (10 << k.min(10)));
+                        let _ = write!(line, "{x}");
                     }
+                }
+                if k == 0 && r % 16 > 2 {
+                    score += 0.3 * (x as f64 / 10.0 - 0.5);
                 }
             }
             for j in 0..26u64 {
@@ -185,9 +210,23 @@ fn write_criteo(path: &std::path::Path, lines: u64, seed: u64) -> Result<()> {
                 if r % 20 == 0 {
                     continue; // missing
                 }
-                // skewed: most ids from a small set of the field's values
-                let v = (r >> 8) % (1 + ((r >> 40) % 64).pow(3) * (j + 1));
-                let _ = write!(line, "{:08x}", splitmix64(v ^ (j << 56)) as u32);
+                // skewed: most ids from a small set of the field's values; the first 8
+                // fields have at most 64 values each, and they carry the label's signal
+                let v = if j < 8 {
+                    ((r >> 8) % 64).pow(2) / 64
+                } else {
+                    (r >> 8) % (1 + ((r >> 40) % 64).pow(3) * (j + 1))
+                };
+                let id = splitmix64(v ^ (j << 56)) as u32;
+                let _ = write!(line, "{id:08x}");
+                if j < 8 {
+                    score += 0.6 * weight(splitmix64(u64::from(id) ^ (j << 40) ^ 0xC11C));
+                }
+            }
+            // about a quarter positives
+            let p = 1.0 / (1.0 + (-(score - 1.5)).exp());
+            if weight(next()) * 0.5 + 0.5 < p {
+                line.replace_range(0..1, "1");
             }
             line.push('\n');
             w.write_all(line.as_bytes())?;
@@ -207,8 +246,10 @@ fn write_criteo(path: &std::path::Path, lines: u64, seed: u64) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
         return Err(e).with_context(|| format!("--write-criteo {}", path.display()));
     }
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("--write-criteo: renaming into {}", path.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("--write-criteo: renaming into {}", path.display()));
+    }
     eprintln!(
         "wrote {lines} Criteo-layout lines to {} in {:.1} s",
         path.display(),
