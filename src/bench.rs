@@ -145,7 +145,7 @@ pub fn bench(
 }
 
 /// The table people read.
-pub fn render(rows: &[BenchRow], device: &str, batch: usize) -> String {
+pub fn render(rows: &[BenchRow], device: &str, batch: usize, gpu: bool) -> String {
     use std::fmt::Write as _;
     let mut s = String::new();
     let base_of = |d: &str| {
@@ -188,13 +188,19 @@ pub fn render(rows: &[BenchRow], device: &str, batch: usize) -> String {
             r.auc,
             gap,
             r.mfu()
+                .filter(|_| gpu)
                 .map_or_else(|| "-".to_string(), |m| format!("{:.1} %", m * 100.0))
         );
     }
-    if let Some(f) = rows.iter().find_map(|r| r.flops_per_example) {
+    // (the MFU of a GPU's rate: on the CPU backend the column stays empty)
+    let erase_flops = rows
+        .iter()
+        .filter(|r| r.variant == Variant::Erase)
+        .find_map(|r| r.flops_per_example);
+    if let (Some(f), true) = (erase_flops, gpu) {
         let _ = writeln!(
             s,
-            "MFU: the plan's {:.1} MFLOP an example (erase) at the p90 rate, of {:.0} TFLOP/s (the bf16 rate a large GEMM reaches on an H200)",
+            "MFU: each variant's plan's FLOPs an example (erase {:.1} MFLOP) at its p90 rate, of {:.0} TFLOP/s (the bf16 rate a large GEMM reaches on an H200)",
             f / 1e6,
             MFU_PEAK_FLOPS / 1e12
         );

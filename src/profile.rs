@@ -229,6 +229,14 @@ pub fn load_measured(path: &std::path::Path) -> anyhow::Result<BTreeMap<String, 
         .get("traceEvents")
         .and_then(|e| e.as_array())
         .ok_or_else(|| anyhow::anyhow!("no traceEvents array"))?;
+    // a trace this crate wrote says where its times come from
+    if let Some(source) = v.pointer("/otherData/source").and_then(|s| s.as_str()) {
+        if !source.starts_with("measured") {
+            anyhow::bail!(
+                "its times are {source}, not measured: give a trace of `train --trace` or `bench --trace-dir` on a GPU"
+            );
+        }
+    }
     let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
     for e in events {
         let args = e.get("args");

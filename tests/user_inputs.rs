@@ -233,6 +233,112 @@ fn eval_takes_the_recorded_model_and_refuses_another() {
     );
 }
 
+/// `plan` predicts with --contention and refuses a predicted trace as --measured; `bench`
+/// refuses a mode named twice and, on the CPU, the flags that read CUDA traces, and gives
+/// no MFU there (it is a GPU's rate).
+#[test]
+fn plan_and_bench_honour_their_flags_or_refuse_them() {
+    let dir = tmpdir("plan-bench-flags");
+    let erase_us = |extra: &[&str]| -> f64 {
+        let mut a = vec!["plan", "--preset", "spec"];
+        a.extend(extra);
+        let out = ok(&run(&a));
+        out.lines()
+            .find_map(|l| l.trim_start().strip_prefix("erase "))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no erase row:\n{out}"))
+    };
+    let free = erase_us(&[]);
+    let costly = erase_us(&["--contention", "0.5,0.5,0.5"]);
+    assert!(
+        costly > free,
+        "--contention 0.5: {costly} µs against {free}"
+    );
+
+    let trace = dir.join("predicted.json");
+    ok(&run(&["plan", "--trace", trace.to_str().unwrap()]));
+    fails_with(
+        &run(&["plan", "--measured", trace.to_str().unwrap()]),
+        &["--measured", "predicted (simulator), not measured"],
+    );
+
+    // the placement flags without the ranks they place tables over
+    fails_with(
+        &run(&["plan", "--sharding", "row"]),
+        &["--sharding row", "give --gpus"],
+    );
+    fails_with(
+        &run(&["plan", "--rank-memory", "3"]),
+        &["--rank-memory", "give --gpus"],
+    );
+    fails_with(
+        &run(&[
+            "bench",
+            "--device",
+            "cpu",
+            "--dispatch",
+            "blocking,blocking",
+        ]),
+        &["--dispatch blocking is given twice"],
+    );
+    fails_with(
+        &run(&["bench", "--device", "cpu", "--kernels", "5"]),
+        &["--kernels", "CUDA"],
+    );
+    let out = ok(&run(&[
+        "bench",
+        "--device",
+        "cpu",
+        "--warmup",
+        "0",
+        "--steps",
+        "2",
+        "--eval-examples",
+        "256",
+    ]));
+    let erase = out
+        .lines()
+        .find(|l| l.starts_with("erase "))
+        .unwrap_or_else(|| panic!("no erase row:\n{out}"));
+    assert!(
+        erase.trim_end().ends_with('-') && !out.contains("MFU:"),
+        "{out}"
+    );
+}
+
+/// `data` holds out what `train` holds out (its counts are `--table-rows auto`'s), says
+/// how many threads a parse used, and writes valid JSON whatever the path.
+#[test]
+fn data_reports_the_split_and_threads_train_uses() {
+    let dir = tmpdir("data-report");
+    let odd = dir.join("odd\u{7f}name.tsv");
+    std::fs::copy(fixture("criteo_small.tsv"), &odd).unwrap();
+    let json = dir.join("d.json");
+    let out = ok(&run(&[
+        "data",
+        "--data",
+        &format!("criteo:{}", odd.display()),
+        "--counts",
+        "--threads",
+        "1,2",
+        "--json",
+        json.to_str().unwrap(),
+    ]));
+    assert!(out.contains("2 threads asked, 1 used"), "{out}");
+    let split = out
+        .lines()
+        .find(|l| l.contains("training examples,"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(!split.contains(" 0 held out"), "{split}");
+    assert!(out.contains("what --table-rows auto gives"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["runs"][1]["threads"], 2, "{v}");
+    assert_eq!(v["runs"][1]["threads_used"], 1, "{v}");
+    assert!(v["data"].as_str().unwrap().contains('\u{7f}'), "{v}");
+}
+
 /// `data --write-criteo` writes data a model learns from (its label depends on the ids
 /// and the first integer), refuses what it cannot write before it starts, and leaves no
 /// temporary file behind.

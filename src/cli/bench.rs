@@ -56,11 +56,22 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
     if let Some(p) = &a.json {
         super::check_output("--json", p)?;
     }
-    if let Some(dir) = &a.trace_dir {
-        std::fs::create_dir_all(dir).with_context(|| format!("--trace-dir {}", dir.display()))?;
+    for (i, d) in a.dispatch.iter().enumerate() {
+        if a.dispatch[..i].contains(d) {
+            bail!(
+                "--dispatch {} is given twice; name each mode once",
+                crate::train::Dispatch::from(*d).as_str()
+            );
+        }
     }
     let model = a.model.synthetic_config(Variant::Erase)?;
     let dev = open(a.device, &a.model)?;
+    if dev.is_none() && (a.kernels > 0 || a.trace_dir.is_some()) {
+        bail!("--kernels and --trace-dir read the traced steps of a CUDA device; the CPU backend traces none (drop them, or run on a GPU)");
+    }
+    if let Some(dir) = &a.trace_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("--trace-dir {}", dir.display()))?;
+    }
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -92,7 +103,7 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
     let name = dev
         .as_ref()
         .map_or_else(|| format!("CPU ({threads} threads)"), |d| d.name.clone());
-    eprintln!("erase-ctr bench on {name}: {} warm-up + {} timed steps per variant, interleaved in chunks of {}", a.warmup, a.steps, a.chunk);
+    eprintln!("erase-ctr bench on {name}: synthetic data (the spec's generator), {} warm-up + {} timed steps per variant, interleaved in chunks of {}", a.warmup, a.steps, a.chunk);
     if let Some(d) = dev.as_ref() {
         eprintln!(
             "  kernels: {:?} PTX, launched {}",
@@ -114,7 +125,10 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
             r.flops_per_example = Some(per);
         }
     }
-    print!("{}", crate::bench::render(&rows, &name, model.batch));
+    print!(
+        "{}",
+        crate::bench::render(&rows, &name, model.batch, dev.is_some())
+    );
     if let Some(p) = &a.json {
         std::fs::write(p, crate::bench::to_json(&rows))
             .with_context(|| format!("--json {}", p.display()))?;

@@ -100,21 +100,35 @@ pub(super) fn run(a: &DataArgs) -> Result<()> {
         let (train, eval, report) = load(&src, &opts)?;
         let secs = t0.elapsed().as_secs_f64();
         let lines_s = report.lines as f64 / secs;
+        // the threads the parse used: fewer than asked where the data has fewer pieces
+        let used = report.parse_threads.clamp(1, n);
         println!(
-            "{n:>3} thread{}: {} lines in {secs:.2} s: {:.0}k lines/s, {:.0} MB/s ({} malformed)",
-            if n == 1 { " " } else { "s" },
+            "{n:>3} thread{} asked, {used} used: {} lines in {secs:.2} s: {:.0}k lines/s, {:.0} MB/s ({} malformed)",
+            if n == 1 { "" } else { "s" },
             report.lines,
             lines_s / 1e3,
             report.parse_bytes as f64 / secs / 1e6,
             report.malformed
         );
-        rows.push(format!(
-            "{{\"threads\":{n},\"lines\":{},\"bytes\":{},\"secs\":{secs:.4},\"lines_per_s\":{lines_s:.0}}}",
-            report.lines, report.parse_bytes
-        ));
+        rows.push(serde_json::json!({
+                "threads": n,
+                "threads_used": used,
+                "lines": report.lines,
+                "bytes": report.parse_bytes,
+                "secs": (secs * 1e4).round() / 1e4,
+                "lines_per_s": lines_s.round(),
+        }));
         last = Some((train, eval, report));
     }
-    if let Some((train, eval, report)) = &last {
+    if let Some((train, eval, report)) = &mut last {
+        // the split train makes: a source without one holds out its last lines
+        if eval.is_none() {
+            let fraction = super::held_out_fraction(&src);
+            let (tr, ev) = train.split_tail(fraction).with_context(|| {
+                format!("holding out {fraction} of the examples for evaluation")
+            })?;
+            (*train, *eval) = (tr, Some(ev));
+        }
         println!("{report}");
         println!(
             "{} training examples, {} held out; {} dense and {} categorical fields{}, {:.2} % positive",
@@ -130,14 +144,16 @@ pub(super) fn run(a: &DataArgs) -> Result<()> {
             100.0 * train.positive_rate()
         );
         if a.counts {
-            println!("distinct ids per field: {:?}", train.distinct_ids());
+            println!(
+                "distinct ids per field in the training examples (what --table-rows auto gives): {:?}",
+                train.distinct_ids()
+            );
         }
     }
     if let Some(p) = &a.json {
         let text = format!(
-            "{{\"data\":{:?},\"cores\":{cores},\"runs\":[{}]}}\n",
-            data,
-            rows.join(",")
+            "{}\n",
+            serde_json::json!({"data": data, "cores": cores, "runs": rows})
         );
         std::fs::write(p, text).with_context(|| format!("--json {}", p.display()))?;
     }

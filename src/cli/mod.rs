@@ -541,7 +541,7 @@ impl ModelArgs {
         let mut model = self.config(variant)?;
         if let Some(spec) = &self.table_rows {
             if spec.trim() == "auto" {
-                bail!("--table-rows auto counts ids in the data; synthetic data has none to count (give sizes, or --data)");
+                bail!("--table-rows auto counts ids in the data; synthetic data has none to count (give sizes; `train` and `eval` count them in their --data)");
             }
             let names: Vec<String> = (1..=model.num_sparse).map(|j| format!("C{j}")).collect();
             model.table_rows = table_rows(spec, &names, model.rows, model.rows, || Ok(vec![]))?;
@@ -563,7 +563,7 @@ impl ModelArgs {
             .as_deref()
             .is_some_and(|s| s.trim() == "auto");
         if let (Some(cap), false) = (self.rows_cap, auto) {
-            bail!("--rows-cap {cap} bounds the sizes of --table-rows auto, which is not given; drop it, or use --table-rows auto with --data");
+            bail!("--rows-cap {cap} bounds the sizes of --table-rows auto, which is not given; drop it, or use --table-rows auto with the --data of `train` or `eval`");
         }
         Ok(())
     }
@@ -604,6 +604,15 @@ impl ModelArgs {
 
 /// The model sized for the data, and the data: synthetic, or loaded (with a held-out
 /// part) from `--data criteo:PATH | tsv:PATH`.
+/// The share of a source's examples held out for evaluation where the source does not
+/// split them itself: the schema's eval_fraction, a tenth of Criteo data.
+fn held_out_fraction(src: &crate::data::DataSource) -> f64 {
+    match src {
+        crate::data::DataSource::Tsv { schema, .. } => schema.eval_fraction,
+        crate::data::DataSource::Criteo { .. } => 0.1,
+    }
+}
+
 fn model_and_data(
     m: &ModelArgs,
     variant: Variant,
@@ -664,10 +673,7 @@ fn model_and_data(
         None => {
             // no split in the source: hold out the last lines read (a tenth, or the
             // schema's eval_fraction)
-            let fraction = match &src {
-                crate::data::DataSource::Tsv { schema, .. } => schema.eval_fraction,
-                crate::data::DataSource::Criteo { .. } => 0.1,
-            };
+            let fraction = held_out_fraction(&src);
             let (tr, ev) = train.split_tail(fraction).with_context(|| {
                 format!("holding out {fraction} of the examples for evaluation")
             })?;

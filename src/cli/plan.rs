@@ -165,6 +165,18 @@ fn data_parallel_inputs(
 }
 
 pub(super) fn run(a: &PlanArgs) -> Result<()> {
+    // the placement flags describe the ranks of --gpus: alone they would change nothing
+    if a.gpus.is_none() {
+        if a.sharding != ShardingArg::Auto {
+            bail!(
+                "--sharding {} places the tables over the ranks of --gpus N; give --gpus",
+                a.sharding.as_str()
+            );
+        }
+        if a.rank_memory != 120_000_000_000 {
+            bail!("--rank-memory budgets each rank of --gpus N; give --gpus");
+        }
+    }
     if let Some(p) = a.timeline.as_deref().filter(|p| p.as_os_str() != "-") {
         super::check_output("--timeline", p)?;
         let ext = p.extension().and_then(|e| e.to_str()).unwrap_or_default();
@@ -182,7 +194,11 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
     let sched = a.model.schedule()?;
     let sim = SimConfig {
         device: match a.rates {
-            Rates::Measured => DeviceModel::h200_measured(),
+            // the measured rates, with --contention where it is given
+            Rates::Measured => DeviceModel {
+                contention: sched.device.contention,
+                ..DeviceModel::h200_measured()
+            },
             Rates::Peak => sched.device.clone(),
         },
         host_per_launch_s: match a.dispatch {
@@ -229,10 +245,22 @@ pub(super) fn run(a: &PlanArgs) -> Result<()> {
             critical = Some((v, critical_path_text(&p.program, &r)));
         }
         if v == shown {
+            let streams = match p.program.streams {
+                1 => "1 stream (main)".to_string(),
+                n => format!(
+                    "{n} streams (main and side1..side{}: {} pool stream(s) for the early backwards{})",
+                    n - 1,
+                    sched.side_streams.min(n - 1),
+                    if n > sched.side_streams + 1 {
+                        ", the rest their forwards' and weight gradients' streams"
+                    } else {
+                        ""
+                    }
+                ),
+            };
             println!(
-                "== {v}: batch {}, {} side stream(s), occupancy {} ==",
+                "== {v}: batch {}, {streams}, occupancy {} ==",
                 cfg.batch,
-                sched.side_streams,
                 sched.occupancy.as_str()
             );
             if let Some(c) = &p.occupancy {
