@@ -24,7 +24,7 @@ pub(crate) fn models() -> Vec<Arc<dyn Model>> {
 
 /// The zoo's model names, in the order `--help` lists them (whatever else is
 /// registered): what the tests of every zoo model iterate over, so a model added to
-/// [`models`] is tested without a test naming it.
+/// the zoo (`zoo::models`) is tested without a test naming it.
 pub fn names() -> Vec<String> {
     models().iter().map(|m| m.name().to_string()).collect()
 }
