@@ -378,6 +378,9 @@ pub fn save(
 
 /// The metadata of a checkpoint file and its bytes, checked to be an Erase checkpoint.
 fn read_meta(path: &Path) -> Result<(Vec<u8>, CheckpointState, serde_json::Value)> {
+    if path.is_dir() {
+        bail!("{} is a folder, not a checkpoint file", path.display());
+    }
     let bytes =
         std::fs::read(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
     safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
@@ -443,6 +446,9 @@ pub fn peek(path: &Path) -> Result<CheckpointState> {
             path.display()
         )
     };
+    if path.is_dir() {
+        bail!("{} is a folder, not a checkpoint file", path.display());
+    }
     let mut f = std::fs::File::open(path)
         .with_context(|| format!("reading checkpoint {}", path.display()))?;
     let len = f

@@ -339,6 +339,34 @@ fn data_reports_the_split_and_threads_train_uses() {
     assert!(v["data"].as_str().unwrap().contains('\u{7f}'), "{v}");
 }
 
+/// A folder as a checkpoint or a file as the cache folder is named as what it is, and
+/// `data` refuses a TSV schema for Criteo data as train and eval do.
+#[test]
+fn a_folder_checkpoint_a_file_cache_and_a_schema_for_criteo_are_named() {
+    let dir = tmpdir("misplaced-paths");
+    fails_with(
+        &run(&[
+            "eval",
+            "--device",
+            "cpu",
+            "--checkpoint",
+            dir.to_str().unwrap(),
+        ]),
+        &["is a folder, not a checkpoint file"],
+    );
+    let file = write(&dir, "not-a-folder", "x");
+    let criteo = format!("criteo:{}", fixture("criteo_small.tsv"));
+    fails_with(
+        &train(&["--data", &criteo, "--cache-dir", &file, "--steps", "1"]),
+        &["--cache-dir", "is a file"],
+    );
+    let movielens = format!("{}/configs/movielens.toml", env!("CARGO_MANIFEST_DIR"));
+    fails_with(
+        &run(&["data", "--config", &movielens, "--data", &criteo]),
+        &["[data.schema]", "Criteo's fixed layout"],
+    );
+}
+
 /// `data --write-criteo` writes data a model learns from (its label depends on the ids
 /// and the first integer), refuses what it cannot write before it starts, and leaves no
 /// temporary file behind.

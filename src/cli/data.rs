@@ -78,6 +78,13 @@ pub(super) fn run(a: &DataArgs) -> Result<()> {
     let Some(src) = parse_data_arg(data, schema.as_ref()).context("--data")? else {
         bail!("--data synthetic has nothing to parse; give criteo:PATH or tsv:PATH");
     };
+    if let (crate::data::DataSource::Criteo { .. }, Some(_), Some(p)) = (&src, &schema, &a.config) {
+        bail!(
+            "{}: [data.schema] describes the columns of tsv: data, but --data {data} has \
+             Criteo's fixed layout; use --data tsv:PATH, or drop [data.schema]",
+            p.display()
+        );
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut counts = Vec::new();
     for t in &a.threads {

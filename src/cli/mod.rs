@@ -653,6 +653,12 @@ fn model_and_data(
         return Ok((m.synthetic_config(variant)?, crate::train::Data::Synthetic));
     };
     let mut model = m.config(variant)?;
+    if let Some(p) = cache_dir.filter(|p| p.exists() && !p.is_dir()) {
+        bail!(
+            "--cache-dir {} is a file; the cache is a folder (created if absent)",
+            p.display()
+        );
+    }
     let opts = crate::data::LoadOptions {
         strict,
         cache_dir: cache_dir.map(|p| p.to_path_buf()),
