@@ -137,11 +137,7 @@ pub fn execute(
     outs: &mut [Buffer],
     upd: &mut [Buffer],
 ) -> Result<(), OpError> {
-    let err = |msg: String| OpError {
-        op: call.op.name(),
-        node: call.name.to_string(),
-        msg,
-    };
+    let err = |msg: String| call.error(msg);
     // the ops of any element type first, each in its family
     if let Some(r) = crate::dispatch::exec_untyped(call, ins, outs, upd) {
         return r;
