@@ -15,7 +15,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use erase::data::mnist::{self, Split};
 use erase::graph::{DenseOptimizer, OptimizerConfig};
-use erase::model::mlp30::{median, plan_with, HiddenInit, Mlp30Config, Mlp30Trainer, Mode};
+use erase::model::mlp30::{plan_with, HiddenInit, Mlp30Config, Mlp30Trainer, Mode};
+use erase::model::stepper::median;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Opt {

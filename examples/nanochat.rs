@@ -12,9 +12,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use erase::graph::{DenseOptimizer, OptimizerConfig};
-use erase::model::mlp30::median;
-use erase::model::mlp30::StepSchedule;
 use erase::model::nanochat::{load_text, plan_with, NanoConfig, NanoTrainer};
+use erase::model::stepper::median;
+use erase::model::stepper::StepSchedule;
 use erase::runtime::program::schedule::ScheduleKind;
 use erase::train::Occupancy;
 

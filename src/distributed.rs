@@ -771,10 +771,10 @@ impl<C: Collective> StepExec for RankExec<'_, C> {
         layout: &erase_runtime::cuda::feed::InputLayout,
         readback: &[Tensor],
         n: usize,
-    ) -> Result<Vec<crate::loader::SlotMem>> {
+    ) -> Result<Vec<crate::data::loader::SlotMem>> {
         self.cpu.slots(layout, readback, n)
     }
-    fn issue(&mut self, step: u64, _slot: usize, mem: &crate::loader::SlotMem) -> Result<()> {
+    fn issue(&mut self, step: u64, _slot: usize, mem: &crate::data::loader::SlotMem) -> Result<()> {
         FailAt::check(self.fail, self.comm.rank(), step as usize)?;
         self.cpu.load(mem)?;
         if let Some(sh) = &mut self.sharded {

@@ -7,9 +7,9 @@
 
 use anyhow::{bail, Context, Result};
 
+use crate::data::loader::SlotMem;
 use crate::distributed::{AllReduce, FailAt, RankResult};
 use crate::launch::{report, WorkerOptions};
-use crate::loader::SlotMem;
 use crate::train::{
     drive, plan_step_data_parallel, Dispatch, Progress, Session, Share, StepExec, TrainConfig,
 };

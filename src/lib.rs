@@ -18,7 +18,6 @@ pub mod gpu;
 pub mod interrupt;
 pub mod kernels;
 pub mod launch;
-pub mod loader;
 pub mod metrics;
 pub mod model;
 pub mod profile;

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
+use crate::data::loader::{Loader, SlotMem};
 use crate::data::synthetic::{SyntheticConfig, SyntheticCtr};
-use crate::loader::{Loader, SlotMem};
 use crate::metrics::{auc, qps_summary, NeState, QpsSummary};
 use crate::model::ctr::{build_with, CtrConfig, CtrModel, Variant};
 use erase_graph::Tensor;
@@ -496,7 +496,7 @@ pub trait StepExec: crate::checkpoint::TensorStore {
     /// Only the given launches (indices into the program), in order, then wait.
     fn run_launches(&mut self, which: &[usize]) -> Result<()>;
     fn get(&self, t: Tensor) -> Result<Buffer>;
-    /// Sets up stepping from packed batches (see [`crate::loader`]): returns `n` slots of
+    /// Sets up stepping from packed batches (see [`crate::data::loader`]): returns `n` slots of
     /// `layout.bytes` for a loader to fill; each step reads back `readback` (scalars).
     fn slots(
         &mut self,

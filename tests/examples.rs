@@ -471,7 +471,7 @@ fn nanochat_refuses_missing_empty_and_short_texts() {
 /// the early backward of a cut-off segment runs beside later forward work.
 #[test]
 fn nanochat_attention_backward_runs_alone_under_the_occupancy_rule() {
-    use erase::model::mlp30::StepSchedule;
+    use erase::model::stepper::StepSchedule;
     use erase::runtime::cuda::graph::program_reachability;
     let gpu_sized = NanoConfig {
         seq: 1024,

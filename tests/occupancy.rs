@@ -5,8 +5,8 @@
 
 use erase::graph::{DType, NodeId, OptimizerConfig};
 use erase::model::ctr::{CtrConfig, Variant};
-use erase::model::mlp30::StepSchedule;
 use erase::model::nanochat::{self, NanoConfig};
+use erase::model::stepper::StepSchedule;
 use erase::runtime::program::occupancy::DeviceModel;
 use erase::runtime::program::schedule::ScheduleKind;
 use erase::runtime::program::schedule::{

@@ -1,3 +1,4 @@
+pub mod loader;
 pub mod mnist;
 pub mod synthetic;
 pub mod table;

@@ -29,7 +29,7 @@ use erase_runtime::cuda::CudaDevice;
 use erase_runtime::init::splitmix64;
 use erase_runtime::program::schedule::ScheduleKind;
 
-use super::mlp30::{plan_graph, GraphPlan, StepSchedule, StepTimes, Stepper};
+use super::stepper::{plan_graph, GraphPlan, StepSchedule, StepTimes, Stepper};
 
 /// Byte-level tokens.
 pub const VOCAB: usize = 256;
