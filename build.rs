@@ -1,8 +1,9 @@
-//! Compiles `kernels-cuda/*.cu` to PTX with nvcc, for sm_90a (Hopper: wgmma allowed) and
-//! sm_80 (A100-class, and a fallback the H200 can run), and embeds it with each kernel's
-//! registers, shared memory and spills as ptxas reports them for sm_90a, and its
-//! parameter list as the PTX declares it (which a CPU test checks every launch plan
-//! against: a wrong argument list fails without a GPU).
+//! Compiles each family of `kernels-cuda/` (a file `NAME.cu`, or a folder `NAME/` whose
+//! `NAME.cu` includes the folder's other files) to PTX with nvcc, for sm_90a (Hopper:
+//! wgmma allowed) and sm_80 (A100-class, and a fallback the H200 can run), and embeds it
+//! with each kernel's registers, shared memory and spills as ptxas reports them for
+//! sm_90a, and its parameter list as the PTX declares it (which a CPU test checks every
+//! launch plan against: a wrong argument list fails without a GPU).
 //!
 //! nvcc is found through `$NVCC`, `$CUDA_HOME/bin/nvcc`, `PATH`, or the project's own
 //! pinned install (`scripts/install-nvcc.sh` puts it in `.tools/cuda`). Without nvcc the
@@ -171,10 +172,19 @@ fn main() {
     for v in ["NVCC", "CUDA_HOME", "PATH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
+    // a family is `NAME.cu`, or a folder `NAME/` compiled through its `NAME/NAME.cu`
     let mut files: Vec<PathBuf> = fs::read_dir(&src)
         .map(|d| {
             d.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+                .filter_map(|p| {
+                    if p.is_dir() {
+                        let name = p.file_name()?.to_str()?.to_string();
+                        let unit = p.join(format!("{name}.cu"));
+                        unit.is_file().then_some(unit)
+                    } else {
+                        p.extension().is_some_and(|x| x == "cu").then_some(p)
+                    }
+                })
                 .collect()
         })
         .unwrap_or_default();

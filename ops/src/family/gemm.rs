@@ -846,7 +846,7 @@ pub(crate) mod cuda {
     /// `gemm_tall_n*` for a tall GEMM (batch 1, A not transposed, many rows, N ≤ 256 and K
     /// small enough for two CTAs an SM, each with two 64-row blocks of A, f32 or bf16, and
     /// all of op(B) in shared memory): persistent CTAs, op(B) staged once, the next block of
-    /// A loading while this one is multiplied and stored (kernels-cuda/gemm.cu). A bf16 A
+    /// A loading while this one is multiplied and stored (kernels-cuda/gemm/tall.cuh). A bf16 A
     /// (an f32 B) needs K and lda multiples of 8 (16-byte copies). `None` for every other
     /// GEMM.
     fn gemm_tall(g: &Gemm) -> Result<Option<CudaPlan>, String> {
