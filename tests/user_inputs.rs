@@ -901,6 +901,14 @@ fn one_config_file_serves_every_subcommand_and_type_errors_name_file_table_and_k
         "[data] data not used:\n{out}"
     );
     assert!(cache.is_dir(), "[data] cache_dir not used:\n{out}");
+    assert!(!out.contains("is not read by"), "{out}");
+    // plan (and bench) read no data file: the config's is named as not read, not dropped
+    // silently
+    let out = ok(&run(&["plan", "--config", &with_data]));
+    assert!(
+        out.contains("data.toml: [data] data is not read by `erase-ctr plan`"),
+        "{out}"
+    );
     // [data]'s keys other than the data's description are the data subcommand's own:
     // its threads list and seed do not become train's flags of those names
     let both = write(

@@ -88,6 +88,9 @@ pub(super) struct Expanded {
     /// `(flag, "FILE: [table] key")` for each setting the config gave and the command
     /// line did not.
     pub from_config: Vec<(String, String)>,
+    /// Notes for the user: the data the config names that this subcommand does not read
+    /// (`bench` times synthetic data, `plan` reads none).
+    pub notes: Vec<String>,
 }
 
 impl Expanded {
@@ -129,6 +132,7 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Expanded> {
         return Ok(Expanded {
             args,
             from_config: Vec::new(),
+            notes: Vec::new(),
         });
     };
     // a bare `--config` takes the next argument as its file
@@ -169,6 +173,7 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Expanded> {
         .collect();
     let mut extra: Vec<OsString> = Vec::new();
     let mut from_config: Vec<(String, String)> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
     // a flag the command line gives wins over the config's
     let on_command_line = |flag: &str| {
         let long = format!("--{flag}");
@@ -242,6 +247,17 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Expanded> {
                         match other {
                             Some((_, a)) => {
                                 flag_args(a, &flag, value, &at)?;
+                                // the data a user may think this command reads
+                                if section == "data" && flag == "data" {
+                                    notes.push(format!(
+                                        "{at} is not read by `erase-ctr {sub}`, {}",
+                                        if sub == "bench" {
+                                            "which times the spec's synthetic data"
+                                        } else {
+                                            "which reads no data"
+                                        }
+                                    ));
+                                }
                             }
                             None => bail!(
                                 "{at} is not a setting of any erase-ctr subcommand (see erase-ctr {sub} --help)"
@@ -258,5 +274,6 @@ pub(super) fn expand_config(args: Vec<OsString>) -> Result<Expanded> {
     Ok(Expanded {
         args: out,
         from_config,
+        notes,
     })
 }

@@ -883,6 +883,9 @@ pub fn main() -> ExitCode {
     };
     // clap prints --help, --version and usage errors itself (and exits)
     let cli = Cli::parse_from(expanded.args.clone());
+    for n in &expanded.notes {
+        eprintln!("erase-ctr: note: {n}");
+    }
     match dispatch(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.downcast_ref::<crate::interrupt::Interrupted>().is_some() => {
@@ -901,6 +904,9 @@ pub fn main() -> ExitCode {
 pub fn run(args: Vec<std::ffi::OsString>) -> Result<()> {
     let expanded = config::expand_config(args)?;
     let cli = Cli::try_parse_from(expanded.args.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    for n in &expanded.notes {
+        eprintln!("erase-ctr: note: {n}");
+    }
     dispatch(&cli).map_err(|e| anyhow::anyhow!("{}", expanded.annotate(format!("{e:#}"))))
 }
 

@@ -95,7 +95,7 @@ impl DeviceModel {
     /// (cuBLAS bf16 736 TFLOP/s at 4096³, copy 4.22 TB/s).
     pub fn h200() -> Self {
         DeviceModel {
-            name: "NVIDIA H200",
+            name: "NVIDIA H200 (peak rates: cuBLAS's 736 TFLOP/s, a copy's 4.22 TB/s)",
             sms: 132,
             regs_per_sm: 65536,
             reg_alloc_unit: 256,
