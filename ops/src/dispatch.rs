@@ -152,6 +152,74 @@ pub(crate) fn exec_untyped(
     Some(r.map_err(|m| call.error(m)))
 }
 
+/// The storage forms of the ops that have them, in their families: an output's bf16 copy
+/// written beside it, an output or an operand stored in bf16, each composed of the op's
+/// plain form (whose reference is the specification) and a rounding; `None` for an op in
+/// its plain form, which [`exec_inner`] runs.
+pub(crate) fn exec_stored(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+) -> Option<Result<(), OpError>> {
+    use crate::family::{
+        attention::cpu as attention, elementwise::cpu as elementwise, gemm::cpu as gemm,
+        norm::cpu as norm, shape::cpu as shape,
+    };
+    match call.op {
+        Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. } => {
+            gemm::exec_stored(call, ins, outs, upd)
+        }
+        Op::MulAdd | Op::Mul | Op::MulGrad => elementwise::exec_stored(call, ins, outs, upd),
+        Op::Concat { .. } => shape::exec_stored(call, ins, outs, upd),
+        Op::LayerNormGrad => norm::exec_stored(call, ins, outs, upd),
+        Op::Attention { .. } | Op::AttentionGrad { .. } => {
+            attention::exec_stored(call, ins, outs, upd)
+        }
+        Op::Leaf(_)
+        | Op::Reshape
+        | Op::Detach
+        | Op::Cast { .. }
+        | Op::RoundBf16 { .. }
+        | Op::LinearAdd { .. }
+        | Op::EmbeddingSort { .. }
+        | Op::StepIncrement
+        | Op::MatMul { .. }
+        | Op::Add
+        | Op::Scale { .. }
+        | Op::Relu
+        | Op::Gelu
+        | Op::Silu
+        | Op::Sigmoid
+        | Op::ReluGrad
+        | Op::GeluGrad
+        | Op::SiluGrad
+        | Op::SigmoidGrad
+        | Op::LayerNorm { .. }
+        | Op::SumToShape
+        | Op::Sum
+        | Op::Mean
+        | Op::Broadcast { .. }
+        | Op::GradSum
+        | Op::SliceSum { .. }
+        | Op::Slice { .. }
+        | Op::Split { .. }
+        | Op::Pad { .. }
+        | Op::PairwiseDot
+        | Op::PairwiseDotGrad
+        | Op::EmbeddingBag { .. }
+        | Op::BagMean { .. }
+        | Op::EmbeddingBagGradDense { .. }
+        | Op::RowwiseAdagrad { .. }
+        | Op::BceWithLogits
+        | Op::BceWithLogitsGrad
+        | Op::SoftmaxCrossEntropy
+        | Op::SoftmaxCrossEntropyGrad
+        | Op::Sgd { .. }
+        | Op::Adam { .. } => None,
+    }
+}
+
 /// The launches of `op`, or why it cannot run on a CUDA device.
 pub fn cuda_plan(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
     use crate::family::{

@@ -142,83 +142,10 @@ pub fn execute(
     if let Some(r) = crate::dispatch::exec_untyped(call, ins, outs, upd) {
         return r;
     }
-    if matches!(
-        call.op,
-        Op::MulAdd | Op::Mul | Op::Concat { .. } | Op::Linear { .. } | Op::LinearGradInput { .. }
-    ) && outs.len() == 2
-        && outs[1].dtype() == DType::Bf16
-    {
-        // the bf16 copy a GEMM reads, written beside the output (Graph::copy_output)
-        let call0 = call.first_outputs(1);
-        execute(&call0, ins, &mut outs[..1], upd)?;
-        outs[1] = cast(&outs[0], DType::Bf16);
-        return Ok(());
-    }
-    if matches!(call.op, Op::Linear { .. }) && outs.len() == 1 && outs[0].dtype() == DType::Bf16 {
-        // a linear layer stored in bf16 (Graph::linear_for_attention): the f32 output, rounded
-        let mut wide = [Buffer::F32(vec![0.0; outs[0].len()])];
-        execute(call, ins, &mut wide, upd)?;
-        let [y] = wide;
-        outs[0] = cast(&y, DType::Bf16);
-        return Ok(());
-    }
-    if matches!(call.op, Op::LayerNormGrad) && outs.len() == 5 {
-        // dx a linear layer's dy: its bf16 copy and its column sums beside it
-        let call0 = call.first_outputs(3);
-        execute(&call0, ins, &mut outs[..3], upd)?;
-        outs[3] = cast(&outs[0], DType::Bf16);
-        let (head, tail) = outs.split_at_mut(4);
-        let dx = get::<f32>(&head[0], "dx").map_err(err)?;
-        kernels::sum_to_shape(dx, out(&mut tail[0]).map_err(err)?);
-        return Ok(());
-    }
-    if matches!(call.op, Op::MulGrad) && outs.len() >= 2 && outs[1].dtype() == DType::Bf16 {
-        // db a copied linear layer's dy: only its bf16 copy, and with a third output its
-        // column sums (the layer's bias gradient), as RoundBf16 of the f32 db gives them
-        let call0 = call.first_outputs(2);
-        let mut two = [outs[0].clone(), Buffer::F32(vec![0.0; outs[1].len()])];
-        execute(&call0, ins, &mut two, upd)?;
-        let [da, db] = two;
-        outs[1] = cast(&db, DType::Bf16);
-        if let Some(s) = outs.get_mut(2) {
-            let db = get::<f32>(&db, "db").map_err(err)?;
-            kernels::sum_to_shape(db, out(s).map_err(err)?);
-        }
-        outs[0] = da;
-        return Ok(());
-    }
-    if matches!(call.op, Op::AttentionGrad { packed: true, .. })
-        && outs.len() == 1
-        && outs[0].dtype() == DType::Bf16
-    {
-        // dqkv in bf16 (a projection's GEMMs read it): the f32 gradient, rounded
-        let mut wide = [Buffer::F32(vec![0.0; outs[0].len()])];
-        execute(call, ins, &mut wide, upd)?;
-        let [dqkv] = wide;
-        outs[0] = cast(&dqkv, DType::Bf16);
-        return Ok(());
-    }
-    if matches!(
-        call.op,
-        Op::Linear { .. }
-            | Op::LinearGradInput { .. }
-            | Op::LinearGradWeight { .. }
-            | Op::Attention { packed: true, .. }
-            | Op::AttentionGrad { packed: true, .. }
-    ) && ins.iter().any(|b| b.dtype() == DType::Bf16)
-    {
-        // bf16 copies of GEMM operands (RoundBf16's outputs), or a packed q, k, v stored in
-        // bf16 (Graph::linear_for_attention): the same values in f32
-        let wide: Vec<Option<Buffer>> = ins
-            .iter()
-            .map(|b| (b.dtype() == DType::Bf16).then(|| cast(b, DType::F32)))
-            .collect();
-        let refs: Vec<&Buffer> = ins
-            .iter()
-            .zip(&wide)
-            .map(|(b, w)| w.as_ref().unwrap_or(b))
-            .collect();
-        return execute(call, &refs, outs, upd);
+    // the storage forms (a bf16 copy beside an output, an output or an operand in bf16),
+    // each in its op's family, composed of the plain form
+    if let Some(r) = crate::dispatch::exec_stored(call, ins, outs, upd) {
+        return r;
     }
     let float = ins
         .iter()
@@ -234,6 +161,65 @@ pub fn execute(
         ))),
         None => Err(err("no floating-point operand".into())),
     }
+}
+
+/// A storage form (the families' `exec_stored`): `outs[..plain]` by the plain form, then
+/// `outs[plain]`, the bf16 copy of output 0 that a GEMM reads, written beside it
+/// (`Graph::copy_output`).
+pub(crate) fn with_copy(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+    plain: usize,
+) -> Result<(), OpError> {
+    execute(&call.first_outputs(plain), ins, &mut outs[..plain], upd)?;
+    outs[plain] = cast(&outs[0], DType::Bf16);
+    Ok(())
+}
+
+/// A storage form: the one output stored in bf16, the f32 output rounded.
+pub(crate) fn rounded(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+) -> Result<(), OpError> {
+    let mut wide = [Buffer::F32(vec![0.0; outs[0].len()])];
+    execute(call, ins, &mut wide, upd)?;
+    let [y] = wide;
+    outs[0] = cast(&y, DType::Bf16);
+    Ok(())
+}
+
+/// A storage form: bf16 operands (copies, or activations stored in bf16) read as their f32
+/// values.
+pub(crate) fn widened(
+    call: &NodeCall,
+    ins: &[&Buffer],
+    outs: &mut [Buffer],
+    upd: &mut [Buffer],
+) -> Result<(), OpError> {
+    let wide: Vec<Option<Buffer>> = ins
+        .iter()
+        .map(|b| (b.dtype() == DType::Bf16).then(|| cast(b, DType::F32)))
+        .collect();
+    let refs: Vec<&Buffer> = ins
+        .iter()
+        .zip(&wide)
+        .map(|(b, w)| w.as_ref().unwrap_or(b))
+        .collect();
+    execute(call, &refs, outs, upd)
+}
+
+/// Whether `bufs` has `n` buffers and the last is bf16 (an output's copy).
+pub(crate) fn copy_last(bufs: &[Buffer], n: usize) -> bool {
+    bufs.len() == n && bufs[n - 1].dtype() == DType::Bf16
+}
+
+/// Whether any of `ins` is bf16.
+pub(crate) fn any_bf16(ins: &[&Buffer]) -> bool {
+    ins.iter().any(|b| b.dtype() == DType::Bf16)
 }
 
 /// `y[r·w + c] = Σ_j in_j[r·ld + off + c]`, summed in input order, left to right (as the

@@ -10,6 +10,29 @@ pub mod cpu {
 
     use crate::cpu::*;
 
+    /// The attention ops' storage forms, packed q, k, v only: the gradient dqkv stored in
+    /// bf16 (a projection's GEMMs read it: the f32 gradient rounded); a q, k, v stored in
+    /// bf16 (`Graph::linear_for_attention`) read as its f32 values. `None` for the plain
+    /// forms.
+    pub(crate) fn exec_stored(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+    ) -> Option<Result<(), OpError>> {
+        match call.op {
+            Op::AttentionGrad { packed: true, .. } if copy_last(outs, 1) => {
+                Some(rounded(call, ins, outs, upd))
+            }
+            Op::Attention { packed: true, .. } | Op::AttentionGrad { packed: true, .. }
+                if any_bf16(ins) =>
+            {
+                Some(widened(call, ins, outs, upd))
+            }
+            _ => None,
+        }
+    }
+
     /// Fused attention and its gradient.
     pub(crate) fn exec_attention<T: Elem>(
         call: &NodeCall,

@@ -10,6 +10,45 @@ pub mod cpu {
 
     use crate::cpu::*;
 
+    /// The elementwise ops' storage forms: a product (or `a ⊙ b + c`) with its bf16 copy
+    /// beside it, the one a GEMM reads (`Graph::copy_output`); the product's gradient whose
+    /// `db` is a copied linear layer's dy: only its bf16 copy, and with a third output its
+    /// column sums (the layer's bias gradient), as RoundBf16 of the f32 db gives them.
+    /// `None` for the plain forms.
+    pub(crate) fn exec_stored(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+    ) -> Option<Result<(), OpError>> {
+        match call.op {
+            Op::MulAdd | Op::Mul if copy_last(outs, 2) => Some(with_copy(call, ins, outs, upd, 1)),
+            Op::MulGrad if outs.len() >= 2 && outs[1].dtype() == DType::Bf16 => {
+                Some(mul_grad_copied(call, ins, outs, upd))
+            }
+            _ => None,
+        }
+    }
+
+    fn mul_grad_copied(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+    ) -> Result<(), OpError> {
+        let err = |msg: String| call.error(msg);
+        let mut two = [outs[0].clone(), Buffer::F32(vec![0.0; outs[1].len()])];
+        execute(&call.first_outputs(2), ins, &mut two, upd)?;
+        let [da, db] = two;
+        outs[1] = cast(&db, DType::Bf16);
+        if let Some(s) = outs.get_mut(2) {
+            let db = get::<f32>(&db, "db").map_err(err)?;
+            kernels::sum_to_shape(db, out(s).map_err(err)?);
+        }
+        outs[0] = da;
+        Ok(())
+    }
+
     /// Elementwise ops, activations and their gradients.
     pub(crate) fn exec_elementwise<T: Elem>(
         call: &NodeCall,

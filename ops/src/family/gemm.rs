@@ -11,6 +11,30 @@ pub mod cpu {
 
     use crate::cpu::*;
 
+    /// The gemm ops' storage forms: a linear layer or its data gradient with its output's
+    /// bf16 copy beside it; a linear layer stored in bf16 (`Graph::linear_for_attention`,
+    /// `Graph::linear_stored_bf16`: the f32 output rounded); bf16 operands (copies, or an
+    /// activation stored in bf16) read as their f32 values. `None` for the plain forms.
+    pub(crate) fn exec_stored(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+    ) -> Option<Result<(), OpError>> {
+        let linear = matches!(call.op, Op::Linear { .. });
+        let grad_input = matches!(call.op, Op::LinearGradInput { .. });
+        let grad_weight = matches!(call.op, Op::LinearGradWeight { .. });
+        if (linear || grad_input) && copy_last(outs, 2) {
+            Some(with_copy(call, ins, outs, upd, 1))
+        } else if linear && copy_last(outs, 1) {
+            Some(rounded(call, ins, outs, upd))
+        } else if (linear || grad_input || grad_weight) && any_bf16(ins) {
+            Some(widened(call, ins, outs, upd))
+        } else {
+            None
+        }
+    }
+
     /// `RoundBf16`: the bf16 copy of an f32 operand (nearest even), and with `col_sums`
     /// its column sums (a linear layer's bias gradient, from the f32 values) beside it.
     pub(crate) fn exec_round_bf16(

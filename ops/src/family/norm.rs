@@ -10,6 +10,26 @@ pub mod cpu {
 
     use crate::cpu::*;
 
+    /// The norm ops' storage forms: a layer norm's gradient whose dx is a linear layer's
+    /// dy, with dx's bf16 copy and its column sums beside it (`[dx, dgamma, dbeta, dx in
+    /// bf16, dx's column sums]`). `None` for the plain forms.
+    pub(crate) fn exec_stored(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+    ) -> Option<Result<(), OpError>> {
+        (matches!(call.op, Op::LayerNormGrad) && outs.len() == 5).then(|| {
+            let err = |msg: String| call.error(msg);
+            execute(&call.first_outputs(3), ins, &mut outs[..3], upd)?;
+            outs[3] = cast(&outs[0], DType::Bf16);
+            let (head, tail) = outs.split_at_mut(4);
+            let dx = get::<f32>(&head[0], "dx").map_err(err)?;
+            kernels::sum_to_shape(dx, out(&mut tail[0]).map_err(err)?);
+            Ok(())
+        })
+    }
+
     /// Layer norm and its gradient.
     pub(crate) fn exec_norm<T: Elem>(
         call: &NodeCall,

@@ -10,6 +10,18 @@ pub mod cpu {
 
     use crate::cpu::*;
 
+    /// The shape ops' storage forms: a concat with its bf16 copy beside it, the one a GEMM
+    /// reads (`Graph::copy_output`). `None` for the plain forms.
+    pub(crate) fn exec_stored(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+    ) -> Option<Result<(), OpError>> {
+        (matches!(call.op, Op::Concat { .. }) && copy_last(outs, 2))
+            .then(|| with_copy(call, ins, outs, upd, 1))
+    }
+
     /// Concat, slice, split and pad.
     pub(crate) fn exec_shape<T: Elem>(
         call: &NodeCall,
