@@ -1563,3 +1563,58 @@ fn rank_settings_and_table_sizes_are_checked_before_training() {
         &["--rows-cap 5", "--table-rows auto"],
     );
 }
+
+/// `--lr` and `--embedding-lr` set the two optimizers' learning rates (the run says which
+/// it trains with), change what is learned, are part of what a resume must repeat, and
+/// refuse what is not a learning rate, naming the flag.
+#[test]
+fn learning_rates_are_flags_checked_and_part_of_a_checkpoint() {
+    let dir = tmpdir("lr");
+    let ck = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let (spec, tuned) = (ck("spec.st"), ck("tuned.st"));
+    let out = ok(&train(&["--steps", "20", "--checkpoint", &spec]));
+    assert!(
+        out.contains("Adam lr 0.001, row-wise Adagrad lr 0.01"),
+        "{out}"
+    );
+    let spec_ne = final_ne(&out);
+    let out = ok(&train(&[
+        "--steps",
+        "20",
+        "--lr",
+        "0.02",
+        "--embedding-lr",
+        "0.2",
+        "--checkpoint",
+        &tuned,
+    ]));
+    assert!(
+        out.contains("Adam lr 0.02, row-wise Adagrad lr 0.2"),
+        "{out}"
+    );
+    // the same seeds and data: another learning rate, another model
+    assert_ne!(final_ne(&out), spec_ne, "{out}");
+    assert_ne!(
+        std::fs::read(&spec).unwrap(),
+        std::fs::read(&tuned).unwrap()
+    );
+    // a resume must repeat them: the differing keys are named
+    fails_with(
+        &train(&["--steps", "25", "--resume", &tuned]),
+        &["another configuration", "optimizer", "0.02"],
+    );
+    ok(&train(&[
+        "--steps",
+        "25",
+        "--lr",
+        "0.02",
+        "--embedding-lr",
+        "0.2",
+        "--resume",
+        &tuned,
+    ]));
+    for bad in ["0", "-1e-3", "nan", "inf", "fast"] {
+        fails_with(&train(&["--lr", bad]), &["--lr", bad]);
+        fails_with(&train(&["--embedding-lr", bad]), &["--embedding-lr", bad]);
+    }
+}

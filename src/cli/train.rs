@@ -41,6 +41,13 @@ pub(crate) struct TrainArgs {
     /// Keep a binary cache of parsed data here (parsed once, memory-mapped after).
     #[arg(long, value_name = "DIR")]
     cache_dir: Option<std::path::PathBuf>,
+    /// Learning rate of the dense parameters' Adam (betas 0.9 and 0.999, eps 1e-8, no
+    /// weight decay, as the spec trains them).
+    #[arg(long, value_name = "LR", default_value_t = 1e-3, value_parser = learning_rate, allow_hyphen_values = true)]
+    lr: f64,
+    /// Learning rate of the embedding tables' row-wise Adagrad (eps 1e-8, as the spec).
+    #[arg(long, value_name = "LR", default_value_t = 0.01, value_parser = learning_rate, allow_hyphen_values = true)]
+    embedding_lr: f64,
     /// Seed of parameter initialisation.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -247,7 +254,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         eval_examples: super::eval_count(a.eval_examples, model.batch)?,
         threads,
         schedule: a.model.schedule()?,
-        optimizer: OptimizerConfig::default(),
+        optimizer: optimizer(a.lr, a.embedding_lr),
         warmup: a.warmup.min(a.steps.saturating_sub(1)),
         checkpoint: a.checkpoint.clone(),
         checkpoint_every: a.checkpoint_every,
@@ -315,7 +322,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         None => format!("the CPU ({threads} threads)"),
     };
     eprintln!(
-        "erase-ctr: training model '{}' ({variant}) on {where_}: batch {}, {} tables of {} rows in all, dim {}, {} dense features, {} steps, data {} (seed {})",
+        "erase-ctr: training model '{}' ({variant}) on {where_}: batch {}, {} tables of {} rows in all, dim {}, {} dense features, {} steps, data {} (seed {}), Adam lr {}, row-wise Adagrad lr {}",
         model.model,
         model.batch,
         model.num_sparse,
@@ -324,7 +331,9 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         model.num_dense,
         a.steps,
         a.data,
-        a.data_seed
+        a.data_seed,
+        a.lr,
+        a.embedding_lr
     );
     if let Some(n) = a.cpu_ranks {
         let t0 = std::time::Instant::now();
@@ -469,4 +478,35 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A learning rate: a positive, finite number.
+fn learning_rate(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        Ok(_) => Err(format!("'{v}': a learning rate is positive and finite")),
+        Err(e) => Err(format!("'{v}': not a number: {e}")),
+    }
+}
+
+/// The spec's optimizers (Adam for the dense parameters, row-wise Adagrad for the
+/// tables) at learning rates `dense` and `embedding`.
+fn optimizer(dense: f64, embedding: f64) -> OptimizerConfig {
+    let spec = OptimizerConfig::default();
+    let dense = match crate::graph::DenseOptimizer::adam() {
+        crate::graph::DenseOptimizer::Adam {
+            beta1, beta2, eps, ..
+        } => crate::graph::DenseOptimizer::Adam {
+            lr: dense,
+            beta1,
+            beta2,
+            eps,
+        },
+        other => other,
+    };
+    OptimizerConfig {
+        dense,
+        rowwise_adagrad: (embedding, spec.rowwise_adagrad.1),
+        ..spec
+    }
 }
