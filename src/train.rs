@@ -418,6 +418,14 @@ pub struct Eval {
     pub examples: usize,
 }
 
+/// An evaluation's held-out examples: each one's main logit and label, in the order
+/// evaluated.
+#[derive(Clone, Debug, Default)]
+pub struct Scored {
+    pub logits: Vec<f64>,
+    pub labels: Vec<f64>,
+}
+
 #[derive(Clone, Debug)]
 pub struct TrainReport {
     pub losses: Vec<f64>,
@@ -1288,6 +1296,16 @@ impl<'a> Session<'a> {
         examples: usize,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Eval> {
+        self.evaluate_scored(examples, progress).map(|(e, _)| e)
+    }
+
+    /// [`Session::evaluate_with`], with each held-out example's main logit and label, in
+    /// the order evaluated (for `eval --predictions`).
+    pub fn evaluate_scored(
+        &mut self,
+        examples: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<(Eval, Scored)> {
         let _range = erase_runtime::cuda::nvtx::range("eval");
         if !self.in_flight.is_empty() {
             bail!(
@@ -1329,12 +1347,19 @@ impl<'a> Session<'a> {
                 ys.len()
             );
         }
-        Ok(Eval {
+        let e = Eval {
             step: self.step,
             ne: ne.ne().unwrap_or(f64::NAN),
             auc: auc(&scores, &ys).unwrap_or(f64::NAN),
             examples: ys.len(),
-        })
+        };
+        Ok((
+            e,
+            Scored {
+                logits: scores,
+                labels: ys,
+            },
+        ))
     }
 
     /// Sets a tensor of the program (a parameter or optimizer state, say); the step's

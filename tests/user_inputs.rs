@@ -1618,3 +1618,74 @@ fn learning_rates_are_flags_checked_and_part_of_a_checkpoint() {
         fails_with(&train(&["--embedding-lr", bad]), &["--embedding-lr", bad]);
     }
 }
+
+/// `eval --predictions FILE` writes each held-out example's label, logit and probability;
+/// the NE they give is the one eval prints, and a folder is refused before the work.
+#[test]
+fn eval_writes_predictions_that_give_its_ne() {
+    let dir = tmpdir("predictions");
+    let ck = dir.join("m.st");
+    let ckp = ck.to_str().unwrap();
+    ok(&train(&["--steps", "10", "--checkpoint", ckp]));
+    let pred = dir.join("pred.tsv");
+    let out = ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        ckp,
+        "--eval-examples",
+        "640",
+        "--predictions",
+        pred.to_str().unwrap(),
+    ]));
+    let text = std::fs::read_to_string(&pred).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("label\tlogit\tprobability"));
+    let rows: Vec<[f64; 3]> = lines
+        .map(|l| {
+            let v: Vec<f64> = l.split('\t').map(|x| x.parse().unwrap()).collect();
+            [v[0], v[1], v[2]]
+        })
+        .collect();
+    assert_eq!(rows.len(), 640, "{out}");
+    let (mut bce, mut pos) = (0.0, 0.0);
+    for &[y, z, p] in &rows {
+        assert!(y == 0.0 || y == 1.0, "label {y}");
+        assert!((p - 1.0 / (1.0 + (-z).exp())).abs() < 1e-8, "{z} {p}");
+        bce += z.max(0.0) - z * y + (-z.abs()).exp().ln_1p();
+        pos += y;
+    }
+    let n = rows.len() as f64;
+    let base = pos / n;
+    let ne = (bce / n) / -(base * base.ln() + (1.0 - base) * (1.0 - base).ln());
+    let printed: f64 = out
+        .split("NE ")
+        .nth(1)
+        .and_then(|t| t.split(',').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (ne - printed).abs() < 6e-5,
+        "NE {ne} from the file, {printed} printed"
+    );
+    // a folder is refused before anything is evaluated, and nothing is left behind
+    fails_with(
+        &run(&[
+            "eval",
+            "--device",
+            "cpu",
+            "--checkpoint",
+            ckp,
+            "--predictions",
+            dir.to_str().unwrap(),
+        ]),
+        &["--predictions", "is a folder"],
+    );
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp-")), "{names:?}");
+}

@@ -41,9 +41,18 @@ pub(crate) struct EvalArgs {
     /// CPU threads (default: all cores; at least 1).
     #[arg(long, value_parser = super::at_least_one)]
     threads: Option<usize>,
+    /// Also write each held-out example's prediction to this file (tab-separated, a
+    /// header line, then one line an example in the order evaluated: its label, the
+    /// model's logit and its probability, the logit's sigmoid), for metrics of your own.
+    /// Written whole or not at all.
+    #[arg(long, value_name = "FILE")]
+    predictions: Option<std::path::PathBuf>,
 }
 
 pub(super) fn run(a: &EvalArgs) -> Result<()> {
+    if let Some(p) = &a.predictions {
+        super::check_output("--predictions", p)?;
+    }
     let dev = open(a.device, &a.model)?;
     let recorded = crate::checkpoint::peek(&a.checkpoint)?;
     let variant = match (a.variant, recorded.get("variant")) {
@@ -145,7 +154,7 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
     // progress on stderr every few seconds: a large --eval-examples takes minutes on a CPU
     let t0 = std::time::Instant::now();
     let mut last = t0;
-    let e = s.evaluate_with(
+    let (e, scored) = s.evaluate_scored(
         super::eval_count(a.eval_examples, model.batch)?,
         &mut |done, total| {
             let now = std::time::Instant::now();
@@ -168,7 +177,40 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
         e.auc,
         e.examples
     );
+    if let Some(p) = &a.predictions {
+        write_predictions(p, &scored)?;
+        println!(
+            "predictions of the {} examples: {}",
+            e.examples,
+            p.display()
+        );
+    }
     Ok(())
+}
+
+/// Writes `scored` to `path` as `label, logit, probability` lines under a header, through
+/// a temporary file beside it renamed into place: the file is whole or absent.
+fn write_predictions(path: &std::path::Path, scored: &crate::train::Scored) -> Result<()> {
+    use std::io::Write as _;
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        path.file_name()
+            .map_or("predictions".into(), |n| n.to_string_lossy()),
+        std::process::id()
+    ));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+        writeln!(f, "label\tlogit\tprobability")?;
+        for (&z, &y) in scored.logits.iter().zip(&scored.labels) {
+            writeln!(f, "{y}\t{z:.9e}\t{:.9}", 1.0 / (1.0 + (-z).exp()))?;
+        }
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        anyhow::anyhow!("--predictions {}: {e}", path.display())
+    })
 }
 
 /// The model's settings that change what a checkpoint's parameters compute; the batch,
