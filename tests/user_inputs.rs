@@ -1689,3 +1689,74 @@ fn eval_writes_predictions_that_give_its_ne() {
         .collect();
     assert!(names.iter().all(|n| !n.contains(".tmp-")), "{names:?}");
 }
+
+/// `eval --examples all` scores a data file from its start, every example (a test file of
+/// its own), in file order: the predictions' labels are the file's, line by line; the
+/// default stays the held-out tenth, and synthetic data has no "all".
+#[test]
+fn eval_examples_all_reads_a_test_file_in_full_and_in_order() {
+    let dir = tmpdir("examples-all");
+    let ck = dir.join("m.st");
+    let ckp = ck.to_str().unwrap();
+    let data = format!("criteo:{}", fixture("criteo_floats.tsv"));
+    ok(&train(&[
+        "--steps",
+        "10",
+        "--data",
+        &data,
+        "--checkpoint",
+        ckp,
+    ]));
+    let pred = dir.join("all.tsv");
+    let eval = |extra: &[&str]| {
+        let mut a = vec![
+            "eval",
+            "--device",
+            "cpu",
+            "--checkpoint",
+            ckp,
+            "--data",
+            &data,
+            "--batch",
+            "50",
+        ];
+        a.extend(extra);
+        run(&a)
+    };
+    let out = ok(&eval(&[
+        "--examples",
+        "all",
+        "--predictions",
+        pred.to_str().unwrap(),
+    ]));
+    assert!(out.contains("on 1500 examples (--examples all"), "{out}");
+    let file_labels: Vec<f64> = std::fs::read_to_string(fixture("criteo_floats.tsv"))
+        .unwrap()
+        .lines()
+        .map(|l| l.split('\t').next().unwrap().parse().unwrap())
+        .collect();
+    let predicted: Vec<f64> = std::fs::read_to_string(&pred)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split('\t').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(predicted, file_labels);
+    // the default: the held-out last tenth
+    let out = ok(&eval(&[]));
+    assert!(out.contains("on 150 held-out examples"), "{out}");
+    fails_with(
+        &run(&[
+            "eval",
+            "--device",
+            "cpu",
+            "--checkpoint",
+            ckp,
+            "--data",
+            "synthetic",
+            "--examples",
+            "all",
+        ]),
+        &["--examples all", "synthetic"],
+    );
+}

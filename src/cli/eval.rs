@@ -31,10 +31,16 @@ pub(crate) struct EvalArgs {
     /// Keep a binary cache of parsed data here.
     #[arg(long, value_name = "DIR")]
     cache_dir: Option<std::path::PathBuf>,
-    /// Held-out examples to evaluate (rounded down to whole batches; at least one batch
-    /// and 2 examples: NE and AUC need both classes).
-    #[arg(long, default_value_t = 20_000)]
-    eval_examples: usize,
+    /// Which examples of --data to evaluate: `held-out`, the part train holds out of the
+    /// same data (its last tenth, or the split [data.schema] gives), or `all`, every
+    /// example in the order read: a test file of its own, such as Criteo's last day.
+    #[arg(long, value_enum, default_value = "held-out")]
+    examples: ExamplesArg,
+    /// Examples to evaluate (rounded down to whole batches; at least one batch and 2
+    /// examples: NE and AUC need both classes). Default: 20000 of the held-out part, or
+    /// with `--examples all` every one.
+    #[arg(long)]
+    eval_examples: Option<usize>,
     /// Where to run.
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
@@ -49,7 +55,18 @@ pub(crate) struct EvalArgs {
     predictions: Option<std::path::PathBuf>,
 }
 
+/// Which examples `eval` reads.
+#[derive(Clone, Copy, clap::ValueEnum, PartialEq, Eq)]
+enum ExamplesArg {
+    HeldOut,
+    All,
+}
+
 pub(super) fn run(a: &EvalArgs) -> Result<()> {
+    let whole = a.examples == ExamplesArg::All;
+    if whole && a.data.trim() == "synthetic" {
+        bail!("--examples all reads a data file in full; synthetic data has no end (its held-out stream is --examples held-out, the default)");
+    }
     if let Some(p) = &a.predictions {
         super::check_output("--predictions", p)?;
     }
@@ -130,6 +147,7 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
         a.strict,
         a.cache_dir.as_deref(),
         a.threads,
+        whole,
     )?;
     check_same_model(&a.checkpoint, &recorded.identity, &model)?;
     let threads = a
@@ -155,7 +173,14 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let mut last = t0;
     let (e, scored) = s.evaluate_scored(
-        super::eval_count(a.eval_examples, model.batch)?,
+        super::eval_count(
+            match (a.eval_examples, &data) {
+                (Some(n), _) => n,
+                (None, crate::train::Data::Table { eval, .. }) if whole => eval.len(),
+                (None, _) => 20_000,
+            },
+            model.batch,
+        )?,
         &mut |done, total| {
             let now = std::time::Instant::now();
             if now.duration_since(last).as_secs_f64() >= 5.0 {
@@ -171,11 +196,16 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
         },
     )?;
     println!(
-        "{}: step {step}, NE {:.4}, AUC {:.4} on {} held-out examples",
+        "{}: step {step}, NE {:.4}, AUC {:.4} on {} {}",
         a.checkpoint.display(),
         e.ne,
         e.auc,
-        e.examples
+        e.examples,
+        if whole {
+            "examples (--examples all: the data from its start)"
+        } else {
+            "held-out examples"
+        }
     );
     if let Some(p) = &a.predictions {
         write_predictions(p, &scored)?;

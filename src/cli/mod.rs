@@ -620,6 +620,7 @@ fn model_and_data(
     strict: bool,
     cache_dir: Option<&std::path::Path>,
     threads: Option<usize>,
+    whole: bool,
 ) -> Result<(CtrConfig, crate::train::Data)> {
     let schema = match &m.config {
         Some(p) => {
@@ -675,6 +676,14 @@ fn model_and_data(
         t0.elapsed().as_secs_f64()
     );
     let (train, eval) = match eval {
+        Some(_) if whole => bail!(
+            "--examples all: {data} splits its examples itself ([data.schema]'s time column); evaluate its held-out part (--examples held-out), or give a schema without a time column"
+        ),
+        // every example, in the order read: a test file of its own (`eval --examples all`)
+        None if whole => {
+            let all = std::sync::Arc::new(train);
+            (all.clone(), all)
+        }
         Some(e) => (std::sync::Arc::new(train), std::sync::Arc::new(e)),
         None => {
             // no split in the source: hold out the last lines read (a tenth, or the

@@ -233,6 +233,7 @@ pub(super) fn run(a: &TrainArgs) -> Result<()> {
         a.strict,
         a.cache_dir.as_deref(),
         a.threads,
+        false,
     )?;
     // the workers of one host share its cores
     let per_host = match &rank_env {
