@@ -124,7 +124,13 @@ fn criteo_malformed_lines_are_counted_reported_and_skipped() {
     assert_eq!(rep.first_errors.len(), 5, "at most 5 kept");
     let e = &rep.first_errors;
     assert!(e[0].starts_with(&format!("{path}:6: expected 40 tab-separated fields")));
-    assert!(e[0].ends_with("found 39"), "{}", e[0]);
+    assert!(
+        e[0].ends_with(
+            "found 39 (no label column: Erase trains and evaluates on labeled examples only)"
+        ),
+        "{}",
+        e[0]
+    );
     assert!(e[1].starts_with(&format!("{path}:9: ")) && e[1].ends_with("found 41"));
     assert!(e[2].starts_with(&format!("{path}:14: C3 'xyz12345' is not a 32-bit hex id")));
     assert!(e[3].starts_with(&format!("{path}:17: I1 '123456789012345678901234'")));
@@ -149,7 +155,7 @@ fn strict_stops_at_the_first_malformed_line() {
     let msg = err_text(load(&criteo(&path), &opts));
     assert_eq!(
         msg,
-        format!("{path}:6: expected 40 tab-separated fields (label, I1..I13, C1..C26), found 39")
+        format!("{path}:6: expected 40 tab-separated fields (label, I1..I13, C1..C26), found 39 (no label column: Erase trains and evaluates on labeled examples only)")
     );
 }
 

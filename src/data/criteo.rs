@@ -67,8 +67,14 @@ impl LineParser for CriteoParser {
     fn parse(&mut self, line: &[u8], row: &mut Row) -> Result<(), String> {
         let n = line.iter().filter(|&&b| b == b'\t').count() + 1;
         if n != FIELDS {
+            // Kaggle's test.txt: the same layout without the label
+            let unlabeled = if n == FIELDS - 1 {
+                " (no label column: Erase trains and evaluates on labeled examples only)"
+            } else {
+                ""
+            };
             return Err(format!(
-                "expected {FIELDS} tab-separated fields (label, I1..I13, C1..C26), found {n}"
+                "expected {FIELDS} tab-separated fields (label, I1..I13, C1..C26), found {n}{unlabeled}"
             ));
         }
         for (k, f) in line.split(|&b| b == b'\t').enumerate() {
