@@ -362,7 +362,10 @@ fn bench_cuda(
             .unwrap_or(f64::NAN);
         let mut ne = NeState::default();
         let (mut scores, mut ys) = (Vec::new(), Vec::new());
-        for k in 0..(cfg.eval_examples / b).max(1) {
+        // exactly eval_examples (as Session::evaluate): the last batch's tail left out
+        let n = cfg.eval_examples.max(1);
+        let batches = n.div_ceil(b);
+        for k in 0..batches {
             gen.fill_batch(2, (k * b) as u64, b, &mut d, &mut r, &mut y);
             let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y)?;
             for (t, v) in [
@@ -375,8 +378,11 @@ fn bench_cuda(
             }
             prog.run_subset(&forward)?;
             prog.synchronize()?;
-            let logits = prog.get(m.logit)?.to_f64();
-            let lab = bl.to_f64();
+            let keep = if k + 1 == batches { n - k * b } else { b };
+            let mut logits = prog.get(m.logit)?.to_f64();
+            let mut lab = bl.to_f64();
+            logits.truncate(keep);
+            lab.truncate(keep);
             ne.update(&logits, &lab);
             scores.extend(logits);
             ys.extend(lab);

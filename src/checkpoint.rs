@@ -123,17 +123,17 @@ pub fn flatten_debug(prefix: &str, text: &str) -> Vec<(String, String)> {
     out
 }
 
-/// The file a checkpoint at `path` replaces: `path`, or the file a link there names (the
-/// link is kept). Refuses a folder and what is not a regular file (a device, a pipe, a
-/// socket), which a checkpoint would replace.
-fn target_file(path: &Path) -> Result<std::path::PathBuf> {
+/// The file a checkpoint (or another output, `what` naming its flag) at `path` replaces:
+/// `path`, or the file a link there names (the link is kept). Refuses a folder and what
+/// is not a regular file (a device, a pipe, a socket), which writing it would replace.
+pub(crate) fn target_file(what: &str, path: &Path) -> Result<std::path::PathBuf> {
     let real = match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_symlink() => match std::fs::canonicalize(path) {
             Ok(p) => p,
             // a link to a file not written yet: its target, beside the link
             Err(_) => {
                 let to = std::fs::read_link(path)
-                    .with_context(|| format!("checkpoint {}: reading the link", path.display()))?;
+                    .with_context(|| format!("{what} {}: reading the link", path.display()))?;
                 match path.parent() {
                     Some(dir) if to.is_relative() => dir.join(to),
                     _ => to,
@@ -143,12 +143,9 @@ fn target_file(path: &Path) -> Result<std::path::PathBuf> {
         _ => path.to_path_buf(),
     };
     match std::fs::metadata(&real) {
-        Ok(m) if m.is_dir() => bail!(
-            "checkpoint {} is a folder; give a file name",
-            path.display()
-        ),
+        Ok(m) if m.is_dir() => bail!("{what} {} is a folder; give a file name", path.display()),
         Ok(m) if !m.is_file() => bail!(
-            "checkpoint {} is not a regular file (a device, a pipe or a socket), which a checkpoint would replace; give a file name",
+            "{what} {} is not a regular file (a device, a pipe or a socket), which writing it would replace; give a file name",
             path.display()
         ),
         _ => Ok(real),
@@ -158,7 +155,7 @@ fn target_file(path: &Path) -> Result<std::path::PathBuf> {
 /// Checks, before a run spends its steps, that a checkpoint can be written at `path`:
 /// a regular file or none, in a folder that exists and takes new files.
 pub fn check_writable(path: &Path) -> Result<()> {
-    let path = &target_file(path)?;
+    let path = &target_file("checkpoint", path)?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -316,8 +313,8 @@ pub fn save(
     let header = st_header(&entries, &meta_with(&placeholder));
 
     let shown = path;
-    let path =
-        &target_file(path).with_context(|| format!("writing checkpoint {}", shown.display()))?;
+    let path = &target_file("checkpoint", path)
+        .with_context(|| format!("writing checkpoint {}", shown.display()))?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

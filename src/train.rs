@@ -273,7 +273,8 @@ pub struct TrainConfig {
     pub data_seed: u64,
     /// Evaluate every this many steps (0: only at the end).
     pub eval_every: usize,
-    /// Held-out examples (stream 2, from index 0), rounded down to whole batches.
+    /// Held-out examples (stream 2, from index 0): exactly this many on one process (or
+    /// all there are), whole global batches (at least one) with several ranks.
     pub eval_examples: usize,
     pub threads: usize,
     pub schedule: ScheduleOptions,
@@ -779,9 +780,13 @@ fn source_of(data: &Data, mc: &CtrConfig, data_seed: u64) -> Result<Source> {
                     mc.bag_slots()
                 );
             }
-            if train.len() < mc.batch || eval.len() < mc.batch {
+            // training draws whole batches from its split; an evaluation reads any count
+            // (its last batch's tail wraps around, left out). One set as both is `eval
+            // --examples all`, which trains on nothing.
+            let evaluation_only = std::sync::Arc::ptr_eq(train, eval);
+            if eval.is_empty() || (!evaluation_only && train.len() < mc.batch) {
                 bail!(
-                    "{} training and {} held-out examples: both need at least one batch of {}",
+                    "{} training and {} held-out examples: training needs at least one batch of {}, evaluation one example",
                     train.len(),
                     eval.len(),
                     mc.batch
@@ -1321,15 +1326,26 @@ impl<'a> Session<'a> {
             Source::Synthetic(_) => examples,
             Source::Table { eval, .. } => examples.min(eval.len()),
         };
-        // whole global batches, so that a rank evaluates the examples one process would
+        // one process: exactly `available` examples, the last batch's tail (wrapped
+        // around to the first examples) left out; ranks: whole global batches, so that a
+        // rank evaluates the examples one process would
         let world = self.world();
-        let batches = (available / (b * world)).max(1) * world;
+        let (batches, last) = if world == 1 {
+            let n = available.max(1);
+            (n.div_ceil(b), n - (n.div_ceil(b) - 1) * b)
+        } else {
+            ((available / (b * world)).max(1) * world, b)
+        };
+        let total = (batches - 1) * b + last;
         for k in 0..batches {
-            progress(k * b, batches * b);
+            progress(k * b, total);
             self.feed(2, (k * b) as u64)?;
             self.exec.run_launches(&self.forward)?;
-            let logits = self.exec.get(m.logit)?.to_f64();
-            let lab = self.exec.get(m.inputs.label)?.to_f64();
+            let keep = if k + 1 == batches { last } else { b };
+            let mut logits = self.exec.get(m.logit)?.to_f64();
+            let mut lab = self.exec.get(m.inputs.label)?.to_f64();
+            logits.truncate(keep);
+            lab.truncate(keep);
             ne.update(&logits, &lab);
             scores.extend(logits);
             ys.extend(lab);

@@ -1634,21 +1634,25 @@ fn eval_writes_predictions_that_give_its_ne() {
         "cpu",
         "--checkpoint",
         ckp,
+        // not a whole number of batches of 64: exactly these, the last batch's tail left out
         "--eval-examples",
-        "640",
+        "650",
         "--predictions",
         pred.to_str().unwrap(),
     ]));
+    assert!(out.contains("on 650 held-out examples"), "{out}");
     let text = std::fs::read_to_string(&pred).unwrap();
     let mut lines = text.lines();
-    assert_eq!(lines.next(), Some("label\tlogit\tprobability"));
+    assert_eq!(lines.next(), Some("example\tlabel\tlogit\tprobability"));
     let rows: Vec<[f64; 3]> = lines
-        .map(|l| {
+        .enumerate()
+        .map(|(i, l)| {
             let v: Vec<f64> = l.split('\t').map(|x| x.parse().unwrap()).collect();
-            [v[0], v[1], v[2]]
+            assert_eq!(v[0], i as f64, "{l}");
+            [v[1], v[2], v[3]]
         })
         .collect();
-    assert_eq!(rows.len(), 640, "{out}");
+    assert_eq!(rows.len(), 650, "{out}");
     let (mut bce, mut pos) = (0.0, 0.0);
     for &[y, z, p] in &rows {
         assert!(y == 0.0 || y == 1.0, "label {y}");
@@ -1688,6 +1692,32 @@ fn eval_writes_predictions_that_give_its_ne() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert!(names.iter().all(|n| !n.contains(".tmp-")), "{names:?}");
+    // a link stays a link to the file it names
+    #[cfg(unix)]
+    {
+        let target = dir.join("target.tsv");
+        let link = dir.join("link.tsv");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        ok(&run(&[
+            "eval",
+            "--device",
+            "cpu",
+            "--checkpoint",
+            ckp,
+            "--eval-examples",
+            "64",
+            "--predictions",
+            link.to_str().unwrap(),
+        ]));
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(
+            std::fs::read_to_string(&target).unwrap().lines().count(),
+            65
+        );
+    }
 }
 
 /// `eval --examples all` scores a data file from its start, every example (a test file of
@@ -1735,13 +1765,55 @@ fn eval_examples_all_reads_a_test_file_in_full_and_in_order() {
         .lines()
         .map(|l| l.split('\t').next().unwrap().parse().unwrap())
         .collect();
-    let predicted: Vec<f64> = std::fs::read_to_string(&pred)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .map(|l| l.split('\t').next().unwrap().parse().unwrap())
-        .collect();
-    assert_eq!(predicted, file_labels);
+    let labels_of = |p: &Path| -> Vec<f64> {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .skip(1)
+            .map(|l| l.split('\t').nth(1).unwrap().parse().unwrap())
+            .collect()
+    };
+    assert_eq!(labels_of(&pred), file_labels);
+    // a batch that does not divide the file (1500 = 23 x 64 + 28), and a file shorter
+    // than one batch: every example once, none twice
+    let out = ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        ckp,
+        "--data",
+        &data,
+        "--batch",
+        "64",
+        "--examples",
+        "all",
+        "--predictions",
+        pred.to_str().unwrap(),
+    ]));
+    assert!(out.contains("on 1500 examples"), "{out}");
+    assert_eq!(labels_of(&pred), file_labels);
+    let short = dir.join("short.tsv");
+    let full = std::fs::read_to_string(fixture("criteo_floats.tsv")).unwrap();
+    let head: Vec<&str> = full.lines().take(40).collect();
+    std::fs::write(&short, head.join("\n") + "\n").unwrap();
+    let out = ok(&run(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        ckp,
+        "--data",
+        &format!("criteo:{}", short.display()),
+        "--batch",
+        "64",
+        "--examples",
+        "all",
+        "--predictions",
+        pred.to_str().unwrap(),
+    ]));
+    assert!(out.contains("on 40 examples"), "{out}");
+    assert_eq!(labels_of(&pred), file_labels[..40]);
     // the default: the held-out last tenth
     let out = ok(&eval(&[]));
     assert!(out.contains("on 150 held-out examples"), "{out}");

@@ -46,7 +46,7 @@
 // transposed A's columns from the bf16 values).
 //
 // Tall GEMMs (many rows, N ≤ 256, small K) take `gemm_tall_n*` (see gemm_tall_body).
-// Large GEMMs (ops/src/cuda/dense.rs decides) take the pipelined path instead: the
+// Large GEMMs (ops/src/family/gemm.rs decides) take the pipelined path instead: the
 // operands are rounded to bf16 once, by `gemm_to_bf16` / `gemm_to_bf16_t`, into K-major
 // zero-padded scratch (the same round-to-nearest-even, so the same products), and
 // `gemm_bf16p_*` multiplies them through a cp.async ring in dynamic shared memory:

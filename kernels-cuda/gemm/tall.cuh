@@ -342,7 +342,7 @@ __device__ __forceinline__ void gemm_tall_body(const AT* __restrict__ A, const f
 }  // namespace
 
 // The tall kernels (see gemm_tall_body), one a bound on N; PER_SM CTAs an SM by registers
-// (ops/src/cuda/dense.rs, TALL_KERNELS, plans with the same count).
+// (ops/src/family/gemm.rs, TALL_KERNELS, plans with the same count).
 #define ERASE_GEMM_TALL_KERNEL(NMAX, PER_SM)                                                              \
     ERASE_KERNEL void __launch_bounds__(256, PER_SM)                                                      \
         gemm_tall_n##NMAX(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,   \

@@ -1,9 +1,11 @@
-//! What the build knows of the kernels it embeds, with no device needed: each
-//! `kernels-cuda/*.cu` file's PTX for both targets, and each kernel's registers, shared
-//! memory and parameter list as ptxas and the PTX declare them. The schedule's cost
-//! model and the ABI check read it; the CUDA device loads it.
+//! What the build knows of the kernels it embeds, with no device needed: each kernel
+//! family's PTX (`kernels-cuda/NAME.cu`, or `NAME/NAME.cu` for a folder) for both
+//! targets, and each kernel's registers, shared memory and parameter list as ptxas and
+//! the PTX declare them. The schedule's cost model and the ABI check read it; the CUDA
+//! device loads it.
 
-/// The PTX of one `kernels-cuda/*.cu` file for both targets.
+/// The PTX of one kernel family (`kernels-cuda/NAME.cu` or `NAME/NAME.cu`) for both
+/// targets.
 #[derive(Debug)]
 pub struct PtxModule {
     pub file: &'static str,

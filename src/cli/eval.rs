@@ -1,4 +1,5 @@
-//! `erase-ctr eval`: NE and AUC of a checkpoint on held-out data.
+//! `erase-ctr eval`: NE and AUC of a checkpoint on held-out data or a test file, and each
+//! example's prediction.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -36,9 +37,8 @@ pub(crate) struct EvalArgs {
     /// example in the order read: a test file of its own, such as Criteo's last day.
     #[arg(long, value_enum, default_value = "held-out")]
     examples: ExamplesArg,
-    /// Examples to evaluate (rounded down to whole batches; at least one batch and 2
-    /// examples: NE and AUC need both classes). Default: 20000 of the held-out part, or
-    /// with `--examples all` every one.
+    /// Examples to evaluate, from the first (at least 2: NE and AUC need both classes).
+    /// Default: 20000 of the held-out part, or with `--examples all` every one.
     #[arg(long)]
     eval_examples: Option<usize>,
     /// Where to run.
@@ -47,10 +47,10 @@ pub(crate) struct EvalArgs {
     /// CPU threads (default: all cores; at least 1).
     #[arg(long, value_parser = super::at_least_one)]
     threads: Option<usize>,
-    /// Also write each held-out example's prediction to this file (tab-separated, a
-    /// header line, then one line an example in the order evaluated: its label, the
-    /// model's logit and its probability, the logit's sigmoid), for metrics of your own.
-    /// Written whole or not at all.
+    /// Also write each evaluated example's prediction to this file (tab-separated, a
+    /// header line, then one line an example in the order evaluated: its index, its
+    /// label, the model's logit and its probability, the logit's sigmoid), for metrics of
+    /// your own. Written whole or not at all; a link there keeps pointing at it.
     #[arg(long, value_name = "FILE")]
     predictions: Option<std::path::PathBuf>,
 }
@@ -67,9 +67,11 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
     if whole && a.data.trim() == "synthetic" {
         bail!("--examples all reads a data file in full; synthetic data has no end (its held-out stream is --examples held-out, the default)");
     }
-    if let Some(p) = &a.predictions {
-        super::check_output("--predictions", p)?;
-    }
+    let predictions = a
+        .predictions
+        .as_deref()
+        .map(Predictions::create)
+        .transpose()?;
     let dev = open(a.device, &a.model)?;
     let recorded = crate::checkpoint::peek(&a.checkpoint)?;
     let variant = match (a.variant, recorded.get("variant")) {
@@ -188,7 +190,7 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
                 let secs = now.duration_since(t0).as_secs_f64();
                 let rate = done as f64 / secs.max(1e-9);
                 eprintln!(
-                    "eval: {done} of {total} held-out examples, {:.0} a second, about {:.0} s left",
+                    "eval: {done} of {total} examples, {:.0} a second, about {:.0} s left",
                     rate,
                     (total - done) as f64 / rate.max(1e-9)
                 );
@@ -207,40 +209,75 @@ pub(super) fn run(a: &EvalArgs) -> Result<()> {
             "held-out examples"
         }
     );
-    if let Some(p) = &a.predictions {
-        write_predictions(p, &scored)?;
+    if let Some(p) = predictions {
+        let shown = p.shown.clone();
+        p.finish(&scored)?;
         println!(
             "predictions of the {} examples: {}",
             e.examples,
-            p.display()
+            shown.display()
         );
     }
     Ok(())
 }
 
-/// Writes `scored` to `path` as `label, logit, probability` lines under a header, through
-/// a temporary file beside it renamed into place: the file is whole or absent.
-fn write_predictions(path: &std::path::Path, scored: &crate::train::Scored) -> Result<()> {
-    use std::io::Write as _;
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp-{}",
-        path.file_name()
-            .map_or("predictions".into(), |n| n.to_string_lossy()),
-        std::process::id()
-    ));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-        writeln!(f, "label\tlogit\tprobability")?;
-        for (&z, &y) in scored.logits.iter().zip(&scored.labels) {
-            writeln!(f, "{y}\t{z:.9e}\t{:.9}", 1.0 / (1.0 + (-z).exp()))?;
-        }
-        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        anyhow::anyhow!("--predictions {}: {e}", path.display())
-    })
+/// `--predictions`: its temporary file, created beside the target before the evaluation
+/// (an unwritable folder fails then, not after it), written and renamed onto the target
+/// (a link there keeps pointing at it) when whole; removed if the evaluation fails.
+struct Predictions {
+    shown: std::path::PathBuf,
+    target: std::path::PathBuf,
+    tmp: std::path::PathBuf,
+    file: Option<std::fs::File>,
+}
+
+impl Predictions {
+    fn create(path: &std::path::Path) -> Result<Predictions> {
+        let target = crate::checkpoint::target_file("--predictions", path)?;
+        let name = target
+            .file_name()
+            .map_or("predictions".into(), |n| n.to_string_lossy().into_owned());
+        let tmp = target.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+        let file = std::fs::File::create(&tmp).with_context(|| {
+            format!(
+                "--predictions {}: cannot create a file in its folder",
+                path.display()
+            )
+        })?;
+        Ok(Predictions {
+            shown: path.to_path_buf(),
+            target,
+            tmp,
+            file: Some(file),
+        })
+    }
+
+    /// Writes `scored` under a header, one line an example: its index in the order
+    /// evaluated (0 first; lines skipped as malformed are not counted), its label, the
+    /// logit and its sigmoid, in the shortest form that reads back to the same f64.
+    fn finish(mut self, scored: &crate::train::Scored) -> Result<()> {
+        use std::io::Write as _;
+        let Some(file) = self.file.take() else {
+            bail!("--predictions {}: written already", self.shown.display());
+        };
+        let write = || -> std::io::Result<()> {
+            let mut f = std::io::BufWriter::new(file);
+            writeln!(f, "example\tlabel\tlogit\tprobability")?;
+            for (i, (&z, &y)) in scored.logits.iter().zip(&scored.labels).enumerate() {
+                writeln!(f, "{i}\t{y}\t{z}\t{}", 1.0 / (1.0 + (-z).exp()))?;
+            }
+            f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+            std::fs::rename(&self.tmp, &self.target)
+        };
+        write().with_context(|| format!("--predictions {}", self.shown.display()))
+    }
+}
+
+impl Drop for Predictions {
+    fn drop(&mut self) {
+        // unfinished (an error on the way, or the rename failed): no stray temporary file
+        let _ = std::fs::remove_file(&self.tmp);
+    }
 }
 
 /// The model's settings that change what a checkpoint's parameters compute; the batch,

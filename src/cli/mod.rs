@@ -51,10 +51,10 @@ pub(super) fn check_output(flag: &str, path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// The held-out examples an evaluation reads for `--eval-examples n`: at least one batch,
-/// and at least 2 (NE and AUC need both classes), checked before any training.
+/// The held-out examples an evaluation reads for `--eval-examples n`: at least 2 (NE and
+/// AUC need both classes), checked before any training. One process evaluates exactly
+/// that many (or as many as there are); ranks evaluate whole global batches.
 pub(super) fn eval_count(n: usize, batch: usize) -> Result<usize> {
-    let n = n.max(batch);
     if n < 2 {
         bail!("--eval-examples {n} with --batch {batch}: NE and AUC need at least 2 held-out examples (both classes); ask for more");
     }
@@ -132,7 +132,8 @@ struct Cli {
 enum Cmd {
     /// Train on synthetic data or your files (`--data`) and report loss, NE, AUC and examples per second.
     Train(Box<TrainArgs>),
-    /// Evaluate a checkpoint: NE and AUC of its main logit on held-out data.
+    /// Evaluate a checkpoint: NE and AUC of its main logit on held-out data or a test file
+    /// (and, with --predictions, each example's score).
     Eval(EvalArgs),
     /// Run baseline, detached and erase side by side (interleaved) and print QPS
     /// p50/p90, the gain over baseline, NE, AUC and the NE gap.
@@ -677,7 +678,7 @@ fn model_and_data(
     );
     let (train, eval) = match eval {
         Some(_) if whole => bail!(
-            "--examples all: {data} splits its examples itself ([data.schema]'s time column); evaluate its held-out part (--examples held-out), or give a schema without a time column"
+            "--examples all: {data} splits its examples itself ([data.schema]'s time column); evaluate its held-out part (--examples held-out), or drop `time` from the schema to read the file in order"
         ),
         // every example, in the order read: a test file of its own (`eval --examples all`)
         None if whole => {
@@ -695,11 +696,16 @@ fn model_and_data(
             (std::sync::Arc::new(tr), std::sync::Arc::new(ev))
         }
     };
-    for (what, ex) in [("training", &train), ("held-out", &eval)] {
+    let parts: &[(&str, &std::sync::Arc<crate::data::Examples>)] = if whole {
+        &[("", &eval)]
+    } else {
+        &[("training ", &train), ("held-out ", &eval)]
+    };
+    for &(what, ex) in parts {
         let rate = ex.positive_rate();
         if rate == 0.0 || rate == 1.0 {
             bail!(
-                "{data}: all {} {what} examples are {}{}: a model cannot learn, nor NE be measured, on one class (does the label need label_threshold in [data.schema]?)",
+                "{data}: all {} {what}examples are {}{}: a model cannot learn, nor NE be measured, on one class (does the label need label_threshold in [data.schema]?)",
                 ex.len(),
                 if rate == 1.0 { "positive" } else { "negative" },
                 if report.malformed > 0 {
@@ -758,14 +764,24 @@ fn model_and_data(
         print_tables(&model, "", &[]);
     }
     model.validate().context("the model for this data")?;
-    eprintln!(
-        "data: {} train / {} held-out examples, {} dense and {} categorical fields, {:.2} % positive",
-        train.len(),
-        eval.len(),
-        train.num_dense,
-        train.num_sparse,
-        100.0 * train.positive_rate()
-    );
+    if whole {
+        eprintln!(
+            "data: {} examples, {} dense and {} categorical fields, {:.2} % positive",
+            eval.len(),
+            eval.num_dense,
+            eval.num_sparse,
+            100.0 * eval.positive_rate()
+        );
+    } else {
+        eprintln!(
+            "data: {} train / {} held-out examples, {} dense and {} categorical fields, {:.2} % positive",
+            train.len(),
+            eval.len(),
+            train.num_dense,
+            train.num_sparse,
+            100.0 * train.positive_rate()
+        );
+    }
     Ok((
         model,
         crate::train::Data::Table {

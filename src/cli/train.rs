@@ -57,8 +57,8 @@ pub(crate) struct TrainArgs {
     /// Evaluate on held-out data every N steps (0: only at the end).
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
-    /// Held-out examples per evaluation (rounded down to whole batches; at least one
-    /// batch and 2 examples: NE and AUC need both classes).
+    /// Held-out examples per evaluation (at least 2: NE and AUC need both classes; with
+    /// several ranks, rounded down to whole global batches).
     #[arg(long, default_value_t = 20_000)]
     eval_examples: usize,
     /// CPU threads (default: all cores; at least 1).
@@ -494,7 +494,7 @@ fn learning_rate(v: &str) -> Result<f64, String> {
 /// tables) at learning rates `dense` and `embedding`.
 fn optimizer(dense: f64, embedding: f64) -> OptimizerConfig {
     let spec = OptimizerConfig::default();
-    let dense = match crate::graph::DenseOptimizer::adam() {
+    let dense = match spec.dense {
         crate::graph::DenseOptimizer::Adam {
             beta1, beta2, eps, ..
         } => crate::graph::DenseOptimizer::Adam {

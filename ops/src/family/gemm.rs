@@ -12,8 +12,8 @@ pub mod cpu {
     use crate::cpu::*;
 
     /// The gemm ops' storage forms: a linear layer or its data gradient with its output's
-    /// bf16 copy beside it; a linear layer stored in bf16 (`Graph::linear_for_attention`,
-    /// `Graph::linear_stored_bf16`: the f32 output rounded); bf16 operands (copies, or an
+    /// bf16 copy beside it; a linear layer stored in bf16 (`Graph::linear_for_attention`:
+    /// the f32 output rounded); bf16 operands (copies, or an
     /// activation stored in bf16) read as their f32 values. `None` for the plain forms.
     pub(crate) fn exec_stored(
         call: &NodeCall,
