@@ -419,8 +419,8 @@ pub struct Eval {
     pub examples: usize,
 }
 
-/// An evaluation's held-out examples: each one's main logit and label, in the order
-/// evaluated.
+/// An evaluation's examples (the held-out ones, or `eval --examples all`'s): each one's
+/// main logit and label, in the order evaluated.
 #[derive(Clone, Debug, Default)]
 pub struct Scored {
     pub logits: Vec<f64>,
@@ -1304,7 +1304,7 @@ impl<'a> Session<'a> {
         self.evaluate_scored(examples, progress).map(|(e, _)| e)
     }
 
-    /// [`Session::evaluate_with`], with each held-out example's main logit and label, in
+    /// [`Session::evaluate_with`], with each evaluated example's main logit and label, in
     /// the order evaluated (for `eval --predictions`).
     pub fn evaluate_scored(
         &mut self,
