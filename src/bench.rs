@@ -363,8 +363,7 @@ fn bench_cuda(
         let mut ne = NeState::default();
         let (mut scores, mut ys) = (Vec::new(), Vec::new());
         // exactly eval_examples (as Session::evaluate): the last batch's tail left out
-        let n = cfg.eval_examples.max(1);
-        let batches = n.div_ceil(b);
+        let (batches, last) = crate::train::eval_batches(cfg.eval_examples, b);
         for k in 0..batches {
             gen.fill_batch(2, (k * b) as u64, b, &mut d, &mut r, &mut y);
             let (bd, bi, bo, bl) = m.batch_buffers(&d, &r, &y)?;
@@ -378,7 +377,7 @@ fn bench_cuda(
             }
             prog.run_subset(&forward)?;
             prog.synchronize()?;
-            let keep = if k + 1 == batches { n - k * b } else { b };
+            let keep = if k + 1 == batches { last } else { b };
             let mut logits = prog.get(m.logit)?.to_f64();
             let mut lab = bl.to_f64();
             logits.truncate(keep);

@@ -419,6 +419,15 @@ pub struct Eval {
     pub examples: usize,
 }
 
+/// The batches of `b` that evaluate exactly `n` examples (at least 1) on one process,
+/// and how many of the last one's count: its tail (wrapped around to the first
+/// examples) is left out.
+pub(crate) fn eval_batches(n: usize, b: usize) -> (usize, usize) {
+    let n = n.max(1);
+    let batches = n.div_ceil(b);
+    (batches, n - (batches - 1) * b)
+}
+
 /// An evaluation's examples (the held-out ones, or `eval --examples all`'s): each one's
 /// main logit and label, in the order evaluated.
 #[derive(Clone, Debug, Default)]
@@ -1331,8 +1340,7 @@ impl<'a> Session<'a> {
         // rank evaluates the examples one process would
         let world = self.world();
         let (batches, last) = if world == 1 {
-            let n = available.max(1);
-            (n.div_ceil(b), n - (n.div_ceil(b) - 1) * b)
+            eval_batches(available, b)
         } else {
             ((available / (b * world)).max(1) * world, b)
         };
