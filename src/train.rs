@@ -126,6 +126,10 @@ pub struct ScheduleOptions {
     pub bf16_copies: bool,
     /// Least FLOPs of a layer given copies (default [`BF16_COPY_MIN_FLOPS`]).
     pub bf16_copy_min_flops: usize,
+    /// The cross layers' up-projections stored in bf16 where they take copies, as
+    /// autocast stores them (see `Graph::set_bf16_storage`): half the bytes for their
+    /// GEMMs' stores and the cross updates' reads, the values rounded once.
+    pub bf16_storage: bool,
     /// Under ERASE, no join before the updates: each waits only for the gradients it
     /// reads, and the embedding tables' update runs beside the dense one (see
     /// `ScheduleConfig::updates_by_data`). Data-parallel steps join (they all-reduce there).
@@ -154,6 +158,7 @@ impl Default for ScheduleOptions {
             forward_streams: true,
             bf16_copies: true,
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
+            bf16_storage: true,
             updates_by_data: true,
             priorities: None,
             plan_options: None,
@@ -213,7 +218,8 @@ pub fn plan_step(
 ) -> Result<StepPlan> {
     cfg.validate()?;
     let copies = sched.bf16_copies.then_some(sched.bf16_copy_min_flops);
-    let mut model = build_with(cfg, float, copies).context("building the CTR model")?;
+    let mut model =
+        build_with(cfg, float, copies, sched.bf16_storage).context("building the CTR model")?;
     let training = if sched.early_updates {
         erase_graph::make_trainable_early_updates(&mut model.graph, opt)
     } else {

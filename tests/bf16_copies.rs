@@ -18,6 +18,11 @@ fn plan(variant: Variant, copies: bool) -> StepPlan {
 
 /// [`plan`] of the zoo model `model`.
 fn plan_model(model: &str, variant: Variant, copies: bool) -> StepPlan {
+    plan_stored(model, variant, copies, true)
+}
+
+/// [`plan_model`] with the cross layers' up-projections stored in bf16 or not.
+fn plan_stored(model: &str, variant: Variant, copies: bool, storage: bool) -> StepPlan {
     let mut cfg = CtrConfig {
         model: model.to_string(),
         ..CtrConfig::default()
@@ -28,6 +33,7 @@ fn plan_model(model: &str, variant: Variant, copies: bool) -> StepPlan {
     let sched = ScheduleOptions {
         bf16_copies: copies,
         bf16_copy_min_flops: 0,
+        bf16_storage: storage,
         ..Default::default()
     };
     plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched).unwrap()
@@ -203,11 +209,40 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .collect();
     assert_eq!(from_bf16.len(), 2, "{from_bf16:?}");
     // AutoInt's QKV projections store their output in bf16 (Graph::linear_for_attention):
-    // the attention reads it as it is, forward and backward, and rounds q, k, v anyway
-    let stored: Vec<&str> = g
+    // the attention reads it as it is, forward and backward, and rounds q, k, v anyway;
+    // the cross layers' up-projections too (Graph::linear_stored_bf16), read by their
+    // cross update and its gradient
+    let (cross, stored): (Vec<&erase::graph::Node>, Vec<&erase::graph::Node>) = g
         .nodes()
         .iter()
         .filter(|n| matches!(n.op, Op::Linear { .. }) && g.dtype(n.outputs[0]) == DType::Bf16)
+        .partition(|n| n.name.starts_with("cross/"));
+    let cross: Vec<&str> = cross
+        .into_iter()
+        .map(|n| {
+            let readers: Vec<&Op> = g
+                .nodes()
+                .iter()
+                .filter(|r| r.inputs.contains(&n.outputs[0]))
+                .map(|r| &r.op)
+                .collect();
+            assert_eq!(
+                readers,
+                [&Op::MulAdd, &Op::MulGrad],
+                "{}: the cross update and its gradient",
+                n.name
+            );
+            assert!(
+                n.inputs[..2].iter().all(|&t| g.dtype(t) == DType::Bf16),
+                "{}: stored in bf16 from its operands' copies",
+                n.name
+            );
+            n.name.as_str()
+        })
+        .collect();
+    assert_eq!(cross, ["cross/linear1", "cross/linear3", "cross/linear5"]);
+    let stored: Vec<&str> = stored
+        .into_iter()
         .map(|n| {
             let readers: Vec<&Op> = g
                 .nodes()
@@ -301,12 +336,14 @@ fn step(p: &StepPlan) -> (Vec<f64>, Vec<(String, Vec<f64>)>) {
 #[test]
 fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
     // (DCNv2: the top reads its copy of the detached cross network's output)
+    // (the cross layers' outputs in f32, as without copies: their bf16 storage is
+    // another rounding, below)
     for (model, variant) in [
         ("spec", Variant::Baseline),
         ("spec", Variant::Erase),
         ("dcnv2", Variant::Erase),
     ] {
-        let (logits_on, on) = step(&plan_model(model, variant, true));
+        let (logits_on, on) = step(&plan_stored(model, variant, true, false));
         let (logits_off, off) = step(&plan_model(model, variant, false));
         // the forward multiplies the same bf16 values in the same order
         assert_eq!(logits_on, logits_off, "{model} {variant}: logits");
@@ -472,5 +509,57 @@ fn a_detached_blocks_output_gets_its_copy_from_the_blocks_last_op() {
                 );
             }
         }
+    }
+}
+
+/// The cross layers' up-projections stored in bf16 (`ScheduleOptions::bf16_storage`, as
+/// autocast stores them): the step is that of rounding each to bf16 once, so the logits
+/// and gradients move by bf16 rounding's own size, not more, and not at all without
+/// copies (the CPU's plans).
+#[test]
+fn cross_layers_stored_in_bf16_move_the_step_by_one_rounding() {
+    for (model, variant) in [("spec", Variant::Erase), ("dcnv2", Variant::Baseline)] {
+        let stored = plan_stored(model, variant, true, true);
+        let g = &stored.model.graph;
+        let n = g
+            .nodes()
+            .iter()
+            .filter(|n| {
+                n.name.starts_with("cross/")
+                    && matches!(n.op, Op::Linear { .. })
+                    && g.dtype(n.outputs[0]) == DType::Bf16
+            })
+            .count();
+        assert_eq!(n, 3, "{model}: three up-projections stored in bf16");
+        let (logits_s, grads_s) = step(&stored);
+        let (logits_f, grads_f) = step(&plan_stored(model, variant, true, false));
+        let rel = |a: &[f64], b: &[f64]| {
+            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+            let den: f64 = b.iter().map(|y| y * y).sum();
+            (num / den.max(1e-300)).sqrt()
+        };
+        let l = rel(&logits_s, &logits_f);
+        assert!(l > 0.0, "{model}: the stored values are rounded");
+        assert!(l <= 2f64.powi(-8), "{model}: logits move by {l:.2e}");
+        let mut worst = 0f64;
+        for ((name, a), (name_b, b)) in grads_s.iter().zip(&grads_f) {
+            assert_eq!(name, name_b);
+            let r = rel(a, b);
+            assert!(
+                r <= 2f64.powi(-5),
+                "{model}: gradient of {name} moves by {r:.2e}"
+            );
+            worst = worst.max(r);
+        }
+        println!("{model} {variant}: logits {l:.2e}, gradients at most {worst:.2e} (relative L2)");
+        // without copies there is nothing to store in bf16
+        let plain = plan_stored(model, variant, false, true);
+        assert!(plain
+            .model
+            .graph
+            .nodes()
+            .iter()
+            .all(|n| !matches!(n.op, Op::Linear { .. })
+                || plain.model.graph.dtype(n.outputs[0]) == DType::F32));
     }
 }

@@ -82,6 +82,9 @@ pub struct Graph {
     /// Least FLOPs of a layer whose GEMM operands are rounded once by RoundBf16 nodes
     /// (`None`: off; see [`Graph::set_bf16_copies`]).
     bf16_copies: Option<usize>,
+    /// Whether [`Graph::linear_stored_bf16`] stores its output in bf16 (see
+    /// [`Graph::set_bf16_storage`]).
+    bf16_storage: bool,
     /// The RoundBf16 copy made of each activation so far.
     bf16_of: std::collections::BTreeMap<Tensor, Tensor>,
 }
@@ -110,6 +113,7 @@ impl Graph {
             float,
             counters: Default::default(),
             bf16_copies: None,
+            bf16_storage: false,
             bf16_of: Default::default(),
         }
     }
@@ -127,6 +131,14 @@ impl Graph {
     /// fewer passes; `None` turns it off for the layers added after.
     pub fn set_bf16_copies(&mut self, min_flops: Option<usize>) {
         self.bf16_copies = min_flops;
+    }
+
+    /// Whether the layers added after this call by [`Graph::linear_stored_bf16`] (the
+    /// cross layers' up-projections) store their output in bf16 where they take bf16
+    /// copies of their operands, as autocast stores a linear layer's output; off, they
+    /// are [`Graph::linear_with`]'s f32 layers.
+    pub fn set_bf16_storage(&mut self, on: bool) {
+        self.bf16_storage = on;
     }
 
     /// Whether a linear layer of these sizes may read its dy in bf16, written so by the op
@@ -659,6 +671,12 @@ impl Graph {
         self.linear_with(x, w, Some(b))
     }
 
+    /// [`Graph::linear`] whose output is stored as [`Graph::linear_stored_bf16`] stores it.
+    pub fn linear_stored(&mut self, x: Tensor, out: usize) -> Result<Tensor> {
+        let (w, b) = self.linear_params(x, out)?;
+        self.linear_stored_bf16(x, w, Some(b))
+    }
+
     /// A new linear layer's weight (uniform ±1/sqrt(K)) and bias (zeros), named after the
     /// node it will make.
     fn linear_params(&mut self, x: Tensor, out: usize) -> Result<(Tensor, Tensor)> {
@@ -718,6 +736,33 @@ impl Graph {
         let mut all = vec![x, w];
         all.extend(b);
         let out = vec![xs.dims()[0], xs.dims()[1], n];
+        let op = Op::Linear {
+            bias: b.is_some(),
+            relu: false,
+        };
+        Ok(self.add1(op, all, Shape(out), DType::Bf16))
+    }
+
+    /// `x·wᵀ (+ b)` stored in bf16, as autocast stores a linear layer's output, where
+    /// [`Graph::set_bf16_storage`] is on and the layer takes bf16 copies of its operands
+    /// ([`Graph::set_bf16_copies`]); otherwise [`Graph::linear_with`]. For a factor of a cross update ([`Graph::mul_add`]'s `b`,
+    /// which reads it in bf16): its GEMM stores half the bytes and the update reads half,
+    /// forward and backward. The values are the f32 product rounded to nearest even.
+    pub fn linear_stored_bf16(
+        &mut self,
+        x: Tensor,
+        w: Tensor,
+        b: Option<Tensor>,
+    ) -> Result<Tensor> {
+        let (n, k, _) = self.linear_checks(x, w, b)?;
+        let xs = self.shape(x).clone();
+        if !self.bf16_storage || !self.bf16_layer(xs.rows(), k, n) {
+            return self.linear_with(x, w, b);
+        }
+        let mut all = vec![self.bf16_copy(x), self.bf16_copy(w)];
+        all.extend(b);
+        let mut out = xs.dims().to_vec();
+        *out.last_mut().unwrap_or(&mut 0) = n;
         let op = Op::Linear {
             bias: b.is_some(),
             relu: false,
@@ -919,10 +964,16 @@ impl Graph {
     }
 
     /// `a ⊙ b + c` in one op, for three tensors of one shape: the same values as
-    /// `add(mul(a, b), c)`, one pass over memory instead of two and no intermediate.
+    /// `add(mul(a, b), c)` of one shape (the DCN cross update), one pass over memory
+    /// instead of two and no intermediate. In an f32 graph `b` may be bf16 (a layer of
+    /// [`Graph::linear_stored_bf16`]), read as its f32 values.
     pub fn mul_add(&mut self, a: Tensor, b: Tensor, c: Tensor) -> Result<Tensor> {
         let op = "mul_add";
-        let dt = self.expect_float(op, &[a, b, c])?;
+        let dt = if self.float == DType::F32 && self.dtype(b) == DType::Bf16 {
+            self.expect_float(op, &[a, c])?
+        } else {
+            self.expect_float(op, &[a, b, c])?
+        };
         let s = self.shape(a).clone();
         if self.shape(b) != &s || self.shape(c) != &s {
             return Err(self.shape_err(

@@ -903,7 +903,8 @@ fn a_packed_qkv_stored_in_bf16_is_written_and_read_as_it_is() {
         .all(|c| !c.args.contains(&KArg::Out(0))));
     assert!(p.calls[ks.len() - 1].args.contains(&KArg::Out(0)));
     assert_eq!(p.scratch, [512 * 192 * 4]);
-    // a bf16 input and a bf16 output together are no layer Erase makes
+    // one bf16 operand and a bf16 output are no layer Erase makes (both: a cross layer
+    // stored in bf16, a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it)
     assert!(plan(
         &lin,
         &[(&[rows, 64], B), (&[192, 64], F), (&[192], F)],
@@ -1230,4 +1231,71 @@ fn a_loss_heads_gemms_run_the_thin_kernels() {
     assert!(!env.gemm_thin);
     let bad = PlanOptions::H200.with_env(|v| (v == "ERASE_GEMM_THIN").then(|| "2".to_string()));
     assert!(bad.unwrap_err().contains("ERASE_GEMM_THIN=2"));
+}
+
+/// A cross layer's up-projection stored in bf16 (Graph::linear_stored_bf16): one launch of
+/// the pipelined kernels' copy form stores C in bf16 alone (flags bit 6, the output passed
+/// as C and as the copy), and the cross update and its gradient read it as it is (`_b16`).
+#[test]
+fn a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it() {
+    let b = DType::Bf16;
+    let fwd = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    for opts in [
+        PlanOptions::H200,
+        PlanOptions {
+            gemm_tma: false,
+            ..PlanOptions::H200
+        },
+    ] {
+        // DCNv2's (4096 x 512 -> 3456) and the spec model's (4096 x 256 -> 1728)
+        for (m, k, n) in [(4096, 512, 3456), (4096, 256, 1728)] {
+            let ins: &[(&[usize], DType)] = &[(&[m, k], b), (&[n, k], b), (&[n], F)];
+            let outs: &[(&[usize], DType)] = &[(&[m, n], b)];
+            let p = plan_with(opts, &fwd, ins, outs).expect("stored in bf16");
+            assert_eq!(p.calls.len(), 1, "{:?}", kernels(&p));
+            let c = &p.calls[0];
+            assert!(
+                pipelined(c.kernel) && c.kernel.contains("_c_"),
+                "{}",
+                c.kernel
+            );
+            let (flags, copy) = if c.kernel.starts_with("gemm_bf16t") {
+                (&c.args[9], &c.args[10])
+            } else {
+                (&c.args[16], &c.args[17])
+            };
+            // bias (bit 0) and C alone in bf16 (bit 6)
+            assert_eq!(*flags, KArg::I32(1 | 64), "{}", c.kernel);
+            assert_eq!(c.args[2], KArg::Out(0));
+            assert_eq!(*copy, KArg::Out(0));
+            assert!(p.scratch.is_empty());
+        }
+    }
+    // f32 operands stored in bf16 keep their path (C to scratch and a cast, or the tall
+    // kernels' own bf16 store): no bit 6 anywhere
+    let ins: &[(&[usize], DType)] = &[(&[4096, 512], F), (&[3456, 512], F), (&[3456], F)];
+    let p = plan(&fwd, ins, &[(&[4096, 3456], b)]).expect("f32 operands");
+    assert!(kernels(&p).contains(&"ew_cast"), "{:?}", kernels(&p));
+    // the cross update reads b in bf16, with and without its own copy
+    let s: &[usize] = &[4096, 3456];
+    let p = plan(&Op::MulAdd, &[(s, F), (s, b), (s, F)], &[(s, F)]).expect("mul_add");
+    assert_eq!(kernels(&p), ["ew_mul_add_b16"]);
+    let p = plan(&Op::MulAdd, &[(s, F), (s, b), (s, F)], &[(s, F), (s, b)]).expect("with a copy");
+    assert_eq!(kernels(&p), ["ew_mul_add_bf16_b16"]);
+    let p = plan(&Op::MulAdd, &[(s, F), (s, F), (s, F)], &[(s, F)]).expect("f32");
+    assert_eq!(kernels(&p), ["ew_mul_add"]);
+    // and its gradient: [dy, x0, v] -> [dx0, dv in bf16, dv's column sums]
+    let p = plan(
+        &Op::MulGrad,
+        &[(s, F), (s, F), (s, b)],
+        &[(s, F), (s, b), (&[3456], F)],
+    )
+    .expect("mul_grad");
+    assert_eq!(kernels(&p), ["ew_mul_grad_bf16_b16", "colsum_final"]);
+    // a bf16 a (the other factor) is not a form the kernels have
+    let e = plan(&Op::MulAdd, &[(s, b), (s, F), (s, F)], &[(s, F)]).unwrap_err();
+    assert!(e.contains("input 0 is bf16"), "{e}");
 }

@@ -303,6 +303,13 @@ struct ModelArgs {
     /// --bf16-copies (its sizes must also be multiples of 64, at least 128).
     #[arg(long, value_name = "FLOPS", default_value_t = crate::train::BF16_COPY_MIN_FLOPS)]
     bf16_copy_min_flops: usize,
+    /// Store the cross layers' up-projections (the factor of each cross update
+    /// x0 * v + x) in bf16 where they take bf16 copies, as PyTorch's autocast stores a
+    /// linear layer's output: their GEMMs store half the bytes and the updates read half,
+    /// forward and backward; the values are rounded once. `off` keeps them in f32. CUDA
+    /// only, with --bf16-copies on.
+    #[arg(long, value_enum, default_value = "on")]
+    bf16_storage: OnOff,
     /// Rows of each categorical field's table, instead of --rows for all: a list in field
     /// order (`3,1000,100000,..`), `NAME=ROWS` pairs by column name (`C1=3,C7=1000`; the
     /// other fields keep --rows; Criteo's fields are C1..C26), or `auto`: each field's
@@ -599,6 +606,7 @@ impl ModelArgs {
             bf16_copies: self.bf16_copies == OnOff::On,
             bf16_copy_min_flops: self.bf16_copy_min_flops,
             plan_options: Some(self.plan_options()?),
+            bf16_storage: self.bf16_storage == OnOff::On,
         })
     }
 }

@@ -1339,6 +1339,75 @@ fn a_linear_stored_in_bf16_is_its_f32_output_rounded() {
     }
 }
 
+/// A cross layer stored in bf16 (`Graph::linear_stored_bf16`: bf16 copies of both operands
+/// in, bf16 C out): the pipelined kernels' copy epilogue stores C alone (flags bit 6), and
+/// from poisoned outputs it is, bit for bit, the copy the same kernel writes beside its
+/// f32 C, itself checked against the bf16 reference: DCNv2's and the spec model's shapes,
+/// a ragged one (edge tiles, scalar stores), on the TMA and the cp.async kernels.
+#[test]
+fn a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone() {
+    let Some(dev) = device("a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone") else {
+        return;
+    };
+    let cp_async = handle_with(erase::ops::cuda::PlanOptions {
+        gemm_tma: false,
+        ..dev.plan_options()
+    });
+    for (i, &(m, n, k)) in [
+        (4096usize, 3456usize, 512usize),
+        (4096, 1728, 256),
+        (1000, 200, 192),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 1400 + 10 * i as u64;
+        let bf = |v: Vec<f32>| {
+            Buffer::from_f64(
+                DType::Bf16,
+                &v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+            )
+        };
+        let xb = bf(rand_f32(seed, m * k, -1.0, 1.0));
+        let wb = bf(rand_f32(seed + 1, n * k, -1.0, 1.0));
+        let (xv, wv): (Vec<f32>, Vec<f32>) = (
+            xb.to_f64().iter().map(|&x| x as f32).collect(),
+            wb.to_f64().iter().map(|&x| x as f32).collect(),
+        );
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let ins = [arg(&[m, k], xb), arg(&[n, k], wb), b];
+        let op = Op::Linear {
+            bias: true,
+            relu: false,
+        };
+        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+        for (path, d) in [("tma", dev), ("cp.async", &cp_async)] {
+            let what = format!("linear {m}x{n}x{k} of bf16 copies stored in bf16 ({path})");
+            let both = run_gpu(
+                d,
+                &op,
+                &ins,
+                &[(&[m, n], DType::F32), (&[m, n], DType::Bf16)],
+                &mut [],
+            );
+            assert_within(&what, &both[0].to_f64(), &want, &tol);
+            let got = run_gpu(d, &op, &ins, &[(&[m, n], DType::Bf16)], &mut []);
+            assert_eq!(got[0].dtype(), DType::Bf16, "{what}");
+            if let Some(e) = (0..m * n)
+                .find(|&e| got[0].bytes()[2 * e..2 * e + 2] != both[1].bytes()[2 * e..2 * e + 2])
+            {
+                panic!(
+                    "{what}: [{}, {}] = {} against the copy beside f32 C, {}",
+                    e / n,
+                    e % n,
+                    got[0].to_f64()[e],
+                    both[1].to_f64()[e]
+                );
+            }
+        }
+    }
+}
+
 /// The CTR model's own large GEMMs (the deep and cross blocks at batch 4096), which take
 /// the pipelined path: forward with bias, data gradient, weight gradient (split-K).
 #[test]

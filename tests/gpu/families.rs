@@ -47,6 +47,14 @@ fn dup(a: &Arg) -> Arg {
     arg(a.shape.dims(), a.value.clone())
 }
 
+/// `a`'s values rounded to bf16, as a bf16 tensor.
+fn bf16_of(a: &Arg) -> Arg {
+    arg(
+        a.shape.dims(),
+        Buffer::from_f64(DType::Bf16, &a.value.to_f64()),
+    )
+}
+
 /// Runs `op` on both backends and compares every output with its (rtol, atol).
 fn compare(
     dev: &CudaDevice,
@@ -131,6 +139,24 @@ fn elementwise_maps_match_cpu() {
             oc,
             &[EXACT],
         );
+        // b stored in bf16 (a cross layer's up-projection, Graph::linear_stored_bf16),
+        // read as its f32 values: bit for bit, with and without the copy
+        compare(
+            dev,
+            &format!("mul_add of a bf16 b [{n}]"),
+            &Op::MulAdd,
+            &[dup(&x), bf16_of(&y), dup(&z)],
+            o,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("mul_add of a bf16 b with its bf16 copy [{n}]"),
+            &Op::MulAdd,
+            &[dup(&x), bf16_of(&y), dup(&z)],
+            oc,
+            &[EXACT],
+        );
         compare(
             dev,
             &format!("mul with its bf16 copy [{n}]"),
@@ -163,16 +189,20 @@ fn elementwise_maps_match_cpu() {
                     rand_arg(&sh, next()),
                     rand_arg(&sh, next()),
                 );
-                for sums in [true, false] {
+                for (sums, b16) in [(true, false), (false, false), (true, true), (false, true)] {
                     let mut outs: Vec<(&[usize], DType)> = vec![(&sh, F32), (&sh, DType::Bf16)];
                     if sums {
                         outs.push((&sh[1..], F32));
                     }
+                    // b16: b (the layer's output) stored in bf16 (`ew_mul_grad_bf16_b16`)
+                    let bb = if b16 { bf16_of(&b) } else { dup(&b) };
                     compare(
                         dev,
-                        &format!("mul_grad with db in bf16 [{rows}, {cols}], sums {sums}"),
+                        &format!(
+                            "mul_grad with db in bf16 [{rows}, {cols}], sums {sums}, b in bf16 {b16}"
+                        ),
                         &Op::MulGrad,
-                        &[dup(&d), dup(&a), dup(&b)],
+                        &[dup(&d), dup(&a), bb],
                         &outs,
                         &[EXACT, EXACT, (1e-6, sum_atol(rows, 1.0))],
                     );

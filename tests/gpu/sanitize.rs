@@ -325,6 +325,34 @@ fn sanitize_tma_gemm() {
             let c = run_cpu(&op, &ins, &outs, &mut []);
             close(&format!("{what}: linear dw"), &g[0], &c[0], 2e-2);
         }
+        // a layer of bf16 copies stored in bf16 (flags bit 6): only the bf16 C is written,
+        // so an f32 store would fall outside its half-size output
+        let (m, n, k) = (200, 136, 256);
+        let bf = |seed: u64, len: usize| {
+            let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            Buffer::from_f64(DType::Bf16, &v)
+        };
+        let ins = vec![
+            arg(&[m, k], bf(36, m * k)),
+            arg(&[n, k], bf(37, n * k)),
+            arg(&[n], Buffer::F32(rand_f32(38, n, -1.0, 1.0))),
+        ];
+        let op = Op::Linear {
+            bias: true,
+            relu: false,
+        };
+        let outs: [(&[usize], DType); 1] = [(&[m, n], DType::Bf16)];
+        let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(
+            &format!("TMA 128x{n_tile} (splits of {min_k}) {m}x{n}x{k}: stored in bf16"),
+            &g[0],
+            &c[0],
+            2e-2,
+        );
     }
 }
 

@@ -483,6 +483,11 @@ pub(crate) mod cuda {
     }
 
     fn gemm(g: Gemm) -> Result<CudaPlan, String> {
+        if g.out_bf16 && g.residual.is_none() && g.copy.is_none() && g.mask.is_none() {
+            if let Some(plan) = gemm_bf16_only(&g) {
+                return Ok(plan);
+            }
+        }
         let mut plan = gemm_any(&g)?;
         // a bf16 C: the tall kernels' `_bo` form stores it (a launch names Out(0) and is
         // one); any other path writes f32 C to scratch and casts it in a launch of its own
@@ -533,6 +538,40 @@ pub(crate) mod cuda {
             }
         }
         Ok(plan)
+    }
+
+    /// A bf16 C of bf16 operand copies (Graph::linear_stored_bf16): the pipelined
+    /// kernels' copy epilogue stores it alone (flags bit 6: C passed as the copy, no f32
+    /// store), where the plan is one such launch writing C whole; else `None` (C to
+    /// scratch and a cast, as any bf16 C).
+    fn gemm_bf16_only(g: &Gemm) -> Option<CudaPlan> {
+        if !(g.a_bf16 && g.b_bf16) {
+            return None;
+        }
+        let plan = gemm_pipe_bf16(&Gemm {
+            copy: Some(KArg::Out(0)),
+            ..*g
+        })
+        .ok()?;
+        let copy_kernel = |k: &str| k.contains("_c_") || k.contains("_kmc_");
+        let writers: Vec<&KernelCall> = plan
+            .calls
+            .iter()
+            .filter(|c| c.args.contains(&KArg::Out(0)))
+            .collect();
+        (writers.len() == 1 && copy_kernel(writers[0].kernel) && bf16_only_flag(writers[0]))
+            .then_some(plan)
+    }
+
+    /// Whether a pipelined launch stores its C in bf16 alone (its flags' bit 6).
+    fn bf16_only_flag(c: &KernelCall) -> bool {
+        // the flags: argument 9 of the TMA kernels, 16 of the cp.async ones
+        let at = if c.kernel.starts_with("gemm_bf16t") {
+            9
+        } else {
+            16
+        };
+        matches!(c.args.get(at), Some(KArg::I32(f)) if f & 64 != 0)
     }
 
     fn gemm_any(g: &Gemm) -> Result<CudaPlan, String> {
@@ -1523,6 +1562,12 @@ pub(crate) mod cuda {
         // C's bf16 copy from the epilogue: a K-major A, C written whole by one launch
         let fused_copy = g.copy.filter(|_| !partials && !a_mn);
         let copy_arg = fused_copy.unwrap_or(KArg::Out(0));
+        // a bf16 C alone (gemm_bf16_only): the copy is the output, no f32 store
+        let flags = if g.out_bf16 && fused_copy == Some(KArg::Out(0)) {
+            flags | 64
+        } else {
+            flags
+        };
         // the TMA form (batch 1, C written whole by the launch: no split or a cluster's),
         // both operands at the start of their tensors: K-major scratch [Mp][Kp] / [Np][Kp],
         // or bf16 copies read in place, K-major [rows][K] or MN-major [K][M or N]
@@ -1776,7 +1821,9 @@ pub(crate) mod cuda {
         // or `[y]` in bf16 alone (Graph::linear_for_attention), of f32 operands
         let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
         let out_bf16 = !residual && o.out_dtypes == [DType::Bf16];
-        let bf16_ok: &[usize] = if residual || out_bf16 { &[] } else { &[0, 1] };
+        // a bf16 output of bf16 operand copies (Graph::linear_stored_bf16), or of f32
+        // operands (Graph::linear_for_attention)
+        let bf16_ok: &[usize] = if residual { &[] } else { &[0, 1] };
         let ins = 2 + nb + usize::from(residual);
         let checked = Operands {
             out_dtypes: if out_bf16 {
@@ -1787,6 +1834,11 @@ pub(crate) mod cuda {
             ..*o
         };
         let bf16 = check_gemm_operands(&checked, ins, 1 + usize::from(copy), bf16_ok)?;
+        if out_bf16 && bf16[0] != bf16[1] {
+            return Err(
+                "a layer stored in bf16 reads bf16 copies of both operands or of neither".into(),
+            );
+        }
         let (n, k) = matrix(o.ins[1], "the weight")?;
         if o.ins[0].last() != k {
             return Err(format!(
