@@ -1250,8 +1250,14 @@ fn a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it() {
             ..PlanOptions::H200
         },
     ] {
-        // DCNv2's (4096 x 512 -> 3456) and the spec model's (4096 x 256 -> 1728)
-        for (m, k, n) in [(4096, 512, 3456), (4096, 256, 1728)] {
+        // DCNv2's (4096 x 512 -> 3456) and the spec model's (4096 x 256 -> 1728), and the
+        // GPU test's ragged shapes (edge tiles; an odd N, the epilogues' scalar stores)
+        for (m, k, n) in [
+            (4096, 512, 3456),
+            (4096, 256, 1728),
+            (1000, 192, 200),
+            (515, 128, 203),
+        ] {
             let ins: &[(&[usize], DType)] = &[(&[m, k], b), (&[n, k], b), (&[n], F)];
             let outs: &[(&[usize], DType)] = &[(&[m, n], b)];
             let p = plan_with(opts, &fwd, ins, outs).expect("stored in bf16");

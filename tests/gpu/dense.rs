@@ -21,7 +21,7 @@
 //!   n terms: acc(n) = (n/16 + 2)·2^-22 relative to the sum of magnitudes).
 
 use super::{arg, device, handle_with, rand_f32, run_cpu, run_gpu, Arg};
-use erase::graph::{DType, Op};
+use erase::graph::{DType, Op, Shape};
 use erase::ops::cuda::GemmTile;
 use erase::ops::Buffer;
 
@@ -1340,10 +1340,11 @@ fn a_linear_stored_in_bf16_is_its_f32_output_rounded() {
 }
 
 /// A cross layer stored in bf16 (`Graph::linear_stored_bf16`: bf16 copies of both operands
-/// in, bf16 C out): the pipelined kernels' copy epilogue stores C alone (flags bit 6), and
-/// from poisoned outputs it is, bit for bit, the copy the same kernel writes beside its
-/// f32 C, itself checked against the bf16 reference: DCNv2's and the spec model's shapes,
-/// a ragged one (edge tiles, scalar stores), on the TMA and the cp.async kernels.
+/// in, bf16 C out): the pipelined kernels' copy epilogue stores C alone (flags bit 6, the
+/// plan asserted: one launch of a `_c_` kernel), and from poisoned outputs it is, bit for
+/// bit, the copy the same kernel writes beside its f32 C, and within a bf16 rounding of
+/// the reference: DCNv2's and the spec model's shapes, a ragged one (edge tiles) and one
+/// of odd N (the epilogues' scalar stores), on the TMA and the cp.async kernels.
 #[test]
 fn a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone() {
     let Some(dev) = device("a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone") else {
@@ -1357,6 +1358,7 @@ fn a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone() {
         (4096usize, 3456usize, 512usize),
         (4096, 1728, 256),
         (1000, 200, 192),
+        (515, 203, 128),
     ]
     .iter()
     .enumerate()
@@ -1383,6 +1385,39 @@ fn a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone() {
         let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
         for (path, d) in [("tma", dev), ("cp.async", &cp_async)] {
             let what = format!("linear {m}x{n}x{k} of bf16 copies stored in bf16 ({path})");
+            // the plan this device runs: one copy-form launch with bit 6, or the test
+            // would pass through the scratch-and-cast fallback without running bit 6
+            let shapes = [
+                Shape::new(&[m, k]),
+                Shape::new(&[n, k]),
+                Shape::new(&[n]),
+                Shape::new(&[m, n]),
+            ];
+            let plan = erase::ops::cuda::cuda_plan(
+                &op,
+                &erase::ops::cuda::Operands {
+                    opts: d.plan_options(),
+                    ins: &[&shapes[0], &shapes[1], &shapes[2]],
+                    in_dtypes: &[DType::Bf16, DType::Bf16, DType::F32],
+                    outs: &[&shapes[3]],
+                    out_dtypes: &[DType::Bf16],
+                    upd: &[],
+                },
+            )
+            .expect("a linear stored in bf16 plans");
+            assert_eq!(plan.calls.len(), 1, "{what}: {:?}", plan.calls);
+            let c = &plan.calls[0];
+            let flags = if c.kernel.starts_with("gemm_bf16t") {
+                &c.args[9]
+            } else {
+                &c.args[16]
+            };
+            assert!(
+                c.kernel.contains("_c_")
+                    && matches!(flags, erase::ops::cuda::KArg::I32(f) if f & 64 != 0),
+                "{what}: {} {flags:?}",
+                c.kernel
+            );
             let both = run_gpu(
                 d,
                 &op,
@@ -1393,6 +1428,14 @@ fn a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone() {
             assert_within(&what, &both[0].to_f64(), &want, &tol);
             let got = run_gpu(d, &op, &ins, &[(&[m, n], DType::Bf16)], &mut []);
             assert_eq!(got[0].dtype(), DType::Bf16, "{what}");
+            // against the reference too (so an element left unwritten by both launches
+            // fails): within the f32 bound plus one bf16 rounding of the value
+            let tol_b16: Vec<f64> = tol
+                .iter()
+                .zip(&want)
+                .map(|(t, w)| t + w.abs() * 2f64.powi(-8))
+                .collect();
+            assert_within(&what, &got[0].to_f64(), &want, &tol_b16);
             if let Some(e) = (0..m * n)
                 .find(|&e| got[0].bytes()[2 * e..2 * e + 2] != both[1].bytes()[2 * e..2 * e + 2])
             {

@@ -238,6 +238,7 @@ fn sanitize_warp_specialized_gemm() {
             println!("the sm_80 PTX runs: it has no warp-specialized kernels to check");
             return;
         }
+        stored_in_bf16(&h, &format!("ws 128x{} (splits of {min_k})", tile.n));
         for (m, n, k) in [(200, 130, 192), (130, 65, 129)] {
             let what = format!("ws 128x{} (splits of {min_k}) {m}x{n}x{k}", tile.n);
             let ins = vec![
@@ -325,9 +326,15 @@ fn sanitize_tma_gemm() {
             let c = run_cpu(&op, &ins, &outs, &mut []);
             close(&format!("{what}: linear dw"), &g[0], &c[0], 2e-2);
         }
-        // a layer of bf16 copies stored in bf16 (flags bit 6): only the bf16 C is written,
-        // so an f32 store would fall outside its half-size output
-        let (m, n, k) = (200, 136, 256);
+        stored_in_bf16(&h, &format!("TMA 128x{n_tile} (splits of {min_k})"));
+    }
+}
+
+/// A layer of bf16 copies stored in bf16 (flags bit 6) on the plan options of `h`: only
+/// the bf16 C is written, so an f32 store would fall outside its half-size output (the
+/// sanitizer's allocation); N odd for the epilogues' scalar stores.
+fn stored_in_bf16(h: &erase::runtime::cuda::CudaDevice, what: &str) {
+    for (m, n, k) in [(200, 136, 256), (130, 67, 128)] {
         let bf = |seed: u64, len: usize| {
             let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
                 .iter()
@@ -345,10 +352,10 @@ fn sanitize_tma_gemm() {
             relu: false,
         };
         let outs: [(&[usize], DType); 1] = [(&[m, n], DType::Bf16)];
-        let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+        let g = run_gpu(h, &op, &ins, &outs, &mut []);
         let c = run_cpu(&op, &ins, &outs, &mut []);
         close(
-            &format!("TMA 128x{n_tile} (splits of {min_k}) {m}x{n}x{k}: stored in bf16"),
+            &format!("{what} {m}x{n}x{k}: stored in bf16"),
             &g[0],
             &c[0],
             2e-2,
@@ -549,5 +556,29 @@ fn sanitize_pairwise_dot() {
         let g = run_gpu(dev, &Op::PairwiseDotGrad, &ins, &outs, &mut []);
         let c = run_cpu(&Op::PairwiseDotGrad, &ins, &outs, &mut []);
         close("pairwise_dot_grad", &g[0], &c[0], 0.0);
+    }
+}
+
+/// A layer stored in bf16 (flags bit 6) on the cp.async pipelined kernels (wgmma on sm_90a,
+/// mma.sync on the sm_80 PTX), whole and split in a cluster: the TMA and warp-specialized
+/// forms are checked with their own tests above.
+#[test]
+fn sanitize_cp_async_gemm_stored_in_bf16() {
+    let Some(dev) = device("sanitize_cp_async_gemm_stored_in_bf16") else {
+        return;
+    };
+    for (n_tile, min_k) in [(128, 1 << 30), (256, 1 << 30), (128, 64), (256, 64)] {
+        let h = handle_with(PlanOptions {
+            gemm_tile: Some(GemmTile {
+                n: n_tile,
+                ws: false,
+            }),
+            gemm_tma: false,
+            gemm_pipe_min_flops: 0,
+            gemm_pipe_min_mn: 16,
+            gemm_pipe_min_k_per_split: min_k,
+            ..dev.plan_options()
+        });
+        stored_in_bf16(&h, &format!("cp.async 128x{n_tile} (splits of {min_k})"));
     }
 }
