@@ -130,6 +130,10 @@ pub struct ScheduleOptions {
     /// autocast stores them (see `Graph::set_bf16_storage`): half the bytes for their
     /// GEMMs' stores and the cross updates' reads, the values rounded once.
     pub bf16_storage: bool,
+    /// The weights' bf16 copies written by Adam beside the updated weights, kept across
+    /// steps (`OptimizerConfig::copies_in_update`), instead of made by a RoundBf16 launch
+    /// each in the next forward. The same bits either way.
+    pub weight_copies_in_update: bool,
     /// Under ERASE, no join before the updates: each waits only for the gradients it
     /// reads, and the embedding tables' update runs beside the dense one (see
     /// `ScheduleConfig::updates_by_data`). Data-parallel steps join (they all-reduce there).
@@ -159,6 +163,7 @@ impl Default for ScheduleOptions {
             bf16_copies: true,
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
             bf16_storage: true,
+            weight_copies_in_update: true,
             updates_by_data: true,
             priorities: None,
             plan_options: None,
@@ -217,6 +222,10 @@ pub fn plan_step(
     sched: &ScheduleOptions,
 ) -> Result<StepPlan> {
     cfg.validate()?;
+    let opt = &OptimizerConfig {
+        copies_in_update: opt.copies_in_update && sched.weight_copies_in_update,
+        ..*opt
+    };
     let copies = sched.bf16_copies.then_some(sched.bf16_copy_min_flops);
     let mut model =
         build_with(cfg, float, copies, sched.bf16_storage).context("building the CTR model")?;

@@ -4,7 +4,7 @@
 //! with and without them.
 
 use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
-use erase::graph::{DType, Grad, Op, OptimizerConfig, Phase, Tensor};
+use erase::graph::{DType, Grad, Leaf, Op, OptimizerConfig, Phase, Tensor};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::runtime::cpu::runner::ProgramRunner;
 use erase::runtime::program::memory::plan_memory;
@@ -18,11 +18,27 @@ fn plan(variant: Variant, copies: bool) -> StepPlan {
 
 /// [`plan`] of the zoo model `model`.
 fn plan_model(model: &str, variant: Variant, copies: bool) -> StepPlan {
-    plan_stored(model, variant, copies, true)
+    plan_full(model, variant, copies, true, true)
 }
 
 /// [`plan_model`] with the cross layers' up-projections stored in bf16 or not.
 fn plan_stored(model: &str, variant: Variant, copies: bool, storage: bool) -> StepPlan {
+    plan_full(model, variant, copies, storage, true)
+}
+
+/// [`plan_model`], the weights' copies made by Adam (`in_update`, the default) or by
+/// RoundBf16 launches in the forward.
+fn plan_with(model: &str, variant: Variant, copies: bool, in_update: bool) -> StepPlan {
+    plan_full(model, variant, copies, true, in_update)
+}
+
+fn plan_full(
+    model: &str,
+    variant: Variant,
+    copies: bool,
+    storage: bool,
+    in_update: bool,
+) -> StepPlan {
     let mut cfg = CtrConfig {
         model: model.to_string(),
         ..CtrConfig::default()
@@ -34,6 +50,7 @@ fn plan_stored(model: &str, variant: Variant, copies: bool, storage: bool) -> St
         bf16_copies: copies,
         bf16_copy_min_flops: 0,
         bf16_storage: storage,
+        weight_copies_in_update: in_update,
         ..Default::default()
     };
     plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched).unwrap()
@@ -53,8 +70,9 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .iter()
         .filter(|n| n.phase == Phase::Backward)
         .collect();
-    // forward RoundBf16 nodes: the weight of each of the 14 layers with sizes that are
-    // multiples of 64, at least 128 (read by its forward and data gradient); backward: the
+    // the weights' copies, kept by Adam (Leaf::ParamCopy): the weight of each of the 14
+    // layers with sizes that are multiples of 64, at least 128 (read by its forward and
+    // data gradient); no forward RoundBf16 node is left; backward: the
     // dy of each of them (the bottom's second, the 3 + 3 cross, 2 deep, 3 MaskNet and 2
     // top layers) but the 4 whose dy an elementwise product's gradient writes as the copy
     // (cross's three up-projections, MaskNet's mask) and the 3 whose dy the data
@@ -66,12 +84,12 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .filter(|n| n.phase == Phase::Forward)
         .map(|n| n.name.as_str())
         .collect();
-    let weights = rounds
-        .iter()
-        .filter(|n| g.leaf(n.inputs[0]).is_some())
+    let weights = g
+        .tensors()
+        .filter(|&t| matches!(g.leaf(t), Some(Leaf::ParamCopy { .. })))
         .count();
-    assert_eq!(weights, 14, "weight copies: {names:?}");
-    assert_eq!(forward, 14, "forward copies: {names:?}");
+    assert_eq!(weights, 14, "weight copies");
+    assert_eq!(forward, 0, "forward copies: {names:?}");
     assert_eq!(backward.len(), 6, "backward copies");
     // MaskNet's normalised projection's dy from its layer norm's gradient, with the sums
     let by_norm: Vec<(&str, usize)> = g
@@ -379,20 +397,19 @@ fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
     }
 }
 
-/// Under ERASE the weights' copies (forward work that reads only parameters) run on the
-/// first side stream behind the step's first forward launch, off the main stream that
-/// carries the forward; the serial schedules keep them on the main stream.
+/// Made in the forward (`--weight-copies forward`), under ERASE the weights' copies
+/// (forward work that reads only parameters) run on the first side stream behind the
+/// step's first forward launch, off the main stream that carries the forward; the serial
+/// schedules keep them on the main stream.
 #[test]
 fn weight_copies_run_beside_the_forward_under_erase() {
     use erase::runtime::program::schedule::{EdgeKind, StreamId};
     let cfg = CtrConfig::default().with_variant(Variant::Erase);
-    let p = plan_step(
-        &cfg,
-        DType::F32,
-        &OptimizerConfig::default(),
-        &ScheduleOptions::default(),
-    )
-    .unwrap();
+    let forward = ScheduleOptions {
+        weight_copies_in_update: false,
+        ..Default::default()
+    };
+    let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &forward).unwrap();
     let g = &p.model.graph;
     let copies: Vec<usize> = p
         .program
@@ -429,7 +446,7 @@ fn weight_copies_run_beside_the_forward_under_erase() {
         &cfg.clone().with_variant(Variant::Baseline),
         DType::F32,
         &OptimizerConfig::default(),
-        &ScheduleOptions::default(),
+        &forward,
     )
     .unwrap();
     assert!(base
@@ -561,5 +578,183 @@ fn cross_layers_stored_in_bf16_move_the_step_by_one_rounding() {
             .iter()
             .all(|n| !matches!(n.op, Op::Linear { .. })
                 || plain.model.graph.dtype(n.outputs[0]) == DType::F32));
+    }
+}
+
+/// By default Adam keeps the weights' copies: no launch of the step rounds a weight; each
+/// copy is a `Leaf::ParamCopy` of its weight, read in place by the GEMMs and written by
+/// the dense update past its moments, in the order of the weights it follows.
+#[test]
+fn adam_keeps_the_weights_copies_from_one_step_to_the_next() {
+    for variant in [Variant::Baseline, Variant::Erase] {
+        let cfg = CtrConfig::default().with_variant(variant);
+        let p = plan_step(
+            &cfg,
+            DType::F32,
+            &OptimizerConfig::default(),
+            &ScheduleOptions::default(),
+        )
+        .unwrap();
+        let g = &p.model.graph;
+        let rounds_a_weight = |l: &erase::runtime::program::schedule::Launch| {
+            let n = g.node(l.node);
+            matches!(n.op, Op::RoundBf16 { .. }) && g.leaf(n.inputs[0]).is_some()
+        };
+        assert!(
+            !p.program.launches.iter().any(rounds_a_weight),
+            "{variant}: a launch rounds a weight"
+        );
+        let adam = g
+            .nodes()
+            .iter()
+            .find(|n| matches!(n.op, Op::Adam { .. }))
+            .expect("the dense update");
+        let n = adam.inputs.len() - 1;
+        let copies = &adam.updates[3 * n..];
+        // the 13 layers of at least 2^29 FLOPs, as `weight_copies_run_beside_the_forward_under_erase`
+        assert_eq!(copies.len(), 13, "{variant}");
+        for (k, &c) in copies.iter().enumerate() {
+            let of = adam.updates[k];
+            assert_eq!(
+                g.leaf(c),
+                Some(&Leaf::ParamCopy { of }),
+                "{variant}: copy {k}"
+            );
+            assert_eq!(g.param_copy(of), Some(c));
+            assert_eq!(g.dtype(c), DType::Bf16);
+            assert_eq!(g.shape(c), g.shape(of));
+            let readers: Vec<&Op> = g
+                .nodes()
+                .iter()
+                .filter(|r| r.inputs.contains(&c))
+                .map(|r| &r.op)
+                .collect();
+            assert!(
+                !readers.is_empty()
+                    && readers
+                        .iter()
+                        .all(|o| matches!(o, Op::Linear { .. } | Op::LinearGradInput { .. })),
+                "{}: read by {readers:?}",
+                g.name(c)
+            );
+            assert!(!g.is_persistent(c), "a copy is not checkpointed");
+        }
+        // the weights without copies follow, and every one of them has no copy
+        assert!(adam.updates[copies.len()..n]
+            .iter()
+            .all(|&w| g.param_copy(w).is_none()));
+    }
+}
+
+/// Runs `steps` training steps of `p` on the CPU with GEMM operands rounded as the
+/// kernels round them, each on its own batch; returns the runner and each step's logits.
+fn train<'a>(
+    p: &'a StepPlan,
+    memory: &'a erase::runtime::program::memory::MemoryPlan,
+    steps: usize,
+) -> (ProgramRunner<'a>, Vec<Vec<f64>>) {
+    let m = &p.model;
+    let mut r = ProgramRunner::new(&m.graph, &p.program, memory, 7, 2).unwrap();
+    r.bf16_gemm = true;
+    let gen = SyntheticCtr::new(SyntheticConfig {
+        seed: 0,
+        rows: 1000,
+        hot: 1,
+    });
+    let b = 128;
+    let mut logits = Vec::new();
+    for s in 0..steps {
+        let (mut d, mut ids, mut y) = (vec![0f32; b * 13], vec![0u32; b * 26], vec![0f32; b]);
+        gen.fill_batch(1, (s * b) as u64, b, &mut d, &mut ids, &mut y);
+        let (bd, bi, bo, bl) = m.batch_buffers(&d, &ids, &y).unwrap();
+        for (t, buf) in [
+            (m.inputs.dense, bd),
+            (m.inputs.ids, bi),
+            (m.inputs.offsets, bo),
+            (m.inputs.label, bl),
+        ] {
+            r.feed(t, buf).unwrap();
+        }
+        r.run().unwrap();
+        logits.push(r.get(m.logit).unwrap().to_f64());
+    }
+    (r, logits)
+}
+
+/// Copies kept by Adam train to the bits of copies made in each forward, step after
+/// step: the same logits and the same parameters; each copy is its weight rounded after
+/// every update, and again after the weight is set from outside (a checkpoint loaded).
+#[test]
+fn copies_kept_by_adam_train_to_the_bits_of_copies_made_each_step() {
+    for model in ["spec", "dcnv2"] {
+        let kept = plan_with(model, Variant::Erase, true, true);
+        let made = plan_with(model, Variant::Erase, true, false);
+        let g = &kept.model.graph;
+        let copies: Vec<(Tensor, Tensor)> = g
+            .tensors()
+            .filter_map(|c| match g.leaf(c) {
+                Some(Leaf::ParamCopy { of }) => Some((c, *of)),
+                _ => None,
+            })
+            .collect();
+        assert!(copies.len() >= 9, "{model}: {} copies", copies.len());
+        assert!(made
+            .model
+            .graph
+            .tensors()
+            .all(|t| !matches!(made.model.graph.leaf(t), Some(Leaf::ParamCopy { .. }))));
+        let keep = [kept.model.logit];
+        let mem_kept = plan_memory(g, &kept.program, &keep);
+        let mem_made = plan_memory(&made.model.graph, &made.program, &[made.model.logit]);
+        let (mut rk, lk) = train(&kept, &mem_kept, 3);
+        let (mut rm, lm) = train(&made, &mem_made, 3);
+        assert_eq!(lk, lm, "{model}: logits of the three steps");
+        let rounded = |r: &ProgramRunner, w: Tensor| r.get(w).unwrap().to_bf16();
+        for &(c, w) in &copies {
+            let got = rk.get(c).unwrap();
+            assert_eq!(
+                got.bytes(),
+                rounded(&rk, w).bytes(),
+                "{model}: {} is not its weight rounded after three updates",
+                g.name(c)
+            );
+        }
+        for w in g.params() {
+            let other = made.model.graph.find(g.name(w)).unwrap();
+            assert_eq!(
+                rk.get(w).unwrap().bytes(),
+                rm.get(other).unwrap().bytes(),
+                "{model}: {} after three steps",
+                g.name(w)
+            );
+        }
+        // a weight set from outside: its copy follows
+        let (c, w) = copies[0];
+        let halved: Vec<f32> = rk
+            .get(w)
+            .unwrap()
+            .as_f32()
+            .unwrap()
+            .iter()
+            .map(|x| x * 0.5 + 1e-3)
+            .collect();
+        let halved = erase::ops::Buffer::F32(halved);
+        rk.write(w, &halved).unwrap();
+        assert_eq!(rk.get(c).unwrap().bytes(), halved.to_bf16().bytes());
+        rk.feed(w, halved.clone()).unwrap();
+        assert_eq!(rk.get(c).unwrap().bytes(), halved.to_bf16().bytes());
+        let other = made.model.graph.find(g.name(w)).unwrap();
+        rm.write(other, &halved).unwrap();
+        let step = |r: &mut ProgramRunner| {
+            r.run().unwrap();
+            r.get(kept.model.logit).map(|b| b.to_f64())
+        };
+        let after_kept = step(&mut rk);
+        rm.run().unwrap();
+        let after_made = rm.get(made.model.logit).map(|b| b.to_f64());
+        assert_eq!(
+            after_kept, after_made,
+            "{model}: the step after the weight was set"
+        );
     }
 }

@@ -308,6 +308,38 @@ impl Graph {
         matches!(self.leaf(t), Some(Leaf::Param { .. } | Leaf::State))
     }
 
+    /// The persistent bf16 copy of parameter `p` that its optimizer update keeps
+    /// ([`Leaf::ParamCopy`]), if it has one.
+    pub fn param_copy(&self, p: Tensor) -> Option<Tensor> {
+        if !matches!(self.leaf(p), Some(Leaf::Param { .. })) {
+            return None;
+        }
+        self.tensors()
+            .find(|&t| matches!(self.leaf(t), Some(Leaf::ParamCopy { of }) if *of == p))
+    }
+
+    /// Makes the bf16 copy of parameter `p` that a forward RoundBf16 node writes every
+    /// step a persistent [`Leaf::ParamCopy`] instead, for `p`'s optimizer update to
+    /// write: the node becomes the copy's leaf, and no launch of the step makes it. Its
+    /// readers keep reading the same tensor. Returns the copy, or None where no such node
+    /// makes one (a small layer reads the f32 weight).
+    pub(crate) fn keep_param_copy(&mut self, p: Tensor) -> Option<Tensor> {
+        let &c = self.bf16_of.get(&p)?;
+        let id = self.info(c).producer;
+        let node = &mut self.nodes[id.index()];
+        let made_each_step = node.phase == Phase::Forward
+            && matches!(node.op, Op::RoundBf16 { col_sums: false })
+            && node.inputs == [p]
+            && node.outputs == [c];
+        if !made_each_step {
+            return None;
+        }
+        node.op = Op::Leaf(Leaf::ParamCopy { of: p });
+        node.inputs.clear();
+        node.phase = Phase::Optimizer;
+        Some(c)
+    }
+
     /// Finds a tensor by its full name.
     pub fn find(&self, name: &str) -> Option<Tensor> {
         self.tensors().find(|&t| self.name(t) == name)

@@ -38,6 +38,11 @@ pub enum Leaf {
     State,
     /// A constant, stored in the graph.
     Const(Vec<f64>),
+    /// The bf16 copy (nearest even) of the parameter `of`, persistent: the parameter's
+    /// optimizer update writes it beside the parameter, and the runtimes make it from
+    /// the parameter at start and whenever the parameter is set (a checkpoint loaded,
+    /// say). Not checkpointed: it is the parameter's value, rounded.
+    ParamCopy { of: crate::graph::Tensor },
 }
 
 /// An operation. Inputs and outputs are listed on the node; the comments give their order.
@@ -252,8 +257,9 @@ pub enum Op {
     Sgd {
         lr: f64,
     },
-    /// `inputs [step, g1..gn]`, `updates [p1..pn, m1..mn, v1..vn]`: Adam with bias
-    /// correction, over all dense parameters in one op.
+    /// `inputs [step, g1..gn]`, `updates [p1..pn, m1..mn, v1..vn, c1..ck]`: Adam with
+    /// bias correction, over all dense parameters in one op; `ci` (k <= n) is the bf16
+    /// copy of `pi` ([`Leaf::ParamCopy`]), written from the updated `pi`.
     Adam {
         lr: f64,
         beta1: f64,
@@ -280,6 +286,7 @@ impl Op {
             Op::Leaf(Leaf::Param { .. }) => "param",
             Op::Leaf(Leaf::State) => "state",
             Op::Leaf(Leaf::Const(_)) => "const",
+            Op::Leaf(Leaf::ParamCopy { .. }) => "param_copy",
             Op::Linear { .. } => "linear",
             Op::LinearAdd { .. } => "linear_add",
             Op::MatMul { .. } => "matmul",

@@ -189,6 +189,12 @@ enum Rates {
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum WeightCopiesArg {
+    Update,
+    Forward,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
 enum OnOff {
     On,
     Off,
@@ -310,6 +316,12 @@ struct ModelArgs {
     /// only, with --bf16-copies on.
     #[arg(long, value_enum, default_value = "on")]
     bf16_storage: OnOff,
+    /// Where the weights' bf16 copies (of the layers --bf16-copies gives copies) are
+    /// made: `update`: by Adam, beside each updated weight in the same pass, kept from one
+    /// step to the next (no launch in the forward); `forward`: by a rounding launch each
+    /// at the start of every step. The same bits either way.
+    #[arg(long, value_enum, default_value = "update")]
+    weight_copies: WeightCopiesArg,
     /// Rows of each categorical field's table, instead of --rows for all: a list in field
     /// order (`3,1000,100000,..`), `NAME=ROWS` pairs by column name (`C1=3,C7=1000`; the
     /// other fields keep --rows; Criteo's fields are C1..C26), or `auto`: each field's
@@ -605,6 +617,7 @@ impl ModelArgs {
             },
             bf16_copies: self.bf16_copies == OnOff::On,
             bf16_copy_min_flops: self.bf16_copy_min_flops,
+            weight_copies_in_update: self.weight_copies == WeightCopiesArg::Update,
             plan_options: Some(self.plan_options()?),
             bf16_storage: self.bf16_storage == OnOff::On,
         })

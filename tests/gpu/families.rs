@@ -957,6 +957,74 @@ fn adam_and_sgd_over_many_tensors_match_cpu() {
     }
 }
 
+/// Adam's bf16 copies (`Leaf::ParamCopy`: the updates past the moments, one for each of
+/// the first parameters): the updated parameter rounded to bf16, bit for bit as the CPU
+/// makes it, over two table-builder launches, with the parameters past the copies left
+/// without one and every copy poisoned before each step.
+#[test]
+fn adam_writes_the_parameters_bf16_copies_bit_for_bit() {
+    let Some(dev) = device("adam_writes_the_parameters_bf16_copies_bit_for_bit") else {
+        return;
+    };
+    let sizes = [
+        4099usize, 1, 7, 1000, 33, 3, 1025, 64, 257, 5000, 2, 31, 1023, 1024, 77, 9, 130, 4097, 11,
+        5, 513, 19, 2049, 1, 6, 700, 8191, 3, 29, 1, 65, 17, 999, 4, 12_345, 2,
+    ];
+    let (n, copies) = (sizes.len(), 34);
+    let op = Op::Adam {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let mut upd_gpu: Vec<Arg> = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        upd_gpu.push(rand_arg(&[s], 8000 + i as u64));
+    }
+    for _ in 0..2 {
+        for &s in &sizes {
+            upd_gpu.push(f32_arg(&[s], vec![0.0; s]));
+        }
+    }
+    for &s in &sizes[..copies] {
+        upd_gpu.push(arg(&[s], Buffer::poison(DType::Bf16, s)));
+    }
+    let mut upd_cpu: Vec<Arg> = upd_gpu.iter().map(dup).collect();
+    let mut step_gpu = [arg(&[], Buffer::I32(vec![0]))];
+    let mut step_cpu = [arg(&[], Buffer::I32(vec![0]))];
+    for it in 0..2u64 {
+        run_gpu(dev, &Op::StepIncrement, &[], &[], &mut step_gpu);
+        run_cpu(&Op::StepIncrement, &[], &[], &mut step_cpu);
+        for (k, &s) in sizes[..copies].iter().enumerate() {
+            upd_gpu[3 * n + k] = arg(&[s], Buffer::poison(DType::Bf16, s));
+        }
+        let mut ins = vec![dup(&step_gpu[0])];
+        for (i, &s) in sizes.iter().enumerate() {
+            ins.push(rand_arg(&[s], 8100 + 100 * it + i as u64));
+        }
+        run_gpu(dev, &op, &ins, &[], &mut upd_gpu);
+        run_cpu(&op, &ins, &[], &mut upd_cpu);
+        for (k, (g, c)) in upd_gpu.iter().zip(&upd_cpu).enumerate() {
+            let what = ["p", "m", "v", "copy"][k / n];
+            assert_eq!(
+                g.value.bytes(),
+                c.value.bytes(),
+                "adam step {}: {what}{} differs from the CPU's",
+                it + 1,
+                k % n
+            );
+        }
+        for k in 0..copies {
+            let want = upd_cpu[k].value.to_bf16();
+            assert_eq!(
+                upd_gpu[3 * n + k].value.bytes(),
+                want.bytes(),
+                "copy {k} is not its parameter rounded"
+            );
+        }
+    }
+}
+
 // ---- embedding bags ------------------------------------------------------------------------------------
 
 /// Multi-hot bags: `batch` examples × the fields of `field_rows`, 0-4 ids a bag (empty

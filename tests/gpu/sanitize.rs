@@ -582,3 +582,47 @@ fn sanitize_cp_async_gemm_stored_in_bf16() {
         stored_in_bf16(&h, &format!("cp.async 128x{n_tile} (splits of {min_k})"));
     }
 }
+
+/// Adam with the bf16 copies of some parameters: tensors of odd sizes (the scalar tail of
+/// each chunk), the copies past the moments, each copy exactly its parameter's size.
+#[test]
+fn sanitize_adam_copies() {
+    let Some(dev) = device("sanitize_adam_copies") else {
+        return;
+    };
+    let sizes = [5usize, 1027, 3, 64];
+    let op = Op::Adam {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let mut upd = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        upd.push(arg(
+            &[s],
+            Buffer::F32(rand_f32(10 + i as u64, s, -1.0, 1.0)),
+        ));
+    }
+    for _ in 0..2 {
+        for &s in &sizes {
+            upd.push(arg(&[s], Buffer::F32(vec![0.0; s])));
+        }
+    }
+    for &s in &sizes[..3] {
+        upd.push(arg(&[s], Buffer::poison(DType::Bf16, s)));
+    }
+    let mut cpu_upd = upd.clone();
+    let mut ins = vec![arg(&[], Buffer::I32(vec![1]))];
+    for (i, &s) in sizes.iter().enumerate() {
+        ins.push(arg(
+            &[s],
+            Buffer::F32(rand_f32(20 + i as u64, s, -1.0, 1.0)),
+        ));
+    }
+    run_gpu(dev, &op, &ins, &[], &mut upd);
+    run_cpu(&op, &ins, &[], &mut cpu_upd);
+    for (k, (g, c)) in upd.iter().zip(&cpu_upd).enumerate() {
+        assert_eq!(g.value.bytes(), c.value.bytes(), "adam update {k}");
+    }
+}
