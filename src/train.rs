@@ -1461,12 +1461,17 @@ pub fn one_class(labels: &[f64]) -> Option<&'static str> {
 }
 
 /// Bytes a step plan holds: its persistent tensors (parameters, embedding tables and
-/// their optimizer state) and its arena; and of those, the embedding tables'.
+/// their optimizer state, the weights' bf16 copies) and its arena; and of those, the
+/// embedding tables'.
 pub fn plan_bytes(plan: &StepPlan) -> (u64, u64) {
     let g = &plan.model.graph;
     let tables = plan.model.table;
     let (mut all, mut emb) = (plan.memory.arena_bytes as u64, 0u64);
-    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
+    // the weights' bf16 copies too: kept across steps, though not checkpointed
+    let kept = |t: Tensor| {
+        g.is_persistent(t) || matches!(g.leaf(t), Some(erase_graph::Leaf::ParamCopy { .. }))
+    };
+    for t in g.tensors().filter(|&t| kept(t)) {
         let b = (g.shape(t).numel() * g.dtype(t).size_bytes()) as u64;
         all += b;
         // the tables and the row-wise state beside them (same rows)
