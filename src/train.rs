@@ -395,10 +395,13 @@ impl TrainConfig {
             "model",
             &format!("{:?}", self.model),
         ));
-        v.extend(crate::checkpoint::flatten_debug(
-            "optimizer",
-            &format!("{:?}", self.optimizer),
-        ));
+        // where the weights' bf16 copies are made changes no value: a checkpoint resumes
+        // under either (and those written before the switch existed)
+        v.extend(
+            crate::checkpoint::flatten_debug("optimizer", &format!("{:?}", self.optimizer))
+                .into_iter()
+                .filter(|(k, _)| k != "optimizer.copies_in_update"),
+        );
         v.push(("seed".into(), self.seed.to_string()));
         v.push(("data_seed".into(), self.data_seed.to_string()));
         v.push((
