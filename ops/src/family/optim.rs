@@ -284,7 +284,18 @@ pub(crate) mod cost {
             regs_per_thread: 40,
             smem_bytes: 0,
             flops: 10.0 * n as f64,
-            bytes: if adam { 16.0 + 12.0 } else { 12.0 } * n as f64,
+            // the gradients and the parameters and moments read (Adam 16 bytes an element,
+            // SGD 8), and what it writes: the updated tensors where the launch lists them
+            // (the parameters, Adam's moments and bf16 copies), else parameters and moments
+            bytes: {
+                let (read, written) = if adam { (16.0, 12.0) } else { (8.0, 4.0) };
+                let written = if c.outs.is_empty() {
+                    written * n as f64
+                } else {
+                    c.out_bytes()
+                };
+                read * n as f64 + written
+            },
             tensor_core: false,
             copies: false,
             attention: false,
