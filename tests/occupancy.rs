@@ -376,6 +376,15 @@ fn other_priorities_replace_the_ranked_ones_only_for_a_gain_beyond_the_noise() {
         pick_priorities(&[(r, 100.0), (m, 97.0), (f, 98.0)]),
         Some(1)
     );
+    // a later set within the noise of the one chosen before it: the earlier stays
+    assert_eq!(
+        pick_priorities(&[
+            (r, 100.0),
+            (m, 98.0),
+            (f, 98.0 * (1.0 - PRIORITY_MIN_GAIN * 0.8))
+        ]),
+        Some(1)
+    );
     // the program ranks its streams by the set: main above the side streams only where
     // main comes first
     let p = two_streams(vec![launch(0, 0, 1.0, None, None)], 0, r);
