@@ -130,6 +130,12 @@ pub struct ScheduleOptions {
     /// autocast stores them (see `Graph::set_bf16_storage`): half the bytes for their
     /// GEMMs' stores and the cross updates' reads, the values rounded once.
     pub bf16_storage: bool,
+    /// Each cross update (`MulAdd`) fused with the linear layer whose output it reads
+    /// (`erase_graph::fuse_cross_updates`): the CUDA plans compute the update in the
+    /// GEMM's epilogue. The same values either way. Off by default: on an H100 it made
+    /// the spec model's erase step 0.5 % faster at batch 4096 but 1.2 % slower at 16384,
+    /// and DCNv2's 0.45 % slower (BENCHMARKS.md).
+    pub fuse_cross_updates: bool,
     /// The weights' bf16 copies written by Adam beside the updated weights, kept across
     /// steps (`OptimizerConfig::copies_in_update`), instead of made by a RoundBf16 launch
     /// each in the next forward. The same bits either way.
@@ -163,6 +169,7 @@ impl Default for ScheduleOptions {
             bf16_copies: true,
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
             bf16_storage: true,
+            fuse_cross_updates: false,
             weight_copies_in_update: true,
             updates_by_data: true,
             priorities: None,
@@ -229,12 +236,15 @@ pub fn plan_step(
     let copies = sched.bf16_copies.then_some(sched.bf16_copy_min_flops);
     let mut model =
         build_with(cfg, float, copies, sched.bf16_storage).context("building the CTR model")?;
-    let training = if sched.early_updates {
+    let mut training = if sched.early_updates {
         erase_graph::make_trainable_early_updates(&mut model.graph, opt)
     } else {
         make_trainable(&mut model.graph, opt)
     }
     .context("differentiating the CTR model")?;
+    if sched.fuse_cross_updates {
+        erase_graph::fuse_cross_updates(&mut model.graph, &mut training);
+    }
     let partition = partition(&model.graph, &training.grads);
     let scfg = ScheduleConfig {
         kind: schedule_kind(cfg.variant),

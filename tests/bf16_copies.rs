@@ -21,6 +21,9 @@ fn plan_model(model: &str, variant: Variant, copies: bool) -> StepPlan {
     plan_full(model, variant, copies, true, true)
 }
 
+// (these plans keep the cross updates apart from their layers, as the graph builds them:
+// `cross_updates_fused_with_their_layers_train_to_the_same_bits` fuses them)
+
 /// [`plan_model`] with the cross layers' up-projections stored in bf16 or not.
 fn plan_stored(model: &str, variant: Variant, copies: bool, storage: bool) -> StepPlan {
     plan_full(model, variant, copies, storage, true)
@@ -39,6 +42,22 @@ fn plan_full(
     storage: bool,
     in_update: bool,
 ) -> StepPlan {
+    plan_sched(
+        model,
+        variant,
+        ScheduleOptions {
+            bf16_copies: copies,
+            bf16_copy_min_flops: 0,
+            bf16_storage: storage,
+            weight_copies_in_update: in_update,
+            fuse_cross_updates: false,
+            ..Default::default()
+        },
+    )
+}
+
+/// The plan of `model` at batch 128 (1000 rows a table) under `sched`.
+fn plan_sched(model: &str, variant: Variant, sched: ScheduleOptions) -> StepPlan {
     let mut cfg = CtrConfig {
         model: model.to_string(),
         ..CtrConfig::default()
@@ -46,13 +65,6 @@ fn plan_full(
     .with_variant(variant);
     cfg.batch = 128;
     cfg.rows = 1000;
-    let sched = ScheduleOptions {
-        bf16_copies: copies,
-        bf16_copy_min_flops: 0,
-        bf16_storage: storage,
-        weight_copies_in_update: in_update,
-        ..Default::default()
-    };
     plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched).unwrap()
 }
 
@@ -631,9 +643,10 @@ fn adam_keeps_the_weights_copies_from_one_step_to_the_next() {
                 .collect();
             assert!(
                 !readers.is_empty()
-                    && readers
-                        .iter()
-                        .all(|o| matches!(o, Op::Linear { .. } | Op::LinearGradInput { .. })),
+                    && readers.iter().all(|o| matches!(
+                        o,
+                        Op::Linear { .. } | Op::LinearMulAdd { .. } | Op::LinearGradInput { .. }
+                    )),
                 "{}: read by {readers:?}",
                 g.name(c)
             );
@@ -756,5 +769,91 @@ fn copies_kept_by_adam_train_to_the_bits_of_copies_made_each_step() {
             after_kept, after_made,
             "{model}: the step after the weight was set"
         );
+    }
+}
+
+/// Each cross update fused with the layer that makes its factor (`LinearMulAdd`,
+/// `ScheduleOptions::fuse_cross_updates`, `--fuse-cross-updates on`) trains to the bits of the two
+/// nodes apart: the same logits step after step and the same parameters, with the
+/// factor stored in f32 or in bf16, under every variant. DCNv2 has three such pairs, the
+/// spec model's cross block three; the plans stay free of hazards (plan_step checks).
+#[test]
+fn cross_updates_fused_with_their_layers_train_to_the_same_bits() {
+    for (model, variant, storage) in [
+        ("dcnv2", Variant::Erase, true),
+        ("dcnv2", Variant::Baseline, false),
+        ("dcnv2", Variant::Detached, true),
+        ("spec", Variant::Erase, true),
+    ] {
+        let sched = |fuse: bool| ScheduleOptions {
+            bf16_copy_min_flops: 0,
+            bf16_storage: storage,
+            fuse_cross_updates: fuse,
+            ..Default::default()
+        };
+        let fused = plan_sched(model, variant, sched(true));
+        let apart = plan_sched(model, variant, sched(false));
+        let g = &fused.model.graph;
+        let what = format!("{model} {variant}, stored in bf16: {storage}");
+        let nodes: Vec<&erase::graph::Node> = g
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, Op::LinearMulAdd { .. }))
+            .collect();
+        assert_eq!(nodes.len(), 3, "{what}: fused pairs");
+        assert!(!g.nodes().iter().any(|n| n.op == Op::MulAdd), "{what}");
+        for n in &nodes {
+            // [x, w, b, a, c] -> [y, z (, bf16(z))]: the layer's output as the layer
+            // stored it, the update and its copy where a GEMM reads one (DCNv2's every
+            // update; the spec model's last goes to a layer too small for copies)
+            assert_eq!(n.inputs.len(), 5, "{what}: {}", n.name);
+            let y_dtype = if storage { DType::Bf16 } else { DType::F32 };
+            assert_eq!(g.dtype(n.outputs[0]), y_dtype, "{what}: {}", n.name);
+            let copy = n.outputs.get(2).copied();
+            assert!(
+                n.outputs.len() == 3 || model == "spec",
+                "{what}: {}",
+                n.name
+            );
+            assert_eq!(g.copy_output(n), copy, "{what}: {}", n.name);
+            for &t in &n.outputs {
+                assert_eq!(g.info(t).producer, n.id, "{what}: {}", g.name(t));
+            }
+        }
+        // ids are positions, origins and producers point at nodes that exist
+        for (i, n) in g.nodes().iter().enumerate() {
+            assert_eq!(n.id.index(), i, "{what}");
+            if let Some(o) = n.origin {
+                assert!(o.index() < g.nodes().len(), "{what}: {}", n.name);
+            }
+        }
+        for &u in fused
+            .training
+            .updates
+            .dense
+            .iter()
+            .chain(&fused.training.updates.sparse)
+        {
+            assert!(g.node(u).op.is_optimizer(), "{what}: {}", g.node(u).name);
+        }
+        assert_eq!(
+            g.nodes().len() + 3,
+            apart.model.graph.nodes().len(),
+            "{what}: three nodes fewer"
+        );
+        let mem_f = plan_memory(g, &fused.program, &[fused.model.logit]);
+        let mem_a = plan_memory(&apart.model.graph, &apart.program, &[apart.model.logit]);
+        let (rf, lf) = train(&fused, &mem_f, 3);
+        let (ra, la) = train(&apart, &mem_a, 3);
+        assert_eq!(lf, la, "{what}: logits of the three steps");
+        for w in g.params() {
+            let other = apart.model.graph.find(g.name(w)).unwrap();
+            assert_eq!(
+                rf.get(w).unwrap().bytes(),
+                ra.get(other).unwrap().bytes(),
+                "{what}: {} after three steps",
+                g.name(w)
+            );
+        }
     }
 }

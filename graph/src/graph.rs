@@ -164,6 +164,8 @@ impl Graph {
             {
                 Some(*c)
             }
+            // (the update's copy, beside the update: the node's output 1)
+            (Op::LinearMulAdd { .. }, [_, _, c]) if self.dtype(*c) == DType::Bf16 => Some(*c),
             _ => None,
         }
     }
@@ -1567,5 +1569,82 @@ impl Graph {
             Some(loss),
         )
         .1[0]
+    }
+
+    /// Fuses each forward `Linear` (no ReLU, one output) with the `MulAdd` that reads its
+    /// output as its `b` into one `LinearMulAdd` node at the linear's place (see
+    /// [`crate::fuse_cross_updates`]). Returns, for every node before the fusion, its id
+    /// after (a removed `MulAdd`'s: the fused node's), and how many pairs were fused.
+    pub(crate) fn fuse_linear_mul_adds(&mut self) -> (Vec<NodeId>, usize) {
+        let mut pairs: Vec<(usize, usize)> = Vec::new();
+        for (mi, m) in self.nodes.iter().enumerate() {
+            if m.op != Op::MulAdd || m.phase != Phase::Forward || m.inputs.len() != 3 {
+                continue;
+            }
+            let (a, y, c) = (m.inputs[0], m.inputs[1], m.inputs[2]);
+            let li = self.tensors[y.index()].producer.index();
+            let l = &self.nodes[li];
+            let fusable = matches!(l.op, Op::Linear { relu: false, .. })
+                && l.phase == Phase::Forward
+                && l.outputs == [y]
+                && a != y
+                && c != y
+                && self.shape(a) == self.shape(y)
+                && self.shape(c) == self.shape(y)
+                && self.dtype(a) == DType::F32
+                && self.dtype(c) == DType::F32
+                // the fused node, at the linear's place, reads a and c: made before it
+                && self.tensors[a.index()].producer.index() < li
+                && self.tensors[c.index()].producer.index() < li
+                && !pairs.iter().any(|&(l2, _)| l2 == li);
+            if fusable {
+                pairs.push((li, mi));
+            }
+        }
+        let n = self.nodes.len();
+        if pairs.is_empty() {
+            return ((0..n as u32).map(NodeId).collect(), 0);
+        }
+        let dropped: std::collections::BTreeMap<usize, usize> =
+            pairs.iter().map(|&(l, m)| (m, l)).collect();
+        for &(li, mi) in &pairs {
+            let m = self.nodes[mi].clone();
+            let l = &mut self.nodes[li];
+            let Op::Linear { bias, .. } = l.op else {
+                continue;
+            };
+            let short = m.name.rsplit('/').next().unwrap_or(&m.name).to_string();
+            l.op = Op::LinearMulAdd { bias };
+            l.inputs.extend([m.inputs[0], m.inputs[2]]);
+            l.outputs.extend(m.outputs.iter().copied());
+            l.name = format!("{}+{short}", l.name);
+        }
+        // new ids: nodes after a removed one move down; a removed one maps to its linear
+        let mut remap = Vec::with_capacity(n);
+        let mut removed_before = 0u32;
+        for i in 0..n {
+            if dropped.contains_key(&i) {
+                remap.push(NodeId(u32::MAX));
+                removed_before += 1;
+            } else {
+                remap.push(NodeId(i as u32 - removed_before));
+            }
+        }
+        for (&m, &l) in &dropped {
+            remap[m] = remap[l];
+        }
+        let old = std::mem::take(&mut self.nodes);
+        for (i, mut node) in old.into_iter().enumerate() {
+            if dropped.contains_key(&i) {
+                continue;
+            }
+            node.id = remap[i];
+            node.origin = node.origin.map(|o| remap[o.index()]);
+            self.nodes.push(node);
+        }
+        for t in &mut self.tensors {
+            t.producer = remap[t.producer.index()];
+        }
+        (remap, pairs.len())
     }
 }

@@ -64,6 +64,15 @@ pub enum Op {
     LinearAdd {
         bias: bool,
     },
+    /// `[x, w, b?, a, c] -> [y, z (, bf16(z))]`: `y = x·wᵀ (+ b)` and `z = a ⊙ y + c`, a, c
+    /// and z of y's shape: a `Linear` and the `MulAdd` that reads its output as `b` (the DCN
+    /// cross update), in one node, rounded as the two (`y` stored as the `Linear` stored it,
+    /// f32 or bf16, and `z` computed from the stored `y`). Made from the two nodes by
+    /// [`crate::fuse_cross_updates`] after autodiff, so that the GEMM's epilogue computes the
+    /// update; no model builds it, and autodiff never sees it.
+    LinearMulAdd {
+        bias: bool,
+    },
     /// `[a, b] -> [c]`: matrix product of the last two dims (optional equal leading batch
     /// dim), `op(a)·op(b)` where `op` transposes when its flag is set.
     MatMul {
@@ -289,6 +298,7 @@ impl Op {
             Op::Leaf(Leaf::ParamCopy { .. }) => "param_copy",
             Op::Linear { .. } => "linear",
             Op::LinearAdd { .. } => "linear_add",
+            Op::LinearMulAdd { .. } => "linear_mul_add",
             Op::MatMul { .. } => "matmul",
             Op::Add => "add",
             Op::Mul => "mul",

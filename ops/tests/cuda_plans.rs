@@ -1305,3 +1305,93 @@ fn a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it() {
     let e = plan(&Op::MulAdd, &[(s, b), (s, F), (s, F)], &[(s, F)]).unwrap_err();
     assert!(e.contains("input 0 is bf16"), "{e}");
 }
+
+/// The fused cross update (`LinearMulAdd`): the update in the epilogue of the one TMA
+/// launch that writes the layer's output (f32, or bf16 alone), z's copy where the node
+/// has one (flags bit 7); switched off, or where the GEMM is not that launch, the
+/// update's own launch after the GEMM, its operands named as the node's.
+#[test]
+fn a_fused_cross_update_runs_in_its_gemms_epilogue_where_one_tma_launch_writes_y() {
+    let bf = DType::Bf16;
+    let op = Op::LinearMulAdd { bias: true };
+    // DCNv2's up-projection at batch 4096: u [4096, 512] and w [3456, 512] as bf16
+    // copies, then x0 and x; y stored in bf16 or in f32
+    let (rows, width) = (4096usize, 3456usize);
+    let ins = |copies: bool| -> Vec<(&'static [usize], DType)> {
+        let t = if copies { bf } else { F };
+        let leak = |v: Vec<usize>| -> &'static [usize] { Box::leak(v.into_boxed_slice()) };
+        vec![
+            (leak(vec![rows, 512]), t),
+            (leak(vec![width, 512]), t),
+            (leak(vec![width]), F),
+            (leak(vec![rows, width]), F),
+            (leak(vec![rows, width]), F),
+        ]
+    };
+    let y: &[usize] = &[rows, width];
+    for (y_dtype, kernel, bf16_only) in [
+        (bf, "gemm_bf16t_c_128x128_ma", 64),
+        (F, "gemm_bf16t_128x128_ma", 0),
+    ] {
+        for copy in [true, false] {
+            let mut outs: Vec<(&[usize], DType)> = vec![(y, y_dtype), (y, F)];
+            if copy {
+                outs.push((y, bf));
+            }
+            let p = plan(&op, &ins(true), &outs).unwrap();
+            assert_eq!(kernels(&p), [kernel], "y {y_dtype}, copy {copy}");
+            let c = &p.calls[0];
+            assert_eq!(c.grid, [32, 27, 1]);
+            let copy_flag = if copy { 128 } else { 0 };
+            assert_eq!(c.args[9], KArg::I32(1 | bf16_only | copy_flag));
+            let z_copy = if copy { KArg::Out(2) } else { KArg::Out(1) };
+            assert_eq!(
+                c.args[11..],
+                [KArg::In(3), KArg::In(4), KArg::Out(1), z_copy],
+                "a, c, z and z's copy"
+            );
+            assert_eq!(c.args.len(), 15);
+            // switched off: the layer's own plan, then the update reading y as it is
+            let off = PlanOptions {
+                gemm_mul_add_epilogue: false,
+                ..PlanOptions::H200
+            };
+            let p = plan_with(off, &op, &ins(true), &outs).unwrap();
+            let update = match (copy, y_dtype == bf) {
+                (true, true) => "ew_mul_add_bf16_b16",
+                (false, true) => "ew_mul_add_b16",
+                (true, false) => "ew_mul_add_bf16",
+                (false, false) => "ew_mul_add",
+            };
+            let ks = kernels(&p);
+            assert_eq!(ks.last(), Some(&update), "{ks:?}");
+            assert!(
+                ks[..ks.len() - 1].iter().all(|k| k.starts_with("gemm_")),
+                "{ks:?}"
+            );
+            let u = &p.calls[p.calls.len() - 1];
+            let mut want = vec![KArg::In(3), KArg::Out(0), KArg::In(4), KArg::Out(1)];
+            if copy {
+                want.push(KArg::Out(2));
+            }
+            assert_eq!(u.args[..want.len()], want[..]);
+        }
+    }
+    // f32 operands on the single-launch kernels (a small layer): the update's own launch
+    let small = |n: usize| -> Vec<(&'static [usize], DType)> {
+        let leak = |v: Vec<usize>| -> &'static [usize] { Box::leak(v.into_boxed_slice()) };
+        vec![
+            (leak(vec![64, 32]), F),
+            (leak(vec![n, 32]), F),
+            (leak(vec![n]), F),
+            (leak(vec![64, n]), F),
+            (leak(vec![64, n]), F),
+        ]
+    };
+    let p = plan(&op, &small(48), &[(&[64, 48], F), (&[64, 48], F)]).unwrap();
+    assert_eq!(kernels(&p).last(), Some(&"ew_mul_add"), "{:?}", kernels(&p));
+    assert!(!kernels(&p).iter().any(|k| k.ends_with("_ma")));
+    // a wrong operand list is refused, naming what it expected
+    let e = plan(&op, &small(48)[..4], &[(&[64, 48], F), (&[64, 48], F)]).unwrap_err();
+    assert!(e.contains("expected 5 inputs"), "{e}");
+}

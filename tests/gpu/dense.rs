@@ -2236,3 +2236,137 @@ fn the_thin_gemms_match_the_bf16_reference() {
         assert_within(&format!("{what}, tiled"), &t[0].to_f64(), &want, &tol);
     }
 }
+
+/// The fused cross update (`LinearMulAdd`: y = x·wᵀ + b stored in f32 or in bf16, then
+/// z = a ⊙ y + c and z's bf16 copy) against the bf16 reference and against itself taken
+/// apart, outputs poisoned by the runner: y within the GEMM's tolerance (plus a bf16
+/// rounding where stored so); z, bit for bit, the product and sum of a, the stored y and
+/// c in f32 (no FMA); the copy z rounded to nearest even; and every output's bits those
+/// of the update's own launch after the GEMM (`gemm_mul_add_epilogue` off). At DCNv2's
+/// shape the plan is one `_ma` launch; a ragged shape (edge tiles) and an odd N (scalar
+/// stores) too, on fresh random operands of both signs (never zero).
+#[test]
+fn a_fused_cross_update_matches_its_layer_and_update_apart() {
+    let Some(dev) = device("a_fused_cross_update_matches_its_layer_and_update_apart") else {
+        return;
+    };
+    let apart = handle_with(erase::ops::cuda::PlanOptions {
+        gemm_mul_add_epilogue: false,
+        ..dev.plan_options()
+    });
+    let op = Op::LinearMulAdd { bias: true };
+    for (i, &(m, n, k)) in [
+        (4096usize, 3456usize, 512usize),
+        (1000, 200, 192),
+        (515, 203, 128),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 3100 + 10 * i as u64;
+        let bf = |v: Vec<f32>| {
+            Buffer::from_f64(
+                DType::Bf16,
+                &v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+            )
+        };
+        let signed = |s: u64| -> Vec<f32> {
+            let mag = rand_f32(s, m * n, 0.05, 1.0);
+            let sign = rand_f32(s ^ 0x5151, m * n, 0.0, 1.0);
+            mag.iter()
+                .zip(sign)
+                .map(|(&v, s)| if s < 0.5 { -v } else { v })
+                .collect()
+        };
+        let xb = bf(rand_f32(seed, m * k, -1.0, 1.0));
+        let wb = bf(rand_f32(seed + 1, n * k, -1.0, 1.0));
+        let (xv, wv): (Vec<f32>, Vec<f32>) = (
+            xb.to_f64().iter().map(|&x| x as f32).collect(),
+            wb.to_f64().iter().map(|&x| x as f32).collect(),
+        );
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let (av, cv) = (signed(seed + 3), signed(seed + 4));
+        let ins = [
+            arg(&[m, k], xb),
+            arg(&[n, k], wb),
+            b,
+            arg(&[m, n], Buffer::F32(av.clone())),
+            arg(&[m, n], Buffer::F32(cv.clone())),
+        ];
+        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+        for y_dtype in [DType::Bf16, DType::F32] {
+            for copy in [true, false] {
+                let what = format!("linear_mul_add {m}x{n}x{k}, y {y_dtype}, z's copy {copy}");
+                let mn = [m, n];
+                let mut outs: Vec<(&[usize], DType)> = vec![(&mn, y_dtype), (&mn, DType::F32)];
+                if copy {
+                    outs.push((&mn, DType::Bf16));
+                }
+                if m == 4096 {
+                    let shapes: Vec<Shape> = [&[m, k][..], &[n, k], &[n], &[m, n], &[m, n]]
+                        .iter()
+                        .map(|d| Shape::new(d))
+                        .collect();
+                    let out_shapes: Vec<Shape> = outs.iter().map(|(d, _)| Shape::new(d)).collect();
+                    let out_dtypes: Vec<DType> = outs.iter().map(|o| o.1).collect();
+                    let plan = erase::ops::cuda::cuda_plan(
+                        &op,
+                        &erase::ops::cuda::Operands {
+                            opts: dev.plan_options(),
+                            ins: &shapes.iter().collect::<Vec<_>>(),
+                            in_dtypes: &[
+                                DType::Bf16,
+                                DType::Bf16,
+                                DType::F32,
+                                DType::F32,
+                                DType::F32,
+                            ],
+                            outs: &out_shapes.iter().collect::<Vec<_>>(),
+                            out_dtypes: &out_dtypes,
+                            upd: &[],
+                        },
+                    )
+                    .expect("the fused update plans");
+                    let names: Vec<&str> = plan.calls.iter().map(|c| c.kernel).collect();
+                    assert!(
+                        names.len() == 1 && names[0].ends_with("_128x128_ma"),
+                        "{what}: {names:?}"
+                    );
+                }
+                let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+                let y = got[0].to_f64();
+                let tol_y: Vec<f64> = if y_dtype == DType::Bf16 {
+                    tol.iter()
+                        .zip(&want)
+                        .map(|(t, w)| t + w.abs() * 2f64.powi(-8))
+                        .collect()
+                } else {
+                    tol.clone()
+                };
+                assert_within(&format!("{what}: y"), &y, &want, &tol_y);
+                // z from the stored y, as MulAdd computes it: one rounding a product, one a sum
+                let z = f32s(&got[1]);
+                for e in 0..m * n {
+                    let expect = av[e] * (y[e] as f32) + cv[e];
+                    assert!(
+                        z[e].to_bits() == expect.to_bits(),
+                        "{what}: z[{}, {}] = {} against a·y + c = {expect}",
+                        e / n,
+                        e % n,
+                        z[e]
+                    );
+                }
+                if copy {
+                    assert_copy_is_rounding(&format!("{what}: z"), &[m, n], &got[1..]);
+                }
+                let sep = run_gpu(&apart, &op, &ins, &outs, &mut []);
+                for (o, (f, s)) in got.iter().zip(&sep).enumerate() {
+                    assert!(
+                        f.bytes() == s.bytes(),
+                        "{what}: output {o} differs from the update's own launch"
+                    );
+                }
+            }
+        }
+    }
+}

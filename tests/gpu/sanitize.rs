@@ -626,3 +626,72 @@ fn sanitize_adam_copies() {
         assert_eq!(g.value.bytes(), c.value.bytes(), "adam update {k}");
     }
 }
+
+/// The fused cross update's epilogue (`gemm_bf16t[_c]_128x128_ma`): y in bf16 alone and
+/// in f32, z and its copy, on a ragged shape (edge tiles) and an odd N (scalar loads and
+/// stores); the plan asserted to be the one `_ma` launch.
+#[test]
+fn sanitize_fused_cross_update() {
+    let Some(dev) = device("sanitize_fused_cross_update") else {
+        return;
+    };
+    let h = handle_with(PlanOptions {
+        gemm_tile: Some(GemmTile { n: 128, ws: false }),
+        gemm_pipe_min_flops: 0,
+        gemm_pipe_min_mn: 16,
+        ..dev.plan_options()
+    });
+    let op = Op::LinearMulAdd { bias: true };
+    for (m, n, k) in [(200, 136, 256), (130, 67, 128)] {
+        let bf = |seed: u64, len: usize| {
+            let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            Buffer::from_f64(DType::Bf16, &v)
+        };
+        let ins = vec![
+            arg(&[m, k], bf(46, m * k)),
+            arg(&[n, k], bf(47, n * k)),
+            arg(&[n], Buffer::F32(rand_f32(48, n, -1.0, 1.0))),
+            arg(&[m, n], Buffer::F32(rand_f32(49, m * n, 0.1, 1.0))),
+            arg(&[m, n], Buffer::F32(rand_f32(50, m * n, -1.0, -0.1))),
+        ];
+        for y_dtype in [DType::Bf16, DType::F32] {
+            let outs: [(&[usize], DType); 3] = [
+                (&[m, n], y_dtype),
+                (&[m, n], DType::F32),
+                (&[m, n], DType::Bf16),
+            ];
+            let shapes: Vec<erase::graph::Shape> = [&[m, k][..], &[n, k], &[n], &[m, n], &[m, n]]
+                .iter()
+                .map(|d| erase::graph::Shape::new(d))
+                .collect();
+            let y = erase::graph::Shape::new(&[m, n]);
+            let plan = erase::ops::cuda::cuda_plan(
+                &op,
+                &erase::ops::cuda::Operands {
+                    opts: h.plan_options(),
+                    ins: &shapes.iter().collect::<Vec<_>>(),
+                    in_dtypes: &[DType::Bf16, DType::Bf16, DType::F32, DType::F32, DType::F32],
+                    outs: &[&y, &y, &y],
+                    out_dtypes: &[y_dtype, DType::F32, DType::Bf16],
+                    upd: &[],
+                },
+            )
+            .expect("the fused update plans");
+            let names: Vec<&str> = plan.calls.iter().map(|c| c.kernel).collect();
+            assert!(names.iter().any(|k| k.ends_with("_ma")), "{names:?}");
+            let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+            let c = run_cpu(&op, &ins, &outs, &mut []);
+            for o in 0..3 {
+                close(
+                    &format!("{m}x{n}x{k}, y {y_dtype}: output {o}"),
+                    &g[o],
+                    &c[o],
+                    2e-2,
+                );
+            }
+        }
+    }
+}

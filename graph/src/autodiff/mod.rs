@@ -487,8 +487,10 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             Op::BceWithLogits | Op::SoftmaxCrossEntropy => rules::loss(&mut b, &r)?,
             Op::Sum | Op::Mean => rules::reduce(&mut b, &r)?,
             // leaves are skipped above; the rest are backward and optimizer ops, which a
-            // forward graph does not have
+            // forward graph does not have, and the fused cross update, made after autodiff
+            // (crate::fuse_cross_updates)
             Op::Leaf(_)
+            | Op::LinearMulAdd { .. }
             | Op::LinearGradInput { .. }
             | Op::LinearGradWeight { .. }
             | Op::MulGrad

@@ -88,6 +88,41 @@ pub mod cpu {
         execute(&add, &[&y, r], outs, upd)
     }
 
+    /// `LinearMulAdd`: the layer into its output 0 (as `Linear` stores it), then the
+    /// cross update `a ⊙ y + c` of that stored output into the others (as `MulAdd` writes
+    /// them, with its bf16 copy where there is one).
+    pub(crate) fn exec_linear_mul_add(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+        bias: bool,
+    ) -> Result<(), OpError> {
+        let n = 2 + usize::from(bias);
+        if ins.len() != n + 2 || call.in_shapes.len() != n + 2 {
+            return Err(call.error(format!("expected {} inputs", n + 2)));
+        }
+        if !(2..=3).contains(&outs.len()) || call.out_shapes.len() != outs.len() {
+            return Err(call.error("expected 2 or 3 outputs".into()));
+        }
+        let linear = Op::Linear { bias, relu: false };
+        let layer = NodeCall {
+            op: &linear,
+            in_shapes: call.in_shapes[..n].to_vec(),
+            ..call.first_outputs(1)
+        };
+        execute(&layer, &ins[..n], &mut outs[..1], upd)?;
+        let y = outs[0].clone();
+        let update = NodeCall {
+            op: &Op::MulAdd,
+            name: call.name,
+            in_shapes: vec![call.in_shapes[n], call.out_shapes[0], call.in_shapes[n + 1]],
+            out_shapes: call.out_shapes[1..].to_vec(),
+            bf16_gemm: call.bf16_gemm,
+        };
+        execute(&update, &[ins[n], &y, ins[n + 1]], &mut outs[1..], upd)
+    }
+
     /// Linear layers, their gradients and matmul.
     pub(crate) fn exec_gemm<T: Elem>(
         call: &NodeCall,
@@ -1369,7 +1404,12 @@ pub(crate) mod cuda {
 
     /// Every TMA kernel a plan may name.
     pub(crate) fn tma_kernels() -> impl Iterator<Item = &'static str> {
-        TMA_NAMES.iter().flatten().flatten().copied()
+        TMA_NAMES
+            .iter()
+            .flatten()
+            .flatten()
+            .copied()
+            .chain(["gemm_bf16t_128x128_ma", "gemm_bf16t_c_128x128_ma"])
     }
 
     /// A TMA kernel's name, as [`pipe_name`] (the tile's width `bn`).
@@ -1886,6 +1926,88 @@ pub(crate) mod cuda {
         })
     }
 
+    /// `[x, w, b?, a, c] -> [y, z (, bf16(z))]`: the layer as `linear` plans it (y f32, or
+    /// bf16 alone where the layer is stored so), and the cross update `z = a ⊙ y + c` from
+    /// the stored y: in the GEMM's epilogue where one TMA launch of the 128x128 tile writes
+    /// y whole (`gemm_bf16t[_c]_128x128_ma`: a and c read, z and its copy stored beside y,
+    /// no pass of its own over y), else by the `MulAdd` launch after the GEMM.
+    pub(crate) fn linear_mul_add(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
+        let n = 2 + usize::from(bias);
+        if o.ins.len() != n + 2 || o.in_dtypes.len() != n + 2 {
+            return Err(format!("expected {} inputs", n + 2));
+        }
+        if !(2..=3).contains(&o.outs.len()) || o.out_dtypes.len() != o.outs.len() {
+            return Err("expected 2 or 3 outputs: y, the update and its bf16 copy".into());
+        }
+        let layer = Operands {
+            ins: &o.ins[..n],
+            in_dtypes: &o.in_dtypes[..n],
+            outs: &o.outs[..1],
+            out_dtypes: &o.out_dtypes[..1],
+            ..*o
+        };
+        let mut plan = linear(&layer, bias, false, false)?;
+        // the update as `MulAdd` plans it: [a, y, c] -> [z (, copy)]
+        let update_ins = [o.ins[n], o.outs[0], o.ins[n + 1]];
+        let update_in_dtypes = [o.in_dtypes[n], o.out_dtypes[0], o.in_dtypes[n + 1]];
+        let update = Operands {
+            ins: &update_ins,
+            in_dtypes: &update_in_dtypes,
+            outs: &o.outs[1..],
+            out_dtypes: &o.out_dtypes[1..],
+            ..*o
+        };
+        let mut separate = crate::cuda::elementwise::mul_add(&erase_graph::Op::MulAdd, &update)?;
+        let copy = o.outs.len() == 3;
+        // the one launch that writes y, if it can take the update in its epilogue
+        let writers: Vec<usize> = (0..plan.calls.len())
+            .filter(|&i| plan.calls[i].args.contains(&KArg::Out(0)))
+            .collect();
+        if let [w] = writers[..] {
+            let call = &mut plan.calls[w];
+            let fused = match call.kernel {
+                "gemm_bf16t_128x128" => Some("gemm_bf16t_128x128_ma"),
+                "gemm_bf16t_c_128x128" => Some("gemm_bf16t_c_128x128_ma"),
+                _ => None,
+            };
+            // flags (argument 9): no ReLU, mask or residual; C written whole (grid z 1)
+            let flags = match call.args.get(9) {
+                Some(KArg::I32(f)) => Some(*f),
+                _ => None,
+            };
+            if let (Some(kernel), Some(f), true) = (fused, flags, o.opts.gemm_mul_add_epilogue) {
+                if f & (2 | 8 | 16) == 0 && call.grid[2] == 1 && call.args.len() == 11 {
+                    call.kernel = kernel;
+                    call.args[9] = KArg::I32(f | if copy { 128 } else { 0 });
+                    call.args.extend([
+                        KArg::In(n),
+                        KArg::In(n + 1),
+                        KArg::Out(1),
+                        KArg::Out(if copy { 2 } else { 1 }),
+                    ]);
+                    return Ok(plan);
+                }
+            }
+        }
+        // else the update's own launch, its operands named as the fused node's
+        let base = plan.scratch.len();
+        for c in &mut separate.calls {
+            for a in &mut c.args {
+                *a = match *a {
+                    KArg::In(0) => KArg::In(n),
+                    KArg::In(1) => KArg::Out(0),
+                    KArg::In(2) => KArg::In(n + 1),
+                    KArg::Out(i) => KArg::Out(i + 1),
+                    KArg::Scratch(i) => KArg::Scratch(base + i),
+                    other => other,
+                };
+            }
+        }
+        plan.calls.append(&mut separate.calls);
+        plan.scratch.append(&mut separate.scratch);
+        Ok(plan)
+    }
+
     /// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K]; with `relu_mask`, `[dy, w, y] -> [dx]`,
     /// dx zeroed where y (of dx's shape) is not > 0; with `residual`, a last input r of dx's
     /// shape added after them (by the epilogue of the pipelined and tall kernels, else by an
@@ -2073,6 +2195,22 @@ pub(crate) mod cost {
             c.ins[1].dims()[0],
             c.ins[1].dims()[1],
         )
+    }
+
+    /// The layer, and the cross update's operands read and its outputs written in the
+    /// epilogue: `[x, w, b?, a, c] -> [y, z (, bf16(z))]`.
+    pub(crate) fn linear_mul_add(c: &Cost) -> LaunchSpec {
+        let mut s = linear(c);
+        let n = c.ins.len().saturating_sub(2);
+        let bytes = |shapes: &[&erase_graph::Shape], sizes: &[f64], from: usize| -> f64 {
+            (from..shapes.len())
+                .map(|i| shapes[i].numel() as f64 * sizes.get(i).copied().unwrap_or(c.e))
+                .sum()
+        };
+        s.bytes += bytes(c.ins, c.in_e, n) + bytes(c.outs, c.out_e, 1);
+        // the update, as MulAdd counts it (an operation an element)
+        s.flops += c.out0() as f64;
+        s
     }
 
     /// The layer, and the residual read in its epilogue.
