@@ -138,6 +138,7 @@ fn main() -> Result<()> {
         },
         rowwise_adagrad: (a.emb_lr, 1e-8),
         presort_ids: true,
+        copies_in_update: true,
     };
     let kind = match a.schedule {
         Sched::Erase => ScheduleKind::Early,

@@ -54,21 +54,19 @@ __device__ __forceinline__ float4 ew4(const float* __restrict__ p, long long i) 
     return __ldg(reinterpret_cast<const float4*>(p) + i);
 }
 
-// y = a ⊙ b + c (the DCN cross update); n elements of each.
-ERASE_KERNEL void ew_mul_add(const float* __restrict__ a, const float* __restrict__ b,
-                             const float* __restrict__ c, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
-    const long long n4 = n >> 2;
-    EW_LOOP(i, n4) {
-        const float4 x = ew4(a, i), z = ew4(b, i), w = ew4(c, i);
-        reinterpret_cast<float4*>(y)[i] = make_float4(erase_add(erase_mul(x.x, z.x), w.x),
-                                                      erase_add(erase_mul(x.y, z.y), w.y),
-                                                      erase_add(erase_mul(x.z, z.z), w.z),
-                                                      erase_add(erase_mul(x.w, z.w), w.w));
-    }
-    EW_LOOP(i, n - 4 * n4) {
-        const long long j = 4 * n4 + i;
-        y[j] = erase_add(erase_mul(a[j], b[j]), c[j]);
-    }
+// Four consecutive elements of b (i counts float4 lanes) as floats: f32 as they are, bf16
+// (a factor stored in bf16, Graph::linear_stored_bf16) widened exactly.
+__device__ __forceinline__ float4 ew4b(const float* __restrict__ p, long long i) { return ew4(p, i); }
+__device__ __forceinline__ float4 ew4b(const __nv_bfloat16* __restrict__ p, long long i) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p) + i);
+    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&u.x),
+                         hi = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
+    const float2 l = __bfloat1622float2(lo), h = __bfloat1622float2(hi);
+    return make_float4(l.x, l.y, h.x, h.y);
+}
+__device__ __forceinline__ float ew1b(const float* __restrict__ p, long long j) { return p[j]; }
+__device__ __forceinline__ float ew1b(const __nv_bfloat16* __restrict__ p, long long j) {
+    return __bfloat162float(p[j]);
 }
 
 // bf16 (round to nearest even) of four floats, as 8 bytes.
@@ -77,24 +75,49 @@ __device__ __forceinline__ uint2 ew_bf16x4(float4 v) {
     return make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
 }
 
-// ew_mul_add that also writes yb = bf16(y): the bf16 copy a GEMM reads of the cross
-// update (Graph::set_bf16_copies), without a pass of its own over y.
-ERASE_KERNEL void ew_mul_add_bf16(const float* __restrict__ a, const float* __restrict__ b,
-                                  const float* __restrict__ c, float* __restrict__ y, __nv_bfloat16* __restrict__ yb,
-                                  long long n) { ERASE_PDL_ENTER();
+// y = a ⊙ b + c (the DCN cross update); n elements of each; with COPY also yb = bf16(y),
+// the bf16 copy a GEMM reads of the cross update (Graph::set_bf16_copies), without a pass
+// of its own over y. B is f32, or bf16 (the cross layer's up-projection stored in bf16).
+template <typename B, bool COPY>
+__device__ __forceinline__ void ew_mul_add_body(const float* __restrict__ a, const B* __restrict__ b,
+                                                const float* __restrict__ c, float* __restrict__ y,
+                                                __nv_bfloat16* __restrict__ yb, long long n) {
     const long long n4 = n >> 2;
     EW_LOOP(i, n4) {
-        const float4 x = ew4(a, i), z = ew4(b, i), w = ew4(c, i);
+        const float4 x = ew4(a, i), z = ew4b(b, i), w = ew4(c, i);
         const float4 v = make_float4(erase_add(erase_mul(x.x, z.x), w.x), erase_add(erase_mul(x.y, z.y), w.y),
                                      erase_add(erase_mul(x.z, z.z), w.z), erase_add(erase_mul(x.w, z.w), w.w));
         reinterpret_cast<float4*>(y)[i] = v;
-        reinterpret_cast<uint2*>(yb)[i] = ew_bf16x4(v);
+        if constexpr (COPY) reinterpret_cast<uint2*>(yb)[i] = ew_bf16x4(v);
     }
     EW_LOOP(i, n - 4 * n4) {
         const long long j = 4 * n4 + i;
-        y[j] = erase_add(erase_mul(a[j], b[j]), c[j]);
-        yb[j] = __float2bfloat16_rn(y[j]);
+        y[j] = erase_add(erase_mul(a[j], ew1b(b, j)), c[j]);
+        if constexpr (COPY) yb[j] = __float2bfloat16_rn(y[j]);
     }
+}
+
+ERASE_KERNEL void ew_mul_add(const float* __restrict__ a, const float* __restrict__ b,
+                             const float* __restrict__ c, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
+    ew_mul_add_body<float, false>(a, b, c, y, nullptr, n);
+}
+
+ERASE_KERNEL void ew_mul_add_bf16(const float* __restrict__ a, const float* __restrict__ b,
+                                  const float* __restrict__ c, float* __restrict__ y, __nv_bfloat16* __restrict__ yb,
+                                  long long n) { ERASE_PDL_ENTER();
+    ew_mul_add_body<float, true>(a, b, c, y, yb, n);
+}
+
+// The same with b in bf16 (`_b16`).
+ERASE_KERNEL void ew_mul_add_b16(const float* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                                 const float* __restrict__ c, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
+    ew_mul_add_body<__nv_bfloat16, false>(a, b, c, y, nullptr, n);
+}
+
+ERASE_KERNEL void ew_mul_add_bf16_b16(const float* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                                      const float* __restrict__ c, float* __restrict__ y,
+                                      __nv_bfloat16* __restrict__ yb, long long n) { ERASE_PDL_ENTER();
+    ew_mul_add_body<__nv_bfloat16, true>(a, b, c, y, yb, n);
 }
 
 // c = a ⊙ b of same-shape tensors, and cb = bf16(c) (a product a GEMM reads: MaskNet's
@@ -144,10 +167,11 @@ ERASE_KERNEL void ew_mul_grad(const float* __restrict__ dy, const float* __restr
 // sums in lane order; colsum_final adds the slices in order). Grid (ceil(cols/64),
 // ceil(rows/(32·iters))), block 256: thread t takes the 8 columns 64·bx + 8·(t % 8) of
 // rows 32·iters·by + t/8 + 32·i, i < iters.
-ERASE_KERNEL void __launch_bounds__(256)
-    ew_mul_grad_bf16(const float* __restrict__ dy, const float* __restrict__ a, const float* __restrict__ b,
-                     float* __restrict__ da, __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows,
-                     int cols, int iters) { ERASE_PDL_ENTER();
+template <typename B>
+__device__ __forceinline__ void ew_mul_grad_bf16_body(const float* __restrict__ dy, const float* __restrict__ a,
+                                                      const B* __restrict__ b, float* __restrict__ da,
+                                                      __nv_bfloat16* __restrict__ dbb, float* __restrict__ part,
+                                                      int rows, int cols, int iters) {
     __shared__ float lanes[32][65];
     const int tid = threadIdx.x, ch = tid & 7, y = tid >> 3;
     const int c = blockIdx.x * 64 + ch * 8, r0 = blockIdx.y * 32 * iters;
@@ -161,7 +185,7 @@ ERASE_KERNEL void __launch_bounds__(256)
             const int r = r0 + y + 32 * i;
             const long long q = (static_cast<long long>(r) * cols + c) >> 2;
             const float4 g0 = ew4(dy, q), g1 = ew4(dy, q + 1), x0 = ew4(a, q), x1 = ew4(a, q + 1);
-            const float4 z0 = ew4(b, q), z1 = ew4(b, q + 1);
+            const float4 z0 = ew4b(b, q), z1 = ew4b(b, q + 1);
             reinterpret_cast<float4*>(da)[q] = make_float4(erase_mul(g0.x, z0.x), erase_mul(g0.y, z0.y),
                                                            erase_mul(g0.z, z0.z), erase_mul(g0.w, z0.w));
             reinterpret_cast<float4*>(da)[q + 1] = make_float4(erase_mul(g1.x, z1.x), erase_mul(g1.y, z1.y),
@@ -180,6 +204,23 @@ ERASE_KERNEL void __launch_bounds__(256)
     }
     if (part == nullptr) return;  // uniform across the CTA: no barrier is skipped by some
     erase_colsum_partials(lanes, acc, part, cols);
+}
+
+ERASE_KERNEL void __launch_bounds__(256)
+    ew_mul_grad_bf16(const float* __restrict__ dy, const float* __restrict__ a, const float* __restrict__ b,
+                     float* __restrict__ da, __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows,
+                     int cols, int iters) { ERASE_PDL_ENTER();
+    ew_mul_grad_bf16_body<float>(dy, a, b, da, dbb, part, rows, cols, iters);
+}
+
+// The same with b in bf16 (`_b16`: the cross layer's up-projection stored in bf16, read to
+// make the other factor's gradient da = dy ⊙ b).
+ERASE_KERNEL void __launch_bounds__(256)
+    ew_mul_grad_bf16_b16(const float* __restrict__ dy, const float* __restrict__ a,
+                         const __nv_bfloat16* __restrict__ b, float* __restrict__ da,
+                         __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows, int cols, int iters) {
+    ERASE_PDL_ENTER();
+    ew_mul_grad_bf16_body<__nv_bfloat16>(dy, a, b, da, dbb, part, rows, cols, iters);
 }
 
 // ---- unary maps ------------------------------------------------------------------------

@@ -15,7 +15,9 @@
 // captured graph replays correctly): bc1 = 1 - β1^step, bc2 = 1 - β2^step in f64 with the
 // same square-and-multiply powi as Rust, step size lr/bc1 and sqrt(bc2) rounded to f32,
 // then the f32 update written without FMA contraction: the result is bit-identical to the
-// CPU reference. Bound: memory (Adam 28 bytes per element, SGD 12).
+// CPU reference. A record with a bf16 copy (c, Leaf::ParamCopy: the copy the step's GEMMs
+// read) also gets the updated parameter rounded to bf16 (nearest even) there, in the same
+// pass. Bound: memory (Adam 28 bytes per element, 30 with a copy; SGD 12).
 #include "common.cuh"
 
 #define OPT_CHUNK 1024
@@ -26,11 +28,13 @@ struct OptRec {
     const float* g;
     float* m;
     float* v;
+    __nv_bfloat16* c;  // the parameter's bf16 copy, or null (Adam only)
     long long numel;
     long long chunk_start;
 };
 
-#define OPT_REC_PARAMS(k) float *p##k, const float *g##k, float *m##k, float *v##k, long long n##k, long long c##k
+#define OPT_REC_PARAMS(k) \
+    float *p##k, const float *g##k, float *m##k, float *v##k, __nv_bfloat16 *b##k, long long n##k, long long c##k
 #define OPT_REC_SET(k)                                                  \
     if (threadIdx.x == k && k < count) {                                \
         OptRec r;                                                       \
@@ -38,6 +42,7 @@ struct OptRec {
         r.g = g##k;                                                     \
         r.m = m##k;                                                     \
         r.v = v##k;                                                     \
+        r.c = b##k;                                                     \
         r.numel = n##k;                                                 \
         r.chunk_start = c##k;                                           \
         table[first + k] = r;                                           \
@@ -107,6 +112,17 @@ __device__ __forceinline__ void opt_chunk4(const OptRec& r, long long b, F&& upd
                 r.v[e + k] = v[k];
                 r.p[e + k] = p[k];
             }
+        }
+    }
+    if (r.c != nullptr) {
+        if (vec && (reinterpret_cast<uintptr_t>(r.c) & 7) == 0) {
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(p[0], p[1]), hi = __floats2bfloat162_rn(p[2], p[3]);
+            *reinterpret_cast<uint2*>(r.c + e) =
+                make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (e + k < r.numel) r.c[e + k] = __float2bfloat16_rn(p[k]);
         }
     }
 }

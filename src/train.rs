@@ -126,6 +126,20 @@ pub struct ScheduleOptions {
     pub bf16_copies: bool,
     /// Least FLOPs of a layer given copies (default [`BF16_COPY_MIN_FLOPS`]).
     pub bf16_copy_min_flops: usize,
+    /// The cross layers' up-projections stored in bf16 where they take copies, as
+    /// autocast stores them (see `Graph::set_bf16_storage`): half the bytes for their
+    /// GEMMs' stores and the cross updates' reads, the values rounded once.
+    pub bf16_storage: bool,
+    /// Each cross update (`MulAdd`) fused with the linear layer whose output it reads
+    /// (`erase_graph::fuse_cross_updates`): the CUDA plans compute the update in the
+    /// GEMM's epilogue. The same values either way. Off by default: on an H100 it made
+    /// the spec model's erase step 0.5 % faster at batch 4096 but 1.2 % slower at 16384,
+    /// and DCNv2's 0.45 % slower (BENCHMARKS.md).
+    pub fuse_cross_updates: bool,
+    /// The weights' bf16 copies written by Adam beside the updated weights, kept across
+    /// steps (`OptimizerConfig::copies_in_update`), instead of made by a RoundBf16 launch
+    /// each in the next forward. The same bits either way.
+    pub weight_copies_in_update: bool,
     /// Under ERASE, no join before the updates: each waits only for the gradients it
     /// reads, and the embedding tables' update runs beside the dense one (see
     /// `ScheduleConfig::updates_by_data`). Data-parallel steps join (they all-reduce there).
@@ -154,6 +168,9 @@ impl Default for ScheduleOptions {
             forward_streams: true,
             bf16_copies: true,
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
+            bf16_storage: true,
+            fuse_cross_updates: false,
+            weight_copies_in_update: true,
             updates_by_data: true,
             priorities: None,
             plan_options: None,
@@ -212,14 +229,22 @@ pub fn plan_step(
     sched: &ScheduleOptions,
 ) -> Result<StepPlan> {
     cfg.validate()?;
+    let opt = &OptimizerConfig {
+        copies_in_update: opt.copies_in_update && sched.weight_copies_in_update,
+        ..*opt
+    };
     let copies = sched.bf16_copies.then_some(sched.bf16_copy_min_flops);
-    let mut model = build_with(cfg, float, copies).context("building the CTR model")?;
-    let training = if sched.early_updates {
+    let mut model =
+        build_with(cfg, float, copies, sched.bf16_storage).context("building the CTR model")?;
+    let mut training = if sched.early_updates {
         erase_graph::make_trainable_early_updates(&mut model.graph, opt)
     } else {
         make_trainable(&mut model.graph, opt)
     }
     .context("differentiating the CTR model")?;
+    if sched.fuse_cross_updates {
+        erase_graph::fuse_cross_updates(&mut model.graph, &mut training);
+    }
     let partition = partition(&model.graph, &training.grads);
     let scfg = ScheduleConfig {
         kind: schedule_kind(cfg.variant),
@@ -380,10 +405,13 @@ impl TrainConfig {
             "model",
             &format!("{:?}", self.model),
         ));
-        v.extend(crate::checkpoint::flatten_debug(
-            "optimizer",
-            &format!("{:?}", self.optimizer),
-        ));
+        // where the weights' bf16 copies are made changes no value: a checkpoint resumes
+        // under either (and those written before the switch existed)
+        v.extend(
+            crate::checkpoint::flatten_debug("optimizer", &format!("{:?}", self.optimizer))
+                .into_iter()
+                .filter(|(k, _)| k != "optimizer.copies_in_update"),
+        );
         v.push(("seed".into(), self.seed.to_string()));
         v.push(("data_seed".into(), self.data_seed.to_string()));
         v.push((
@@ -1454,12 +1482,17 @@ pub fn one_class(labels: &[f64]) -> Option<&'static str> {
 }
 
 /// Bytes a step plan holds: its persistent tensors (parameters, embedding tables and
-/// their optimizer state) and its arena; and of those, the embedding tables'.
+/// their optimizer state, the weights' bf16 copies) and its arena; and of those, the
+/// embedding tables'.
 pub fn plan_bytes(plan: &StepPlan) -> (u64, u64) {
     let g = &plan.model.graph;
     let tables = plan.model.table;
     let (mut all, mut emb) = (plan.memory.arena_bytes as u64, 0u64);
-    for t in g.tensors().filter(|&t| g.is_persistent(t)) {
+    // the weights' bf16 copies too: kept across steps, though not checkpointed
+    let kept = |t: Tensor| {
+        g.is_persistent(t) || matches!(g.leaf(t), Some(erase_graph::Leaf::ParamCopy { .. }))
+    };
+    for t in g.tensors().filter(|&t| kept(t)) {
         let b = (g.shape(t).numel() * g.dtype(t).size_bytes()) as u64;
         all += b;
         // the tables and the row-wise state beside them (same rows)

@@ -4,7 +4,7 @@
 //! with and without them.
 
 use erase::data::synthetic::{SyntheticConfig, SyntheticCtr};
-use erase::graph::{DType, Grad, Op, OptimizerConfig, Phase, Tensor};
+use erase::graph::{DType, Grad, Leaf, Op, OptimizerConfig, Phase, Tensor};
 use erase::model::ctr::{CtrConfig, Variant};
 use erase::runtime::cpu::runner::ProgramRunner;
 use erase::runtime::program::memory::plan_memory;
@@ -18,6 +18,46 @@ fn plan(variant: Variant, copies: bool) -> StepPlan {
 
 /// [`plan`] of the zoo model `model`.
 fn plan_model(model: &str, variant: Variant, copies: bool) -> StepPlan {
+    plan_full(model, variant, copies, true, true)
+}
+
+// (these plans keep the cross updates apart from their layers, as the graph builds them:
+// `cross_updates_fused_with_their_layers_train_to_the_same_bits` fuses them)
+
+/// [`plan_model`] with the cross layers' up-projections stored in bf16 or not.
+fn plan_stored(model: &str, variant: Variant, copies: bool, storage: bool) -> StepPlan {
+    plan_full(model, variant, copies, storage, true)
+}
+
+/// [`plan_model`], the weights' copies made by Adam (`in_update`, the default) or by
+/// RoundBf16 launches in the forward.
+fn plan_with(model: &str, variant: Variant, copies: bool, in_update: bool) -> StepPlan {
+    plan_full(model, variant, copies, true, in_update)
+}
+
+fn plan_full(
+    model: &str,
+    variant: Variant,
+    copies: bool,
+    storage: bool,
+    in_update: bool,
+) -> StepPlan {
+    plan_sched(
+        model,
+        variant,
+        ScheduleOptions {
+            bf16_copies: copies,
+            bf16_copy_min_flops: 0,
+            bf16_storage: storage,
+            weight_copies_in_update: in_update,
+            fuse_cross_updates: false,
+            ..Default::default()
+        },
+    )
+}
+
+/// The plan of `model` at batch 128 (1000 rows a table) under `sched`.
+fn plan_sched(model: &str, variant: Variant, sched: ScheduleOptions) -> StepPlan {
     let mut cfg = CtrConfig {
         model: model.to_string(),
         ..CtrConfig::default()
@@ -25,11 +65,6 @@ fn plan_model(model: &str, variant: Variant, copies: bool) -> StepPlan {
     .with_variant(variant);
     cfg.batch = 128;
     cfg.rows = 1000;
-    let sched = ScheduleOptions {
-        bf16_copies: copies,
-        bf16_copy_min_flops: 0,
-        ..Default::default()
-    };
     plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched).unwrap()
 }
 
@@ -47,8 +82,9 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .iter()
         .filter(|n| n.phase == Phase::Backward)
         .collect();
-    // forward RoundBf16 nodes: the weight of each of the 14 layers with sizes that are
-    // multiples of 64, at least 128 (read by its forward and data gradient); backward: the
+    // the weights' copies, kept by Adam (Leaf::ParamCopy): the weight of each of the 14
+    // layers with sizes that are multiples of 64, at least 128 (read by its forward and
+    // data gradient); no forward RoundBf16 node is left; backward: the
     // dy of each of them (the bottom's second, the 3 + 3 cross, 2 deep, 3 MaskNet and 2
     // top layers) but the 4 whose dy an elementwise product's gradient writes as the copy
     // (cross's three up-projections, MaskNet's mask) and the 3 whose dy the data
@@ -60,12 +96,12 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .filter(|n| n.phase == Phase::Forward)
         .map(|n| n.name.as_str())
         .collect();
-    let weights = rounds
-        .iter()
-        .filter(|n| g.leaf(n.inputs[0]).is_some())
+    let weights = g
+        .tensors()
+        .filter(|&t| matches!(g.leaf(t), Some(Leaf::ParamCopy { .. })))
         .count();
-    assert_eq!(weights, 14, "weight copies: {names:?}");
-    assert_eq!(forward, 14, "forward copies: {names:?}");
+    assert_eq!(weights, 14, "weight copies");
+    assert_eq!(forward, 0, "forward copies: {names:?}");
     assert_eq!(backward.len(), 6, "backward copies");
     // MaskNet's normalised projection's dy from its layer norm's gradient, with the sums
     let by_norm: Vec<(&str, usize)> = g
@@ -203,11 +239,40 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
         .collect();
     assert_eq!(from_bf16.len(), 2, "{from_bf16:?}");
     // AutoInt's QKV projections store their output in bf16 (Graph::linear_for_attention):
-    // the attention reads it as it is, forward and backward, and rounds q, k, v anyway
-    let stored: Vec<&str> = g
+    // the attention reads it as it is, forward and backward, and rounds q, k, v anyway;
+    // the cross layers' up-projections too (Graph::linear_stored_bf16), read by their
+    // cross update and its gradient
+    let (cross, stored): (Vec<&erase::graph::Node>, Vec<&erase::graph::Node>) = g
         .nodes()
         .iter()
         .filter(|n| matches!(n.op, Op::Linear { .. }) && g.dtype(n.outputs[0]) == DType::Bf16)
+        .partition(|n| n.name.starts_with("cross/"));
+    let cross: Vec<&str> = cross
+        .into_iter()
+        .map(|n| {
+            let readers: Vec<&Op> = g
+                .nodes()
+                .iter()
+                .filter(|r| r.inputs.contains(&n.outputs[0]))
+                .map(|r| &r.op)
+                .collect();
+            assert_eq!(
+                readers,
+                [&Op::MulAdd, &Op::MulGrad],
+                "{}: the cross update and its gradient",
+                n.name
+            );
+            assert!(
+                n.inputs[..2].iter().all(|&t| g.dtype(t) == DType::Bf16),
+                "{}: stored in bf16 from its operands' copies",
+                n.name
+            );
+            n.name.as_str()
+        })
+        .collect();
+    assert_eq!(cross, ["cross/linear1", "cross/linear3", "cross/linear5"]);
+    let stored: Vec<&str> = stored
+        .into_iter()
         .map(|n| {
             let readers: Vec<&Op> = g
                 .nodes()
@@ -301,12 +366,14 @@ fn step(p: &StepPlan) -> (Vec<f64>, Vec<(String, Vec<f64>)>) {
 #[test]
 fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
     // (DCNv2: the top reads its copy of the detached cross network's output)
+    // (the cross layers' outputs in f32, as without copies: their bf16 storage is
+    // another rounding, below)
     for (model, variant) in [
         ("spec", Variant::Baseline),
         ("spec", Variant::Erase),
         ("dcnv2", Variant::Erase),
     ] {
-        let (logits_on, on) = step(&plan_model(model, variant, true));
+        let (logits_on, on) = step(&plan_stored(model, variant, true, false));
         let (logits_off, off) = step(&plan_model(model, variant, false));
         // the forward multiplies the same bf16 values in the same order
         assert_eq!(logits_on, logits_off, "{model} {variant}: logits");
@@ -342,20 +409,19 @@ fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
     }
 }
 
-/// Under ERASE the weights' copies (forward work that reads only parameters) run on the
-/// first side stream behind the step's first forward launch, off the main stream that
-/// carries the forward; the serial schedules keep them on the main stream.
+/// Made in the forward (`--weight-copies forward`), under ERASE the weights' copies
+/// (forward work that reads only parameters) run on the first side stream behind the
+/// step's first forward launch, off the main stream that carries the forward; the serial
+/// schedules keep them on the main stream.
 #[test]
 fn weight_copies_run_beside_the_forward_under_erase() {
     use erase::runtime::program::schedule::{EdgeKind, StreamId};
     let cfg = CtrConfig::default().with_variant(Variant::Erase);
-    let p = plan_step(
-        &cfg,
-        DType::F32,
-        &OptimizerConfig::default(),
-        &ScheduleOptions::default(),
-    )
-    .unwrap();
+    let forward = ScheduleOptions {
+        weight_copies_in_update: false,
+        ..Default::default()
+    };
+    let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &forward).unwrap();
     let g = &p.model.graph;
     let copies: Vec<usize> = p
         .program
@@ -392,7 +458,7 @@ fn weight_copies_run_beside_the_forward_under_erase() {
         &cfg.clone().with_variant(Variant::Baseline),
         DType::F32,
         &OptimizerConfig::default(),
-        &ScheduleOptions::default(),
+        &forward,
     )
     .unwrap();
     assert!(base
@@ -471,6 +537,323 @@ fn a_detached_blocks_output_gets_its_copy_from_the_blocks_last_op() {
                     n.name
                 );
             }
+        }
+    }
+}
+
+/// The cross layers' up-projections stored in bf16 (`ScheduleOptions::bf16_storage`, as
+/// autocast stores them): the step is that of rounding each to bf16 once, so the logits
+/// and gradients move by bf16 rounding's own size, not more, and not at all without
+/// copies (the CPU's plans).
+#[test]
+fn cross_layers_stored_in_bf16_move_the_step_by_one_rounding() {
+    for (model, variant) in [("spec", Variant::Erase), ("dcnv2", Variant::Baseline)] {
+        let stored = plan_stored(model, variant, true, true);
+        let g = &stored.model.graph;
+        let n = g
+            .nodes()
+            .iter()
+            .filter(|n| {
+                n.name.starts_with("cross/")
+                    && matches!(n.op, Op::Linear { .. })
+                    && g.dtype(n.outputs[0]) == DType::Bf16
+            })
+            .count();
+        assert_eq!(n, 3, "{model}: three up-projections stored in bf16");
+        let (logits_s, grads_s) = step(&stored);
+        let (logits_f, grads_f) = step(&plan_stored(model, variant, true, false));
+        let rel = |a: &[f64], b: &[f64]| {
+            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+            let den: f64 = b.iter().map(|y| y * y).sum();
+            (num / den.max(1e-300)).sqrt()
+        };
+        let l = rel(&logits_s, &logits_f);
+        assert!(l > 0.0, "{model}: the stored values are rounded");
+        assert!(l <= 2f64.powi(-8), "{model}: logits move by {l:.2e}");
+        let mut worst = 0f64;
+        for ((name, a), (name_b, b)) in grads_s.iter().zip(&grads_f) {
+            assert_eq!(name, name_b);
+            let r = rel(a, b);
+            assert!(
+                r <= 2f64.powi(-5),
+                "{model}: gradient of {name} moves by {r:.2e}"
+            );
+            worst = worst.max(r);
+        }
+        println!("{model} {variant}: logits {l:.2e}, gradients at most {worst:.2e} (relative L2)");
+        // without copies there is nothing to store in bf16
+        let plain = plan_stored(model, variant, false, true);
+        assert!(plain
+            .model
+            .graph
+            .nodes()
+            .iter()
+            .all(|n| !matches!(n.op, Op::Linear { .. })
+                || plain.model.graph.dtype(n.outputs[0]) == DType::F32));
+    }
+}
+
+/// By default Adam keeps the weights' copies: no launch of the step rounds a weight; each
+/// copy is a `Leaf::ParamCopy` of its weight, read in place by the GEMMs and written by
+/// the dense update past its moments, in the order of the weights it follows.
+#[test]
+fn adam_keeps_the_weights_copies_from_one_step_to_the_next() {
+    for variant in [Variant::Baseline, Variant::Erase] {
+        let cfg = CtrConfig::default().with_variant(variant);
+        let p = plan_step(
+            &cfg,
+            DType::F32,
+            &OptimizerConfig::default(),
+            &ScheduleOptions::default(),
+        )
+        .unwrap();
+        let g = &p.model.graph;
+        let rounds_a_weight = |l: &erase::runtime::program::schedule::Launch| {
+            let n = g.node(l.node);
+            matches!(n.op, Op::RoundBf16 { .. }) && g.leaf(n.inputs[0]).is_some()
+        };
+        assert!(
+            !p.program.launches.iter().any(rounds_a_weight),
+            "{variant}: a launch rounds a weight"
+        );
+        let adam = g
+            .nodes()
+            .iter()
+            .find(|n| matches!(n.op, Op::Adam { .. }))
+            .expect("the dense update");
+        let n = adam.inputs.len() - 1;
+        let copies = &adam.updates[3 * n..];
+        // the 13 layers of at least 2^29 FLOPs, as `weight_copies_run_beside_the_forward_under_erase`
+        assert_eq!(copies.len(), 13, "{variant}");
+        for (k, &c) in copies.iter().enumerate() {
+            let of = adam.updates[k];
+            assert_eq!(
+                g.leaf(c),
+                Some(&Leaf::ParamCopy { of }),
+                "{variant}: copy {k}"
+            );
+            assert_eq!(g.param_copy(of), Some(c));
+            assert_eq!(g.dtype(c), DType::Bf16);
+            assert_eq!(g.shape(c), g.shape(of));
+            let readers: Vec<&Op> = g
+                .nodes()
+                .iter()
+                .filter(|r| r.inputs.contains(&c))
+                .map(|r| &r.op)
+                .collect();
+            assert!(
+                !readers.is_empty()
+                    && readers.iter().all(|o| matches!(
+                        o,
+                        Op::Linear { .. } | Op::LinearMulAdd { .. } | Op::LinearGradInput { .. }
+                    )),
+                "{}: read by {readers:?}",
+                g.name(c)
+            );
+            assert!(!g.is_persistent(c), "a copy is not checkpointed");
+        }
+        // the weights without copies follow, and every one of them has no copy
+        assert!(adam.updates[copies.len()..n]
+            .iter()
+            .all(|&w| g.param_copy(w).is_none()));
+    }
+}
+
+/// Runs `steps` training steps of `p` on the CPU with GEMM operands rounded as the
+/// kernels round them, each on its own batch; returns the runner and each step's logits.
+fn train<'a>(
+    p: &'a StepPlan,
+    memory: &'a erase::runtime::program::memory::MemoryPlan,
+    steps: usize,
+) -> (ProgramRunner<'a>, Vec<Vec<f64>>) {
+    let m = &p.model;
+    let mut r = ProgramRunner::new(&m.graph, &p.program, memory, 7, 2).unwrap();
+    r.bf16_gemm = true;
+    let gen = SyntheticCtr::new(SyntheticConfig {
+        seed: 0,
+        rows: 1000,
+        hot: 1,
+    });
+    let b = 128;
+    let mut logits = Vec::new();
+    for s in 0..steps {
+        let (mut d, mut ids, mut y) = (vec![0f32; b * 13], vec![0u32; b * 26], vec![0f32; b]);
+        gen.fill_batch(1, (s * b) as u64, b, &mut d, &mut ids, &mut y);
+        let (bd, bi, bo, bl) = m.batch_buffers(&d, &ids, &y).unwrap();
+        for (t, buf) in [
+            (m.inputs.dense, bd),
+            (m.inputs.ids, bi),
+            (m.inputs.offsets, bo),
+            (m.inputs.label, bl),
+        ] {
+            r.feed(t, buf).unwrap();
+        }
+        r.run().unwrap();
+        logits.push(r.get(m.logit).unwrap().to_f64());
+    }
+    (r, logits)
+}
+
+/// Copies kept by Adam train to the bits of copies made in each forward, step after
+/// step: the same logits and the same parameters; each copy is its weight rounded after
+/// every update, and again after the weight is set from outside (a checkpoint loaded).
+#[test]
+fn copies_kept_by_adam_train_to_the_bits_of_copies_made_each_step() {
+    for model in ["spec", "dcnv2"] {
+        let kept = plan_with(model, Variant::Erase, true, true);
+        let made = plan_with(model, Variant::Erase, true, false);
+        let g = &kept.model.graph;
+        let copies: Vec<(Tensor, Tensor)> = g
+            .tensors()
+            .filter_map(|c| match g.leaf(c) {
+                Some(Leaf::ParamCopy { of }) => Some((c, *of)),
+                _ => None,
+            })
+            .collect();
+        assert!(copies.len() >= 9, "{model}: {} copies", copies.len());
+        assert!(made
+            .model
+            .graph
+            .tensors()
+            .all(|t| !matches!(made.model.graph.leaf(t), Some(Leaf::ParamCopy { .. }))));
+        let keep = [kept.model.logit];
+        let mem_kept = plan_memory(g, &kept.program, &keep);
+        let mem_made = plan_memory(&made.model.graph, &made.program, &[made.model.logit]);
+        let (mut rk, lk) = train(&kept, &mem_kept, 3);
+        let (mut rm, lm) = train(&made, &mem_made, 3);
+        assert_eq!(lk, lm, "{model}: logits of the three steps");
+        let rounded = |r: &ProgramRunner, w: Tensor| r.get(w).unwrap().to_bf16();
+        for &(c, w) in &copies {
+            let got = rk.get(c).unwrap();
+            assert_eq!(
+                got.bytes(),
+                rounded(&rk, w).bytes(),
+                "{model}: {} is not its weight rounded after three updates",
+                g.name(c)
+            );
+        }
+        for w in g.params() {
+            let other = made.model.graph.find(g.name(w)).unwrap();
+            assert_eq!(
+                rk.get(w).unwrap().bytes(),
+                rm.get(other).unwrap().bytes(),
+                "{model}: {} after three steps",
+                g.name(w)
+            );
+        }
+        // a weight set from outside: its copy follows
+        let (c, w) = copies[0];
+        let halved: Vec<f32> = rk
+            .get(w)
+            .unwrap()
+            .as_f32()
+            .unwrap()
+            .iter()
+            .map(|x| x * 0.5 + 1e-3)
+            .collect();
+        let halved = erase::ops::Buffer::F32(halved);
+        rk.write(w, &halved).unwrap();
+        assert_eq!(rk.get(c).unwrap().bytes(), halved.to_bf16().bytes());
+        rk.feed(w, halved.clone()).unwrap();
+        assert_eq!(rk.get(c).unwrap().bytes(), halved.to_bf16().bytes());
+        let other = made.model.graph.find(g.name(w)).unwrap();
+        rm.write(other, &halved).unwrap();
+        let step = |r: &mut ProgramRunner| {
+            r.run().unwrap();
+            r.get(kept.model.logit).map(|b| b.to_f64())
+        };
+        let after_kept = step(&mut rk);
+        rm.run().unwrap();
+        let after_made = rm.get(made.model.logit).map(|b| b.to_f64());
+        assert_eq!(
+            after_kept, after_made,
+            "{model}: the step after the weight was set"
+        );
+    }
+}
+
+/// Each cross update fused with the layer that makes its factor (`LinearMulAdd`,
+/// `ScheduleOptions::fuse_cross_updates`, `--fuse-cross-updates on`) trains to the bits of the two
+/// nodes apart: the same logits step after step and the same parameters, with the
+/// factor stored in f32 or in bf16, under every variant. DCNv2 has three such pairs, the
+/// spec model's cross block three; the plans stay free of hazards (plan_step checks).
+#[test]
+fn cross_updates_fused_with_their_layers_train_to_the_same_bits() {
+    for (model, variant, storage) in [
+        ("dcnv2", Variant::Erase, true),
+        ("dcnv2", Variant::Baseline, false),
+        ("dcnv2", Variant::Detached, true),
+        ("spec", Variant::Erase, true),
+    ] {
+        let sched = |fuse: bool| ScheduleOptions {
+            bf16_copy_min_flops: 0,
+            bf16_storage: storage,
+            fuse_cross_updates: fuse,
+            ..Default::default()
+        };
+        let fused = plan_sched(model, variant, sched(true));
+        let apart = plan_sched(model, variant, sched(false));
+        let g = &fused.model.graph;
+        let what = format!("{model} {variant}, stored in bf16: {storage}");
+        let nodes: Vec<&erase::graph::Node> = g
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, Op::LinearMulAdd { .. }))
+            .collect();
+        assert_eq!(nodes.len(), 3, "{what}: fused pairs");
+        assert!(!g.nodes().iter().any(|n| n.op == Op::MulAdd), "{what}");
+        for n in &nodes {
+            // [x, w, b, a, c] -> [y, z (, bf16(z))]: the layer's output as the layer
+            // stored it, the update and its copy where a GEMM reads one (DCNv2's every
+            // update; the spec model's last goes to a layer too small for copies)
+            assert_eq!(n.inputs.len(), 5, "{what}: {}", n.name);
+            let y_dtype = if storage { DType::Bf16 } else { DType::F32 };
+            assert_eq!(g.dtype(n.outputs[0]), y_dtype, "{what}: {}", n.name);
+            let copy = n.outputs.get(2).copied();
+            assert!(
+                n.outputs.len() == 3 || model == "spec",
+                "{what}: {}",
+                n.name
+            );
+            assert_eq!(g.copy_output(n), copy, "{what}: {}", n.name);
+            for &t in &n.outputs {
+                assert_eq!(g.info(t).producer, n.id, "{what}: {}", g.name(t));
+            }
+        }
+        // ids are positions, origins and producers point at nodes that exist
+        for (i, n) in g.nodes().iter().enumerate() {
+            assert_eq!(n.id.index(), i, "{what}");
+            if let Some(o) = n.origin {
+                assert!(o.index() < g.nodes().len(), "{what}: {}", n.name);
+            }
+        }
+        for &u in fused
+            .training
+            .updates
+            .dense
+            .iter()
+            .chain(&fused.training.updates.sparse)
+        {
+            assert!(g.node(u).op.is_optimizer(), "{what}: {}", g.node(u).name);
+        }
+        assert_eq!(
+            g.nodes().len() + 3,
+            apart.model.graph.nodes().len(),
+            "{what}: three nodes fewer"
+        );
+        let mem_f = plan_memory(g, &fused.program, &[fused.model.logit]);
+        let mem_a = plan_memory(&apart.model.graph, &apart.program, &[apart.model.logit]);
+        let (rf, lf) = train(&fused, &mem_f, 3);
+        let (ra, la) = train(&apart, &mem_a, 3);
+        assert_eq!(lf, la, "{what}: logits of the three steps");
+        for w in g.params() {
+            let other = apart.model.graph.find(g.name(w)).unwrap();
+            assert_eq!(
+                rf.get(w).unwrap().bytes(),
+                ra.get(other).unwrap().bytes(),
+                "{what}: {} after three steps",
+                g.name(w)
+            );
         }
     }
 }

@@ -181,3 +181,23 @@ fn evaluating_a_checkpoint_gives_the_training_runs_final_metrics() {
         "{e}"
     );
 }
+
+/// Where the weights' bf16 copies are made (by Adam, or in each forward) changes no value,
+/// so it is no part of a checkpoint's identity: a run resumes a checkpoint written under
+/// the other (or before the switch existed). The rest of the optimizer is.
+#[test]
+fn where_the_weights_copies_are_made_is_no_part_of_a_checkpoints_identity() {
+    let d = tmpdir("copies");
+    let mut c = cfg(1, &d, "x.safetensors");
+    let keys =
+        |c: &TrainConfig| -> Vec<String> { c.identity().into_iter().map(|kv| kv.0).collect() };
+    assert!(keys(&c).iter().any(|k| k == "optimizer.presort_ids"));
+    assert!(
+        !keys(&c).iter().any(|k| k.contains("copies")),
+        "{:?}",
+        keys(&c)
+    );
+    let before = c.identity();
+    c.optimizer.copies_in_update = !c.optimizer.copies_in_update;
+    assert_eq!(c.identity(), before);
+}

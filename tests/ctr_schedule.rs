@@ -335,12 +335,14 @@ fn the_ctr_step_uses_the_fused_forms() {
             }
         }
         assert!(count(&|o| matches!(o, Op::Linear { relu: true, .. })) >= 10);
-        // the cross update is one mul_add a layer; the bias gradients come with dw
+        // the cross update is one mul_add a layer (fused with the layer that makes its
+        // factor only where asked: --fuse-cross-updates); the bias gradients come with dw
         assert_eq!(
             count(&|o| matches!(o, Op::MulAdd)),
             3,
             "{variant:?}: mul_add"
         );
+        assert_eq!(count(&|o| matches!(o, Op::LinearMulAdd { .. })), 0);
         assert_eq!(
             count(&|o| matches!(o, Op::SumToShape)),
             0,

@@ -359,6 +359,7 @@ fn chat_opt() -> OptimizerConfig {
         },
         rowwise_adagrad: (0.05, 1e-8),
         presort_ids: true,
+        copies_in_update: true,
     }
 }
 

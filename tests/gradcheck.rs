@@ -497,6 +497,41 @@ fn concat_with_several_consumers_differentiates_through_slice_sums() {
     );
 }
 
+/// A concat read through a reshape (each block's flatten of the field embeddings) with
+/// several contributions: each goes to the concat as a view, and the concat's slice sums
+/// take them all; no `GradSum` over the reshaped whole. Against finite differences.
+#[test]
+fn a_reshaped_concats_contributions_go_to_its_slice_sums() {
+    let build = |g: &mut Graph, r: &mut Rng| {
+        let x0 = param(g, r, "x0", &[2, 2, 3], 1.0);
+        let x1 = param(g, r, "x1", &[2, 1, 3], 1.0);
+        let e = g.concat(&[x0, x1], 1).unwrap();
+        let flat = g.reshape(e, &[2, 9]).unwrap();
+        // three contributions to the flat view
+        let a = g.relu(flat).unwrap();
+        let b = g.sigmoid(flat).unwrap();
+        let ab = g.add(a, b).unwrap();
+        g.mul(ab, flat).unwrap()
+    };
+    check("reshaped concat", 97, build);
+    let mut g = Graph::new(DType::F64);
+    let mut r = Rng(97);
+    let y = build(&mut g, &mut r);
+    let l = g.sum(y).unwrap();
+    g.loss(l, 1.0).unwrap();
+    backward_with(&mut g, BackwardOptions::default()).unwrap();
+    let sums: Vec<(usize, usize, usize)> = g
+        .nodes()
+        .iter()
+        .filter_map(|n| match n.op {
+            Op::SliceSum { start, len, .. } => Some((start, len, n.inputs.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sums, [(0, 2, 3), (2, 1, 3)]);
+    assert!(!g.nodes().iter().any(|n| matches!(n.op, Op::GradSum)));
+}
+
 /// A linear layer's input with one more reader after the layer: x's two contributions
 /// summed by the layer's data gradient (`LinearGradInput { residual }`), no `GradSum`;
 /// with its other reader before the layer (not yet differentiated when the layer is),

@@ -200,7 +200,7 @@ fn ctr_choice_with(contention: [f64; 3]) -> erase::runtime::program::simulate::O
 
 /// Two device-filling launches that contend make ordering one of them pay, and the model
 /// keeps that constraint; where sharing conserves the device's work, or overlaps usefully
-/// (as on the H200, measured), it keeps none. (plan_step proves every chosen program with the
+/// (as on the H200, measured), it keeps none for contention's sake. (plan_step proves every chosen program with the
 /// happens-before check.)
 #[test]
 fn the_model_orders_launches_that_contend_and_only_those() {
@@ -233,9 +233,14 @@ fn the_model_orders_launches_that_contend_and_only_those() {
     let h200 = ctr_choice_with(erase::runtime::program::occupancy::H200_CONTENTION);
     assert!(h200.kept.is_empty(), "on the H200, yet {:?}", h200.kept);
     // where sharing pays, none
+    // where sharing pays, none that gains more than an order of launches alone can: an
+    // order may still move a launch off the critical path (a few µs: 2.5 µs, 0.13 % of
+    // the step, for the interaction's pairwise-dot gradient once the weights' copies left
+    // the forward), but never by taking turns for the device
     let useful = ctr_choice(-0.3);
+    let gained: f64 = useful.kept.iter().map(|k| k.gain_s).sum();
     assert!(
-        useful.kept.is_empty(),
+        gained < 0.005 * useful.off_s,
         "launches that overlap usefully: {:?}",
         useful.kept
     );
@@ -369,6 +374,15 @@ fn other_priorities_replace_the_ranked_ones_only_for_a_gain_beyond_the_noise() {
     );
     assert_eq!(
         pick_priorities(&[(r, 100.0), (m, 97.0), (f, 98.0)]),
+        Some(1)
+    );
+    // a later set within the noise of the one chosen before it: the earlier stays
+    assert_eq!(
+        pick_priorities(&[
+            (r, 100.0),
+            (m, 98.0),
+            (f, 98.0 * (1.0 - PRIORITY_MIN_GAIN * 0.8))
+        ]),
         Some(1)
     );
     // the program ranks its streams by the set: main above the side streams only where

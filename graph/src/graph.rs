@@ -82,6 +82,9 @@ pub struct Graph {
     /// Least FLOPs of a layer whose GEMM operands are rounded once by RoundBf16 nodes
     /// (`None`: off; see [`Graph::set_bf16_copies`]).
     bf16_copies: Option<usize>,
+    /// Whether [`Graph::linear_stored_bf16`] stores its output in bf16 (see
+    /// [`Graph::set_bf16_storage`]).
+    bf16_storage: bool,
     /// The RoundBf16 copy made of each activation so far.
     bf16_of: std::collections::BTreeMap<Tensor, Tensor>,
 }
@@ -110,6 +113,7 @@ impl Graph {
             float,
             counters: Default::default(),
             bf16_copies: None,
+            bf16_storage: false,
             bf16_of: Default::default(),
         }
     }
@@ -127,6 +131,14 @@ impl Graph {
     /// fewer passes; `None` turns it off for the layers added after.
     pub fn set_bf16_copies(&mut self, min_flops: Option<usize>) {
         self.bf16_copies = min_flops;
+    }
+
+    /// Whether the layers added after this call by [`Graph::linear_stored_bf16`] (the
+    /// cross layers' up-projections) store their output in bf16 where they take bf16
+    /// copies of their operands, as autocast stores a linear layer's output; off, they
+    /// are [`Graph::linear_with`]'s f32 layers.
+    pub fn set_bf16_storage(&mut self, on: bool) {
+        self.bf16_storage = on;
     }
 
     /// Whether a linear layer of these sizes may read its dy in bf16, written so by the op
@@ -152,6 +164,8 @@ impl Graph {
             {
                 Some(*c)
             }
+            // (the update's copy, beside the update: the node's output 1)
+            (Op::LinearMulAdd { .. }, [_, _, c]) if self.dtype(*c) == DType::Bf16 => Some(*c),
             _ => None,
         }
     }
@@ -294,6 +308,38 @@ impl Graph {
     /// True for tensors that live across steps (parameters and optimizer state).
     pub fn is_persistent(&self, t: Tensor) -> bool {
         matches!(self.leaf(t), Some(Leaf::Param { .. } | Leaf::State))
+    }
+
+    /// The persistent bf16 copy of parameter `p` that its optimizer update keeps
+    /// ([`Leaf::ParamCopy`]), if it has one.
+    pub fn param_copy(&self, p: Tensor) -> Option<Tensor> {
+        if !matches!(self.leaf(p), Some(Leaf::Param { .. })) {
+            return None;
+        }
+        self.tensors()
+            .find(|&t| matches!(self.leaf(t), Some(Leaf::ParamCopy { of }) if *of == p))
+    }
+
+    /// Makes the bf16 copy of parameter `p` that a forward RoundBf16 node writes every
+    /// step a persistent [`Leaf::ParamCopy`] instead, for `p`'s optimizer update to
+    /// write: the node becomes the copy's leaf, and no launch of the step makes it. Its
+    /// readers keep reading the same tensor. Returns the copy, or None where no such node
+    /// makes one (a small layer reads the f32 weight).
+    pub(crate) fn keep_param_copy(&mut self, p: Tensor) -> Option<Tensor> {
+        let &c = self.bf16_of.get(&p)?;
+        let id = self.info(c).producer;
+        let node = &mut self.nodes[id.index()];
+        let made_each_step = node.phase == Phase::Forward
+            && matches!(node.op, Op::RoundBf16 { col_sums: false })
+            && node.inputs == [p]
+            && node.outputs == [c];
+        if !made_each_step {
+            return None;
+        }
+        node.op = Op::Leaf(Leaf::ParamCopy { of: p });
+        node.inputs.clear();
+        node.phase = Phase::Optimizer;
+        Some(c)
     }
 
     /// Finds a tensor by its full name.
@@ -659,6 +705,12 @@ impl Graph {
         self.linear_with(x, w, Some(b))
     }
 
+    /// [`Graph::linear`] whose output is stored as [`Graph::linear_stored_bf16`] stores it.
+    pub fn linear_stored(&mut self, x: Tensor, out: usize) -> Result<Tensor> {
+        let (w, b) = self.linear_params(x, out)?;
+        self.linear_stored_bf16(x, w, Some(b))
+    }
+
     /// A new linear layer's weight (uniform ±1/sqrt(K)) and bias (zeros), named after the
     /// node it will make.
     fn linear_params(&mut self, x: Tensor, out: usize) -> Result<(Tensor, Tensor)> {
@@ -718,6 +770,33 @@ impl Graph {
         let mut all = vec![x, w];
         all.extend(b);
         let out = vec![xs.dims()[0], xs.dims()[1], n];
+        let op = Op::Linear {
+            bias: b.is_some(),
+            relu: false,
+        };
+        Ok(self.add1(op, all, Shape(out), DType::Bf16))
+    }
+
+    /// `x·wᵀ (+ b)` stored in bf16, as autocast stores a linear layer's output, where
+    /// [`Graph::set_bf16_storage`] is on and the layer takes bf16 copies of its operands
+    /// ([`Graph::set_bf16_copies`]); otherwise [`Graph::linear_with`]. For a factor of a cross update ([`Graph::mul_add`]'s `b`,
+    /// which reads it in bf16): its GEMM stores half the bytes and the update reads half,
+    /// forward and backward. The values are the f32 product rounded to nearest even.
+    pub fn linear_stored_bf16(
+        &mut self,
+        x: Tensor,
+        w: Tensor,
+        b: Option<Tensor>,
+    ) -> Result<Tensor> {
+        let (n, k, _) = self.linear_checks(x, w, b)?;
+        let xs = self.shape(x).clone();
+        if !self.bf16_storage || !self.bf16_layer(xs.rows(), k, n) {
+            return self.linear_with(x, w, b);
+        }
+        let mut all = vec![self.bf16_copy(x), self.bf16_copy(w)];
+        all.extend(b);
+        let mut out = xs.dims().to_vec();
+        *out.last_mut().unwrap_or(&mut 0) = n;
         let op = Op::Linear {
             bias: b.is_some(),
             relu: false,
@@ -919,10 +998,16 @@ impl Graph {
     }
 
     /// `a ⊙ b + c` in one op, for three tensors of one shape: the same values as
-    /// `add(mul(a, b), c)`, one pass over memory instead of two and no intermediate.
+    /// `add(mul(a, b), c)` of one shape (the DCN cross update), one pass over memory
+    /// instead of two and no intermediate. In an f32 graph `b` may be bf16 (a layer of
+    /// [`Graph::linear_stored_bf16`]), read as its f32 values.
     pub fn mul_add(&mut self, a: Tensor, b: Tensor, c: Tensor) -> Result<Tensor> {
         let op = "mul_add";
-        let dt = self.expect_float(op, &[a, b, c])?;
+        let dt = if self.float == DType::F32 && self.dtype(b) == DType::Bf16 {
+            self.expect_float(op, &[a, c])?
+        } else {
+            self.expect_float(op, &[a, b, c])?
+        };
         let s = self.shape(a).clone();
         if self.shape(b) != &s || self.shape(c) != &s {
             return Err(self.shape_err(
@@ -1484,5 +1569,82 @@ impl Graph {
             Some(loss),
         )
         .1[0]
+    }
+
+    /// Fuses each forward `Linear` (no ReLU, one output) with the `MulAdd` that reads its
+    /// output as its `b` into one `LinearMulAdd` node at the linear's place (see
+    /// [`crate::fuse_cross_updates`]). Returns, for every node before the fusion, its id
+    /// after (a removed `MulAdd`'s: the fused node's), and how many pairs were fused.
+    pub(crate) fn fuse_linear_mul_adds(&mut self) -> (Vec<NodeId>, usize) {
+        let mut pairs: Vec<(usize, usize)> = Vec::new();
+        for (mi, m) in self.nodes.iter().enumerate() {
+            if m.op != Op::MulAdd || m.phase != Phase::Forward || m.inputs.len() != 3 {
+                continue;
+            }
+            let (a, y, c) = (m.inputs[0], m.inputs[1], m.inputs[2]);
+            let li = self.tensors[y.index()].producer.index();
+            let l = &self.nodes[li];
+            let fusable = matches!(l.op, Op::Linear { relu: false, .. })
+                && l.phase == Phase::Forward
+                && l.outputs == [y]
+                && a != y
+                && c != y
+                && self.shape(a) == self.shape(y)
+                && self.shape(c) == self.shape(y)
+                && self.dtype(a) == DType::F32
+                && self.dtype(c) == DType::F32
+                // the fused node, at the linear's place, reads a and c: made before it
+                && self.tensors[a.index()].producer.index() < li
+                && self.tensors[c.index()].producer.index() < li
+                && !pairs.iter().any(|&(l2, _)| l2 == li);
+            if fusable {
+                pairs.push((li, mi));
+            }
+        }
+        let n = self.nodes.len();
+        if pairs.is_empty() {
+            return ((0..n as u32).map(NodeId).collect(), 0);
+        }
+        let dropped: std::collections::BTreeMap<usize, usize> =
+            pairs.iter().map(|&(l, m)| (m, l)).collect();
+        for &(li, mi) in &pairs {
+            let m = self.nodes[mi].clone();
+            let l = &mut self.nodes[li];
+            let Op::Linear { bias, .. } = l.op else {
+                continue;
+            };
+            let short = m.name.rsplit('/').next().unwrap_or(&m.name).to_string();
+            l.op = Op::LinearMulAdd { bias };
+            l.inputs.extend([m.inputs[0], m.inputs[2]]);
+            l.outputs.extend(m.outputs.iter().copied());
+            l.name = format!("{}+{short}", l.name);
+        }
+        // new ids: nodes after a removed one move down; a removed one maps to its linear
+        let mut remap = Vec::with_capacity(n);
+        let mut removed_before = 0u32;
+        for i in 0..n {
+            if dropped.contains_key(&i) {
+                remap.push(NodeId(u32::MAX));
+                removed_before += 1;
+            } else {
+                remap.push(NodeId(i as u32 - removed_before));
+            }
+        }
+        for (&m, &l) in &dropped {
+            remap[m] = remap[l];
+        }
+        let old = std::mem::take(&mut self.nodes);
+        for (i, mut node) in old.into_iter().enumerate() {
+            if dropped.contains_key(&i) {
+                continue;
+            }
+            node.id = remap[i];
+            node.origin = node.origin.map(|o| remap[o.index()]);
+            self.nodes.push(node);
+        }
+        for t in &mut self.tensors {
+            t.producer = remap[t.producer.index()];
+        }
+        (remap, pairs.len())
     }
 }

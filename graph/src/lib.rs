@@ -48,3 +48,28 @@ pub fn make_trainable_early_updates(g: &mut Graph, cfg: &OptimizerConfig) -> Res
     let updates = optim::attach_grouped(g, &grads, cfg, &|t| early.get(&t).copied())?;
     Ok(Training { grads, updates })
 }
+
+/// Fuses each forward linear layer (without a ReLU) whose output a `MulAdd` reads as its
+/// `b` (the DCN cross update `x0 ⊙ (V·u + c) + x`) into one `Op::LinearMulAdd` node, after
+/// autodiff and the optimizer: the backward and the updates are those of the two nodes,
+/// and the values the same (the update computed from the layer's output as it is stored).
+/// The CUDA plans compute the update in the GEMM's epilogue, one launch and one pass over
+/// the layer's output fewer. Node ids change (`training`'s are updated); returns how many
+/// pairs were fused.
+pub fn fuse_cross_updates(g: &mut Graph, training: &mut Training) -> usize {
+    let (remap, fused) = g.fuse_linear_mul_adds();
+    if fused == 0 {
+        return 0;
+    }
+    let map = |n: &mut NodeId| *n = remap[n.index()];
+    let u = &mut training.updates;
+    u.step_increment.as_mut().map(map);
+    u.dense.iter_mut().for_each(map);
+    u.sparse.iter_mut().for_each(map);
+    for grad in training.grads.by_param.values_mut() {
+        if let Grad::Sparse { node, .. } = grad {
+            map(node);
+        }
+    }
+    fused
+}

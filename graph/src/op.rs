@@ -38,6 +38,11 @@ pub enum Leaf {
     State,
     /// A constant, stored in the graph.
     Const(Vec<f64>),
+    /// The bf16 copy (nearest even) of the parameter `of`, persistent: the parameter's
+    /// optimizer update writes it beside the parameter, and the runtimes make it from
+    /// the parameter at start and whenever the parameter is set (a checkpoint loaded,
+    /// say). Not checkpointed: it is the parameter's value, rounded.
+    ParamCopy { of: crate::graph::Tensor },
 }
 
 /// An operation. Inputs and outputs are listed on the node; the comments give their order.
@@ -57,6 +62,15 @@ pub enum Op {
     /// the residual added to its output, rounded as `Linear` then `Add` (the sum in the
     /// GEMM's epilogue where the kernel can, no pass of its own over y).
     LinearAdd {
+        bias: bool,
+    },
+    /// `[x, w, b?, a, c] -> [y, z (, bf16(z))]`: `y = x·wᵀ (+ b)` and `z = a ⊙ y + c`, a, c
+    /// and z of y's shape: a `Linear` and the `MulAdd` that reads its output as `b` (the DCN
+    /// cross update), in one node, rounded as the two (`y` stored as the `Linear` stored it,
+    /// f32 or bf16, and `z` computed from the stored `y`). Made from the two nodes by
+    /// [`crate::fuse_cross_updates`] after autodiff, so that the GEMM's epilogue computes the
+    /// update; no model builds it, and autodiff never sees it.
+    LinearMulAdd {
         bias: bool,
     },
     /// `[a, b] -> [c]`: matrix product of the last two dims (optional equal leading batch
@@ -252,8 +266,9 @@ pub enum Op {
     Sgd {
         lr: f64,
     },
-    /// `inputs [step, g1..gn]`, `updates [p1..pn, m1..mn, v1..vn]`: Adam with bias
-    /// correction, over all dense parameters in one op.
+    /// `inputs [step, g1..gn]`, `updates [p1..pn, m1..mn, v1..vn, c1..ck]`: Adam with
+    /// bias correction, over all dense parameters in one op; `ci` (k <= n) is the bf16
+    /// copy of `pi` ([`Leaf::ParamCopy`]), written from the updated `pi`.
     Adam {
         lr: f64,
         beta1: f64,
@@ -280,8 +295,10 @@ impl Op {
             Op::Leaf(Leaf::Param { .. }) => "param",
             Op::Leaf(Leaf::State) => "state",
             Op::Leaf(Leaf::Const(_)) => "const",
+            Op::Leaf(Leaf::ParamCopy { .. }) => "param_copy",
             Op::Linear { .. } => "linear",
             Op::LinearAdd { .. } => "linear_add",
+            Op::LinearMulAdd { .. } => "linear_mul_add",
             Op::MatMul { .. } => "matmul",
             Op::Add => "add",
             Op::Mul => "mul",

@@ -45,6 +45,11 @@ pub struct OptimizerConfig {
     /// of the step. The same bits either way. Data-parallel training gathers every rank's
     /// ids at the update and sorts there, so it turns this off.
     pub presort_ids: bool,
+    /// Adam writes the bf16 copy of each parameter that the step's GEMMs read beside the
+    /// updated parameter, in the same pass ([`Graph::keep_param_copy`]), instead of a
+    /// RoundBf16 launch making it from the parameter in the next step's forward. The
+    /// same bits either way.
+    pub copies_in_update: bool,
 }
 
 impl Default for OptimizerConfig {
@@ -53,6 +58,7 @@ impl Default for OptimizerConfig {
             dense: DenseOptimizer::adam(),
             rowwise_adagrad: (0.01, 1e-8),
             presort_ids: true,
+            copies_in_update: true,
         }
     }
 }
@@ -200,6 +206,24 @@ pub fn attach_grouped(
             ));
             let float = g.float_dtype();
             for (key, members) in &groups {
+                // the parameters whose bf16 copy the update writes first, the copies last
+                let mut copies = Vec::new();
+                let mut members = members.clone();
+                if cfg.copies_in_update {
+                    let mut with = Vec::new();
+                    let mut without = Vec::new();
+                    for &(p, gr) in &members {
+                        match g.keep_param_copy(p) {
+                            Some(c) => {
+                                copies.push(c);
+                                with.push((p, gr));
+                            }
+                            None => without.push((p, gr)),
+                        }
+                    }
+                    with.extend(without);
+                    members = with;
+                }
                 let ps: Vec<Tensor> = members.iter().map(|d| d.0).collect();
                 let gs: Vec<Tensor> = members.iter().map(|d| d.1).collect();
                 let mut updates = ps.clone();
@@ -209,6 +233,7 @@ pub fn attach_grouped(
                         updates.push(g.state(&format!("{}.adam_{kind}", g.name(p)), &s, float));
                     }
                 }
+                updates.extend(copies);
                 let mut inputs = vec![step];
                 inputs.extend(gs);
                 let name = format!("optim/adam{}", suffix(key));

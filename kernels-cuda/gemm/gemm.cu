@@ -26,6 +26,10 @@
 // by 8 bf16 per row so that ldmatrix (plain for K-major, .trans otherwise) is free of
 // bank conflicts. Every warp then runs BK/16 x (MI x NI) mma per k step.
 //
+// Bit 6 of the flags, in a kernel that writes C's bf16 copy (COPY), stores the copy alone
+// and no f32 C (a linear layer stored in bf16 whose operands are bf16 copies:
+// Graph::linear_stored_bf16); the plan passes the bf16 output as both C and the copy.
+//
 // Split-K (a fixed range of k per split, the grid's z) writes f32 partials to scratch;
 // `gemm_splitk_reduce` sums them in split order (deterministic, no atomics) and applies
 // the bias and ReLU. The pipelined kernels (either tile) instead sum their splits inside

@@ -165,11 +165,13 @@ __device__ __forceinline__ void gemm_epilogue_as(const float (&acc)[MI][NI][4], 
     // alignment allows, and its bf16 copy
     auto store = [&](int m, int n, float (&v)[2]) {
         float* crow = C + static_cast<long long>(m) * ldc;
-        if (vec_c && n + 1 < N) {
-            *reinterpret_cast<float2*>(crow + n) = make_float2(v[0], v[1]);
-        } else {
-            if (n < N) crow[n] = v[0];
-            if (n + 1 < N) crow[n + 1] = v[1];
+        if (!(COPY && (flags & 64))) {
+            if (vec_c && n + 1 < N) {
+                *reinterpret_cast<float2*>(crow + n) = make_float2(v[0], v[1]);
+            } else {
+                if (n < N) crow[n] = v[0];
+                if (n + 1 < N) crow[n + 1] = v[1];
+            }
         }
         if constexpr (COPY) {
             // the bf16 copy of C (C's layout) that a later GEMM reads

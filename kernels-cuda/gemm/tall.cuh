@@ -149,7 +149,9 @@ __device__ __forceinline__ void gemm_store4(float* __restrict__ C, const float* 
     }
     gemm_add_residual(v, bias, N, ldc, m, n, flags, vec);
     float* crow = C + static_cast<long long>(m) * ldc;
-    if (vec && n + 3 < N) {
+    if (COPY && (flags & 64)) {
+        // C stored in bf16 alone: the copy below is the output
+    } else if (vec && n + 3 < N) {
         *reinterpret_cast<float4*>(crow + n) = make_float4(v[0], v[1], v[2], v[3]);
     } else {
 #pragma unroll

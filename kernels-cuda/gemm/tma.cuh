@@ -37,13 +37,116 @@ __device__ __forceinline__ void gemm_tma_box(uint32_t dst, const GemmTmap* map, 
         : "memory");
 }
 
+// The cross update computed in a GEMM's epilogue (`gemm_bf16t[_c]_128x128_ma`): with the
+// layer's output y = acc (+ bias) stored as the plain kernel stores it (f32 C, or bf16 alone
+// in Cb: flags & 64), z = a ⊙ y_stored + c (each product and sum rounded once, as
+// ew_mul_add) is stored in z, and with flags & 128 its bf16 copy in zb. a, c and z have
+// C's layout (row-major, ldc).
+struct GemmMulAdd {
+    const float* a;
+    const float* c;
+    float* z;
+    __nv_bfloat16* zb;
+};
+
+// Brings the tile's rows of a and c toward L2 while the main loop runs (as
+// gemm_prefetch_residual does for a residual).
+template <int BN>
+__device__ __forceinline__ void gemm_prefetch_mul_add(const GemmMulAdd& ma, int M, int N, long long ldc, int m0,
+                                                      int n0, int t, int threads) {
+    constexpr int LINES = BN * 4 / 128;
+    for (int i = t; i < 128 * LINES; i += threads) {
+        const int m = m0 + i / LINES, n = n0 + (i % LINES) * 32;
+        if (m < M && n < N) {
+            const long long off = static_cast<long long>(m) * ldc + n;
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ma.a + off));
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ma.c + off));
+        }
+    }
+}
+
+// The staged epilogue (gemm_staged_epilogue's store of the tile through shared memory, a
+// float4 a lane) with the cross update: RB rows' a and c loaded before their stores.
+template <int BN, bool COPY>
+__device__ __forceinline__ void gemm_staged_epilogue_ma(const float (&acc)[1][BN / 8][4], float* __restrict__ C,
+                                                        const float* __restrict__ bias, int M, int N, long long ldc,
+                                                        int m0, int n0, int flags, uint32_t base, unsigned char* smem,
+                                                        __nv_bfloat16* __restrict__ Cb, const GemmMulAdd& ma) {
+    constexpr int BM = 128, LDT = BN + 4, C4 = BN / 4, THREADS = 256, ROWS = THREADS / C4, RB = 4;
+    const int tid = threadIdx.x;
+    const float* T = gemm_stage_tile<BN>(acc, base, smem);
+    const int c = (tid % C4) * 4, n = n0 + c;
+    float b[4] = {0.f, 0.f, 0.f, 0.f};
+    if (flags & 1) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (n + e < N) b[e] = __ldg(bias + n + e);
+    }
+    __syncthreads();
+    const auto al16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+    const bool vec = (ldc & 3) == 0 && al16(C) && al16(ma.a) && al16(ma.c) && al16(ma.z);
+    const bool v4 = vec && n + 3 < N;
+    const bool bf16_only = COPY && (flags & 64);
+    for (int r0 = tid / C4; r0 < BM; r0 += RB * ROWS) {
+        float4 av[RB], cv[RB];
+#pragma unroll
+        for (int j = 0; j < RB; ++j) {
+            const int r = r0 + j * ROWS, m = m0 + r;
+            av[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            cv[j] = av[j];
+            if (r >= BM || m >= M) continue;
+            const long long off = static_cast<long long>(m) * ldc + n;
+            if (v4) {
+                av[j] = __ldcs(reinterpret_cast<const float4*>(ma.a + off));
+                cv[j] = __ldcs(reinterpret_cast<const float4*>(ma.c + off));
+            } else {
+                float* pa = &av[j].x;
+                float* pc = &cv[j].x;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (n + e < N) {
+                        pa[e] = __ldg(ma.a + off + e);
+                        pc[e] = __ldg(ma.c + off + e);
+                    }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < RB; ++j) {
+            const int r = r0 + j * ROWS, m = m0 + r;
+            if (r >= BM || m >= M) break;
+            const float4 x = *reinterpret_cast<const float4*>(T + r * LDT + c);
+            float v[4] = {x.x + b[0], x.y + b[1], x.z + b[2], x.w + b[3]};
+            // y as stored: f32 C and its copy, or bf16 alone (the bias is in)
+            gemm_store4<COPY>(C, bias, N, ldc, m, n, v, flags & 64, vec, Cb);
+            const float* pa = &av[j].x;
+            const float* pc = &cv[j].x;
+            float z[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float y = bf16_only ? __bfloat162float(__float2bfloat16_rn(v[e])) : v[e];
+                z[e] = erase_add(erase_mul(pa[e], y), pc[e]);
+            }
+            const long long off = static_cast<long long>(m) * ldc + n;
+            if (v4) {
+                *reinterpret_cast<float4*>(ma.z + off) = make_float4(z[0], z[1], z[2], z[3]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (n + e < N) ma.z[off + e] = z[e];
+            }
+            if (flags & 128) gemm_store4_bf16(ma.zb + static_cast<long long>(m) * ldc, N, n, z, vec);
+        }
+    }
+}
+
 // SPLIT > 1: the kernel runs in clusters of SPLIT CTAs along z, split s taking k from
 // s·k_split (gemm_wgmma_body's split-K, summed by gemm_cluster_epilogue).
-template <int BN, int STAGES, int SPLIT, bool TA, bool TB, bool COPY>
+template <int BN, int STAGES, int SPLIT, bool TA, bool TB, bool COPY, bool MA = false>
 __device__ __forceinline__ void gemm_tma_body(const GemmTmap* __restrict__ map_a, const GemmTmap* __restrict__ map_b,
                                               float* __restrict__ C, const float* __restrict__ bias, int M, int N,
                                               int Kp, long long ldc, int k_split, int flags,
-                                              __nv_bfloat16* __restrict__ Cb) {
+                                              __nv_bfloat16* __restrict__ Cb, const GemmMulAdd ma = {}) {
+    static_assert(!MA || SPLIT == 1, "the cross update's epilogue stores a whole tile");
     constexpr int BM = 128, BK = 64, A_BYTES = BM * BK * 2, STAGE = (BM + BN) * BK * 2, NACC = BN / 2;
     constexpr uint32_t BOX = 64 * 64 * 2;
     static_assert(BN == 64 || BN == 128 || BN == 256, "the TMA tiles are 64, 128 or 256 wide");
@@ -93,6 +196,7 @@ __device__ __forceinline__ void gemm_tma_body(const GemmTmap* __restrict__ map_a
 #pragma unroll
     for (int i = 0; i < NACC; ++i) d[i] = 0.f;
     gemm_prefetch_residual<BN>(bias, M, N, ldc, m0, n0, flags, tid, 256);
+    if constexpr (MA) gemm_prefetch_mul_add<BN>(ma, M, N, ldc, m0, n0, tid, 256);
 
     for (int kt = 0; kt < nk; ++kt) {
         const int slot = kt % STAGES;
@@ -117,7 +221,11 @@ __device__ __forceinline__ void gemm_tma_body(const GemmTmap* __restrict__ map_a
     gemm_wgmma_hold(d);
     // every box landed (each step's `full` was waited for) and every wgmma is done: the
     // epilogue's first barrier frees the ring for the staged tile
-    gemm_wgmma_epilogue<BN, SPLIT, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
+    if constexpr (MA) {
+        gemm_staged_epilogue_ma<BN, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb, ma);
+    } else {
+        gemm_wgmma_epilogue<BN, SPLIT, COPY>(acc, C, bias, M, N, ldc, m0, n0, flags, base, gemm_smem, Cb);
+    }
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -164,3 +272,27 @@ ERASE_GEMM_TMA_KERNELS(_mm, true, true, false)
 ERASE_GEMM_TMA_KERNELS(_km, false, true, false)
 ERASE_GEMM_TMA_KERNELS(_c, false, false, true)
 ERASE_GEMM_TMA_KERNELS(_kmc, false, true, true)
+
+// gemm_bf16t_128x128_ma and gemm_bf16t_c_128x128_ma: the unsplit 128x128 TMA kernels (f32
+// C; C's bf16 copy or, flags & 64, C in bf16 alone) with the cross update in the epilogue
+// (gemm_staged_epilogue_ma): the TMA kernels' arguments, then a, c, z and zb (z's bf16
+// copy, written where flags & 128). Grid: (Mp/128, Np/128, 1); block 256. sm_90a only.
+#define ERASE_GEMM_TMA_MA_ARGS                                                                     \
+    ERASE_GEMM_TMA_ARGS, const float *__restrict__ ma_a, const float *__restrict__ ma_c, float *__restrict__ ma_z, \
+        __nv_bfloat16 *__restrict__ ma_zb
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ERASE_GEMM_TMA_MA_KERNEL(LAYOUT, COPY)                                                                 \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16t##LAYOUT##_128x128_ma(ERASE_GEMM_TMA_MA_ARGS) {      \
+        ERASE_PDL_ENTER();                                                                                     \
+        gemm_tma_body<128, 3, 1, false, false, COPY, true>(&map_a, &map_b, C, bias, M, N, Kp, ldc, k_split, flags, \
+                                                           Cb, GemmMulAdd{ma_a, ma_c, ma_z, ma_zb});          \
+    }
+#else
+#define ERASE_GEMM_TMA_MA_KERNEL(LAYOUT, COPY)                                                            \
+    ERASE_KERNEL void __launch_bounds__(256, 2) gemm_bf16t##LAYOUT##_128x128_ma(ERASE_GEMM_TMA_MA_ARGS) { \
+        ERASE_PDL_ENTER();                                                                                \
+        __trap();                                                                                         \
+    }
+#endif
+ERASE_GEMM_TMA_MA_KERNEL(, false)
+ERASE_GEMM_TMA_MA_KERNEL(_c, true)

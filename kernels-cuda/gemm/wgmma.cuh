@@ -429,9 +429,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const __nv_bfloat16* __restrict_
 //   C, bias, M, N, Kp (i32; Kp a multiple of 64: the k range read, rows of A and B past M
 //   and N read as row M-1 or N-1, and in `_mm` M, N are multiples of 8),
 //   lda, ldb, ldc (i64), batch_a, batch_b, batch_c (i64, elements), batch (i32),
-//   k_split (i32, multiple of 64), split_c (i64), flags (i32: 1 bias, 2 relu, 8 the mask), Cb (bf16:
-//   the `_c` kernels, K-major operands, also store C's bf16 copy there, C's layout, the
-//   operand of a later GEMM; the others never touch it).
+//   k_split (i32, multiple of 64), split_c (i64), flags (i32: 1 bias, 2 relu, 8 the mask,
+//   16 a residual through `bias`, 64 in the `_c` kernels C stored in bf16 alone: C and Cb
+//   the same bf16 tensor), Cb (bf16: the `_c` kernels, K-major operands, also store C's
+//   bf16 copy there, C's layout, the operand of a later GEMM; the others never touch it).
 // The operands are either the plan's rounded scratch (K-major, [Mp][Kp] and [Np][Kp],
 // lda = ldb = Kp) or bf16 tensors read in place: an activation rounded once by its
 // RoundBf16 node for every GEMM that reads it (K-major as Linear's x or

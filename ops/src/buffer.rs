@@ -65,6 +65,12 @@ impl Buffer {
         self.len() == 0
     }
 
+    /// Every element rounded to bf16 (nearest even), as RoundBf16 and the kernels round:
+    /// a parameter's bf16 copy (`Leaf::ParamCopy`).
+    pub fn to_bf16(&self) -> Buffer {
+        crate::cpu::cast(self, DType::Bf16)
+    }
+
     /// Every element as f64 (for metrics, checks and printing).
     pub fn to_f64(&self) -> Vec<f64> {
         match self {

@@ -68,6 +68,7 @@ pub(crate) fn exec_inner<T: Elem>(
         Op::Sgd { .. } | Op::Adam { .. } => optim::exec_optim::<T>(call, ins, outs, upd),
         Op::Leaf(_)
         | Op::LinearAdd { .. }
+        | Op::LinearMulAdd { .. }
         | Op::Reshape
         | Op::Detach
         | Op::Cast { .. }
@@ -99,6 +100,9 @@ pub(crate) fn exec_untyped(
         Op::Reshape | Op::Detach | Op::Cast { .. } => elementwise::exec_copy(call, ins, outs),
         Op::RoundBf16 { col_sums } => gemm::exec_round_bf16(ins, outs, *col_sums),
         Op::LinearAdd { bias } => return Some(gemm::exec_linear_add(call, ins, outs, upd, *bias)),
+        Op::LinearMulAdd { bias } => {
+            return Some(gemm::exec_linear_mul_add(call, ins, outs, upd, *bias))
+        }
         Op::EmbeddingSort { .. } if ins.len() != 2 => Err(format!(
             "expected ids and offsets, got {} inputs",
             ins.len()
@@ -182,6 +186,7 @@ pub(crate) fn exec_stored(
         | Op::Cast { .. }
         | Op::RoundBf16 { .. }
         | Op::LinearAdd { .. }
+        | Op::LinearMulAdd { .. }
         | Op::EmbeddingSort { .. }
         | Op::StepIncrement
         | Op::MatMul { .. }
@@ -244,6 +249,7 @@ pub fn cuda_plan(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         Op::Leaf(_) => Err(format!("{}: a leaf has no kernel", op.name())),
         Op::Linear { bias, relu } => named(op, gemm::linear(o, *bias, *relu, false)),
         Op::LinearAdd { bias } => named(op, gemm::linear(o, *bias, false, true)),
+        Op::LinearMulAdd { bias } => named(op, gemm::linear_mul_add(o, *bias)),
         Op::LinearGradInput {
             relu_mask,
             residual,
@@ -360,6 +366,7 @@ pub fn launch_spec_typed(
         Op::Leaf(_) | Op::Reshape | Op::Detach => return None,
         Op::Linear { .. } => gemm::linear(c),
         Op::LinearAdd { .. } => gemm::linear_add(c),
+        Op::LinearMulAdd { .. } => gemm::linear_mul_add(c),
         Op::LinearGradInput { residual, .. } => gemm::linear_grad_input(c, *residual),
         Op::LinearGradWeight { .. } => gemm::linear_grad_weight(c),
         Op::MatMul { ta, .. } => gemm::matmul(c, *ta),
@@ -419,7 +426,10 @@ pub fn launch_spec_typed(
     spec.copies = dt == DType::Bf16
         && matches!(
             op,
-            Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. }
+            Op::Linear { .. }
+                | Op::LinearMulAdd { .. }
+                | Op::LinearGradInput { .. }
+                | Op::LinearGradWeight { .. }
         );
     Some(spec)
 }

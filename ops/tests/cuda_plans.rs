@@ -903,7 +903,8 @@ fn a_packed_qkv_stored_in_bf16_is_written_and_read_as_it_is() {
         .all(|c| !c.args.contains(&KArg::Out(0))));
     assert!(p.calls[ks.len() - 1].args.contains(&KArg::Out(0)));
     assert_eq!(p.scratch, [512 * 192 * 4]);
-    // a bf16 input and a bf16 output together are no layer Erase makes
+    // one bf16 operand and a bf16 output are no layer Erase makes (both: a cross layer
+    // stored in bf16, a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it)
     assert!(plan(
         &lin,
         &[(&[rows, 64], B), (&[192, 64], F), (&[192], F)],
@@ -1230,4 +1231,167 @@ fn a_loss_heads_gemms_run_the_thin_kernels() {
     assert!(!env.gemm_thin);
     let bad = PlanOptions::H200.with_env(|v| (v == "ERASE_GEMM_THIN").then(|| "2".to_string()));
     assert!(bad.unwrap_err().contains("ERASE_GEMM_THIN=2"));
+}
+
+/// A cross layer's up-projection stored in bf16 (Graph::linear_stored_bf16): one launch of
+/// the pipelined kernels' copy form stores C in bf16 alone (flags bit 6, the output passed
+/// as C and as the copy), and the cross update and its gradient read it as it is (`_b16`).
+#[test]
+fn a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it() {
+    let b = DType::Bf16;
+    let fwd = Op::Linear {
+        bias: true,
+        relu: false,
+    };
+    for opts in [
+        PlanOptions::H200,
+        PlanOptions {
+            gemm_tma: false,
+            ..PlanOptions::H200
+        },
+    ] {
+        // DCNv2's (4096 x 512 -> 3456) and the spec model's (4096 x 256 -> 1728), and the
+        // GPU test's ragged shapes (edge tiles; an odd N, the epilogues' scalar stores)
+        for (m, k, n) in [
+            (4096, 512, 3456),
+            (4096, 256, 1728),
+            (1000, 192, 200),
+            (515, 128, 203),
+        ] {
+            let ins: &[(&[usize], DType)] = &[(&[m, k], b), (&[n, k], b), (&[n], F)];
+            let outs: &[(&[usize], DType)] = &[(&[m, n], b)];
+            let p = plan_with(opts, &fwd, ins, outs).expect("stored in bf16");
+            assert_eq!(p.calls.len(), 1, "{:?}", kernels(&p));
+            let c = &p.calls[0];
+            assert!(
+                pipelined(c.kernel) && c.kernel.contains("_c_"),
+                "{}",
+                c.kernel
+            );
+            let (flags, copy) = if c.kernel.starts_with("gemm_bf16t") {
+                (&c.args[9], &c.args[10])
+            } else {
+                (&c.args[16], &c.args[17])
+            };
+            // bias (bit 0) and C alone in bf16 (bit 6)
+            assert_eq!(*flags, KArg::I32(1 | 64), "{}", c.kernel);
+            assert_eq!(c.args[2], KArg::Out(0));
+            assert_eq!(*copy, KArg::Out(0));
+            assert!(p.scratch.is_empty());
+        }
+    }
+    // f32 operands stored in bf16 keep their path (C to scratch and a cast, or the tall
+    // kernels' own bf16 store): no bit 6 anywhere
+    let ins: &[(&[usize], DType)] = &[(&[4096, 512], F), (&[3456, 512], F), (&[3456], F)];
+    let p = plan(&fwd, ins, &[(&[4096, 3456], b)]).expect("f32 operands");
+    assert!(kernels(&p).contains(&"ew_cast"), "{:?}", kernels(&p));
+    // the cross update reads b in bf16, with and without its own copy
+    let s: &[usize] = &[4096, 3456];
+    let p = plan(&Op::MulAdd, &[(s, F), (s, b), (s, F)], &[(s, F)]).expect("mul_add");
+    assert_eq!(kernels(&p), ["ew_mul_add_b16"]);
+    let p = plan(&Op::MulAdd, &[(s, F), (s, b), (s, F)], &[(s, F), (s, b)]).expect("with a copy");
+    assert_eq!(kernels(&p), ["ew_mul_add_bf16_b16"]);
+    let p = plan(&Op::MulAdd, &[(s, F), (s, F), (s, F)], &[(s, F)]).expect("f32");
+    assert_eq!(kernels(&p), ["ew_mul_add"]);
+    // and its gradient: [dy, x0, v] -> [dx0, dv in bf16, dv's column sums]
+    let p = plan(
+        &Op::MulGrad,
+        &[(s, F), (s, F), (s, b)],
+        &[(s, F), (s, b), (&[3456], F)],
+    )
+    .expect("mul_grad");
+    assert_eq!(kernels(&p), ["ew_mul_grad_bf16_b16", "colsum_final"]);
+    // a bf16 a (the other factor) is not a form the kernels have
+    let e = plan(&Op::MulAdd, &[(s, b), (s, F), (s, F)], &[(s, F)]).unwrap_err();
+    assert!(e.contains("input 0 is bf16"), "{e}");
+}
+
+/// The fused cross update (`LinearMulAdd`): the update in the epilogue of the one TMA
+/// launch that writes the layer's output (f32, or bf16 alone), z's copy where the node
+/// has one (flags bit 7); switched off, or where the GEMM is not that launch, the
+/// update's own launch after the GEMM, its operands named as the node's.
+#[test]
+fn a_fused_cross_update_runs_in_its_gemms_epilogue_where_one_tma_launch_writes_y() {
+    let bf = DType::Bf16;
+    let op = Op::LinearMulAdd { bias: true };
+    // DCNv2's up-projection at batch 4096: u [4096, 512] and w [3456, 512] as bf16
+    // copies, then x0 and x; y stored in bf16 or in f32
+    let (rows, width) = (4096usize, 3456usize);
+    let ins = |copies: bool| -> Vec<(&'static [usize], DType)> {
+        let t = if copies { bf } else { F };
+        let leak = |v: Vec<usize>| -> &'static [usize] { Box::leak(v.into_boxed_slice()) };
+        vec![
+            (leak(vec![rows, 512]), t),
+            (leak(vec![width, 512]), t),
+            (leak(vec![width]), F),
+            (leak(vec![rows, width]), F),
+            (leak(vec![rows, width]), F),
+        ]
+    };
+    let y: &[usize] = &[rows, width];
+    for (y_dtype, kernel, bf16_only) in [
+        (bf, "gemm_bf16t_c_128x128_ma", 64),
+        (F, "gemm_bf16t_128x128_ma", 0),
+    ] {
+        for copy in [true, false] {
+            let mut outs: Vec<(&[usize], DType)> = vec![(y, y_dtype), (y, F)];
+            if copy {
+                outs.push((y, bf));
+            }
+            let p = plan(&op, &ins(true), &outs).unwrap();
+            assert_eq!(kernels(&p), [kernel], "y {y_dtype}, copy {copy}");
+            let c = &p.calls[0];
+            assert_eq!(c.grid, [32, 27, 1]);
+            let copy_flag = if copy { 128 } else { 0 };
+            assert_eq!(c.args[9], KArg::I32(1 | bf16_only | copy_flag));
+            let z_copy = if copy { KArg::Out(2) } else { KArg::Out(1) };
+            assert_eq!(
+                c.args[11..],
+                [KArg::In(3), KArg::In(4), KArg::Out(1), z_copy],
+                "a, c, z and z's copy"
+            );
+            assert_eq!(c.args.len(), 15);
+            // switched off: the layer's own plan, then the update reading y as it is
+            let off = PlanOptions {
+                gemm_mul_add_epilogue: false,
+                ..PlanOptions::H200
+            };
+            let p = plan_with(off, &op, &ins(true), &outs).unwrap();
+            let update = match (copy, y_dtype == bf) {
+                (true, true) => "ew_mul_add_bf16_b16",
+                (false, true) => "ew_mul_add_b16",
+                (true, false) => "ew_mul_add_bf16",
+                (false, false) => "ew_mul_add",
+            };
+            let ks = kernels(&p);
+            assert_eq!(ks.last(), Some(&update), "{ks:?}");
+            assert!(
+                ks[..ks.len() - 1].iter().all(|k| k.starts_with("gemm_")),
+                "{ks:?}"
+            );
+            let u = &p.calls[p.calls.len() - 1];
+            let mut want = vec![KArg::In(3), KArg::Out(0), KArg::In(4), KArg::Out(1)];
+            if copy {
+                want.push(KArg::Out(2));
+            }
+            assert_eq!(u.args[..want.len()], want[..]);
+        }
+    }
+    // f32 operands on the single-launch kernels (a small layer): the update's own launch
+    let small = |n: usize| -> Vec<(&'static [usize], DType)> {
+        let leak = |v: Vec<usize>| -> &'static [usize] { Box::leak(v.into_boxed_slice()) };
+        vec![
+            (leak(vec![64, 32]), F),
+            (leak(vec![n, 32]), F),
+            (leak(vec![n]), F),
+            (leak(vec![64, n]), F),
+            (leak(vec![64, n]), F),
+        ]
+    };
+    let p = plan(&op, &small(48), &[(&[64, 48], F), (&[64, 48], F)]).unwrap();
+    assert_eq!(kernels(&p).last(), Some(&"ew_mul_add"), "{:?}", kernels(&p));
+    assert!(!kernels(&p).iter().any(|k| k.ends_with("_ma")));
+    // a wrong operand list is refused, naming what it expected
+    let e = plan(&op, &small(48)[..4], &[(&[64, 48], F), (&[64, 48], F)]).unwrap_err();
+    assert!(e.contains("expected 5 inputs"), "{e}");
 }

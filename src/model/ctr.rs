@@ -727,7 +727,8 @@ fn cross(g: &mut Graph, e: Tensor, p: &CrossParams) -> Result<Tensor> {
     let mut x = x0;
     for (&u, &v) in p.u.iter().zip(&p.v) {
         let low = linear(g, x, u)?;
-        let up = linear(g, low, v)?;
+        // stored in bf16 where its operands are copies (Graph::linear_stored_bf16)
+        let up = g.linear_stored_bf16(low, v.w, v.b)?;
         // x0 ⊙ up + x in one pass
         x = g.mul_add(x0, up, x)?;
     }
@@ -772,18 +773,23 @@ fn aux_head(g: &mut Graph, o: Tensor, head: Lin, label: Tensor, batch: usize) ->
 /// Builds the forward graph and registers its losses (see [`CtrModel`]). `float` is the
 /// type of parameters and activations: F32, or F64 for reference computations.
 pub fn build(cfg: &CtrConfig, float: DType) -> Result<CtrModel> {
-    build_with(cfg, float, None)
+    build_with(cfg, float, None, false)
 }
 
 /// [`build`], with bf16 copies of the GEMM operands of layers of at least `bf16_copies`
 /// FLOPs (see `Graph::set_bf16_copies`).
-pub fn build_with(cfg: &CtrConfig, float: DType, bf16_copies: Option<usize>) -> Result<CtrModel> {
+pub fn build_with(
+    cfg: &CtrConfig,
+    float: DType,
+    bf16_copies: Option<usize>,
+    bf16_storage: bool,
+) -> Result<CtrModel> {
     cfg.validate()?;
     if cfg.model != "spec" {
         let m = super::api::find(&cfg.model)?;
-        return build_api(m.as_ref(), cfg, float, bf16_copies);
+        return build_api(m.as_ref(), cfg, float, bf16_copies, bf16_storage);
     }
-    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies)?;
+    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies, bf16_storage)?;
     let (b, d) = (cfg.batch, cfg.dim);
     let detached = cfg.variant.is_detached();
 
@@ -890,6 +896,7 @@ fn graph_inputs_and_table(
     cfg: &CtrConfig,
     float: DType,
     bf16_copies: Option<usize>,
+    bf16_storage: bool,
 ) -> Result<(Graph, CtrInputs, Tensor)> {
     ensure!(
         matches!(float, DType::F32 | DType::F64),
@@ -897,6 +904,7 @@ fn graph_inputs_and_table(
     );
     let mut g = Graph::new(float);
     g.set_bf16_copies(bf16_copies);
+    g.set_bf16_storage(bf16_storage);
     let (b, ns) = (cfg.batch, cfg.num_sparse);
     let inputs = CtrInputs {
         dense: g.input("dense", &[b, cfg.dense_width()], float)?,
@@ -933,8 +941,9 @@ fn build_api(
     cfg: &CtrConfig,
     float: DType,
     bf16_copies: Option<usize>,
+    bf16_storage: bool,
 ) -> Result<CtrModel> {
-    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies)?;
+    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies, bf16_storage)?;
     let (b, d) = (cfg.batch, cfg.dim);
     let pooled = pool(&mut g, cfg, &inputs, table)?;
     let x = super::api::ModelInputs {

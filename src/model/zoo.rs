@@ -137,7 +137,7 @@ impl Model for DcnV2 {
             let mut xl = x0;
             for _ in 0..cfg.cross_layers {
                 let u = g.linear(xl, cfg.cross_rank)?;
-                let v = g.linear(u, width)?;
+                let v = g.linear_stored(u, width)?;
                 xl = g.mul_add(x0, v, xl)?;
             }
             Ok(xl)

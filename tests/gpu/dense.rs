@@ -21,7 +21,7 @@
 //!   n terms: acc(n) = (n/16 + 2)·2^-22 relative to the sum of magnitudes).
 
 use super::{arg, device, handle_with, rand_f32, run_cpu, run_gpu, Arg};
-use erase::graph::{DType, Op};
+use erase::graph::{DType, Op, Shape};
 use erase::ops::cuda::GemmTile;
 use erase::ops::Buffer;
 
@@ -1339,6 +1339,118 @@ fn a_linear_stored_in_bf16_is_its_f32_output_rounded() {
     }
 }
 
+/// A cross layer stored in bf16 (`Graph::linear_stored_bf16`: bf16 copies of both operands
+/// in, bf16 C out): the pipelined kernels' copy epilogue stores C alone (flags bit 6, the
+/// plan asserted: one launch of a `_c_` kernel), and from poisoned outputs it is, bit for
+/// bit, the copy the same kernel writes beside its f32 C, and within a bf16 rounding of
+/// the reference: DCNv2's and the spec model's shapes, a ragged one (edge tiles) and one
+/// of odd N (the epilogues' scalar stores), on the TMA and the cp.async kernels.
+#[test]
+fn a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone() {
+    let Some(dev) = device("a_linear_of_bf16_copies_stored_in_bf16_is_its_copy_alone") else {
+        return;
+    };
+    let cp_async = handle_with(erase::ops::cuda::PlanOptions {
+        gemm_tma: false,
+        ..dev.plan_options()
+    });
+    for (i, &(m, n, k)) in [
+        (4096usize, 3456usize, 512usize),
+        (4096, 1728, 256),
+        (1000, 200, 192),
+        (515, 203, 128),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 1400 + 10 * i as u64;
+        let bf = |v: Vec<f32>| {
+            Buffer::from_f64(
+                DType::Bf16,
+                &v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+            )
+        };
+        let xb = bf(rand_f32(seed, m * k, -1.0, 1.0));
+        let wb = bf(rand_f32(seed + 1, n * k, -1.0, 1.0));
+        let (xv, wv): (Vec<f32>, Vec<f32>) = (
+            xb.to_f64().iter().map(|&x| x as f32).collect(),
+            wb.to_f64().iter().map(|&x| x as f32).collect(),
+        );
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let ins = [arg(&[m, k], xb), arg(&[n, k], wb), b];
+        let op = Op::Linear {
+            bias: true,
+            relu: false,
+        };
+        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+        for (path, d) in [("tma", dev), ("cp.async", &cp_async)] {
+            let what = format!("linear {m}x{n}x{k} of bf16 copies stored in bf16 ({path})");
+            // the plan this device runs: one copy-form launch with bit 6, or the test
+            // would pass through the scratch-and-cast fallback without running bit 6
+            let shapes = [
+                Shape::new(&[m, k]),
+                Shape::new(&[n, k]),
+                Shape::new(&[n]),
+                Shape::new(&[m, n]),
+            ];
+            let plan = erase::ops::cuda::cuda_plan(
+                &op,
+                &erase::ops::cuda::Operands {
+                    opts: d.plan_options(),
+                    ins: &[&shapes[0], &shapes[1], &shapes[2]],
+                    in_dtypes: &[DType::Bf16, DType::Bf16, DType::F32],
+                    outs: &[&shapes[3]],
+                    out_dtypes: &[DType::Bf16],
+                    upd: &[],
+                },
+            )
+            .expect("a linear stored in bf16 plans");
+            assert_eq!(plan.calls.len(), 1, "{what}: {:?}", plan.calls);
+            let c = &plan.calls[0];
+            let flags = if c.kernel.starts_with("gemm_bf16t") {
+                &c.args[9]
+            } else {
+                &c.args[16]
+            };
+            assert!(
+                c.kernel.contains("_c_")
+                    && matches!(flags, erase::ops::cuda::KArg::I32(f) if f & 64 != 0),
+                "{what}: {} {flags:?}",
+                c.kernel
+            );
+            let both = run_gpu(
+                d,
+                &op,
+                &ins,
+                &[(&[m, n], DType::F32), (&[m, n], DType::Bf16)],
+                &mut [],
+            );
+            assert_within(&what, &both[0].to_f64(), &want, &tol);
+            let got = run_gpu(d, &op, &ins, &[(&[m, n], DType::Bf16)], &mut []);
+            assert_eq!(got[0].dtype(), DType::Bf16, "{what}");
+            // against the reference too (so an element left unwritten by both launches
+            // fails): within the f32 bound plus one bf16 rounding of the value
+            let tol_b16: Vec<f64> = tol
+                .iter()
+                .zip(&want)
+                .map(|(t, w)| t + w.abs() * 2f64.powi(-8))
+                .collect();
+            assert_within(&what, &got[0].to_f64(), &want, &tol_b16);
+            if let Some(e) = (0..m * n)
+                .find(|&e| got[0].bytes()[2 * e..2 * e + 2] != both[1].bytes()[2 * e..2 * e + 2])
+            {
+                panic!(
+                    "{what}: [{}, {}] = {} against the copy beside f32 C, {}",
+                    e / n,
+                    e % n,
+                    got[0].to_f64()[e],
+                    both[1].to_f64()[e]
+                );
+            }
+        }
+    }
+}
+
 /// The CTR model's own large GEMMs (the deep and cross blocks at batch 4096), which take
 /// the pipelined path: forward with bias, data gradient, weight gradient (split-K).
 #[test]
@@ -2122,5 +2234,139 @@ fn the_thin_gemms_match_the_bf16_reference() {
         }
         let t = run_gpu(&tiled, &op, &ins, &outs, &mut []);
         assert_within(&format!("{what}, tiled"), &t[0].to_f64(), &want, &tol);
+    }
+}
+
+/// The fused cross update (`LinearMulAdd`: y = x·wᵀ + b stored in f32 or in bf16, then
+/// z = a ⊙ y + c and z's bf16 copy) against the bf16 reference and against itself taken
+/// apart, outputs poisoned by the runner: y within the GEMM's tolerance (plus a bf16
+/// rounding where stored so); z, bit for bit, the product and sum of a, the stored y and
+/// c in f32 (no FMA); the copy z rounded to nearest even; and every output's bits those
+/// of the update's own launch after the GEMM (`gemm_mul_add_epilogue` off). At DCNv2's
+/// shape the plan is one `_ma` launch; a ragged shape (edge tiles) and an odd N (scalar
+/// stores) too, on fresh random operands of both signs (never zero).
+#[test]
+fn a_fused_cross_update_matches_its_layer_and_update_apart() {
+    let Some(dev) = device("a_fused_cross_update_matches_its_layer_and_update_apart") else {
+        return;
+    };
+    let apart = handle_with(erase::ops::cuda::PlanOptions {
+        gemm_mul_add_epilogue: false,
+        ..dev.plan_options()
+    });
+    let op = Op::LinearMulAdd { bias: true };
+    for (i, &(m, n, k)) in [
+        (4096usize, 3456usize, 512usize),
+        (1000, 200, 192),
+        (515, 203, 128),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 3100 + 10 * i as u64;
+        let bf = |v: Vec<f32>| {
+            Buffer::from_f64(
+                DType::Bf16,
+                &v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+            )
+        };
+        let signed = |s: u64| -> Vec<f32> {
+            let mag = rand_f32(s, m * n, 0.05, 1.0);
+            let sign = rand_f32(s ^ 0x5151, m * n, 0.0, 1.0);
+            mag.iter()
+                .zip(sign)
+                .map(|(&v, s)| if s < 0.5 { -v } else { v })
+                .collect()
+        };
+        let xb = bf(rand_f32(seed, m * k, -1.0, 1.0));
+        let wb = bf(rand_f32(seed + 1, n * k, -1.0, 1.0));
+        let (xv, wv): (Vec<f32>, Vec<f32>) = (
+            xb.to_f64().iter().map(|&x| x as f32).collect(),
+            wb.to_f64().iter().map(|&x| x as f32).collect(),
+        );
+        let (b, bv) = f32_arg(&[n], seed + 2, -1.0, 1.0);
+        let (av, cv) = (signed(seed + 3), signed(seed + 4));
+        let ins = [
+            arg(&[m, k], xb),
+            arg(&[n, k], wb),
+            b,
+            arg(&[m, n], Buffer::F32(av.clone())),
+            arg(&[m, n], Buffer::F32(cv.clone())),
+        ];
+        let (want, tol) = gemm_ref((1, m, n, k), &xv, false, &wv, true, Some(&bv[..]));
+        for y_dtype in [DType::Bf16, DType::F32] {
+            for copy in [true, false] {
+                let what = format!("linear_mul_add {m}x{n}x{k}, y {y_dtype}, z's copy {copy}");
+                let mn = [m, n];
+                let mut outs: Vec<(&[usize], DType)> = vec![(&mn, y_dtype), (&mn, DType::F32)];
+                if copy {
+                    outs.push((&mn, DType::Bf16));
+                }
+                if m == 4096 {
+                    let shapes: Vec<Shape> = [&[m, k][..], &[n, k], &[n], &[m, n], &[m, n]]
+                        .iter()
+                        .map(|d| Shape::new(d))
+                        .collect();
+                    let out_shapes: Vec<Shape> = outs.iter().map(|(d, _)| Shape::new(d)).collect();
+                    let out_dtypes: Vec<DType> = outs.iter().map(|o| o.1).collect();
+                    let plan = erase::ops::cuda::cuda_plan(
+                        &op,
+                        &erase::ops::cuda::Operands {
+                            opts: dev.plan_options(),
+                            ins: &shapes.iter().collect::<Vec<_>>(),
+                            in_dtypes: &[
+                                DType::Bf16,
+                                DType::Bf16,
+                                DType::F32,
+                                DType::F32,
+                                DType::F32,
+                            ],
+                            outs: &out_shapes.iter().collect::<Vec<_>>(),
+                            out_dtypes: &out_dtypes,
+                            upd: &[],
+                        },
+                    )
+                    .expect("the fused update plans");
+                    let names: Vec<&str> = plan.calls.iter().map(|c| c.kernel).collect();
+                    assert!(
+                        names.len() == 1 && names[0].ends_with("_128x128_ma"),
+                        "{what}: {names:?}"
+                    );
+                }
+                let got = run_gpu(dev, &op, &ins, &outs, &mut []);
+                let y = got[0].to_f64();
+                let tol_y: Vec<f64> = if y_dtype == DType::Bf16 {
+                    tol.iter()
+                        .zip(&want)
+                        .map(|(t, w)| t + w.abs() * 2f64.powi(-8))
+                        .collect()
+                } else {
+                    tol.clone()
+                };
+                assert_within(&format!("{what}: y"), &y, &want, &tol_y);
+                // z from the stored y, as MulAdd computes it: one rounding a product, one a sum
+                let z = f32s(&got[1]);
+                for e in 0..m * n {
+                    let expect = av[e] * (y[e] as f32) + cv[e];
+                    assert!(
+                        z[e].to_bits() == expect.to_bits(),
+                        "{what}: z[{}, {}] = {} against a·y + c = {expect}",
+                        e / n,
+                        e % n,
+                        z[e]
+                    );
+                }
+                if copy {
+                    assert_copy_is_rounding(&format!("{what}: z"), &[m, n], &got[1..]);
+                }
+                let sep = run_gpu(&apart, &op, &ins, &outs, &mut []);
+                for (o, (f, s)) in got.iter().zip(&sep).enumerate() {
+                    assert!(
+                        f.bytes() == s.bytes(),
+                        "{what}: output {o} differs from the update's own launch"
+                    );
+                }
+            }
+        }
     }
 }

@@ -47,6 +47,14 @@ fn dup(a: &Arg) -> Arg {
     arg(a.shape.dims(), a.value.clone())
 }
 
+/// `a`'s values rounded to bf16, as a bf16 tensor.
+fn bf16_of(a: &Arg) -> Arg {
+    arg(
+        a.shape.dims(),
+        Buffer::from_f64(DType::Bf16, &a.value.to_f64()),
+    )
+}
+
 /// Runs `op` on both backends and compares every output with its (rtol, atol).
 fn compare(
     dev: &CudaDevice,
@@ -131,6 +139,24 @@ fn elementwise_maps_match_cpu() {
             oc,
             &[EXACT],
         );
+        // b stored in bf16 (a cross layer's up-projection, Graph::linear_stored_bf16),
+        // read as its f32 values: bit for bit, with and without the copy
+        compare(
+            dev,
+            &format!("mul_add of a bf16 b [{n}]"),
+            &Op::MulAdd,
+            &[dup(&x), bf16_of(&y), dup(&z)],
+            o,
+            &[EXACT],
+        );
+        compare(
+            dev,
+            &format!("mul_add of a bf16 b with its bf16 copy [{n}]"),
+            &Op::MulAdd,
+            &[dup(&x), bf16_of(&y), dup(&z)],
+            oc,
+            &[EXACT],
+        );
         compare(
             dev,
             &format!("mul with its bf16 copy [{n}]"),
@@ -163,16 +189,20 @@ fn elementwise_maps_match_cpu() {
                     rand_arg(&sh, next()),
                     rand_arg(&sh, next()),
                 );
-                for sums in [true, false] {
+                for (sums, b16) in [(true, false), (false, false), (true, true), (false, true)] {
                     let mut outs: Vec<(&[usize], DType)> = vec![(&sh, F32), (&sh, DType::Bf16)];
                     if sums {
                         outs.push((&sh[1..], F32));
                     }
+                    // b16: b (the layer's output) stored in bf16 (`ew_mul_grad_bf16_b16`)
+                    let bb = if b16 { bf16_of(&b) } else { dup(&b) };
                     compare(
                         dev,
-                        &format!("mul_grad with db in bf16 [{rows}, {cols}], sums {sums}"),
+                        &format!(
+                            "mul_grad with db in bf16 [{rows}, {cols}], sums {sums}, b in bf16 {b16}"
+                        ),
                         &Op::MulGrad,
-                        &[dup(&d), dup(&a), dup(&b)],
+                        &[dup(&d), dup(&a), bb],
                         &outs,
                         &[EXACT, EXACT, (1e-6, sum_atol(rows, 1.0))],
                     );
@@ -924,6 +954,74 @@ fn adam_and_sgd_over_many_tensors_match_cpu() {
             0.0,
             0.0,
         );
+    }
+}
+
+/// Adam's bf16 copies (`Leaf::ParamCopy`: the updates past the moments, one for each of
+/// the first parameters): the updated parameter rounded to bf16, bit for bit as the CPU
+/// makes it, over two table-builder launches, with the parameters past the copies left
+/// without one and every copy poisoned before each step.
+#[test]
+fn adam_writes_the_parameters_bf16_copies_bit_for_bit() {
+    let Some(dev) = device("adam_writes_the_parameters_bf16_copies_bit_for_bit") else {
+        return;
+    };
+    let sizes = [
+        4099usize, 1, 7, 1000, 33, 3, 1025, 64, 257, 5000, 2, 31, 1023, 1024, 77, 9, 130, 4097, 11,
+        5, 513, 19, 2049, 1, 6, 700, 8191, 3, 29, 1, 65, 17, 999, 4, 12_345, 2,
+    ];
+    let (n, copies) = (sizes.len(), 34);
+    let op = Op::Adam {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let mut upd_gpu: Vec<Arg> = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        upd_gpu.push(rand_arg(&[s], 8000 + i as u64));
+    }
+    for _ in 0..2 {
+        for &s in &sizes {
+            upd_gpu.push(f32_arg(&[s], vec![0.0; s]));
+        }
+    }
+    for &s in &sizes[..copies] {
+        upd_gpu.push(arg(&[s], Buffer::poison(DType::Bf16, s)));
+    }
+    let mut upd_cpu: Vec<Arg> = upd_gpu.iter().map(dup).collect();
+    let mut step_gpu = [arg(&[], Buffer::I32(vec![0]))];
+    let mut step_cpu = [arg(&[], Buffer::I32(vec![0]))];
+    for it in 0..2u64 {
+        run_gpu(dev, &Op::StepIncrement, &[], &[], &mut step_gpu);
+        run_cpu(&Op::StepIncrement, &[], &[], &mut step_cpu);
+        for (k, &s) in sizes[..copies].iter().enumerate() {
+            upd_gpu[3 * n + k] = arg(&[s], Buffer::poison(DType::Bf16, s));
+        }
+        let mut ins = vec![dup(&step_gpu[0])];
+        for (i, &s) in sizes.iter().enumerate() {
+            ins.push(rand_arg(&[s], 8100 + 100 * it + i as u64));
+        }
+        run_gpu(dev, &op, &ins, &[], &mut upd_gpu);
+        run_cpu(&op, &ins, &[], &mut upd_cpu);
+        for (k, (g, c)) in upd_gpu.iter().zip(&upd_cpu).enumerate() {
+            let what = ["p", "m", "v", "copy"][k / n];
+            assert_eq!(
+                g.value.bytes(),
+                c.value.bytes(),
+                "adam step {}: {what}{} differs from the CPU's",
+                it + 1,
+                k % n
+            );
+        }
+        for k in 0..copies {
+            let want = upd_cpu[k].value.to_bf16();
+            assert_eq!(
+                upd_gpu[3 * n + k].value.bytes(),
+                want.bytes(),
+                "copy {k} is not its parameter rounded"
+            );
+        }
     }
 }
 

@@ -238,6 +238,7 @@ fn sanitize_warp_specialized_gemm() {
             println!("the sm_80 PTX runs: it has no warp-specialized kernels to check");
             return;
         }
+        stored_in_bf16(&h, &format!("ws 128x{} (splits of {min_k})", tile.n));
         for (m, n, k) in [(200, 130, 192), (130, 65, 129)] {
             let what = format!("ws 128x{} (splits of {min_k}) {m}x{n}x{k}", tile.n);
             let ins = vec![
@@ -325,6 +326,40 @@ fn sanitize_tma_gemm() {
             let c = run_cpu(&op, &ins, &outs, &mut []);
             close(&format!("{what}: linear dw"), &g[0], &c[0], 2e-2);
         }
+        stored_in_bf16(&h, &format!("TMA 128x{n_tile} (splits of {min_k})"));
+    }
+}
+
+/// A layer of bf16 copies stored in bf16 (flags bit 6) on the plan options of `h`: only
+/// the bf16 C is written, so an f32 store would fall outside its half-size output (the
+/// sanitizer's allocation); N odd for the epilogues' scalar stores.
+fn stored_in_bf16(h: &erase::runtime::cuda::CudaDevice, what: &str) {
+    for (m, n, k) in [(200, 136, 256), (130, 67, 128)] {
+        let bf = |seed: u64, len: usize| {
+            let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            Buffer::from_f64(DType::Bf16, &v)
+        };
+        let ins = vec![
+            arg(&[m, k], bf(36, m * k)),
+            arg(&[n, k], bf(37, n * k)),
+            arg(&[n], Buffer::F32(rand_f32(38, n, -1.0, 1.0))),
+        ];
+        let op = Op::Linear {
+            bias: true,
+            relu: false,
+        };
+        let outs: [(&[usize], DType); 1] = [(&[m, n], DType::Bf16)];
+        let g = run_gpu(h, &op, &ins, &outs, &mut []);
+        let c = run_cpu(&op, &ins, &outs, &mut []);
+        close(
+            &format!("{what} {m}x{n}x{k}: stored in bf16"),
+            &g[0],
+            &c[0],
+            2e-2,
+        );
     }
 }
 
@@ -521,5 +556,142 @@ fn sanitize_pairwise_dot() {
         let g = run_gpu(dev, &Op::PairwiseDotGrad, &ins, &outs, &mut []);
         let c = run_cpu(&Op::PairwiseDotGrad, &ins, &outs, &mut []);
         close("pairwise_dot_grad", &g[0], &c[0], 0.0);
+    }
+}
+
+/// A layer stored in bf16 (flags bit 6) on the cp.async pipelined kernels (wgmma on sm_90a,
+/// mma.sync on the sm_80 PTX), whole and split in a cluster: the TMA and warp-specialized
+/// forms are checked with their own tests above.
+#[test]
+fn sanitize_cp_async_gemm_stored_in_bf16() {
+    let Some(dev) = device("sanitize_cp_async_gemm_stored_in_bf16") else {
+        return;
+    };
+    for (n_tile, min_k) in [(128, 1 << 30), (256, 1 << 30), (128, 64), (256, 64)] {
+        let h = handle_with(PlanOptions {
+            gemm_tile: Some(GemmTile {
+                n: n_tile,
+                ws: false,
+            }),
+            gemm_tma: false,
+            gemm_pipe_min_flops: 0,
+            gemm_pipe_min_mn: 16,
+            gemm_pipe_min_k_per_split: min_k,
+            ..dev.plan_options()
+        });
+        stored_in_bf16(&h, &format!("cp.async 128x{n_tile} (splits of {min_k})"));
+    }
+}
+
+/// Adam with the bf16 copies of some parameters: tensors of odd sizes (the scalar tail of
+/// each chunk), the copies past the moments, each copy exactly its parameter's size.
+#[test]
+fn sanitize_adam_copies() {
+    let Some(dev) = device("sanitize_adam_copies") else {
+        return;
+    };
+    let sizes = [5usize, 1027, 3, 64];
+    let op = Op::Adam {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let mut upd = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        upd.push(arg(
+            &[s],
+            Buffer::F32(rand_f32(10 + i as u64, s, -1.0, 1.0)),
+        ));
+    }
+    for _ in 0..2 {
+        for &s in &sizes {
+            upd.push(arg(&[s], Buffer::F32(vec![0.0; s])));
+        }
+    }
+    for &s in &sizes[..3] {
+        upd.push(arg(&[s], Buffer::poison(DType::Bf16, s)));
+    }
+    let mut cpu_upd = upd.clone();
+    let mut ins = vec![arg(&[], Buffer::I32(vec![1]))];
+    for (i, &s) in sizes.iter().enumerate() {
+        ins.push(arg(
+            &[s],
+            Buffer::F32(rand_f32(20 + i as u64, s, -1.0, 1.0)),
+        ));
+    }
+    run_gpu(dev, &op, &ins, &[], &mut upd);
+    run_cpu(&op, &ins, &[], &mut cpu_upd);
+    for (k, (g, c)) in upd.iter().zip(&cpu_upd).enumerate() {
+        assert_eq!(g.value.bytes(), c.value.bytes(), "adam update {k}");
+    }
+}
+
+/// The fused cross update's epilogue (`gemm_bf16t[_c]_128x128_ma`): y in bf16 alone and
+/// in f32, z and its copy, on a ragged shape (edge tiles) and an odd N (scalar loads and
+/// stores); the plan asserted to be the one `_ma` launch.
+#[test]
+fn sanitize_fused_cross_update() {
+    let Some(dev) = device("sanitize_fused_cross_update") else {
+        return;
+    };
+    let h = handle_with(PlanOptions {
+        gemm_tile: Some(GemmTile { n: 128, ws: false }),
+        gemm_pipe_min_flops: 0,
+        gemm_pipe_min_mn: 16,
+        ..dev.plan_options()
+    });
+    let op = Op::LinearMulAdd { bias: true };
+    for (m, n, k) in [(200, 136, 256), (130, 67, 128)] {
+        let bf = |seed: u64, len: usize| {
+            let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            Buffer::from_f64(DType::Bf16, &v)
+        };
+        let ins = vec![
+            arg(&[m, k], bf(46, m * k)),
+            arg(&[n, k], bf(47, n * k)),
+            arg(&[n], Buffer::F32(rand_f32(48, n, -1.0, 1.0))),
+            arg(&[m, n], Buffer::F32(rand_f32(49, m * n, 0.1, 1.0))),
+            arg(&[m, n], Buffer::F32(rand_f32(50, m * n, -1.0, -0.1))),
+        ];
+        for y_dtype in [DType::Bf16, DType::F32] {
+            let outs: [(&[usize], DType); 3] = [
+                (&[m, n], y_dtype),
+                (&[m, n], DType::F32),
+                (&[m, n], DType::Bf16),
+            ];
+            let shapes: Vec<erase::graph::Shape> = [&[m, k][..], &[n, k], &[n], &[m, n], &[m, n]]
+                .iter()
+                .map(|d| erase::graph::Shape::new(d))
+                .collect();
+            let y = erase::graph::Shape::new(&[m, n]);
+            let plan = erase::ops::cuda::cuda_plan(
+                &op,
+                &erase::ops::cuda::Operands {
+                    opts: h.plan_options(),
+                    ins: &shapes.iter().collect::<Vec<_>>(),
+                    in_dtypes: &[DType::Bf16, DType::Bf16, DType::F32, DType::F32, DType::F32],
+                    outs: &[&y, &y, &y],
+                    out_dtypes: &[y_dtype, DType::F32, DType::Bf16],
+                    upd: &[],
+                },
+            )
+            .expect("the fused update plans");
+            let names: Vec<&str> = plan.calls.iter().map(|c| c.kernel).collect();
+            assert!(names.iter().any(|k| k.ends_with("_ma")), "{names:?}");
+            let g = run_gpu(&h, &op, &ins, &outs, &mut []);
+            let c = run_cpu(&op, &ins, &outs, &mut []);
+            for o in 0..3 {
+                close(
+                    &format!("{m}x{n}x{k}, y {y_dtype}: output {o}"),
+                    &g[o],
+                    &c[o],
+                    2e-2,
+                );
+            }
+        }
     }
 }

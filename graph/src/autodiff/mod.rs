@@ -217,6 +217,36 @@ impl Builder<'_> {
         }
     }
 
+    /// The gradient of a reshaped concat (each block's flatten of the field embeddings)
+    /// with several contributions: each is passed on to the concat's output as a reshape
+    /// (a view), so that the concat's slice sums read them all in one pass
+    /// ([`Self::concat_slice_sums`]) instead of a `GradSum` here and a pass over its
+    /// result there (two passes over the whole gradient fewer). Returns whether it did:
+    /// not where a contribution is not of the graph's float type.
+    fn reshape_into_concat(&mut self, node: &crate::graph::Node) -> bool {
+        let src = node.inputs[0];
+        if !matches!(self.g.producer(src).op, Op::Concat { .. }) {
+            return false;
+        }
+        let float = self.g.float_dtype();
+        let out = node.outputs[0];
+        if self.contribs[out.index()]
+            .iter()
+            .any(|c| self.g.dtype(c.grad) != float)
+        {
+            return false;
+        }
+        let mut cs = std::mem::take(&mut self.contribs[out.index()]);
+        cs.sort_by_key(|c| (c.by, c.grad));
+        let shape = self.g.shape(src).clone();
+        for (i, c) in cs.iter().enumerate() {
+            let name = format!("{}.dx{i}", node.name);
+            let dx = self.add1(Op::Reshape, vec![c.grad], shape.clone(), name, node.id);
+            self.contribute(src, dx);
+        }
+        true
+    }
+
     /// A linear layer's weight gradient, with the bias gradient (of `bias`, the bias the
     /// layer still owes one) from the same pass over dy when both are wanted, else the
     /// bias gradient by a reduction of its own. `dy` is [what the GEMM reads (dy or its
@@ -406,6 +436,11 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             continue;
         }
         let contributions = b.contribs[node.outputs[0].index()].len();
+        if let (Op::Reshape, true) = (&node.op, contributions > 1) {
+            if b.reshape_into_concat(&node) {
+                continue;
+            }
+        }
         if let (Op::Concat { axis }, true) = (&node.op, contributions > 1) {
             // each input's gradient as one pass over its window of the contributions,
             // instead of their sum over the whole output and then a copy out of it
@@ -452,8 +487,10 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             Op::BceWithLogits | Op::SoftmaxCrossEntropy => rules::loss(&mut b, &r)?,
             Op::Sum | Op::Mean => rules::reduce(&mut b, &r)?,
             // leaves are skipped above; the rest are backward and optimizer ops, which a
-            // forward graph does not have
+            // forward graph does not have, and the fused cross update, made after autodiff
+            // (crate::fuse_cross_updates)
             Op::Leaf(_)
+            | Op::LinearMulAdd { .. }
             | Op::LinearGradInput { .. }
             | Op::LinearGradWeight { .. }
             | Op::MulGrad

@@ -217,6 +217,10 @@ pub struct PlanOptions {
     /// kernels (`gemm_thin_*`: the memory's rate, where a 64x64 tile computes one useful
     /// row or column of 64; `false`: the tiled kernels).
     pub gemm_thin: bool,
+    /// A fused cross update (`LinearMulAdd`) computes the update in the epilogue of its
+    /// GEMM where one TMA launch of the 128x128 tile writes the layer's output whole
+    /// (`gemm_bf16t[_c]_128x128_ma`; `false`: the update's own launch after the GEMM).
+    pub gemm_mul_add_epilogue: bool,
 }
 
 /// A pipelined GEMM tile: 128 rows by `n` columns, of the warp-specialized kernels
@@ -372,6 +376,7 @@ impl PlanOptions {
         gemm_pipe_min_flops: 1 << 29,
         gemm_pipe_min_mn: 128,
         gemm_thin: true,
+        gemm_mul_add_epilogue: true,
     };
 
     /// These options for one launch of a step, at `at`: the launch sets resolve to every
@@ -408,7 +413,7 @@ impl PlanOptions {
     /// environment, read once at start, in the trainer): `ERASE_GEMM_PIPELINE=0`,
     /// `ERASE_GEMM_CLUSTER=0`, `ERASE_GEMM_TALL=0`, `ERASE_GEMM_TALL_STORE=direct`,
     /// `ERASE_GRAPH_NODE_PRIORITY=0`, `ERASE_GEMM_WS=0` or `1`, `ERASE_GEMM_TMA=0` or `1`,
-    /// `ERASE_GEMM_THIN=0` or `1`,
+    /// `ERASE_GEMM_THIN=0` or `1`, `ERASE_GEMM_MUL_ADD_EPILOGUE=0` or `1`,
     /// `ERASE_GEMM_TMA_N64` (a [`LaunchSet`]: `0`, `1`, or `serial`, `main` and `fwd`,
     /// comma separated), `ERASE_GEMM_TILE=128x128`, `128x256`, `ws128x64` (the `ws` tile also
     /// turns `gemm_ws` on) or `t128x64` (the TMA kernels' 128x64 tile, where the TMA
@@ -452,6 +457,9 @@ impl PlanOptions {
         }
         if let Some(v) = flag("ERASE_GEMM_THIN", "0", "1")? {
             o.gemm_thin = v;
+        }
+        if let Some(v) = flag("ERASE_GEMM_MUL_ADD_EPILOGUE", "0", "1")? {
+            o.gemm_mul_add_epilogue = v;
         }
         if let Some(v) = flag("ERASE_GEMM_OVERLAPPED_SPLITS", "0", "1")? {
             o.gemm_overlapped_splits = v.then_some(SplitBounds::H200_OVERLAPPED);

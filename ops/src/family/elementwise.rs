@@ -10,11 +10,13 @@ pub mod cpu {
 
     use crate::cpu::*;
 
-    /// The elementwise ops' storage forms: a product (or `a ⊙ b + c`) with its bf16 copy
-    /// beside it, the one a GEMM reads (`Graph::copy_output`); the product's gradient whose
-    /// `db` is a copied linear layer's dy: only its bf16 copy, and with a third output its
-    /// column sums (the layer's bias gradient), as RoundBf16 of the f32 db gives them.
-    /// `None` for the plain forms.
+    /// The elementwise ops' storage forms: `a ⊙ b + c` and its gradient with a factor
+    /// stored in bf16 (`Graph::linear_stored_bf16`), read as its f32 values; a product (or
+    /// `a ⊙ b + c`) with its bf16 copy beside it, the one a GEMM reads
+    /// (`Graph::copy_output`); the product's gradient whose `db` is a copied linear
+    /// layer's dy: only its bf16 copy, and with a third output its column sums (the
+    /// layer's bias gradient), as RoundBf16 of the f32 db gives them. `None` for the plain
+    /// forms.
     pub(crate) fn exec_stored(
         call: &NodeCall,
         ins: &[&Buffer],
@@ -22,6 +24,7 @@ pub mod cpu {
         upd: &mut [Buffer],
     ) -> Option<Result<(), OpError>> {
         match call.op {
+            Op::MulAdd | Op::MulGrad if any_bf16(ins) => Some(widened(call, ins, outs, upd)),
             Op::MulAdd | Op::Mul if copy_last(outs, 2) => Some(with_copy(call, ins, outs, upd, 1)),
             Op::MulGrad if outs.len() >= 2 && outs[1].dtype() == DType::Bf16 => {
                 Some(mul_grad_copied(call, ins, outs, upd))
@@ -188,9 +191,12 @@ pub(crate) mod cuda {
         "ew_mul",
         "ew_mul_add",
         "ew_mul_add_bf16",
+        "ew_mul_add_b16",
+        "ew_mul_add_bf16_b16",
         "ew_mul_bf16",
         "ew_mul_grad",
         "ew_mul_grad_bf16",
+        "ew_mul_grad_bf16_b16",
         "ew_scale",
         "ew_relu",
         "ew_gelu",
@@ -247,24 +253,27 @@ pub(crate) mod cuda {
     }
 
     /// `[a, b, c] -> [a ⊙ b + c]`, or `-> [y, bf16(y)]` with the bf16 copy a GEMM reads
-    /// (Graph::set_bf16_copies puts it on the producer) written by the same pass.
+    /// (Graph::set_bf16_copies puts it on the producer) written by the same pass; b may be
+    /// bf16 (a linear layer stored in bf16, Graph::linear_stored_bf16: the `_b16` forms).
     pub(crate) fn mul_add(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         let outs: &[DType] = if o.outs.len() == 2 {
             &[F, DType::Bf16]
         } else {
             &[F]
         };
-        expect(op, o, &[F, F, F], outs)?;
+        let b16 = o.in_dtypes.get(1) == Some(&DType::Bf16);
+        expect(op, o, &[F, if b16 { DType::Bf16 } else { F }, F], outs)?;
         let n = one_shape(op, o, outs.len())?;
         let mut args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0)];
         if outs.len() == 2 {
             args.push(Out(1));
         }
         args.push(n64(n));
-        let kernel = if outs.len() == 2 {
-            "ew_mul_add_bf16"
-        } else {
-            "ew_mul_add"
+        let kernel = match (outs.len() == 2, b16) {
+            (true, false) => "ew_mul_add_bf16",
+            (false, false) => "ew_mul_add",
+            (true, true) => "ew_mul_add_bf16_b16",
+            (false, true) => "ew_mul_add_b16",
         };
         Ok(plan_of(vec![ew(kernel, n.div_ceil(4), args)], vec![]))
     }
@@ -305,7 +314,8 @@ pub(crate) mod cuda {
     /// MulGrad `[dy, a, b] -> [da, dbb]` or `[da, dbb, s]`: db = dy ⊙ a is a copied linear
     /// layer's dy, written only as its bf16 copy, with its column sums (the bias gradient)
     /// from the same pass (`ew_mul_grad_bf16`'s partials, then colsum_final in order), as
-    /// RoundBf16 of the f32 db would make them.
+    /// RoundBf16 of the f32 db would make them. b may be bf16 (that layer's output stored
+    /// in bf16, Graph::linear_stored_bf16: `ew_mul_grad_bf16_b16`).
     fn mul_grad_bf16(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         let sums = o.outs.len() == 3;
         let outs: &[DType] = if sums {
@@ -313,7 +323,8 @@ pub(crate) mod cuda {
         } else {
             &[F, DType::Bf16]
         };
-        expect(op, o, &[F, F, F], outs)?;
+        let b16 = o.in_dtypes.get(2) == Some(&DType::Bf16);
+        expect(op, o, &[F, F, if b16 { DType::Bf16 } else { F }], outs)?;
         let n = o.ins[0];
         if o.ins.iter().chain(&o.outs[..2]).any(|t| *t != n) {
             return Err(format!(
@@ -337,7 +348,11 @@ pub(crate) mod cuda {
         let (col_blocks, iters, slices) = colsum_geometry(rows, cols, o.opts.sms);
         let part = if sums { Scratch(0) } else { I64(0) }; // a null pointer: no sums
         let mut calls = vec![kc(
-            "ew_mul_grad_bf16",
+            if b16 {
+                "ew_mul_grad_bf16_b16"
+            } else {
+                "ew_mul_grad_bf16"
+            },
             [col_blocks as u32, slices as u32, 1],
             [256, 1, 1],
             0,

@@ -88,6 +88,41 @@ pub mod cpu {
         execute(&add, &[&y, r], outs, upd)
     }
 
+    /// `LinearMulAdd`: the layer into its output 0 (as `Linear` stores it), then the
+    /// cross update `a ⊙ y + c` of that stored output into the others (as `MulAdd` writes
+    /// them, with its bf16 copy where there is one).
+    pub(crate) fn exec_linear_mul_add(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+        bias: bool,
+    ) -> Result<(), OpError> {
+        let n = 2 + usize::from(bias);
+        if ins.len() != n + 2 || call.in_shapes.len() != n + 2 {
+            return Err(call.error(format!("expected {} inputs", n + 2)));
+        }
+        if !(2..=3).contains(&outs.len()) || call.out_shapes.len() != outs.len() {
+            return Err(call.error("expected 2 or 3 outputs".into()));
+        }
+        let linear = Op::Linear { bias, relu: false };
+        let layer = NodeCall {
+            op: &linear,
+            in_shapes: call.in_shapes[..n].to_vec(),
+            ..call.first_outputs(1)
+        };
+        execute(&layer, &ins[..n], &mut outs[..1], upd)?;
+        let y = outs[0].clone();
+        let update = NodeCall {
+            op: &Op::MulAdd,
+            name: call.name,
+            in_shapes: vec![call.in_shapes[n], call.out_shapes[0], call.in_shapes[n + 1]],
+            out_shapes: call.out_shapes[1..].to_vec(),
+            bf16_gemm: call.bf16_gemm,
+        };
+        execute(&update, &[ins[n], &y, ins[n + 1]], &mut outs[1..], upd)
+    }
+
     /// Linear layers, their gradients and matmul.
     pub(crate) fn exec_gemm<T: Elem>(
         call: &NodeCall,
@@ -483,6 +518,11 @@ pub(crate) mod cuda {
     }
 
     fn gemm(g: Gemm) -> Result<CudaPlan, String> {
+        if g.out_bf16 && g.residual.is_none() && g.copy.is_none() && g.mask.is_none() {
+            if let Some(plan) = gemm_bf16_only(&g) {
+                return Ok(plan);
+            }
+        }
         let mut plan = gemm_any(&g)?;
         // a bf16 C: the tall kernels' `_bo` form stores it (a launch names Out(0) and is
         // one); any other path writes f32 C to scratch and casts it in a launch of its own
@@ -533,6 +573,40 @@ pub(crate) mod cuda {
             }
         }
         Ok(plan)
+    }
+
+    /// A bf16 C of bf16 operand copies (Graph::linear_stored_bf16): the pipelined
+    /// kernels' copy epilogue stores it alone (flags bit 6: C passed as the copy, no f32
+    /// store), where the plan is one such launch writing C whole; else `None` (C to
+    /// scratch and a cast, as any bf16 C).
+    fn gemm_bf16_only(g: &Gemm) -> Option<CudaPlan> {
+        if !(g.a_bf16 && g.b_bf16) {
+            return None;
+        }
+        let plan = gemm_pipe_bf16(&Gemm {
+            copy: Some(KArg::Out(0)),
+            ..*g
+        })
+        .ok()?;
+        let copy_kernel = |k: &str| k.contains("_c_") || k.contains("_kmc_");
+        let writers: Vec<&KernelCall> = plan
+            .calls
+            .iter()
+            .filter(|c| c.args.contains(&KArg::Out(0)))
+            .collect();
+        (writers.len() == 1 && copy_kernel(writers[0].kernel) && bf16_only_flag(writers[0]))
+            .then_some(plan)
+    }
+
+    /// Whether a pipelined launch stores its C in bf16 alone (its flags' bit 6).
+    fn bf16_only_flag(c: &KernelCall) -> bool {
+        // the flags: argument 9 of the TMA kernels, 16 of the cp.async ones
+        let at = if c.kernel.starts_with("gemm_bf16t") {
+            9
+        } else {
+            16
+        };
+        matches!(c.args.get(at), Some(KArg::I32(f)) if f & 64 != 0)
     }
 
     fn gemm_any(g: &Gemm) -> Result<CudaPlan, String> {
@@ -1330,7 +1404,12 @@ pub(crate) mod cuda {
 
     /// Every TMA kernel a plan may name.
     pub(crate) fn tma_kernels() -> impl Iterator<Item = &'static str> {
-        TMA_NAMES.iter().flatten().flatten().copied()
+        TMA_NAMES
+            .iter()
+            .flatten()
+            .flatten()
+            .copied()
+            .chain(["gemm_bf16t_128x128_ma", "gemm_bf16t_c_128x128_ma"])
     }
 
     /// A TMA kernel's name, as [`pipe_name`] (the tile's width `bn`).
@@ -1523,6 +1602,12 @@ pub(crate) mod cuda {
         // C's bf16 copy from the epilogue: a K-major A, C written whole by one launch
         let fused_copy = g.copy.filter(|_| !partials && !a_mn);
         let copy_arg = fused_copy.unwrap_or(KArg::Out(0));
+        // a bf16 C alone (gemm_bf16_only): the copy is the output, no f32 store
+        let flags = if g.out_bf16 && fused_copy == Some(KArg::Out(0)) {
+            flags | 64
+        } else {
+            flags
+        };
         // the TMA form (batch 1, C written whole by the launch: no split or a cluster's),
         // both operands at the start of their tensors: K-major scratch [Mp][Kp] / [Np][Kp],
         // or bf16 copies read in place, K-major [rows][K] or MN-major [K][M or N]
@@ -1776,7 +1861,9 @@ pub(crate) mod cuda {
         // or `[y]` in bf16 alone (Graph::linear_for_attention), of f32 operands
         let copy = o.outs.len() == 2 && o.out_dtypes.get(1) == Some(&DType::Bf16);
         let out_bf16 = !residual && o.out_dtypes == [DType::Bf16];
-        let bf16_ok: &[usize] = if residual || out_bf16 { &[] } else { &[0, 1] };
+        // a bf16 output of bf16 operand copies (Graph::linear_stored_bf16), or of f32
+        // operands (Graph::linear_for_attention)
+        let bf16_ok: &[usize] = if residual { &[] } else { &[0, 1] };
         let ins = 2 + nb + usize::from(residual);
         let checked = Operands {
             out_dtypes: if out_bf16 {
@@ -1787,6 +1874,11 @@ pub(crate) mod cuda {
             ..*o
         };
         let bf16 = check_gemm_operands(&checked, ins, 1 + usize::from(copy), bf16_ok)?;
+        if out_bf16 && bf16[0] != bf16[1] {
+            return Err(
+                "a layer stored in bf16 reads bf16 copies of both operands or of neither".into(),
+            );
+        }
         let (n, k) = matrix(o.ins[1], "the weight")?;
         if o.ins[0].last() != k {
             return Err(format!(
@@ -1832,6 +1924,88 @@ pub(crate) mod cuda {
             residual: residual.then_some(KArg::In(2 + nb)),
             out_bf16,
         })
+    }
+
+    /// `[x, w, b?, a, c] -> [y, z (, bf16(z))]`: the layer as `linear` plans it (y f32, or
+    /// bf16 alone where the layer is stored so), and the cross update `z = a ⊙ y + c` from
+    /// the stored y: in the GEMM's epilogue where one TMA launch of the 128x128 tile writes
+    /// y whole (`gemm_bf16t[_c]_128x128_ma`: a and c read, z and its copy stored beside y,
+    /// no pass of its own over y), else by the `MulAdd` launch after the GEMM.
+    pub(crate) fn linear_mul_add(o: &Operands, bias: bool) -> Result<CudaPlan, String> {
+        let n = 2 + usize::from(bias);
+        if o.ins.len() != n + 2 || o.in_dtypes.len() != n + 2 {
+            return Err(format!("expected {} inputs", n + 2));
+        }
+        if !(2..=3).contains(&o.outs.len()) || o.out_dtypes.len() != o.outs.len() {
+            return Err("expected 2 or 3 outputs: y, the update and its bf16 copy".into());
+        }
+        let layer = Operands {
+            ins: &o.ins[..n],
+            in_dtypes: &o.in_dtypes[..n],
+            outs: &o.outs[..1],
+            out_dtypes: &o.out_dtypes[..1],
+            ..*o
+        };
+        let mut plan = linear(&layer, bias, false, false)?;
+        // the update as `MulAdd` plans it: [a, y, c] -> [z (, copy)]
+        let update_ins = [o.ins[n], o.outs[0], o.ins[n + 1]];
+        let update_in_dtypes = [o.in_dtypes[n], o.out_dtypes[0], o.in_dtypes[n + 1]];
+        let update = Operands {
+            ins: &update_ins,
+            in_dtypes: &update_in_dtypes,
+            outs: &o.outs[1..],
+            out_dtypes: &o.out_dtypes[1..],
+            ..*o
+        };
+        let mut separate = crate::cuda::elementwise::mul_add(&erase_graph::Op::MulAdd, &update)?;
+        let copy = o.outs.len() == 3;
+        // the one launch that writes y, if it can take the update in its epilogue
+        let writers: Vec<usize> = (0..plan.calls.len())
+            .filter(|&i| plan.calls[i].args.contains(&KArg::Out(0)))
+            .collect();
+        if let [w] = writers[..] {
+            let call = &mut plan.calls[w];
+            let fused = match call.kernel {
+                "gemm_bf16t_128x128" => Some("gemm_bf16t_128x128_ma"),
+                "gemm_bf16t_c_128x128" => Some("gemm_bf16t_c_128x128_ma"),
+                _ => None,
+            };
+            // flags (argument 9): no ReLU, mask or residual; C written whole (grid z 1)
+            let flags = match call.args.get(9) {
+                Some(KArg::I32(f)) => Some(*f),
+                _ => None,
+            };
+            if let (Some(kernel), Some(f), true) = (fused, flags, o.opts.gemm_mul_add_epilogue) {
+                if f & (2 | 8 | 16) == 0 && call.grid[2] == 1 && call.args.len() == 11 {
+                    call.kernel = kernel;
+                    call.args[9] = KArg::I32(f | if copy { 128 } else { 0 });
+                    call.args.extend([
+                        KArg::In(n),
+                        KArg::In(n + 1),
+                        KArg::Out(1),
+                        KArg::Out(if copy { 2 } else { 1 }),
+                    ]);
+                    return Ok(plan);
+                }
+            }
+        }
+        // else the update's own launch, its operands named as the fused node's
+        let base = plan.scratch.len();
+        for c in &mut separate.calls {
+            for a in &mut c.args {
+                *a = match *a {
+                    KArg::In(0) => KArg::In(n),
+                    KArg::In(1) => KArg::Out(0),
+                    KArg::In(2) => KArg::In(n + 1),
+                    KArg::Out(i) => KArg::Out(i + 1),
+                    KArg::Scratch(i) => KArg::Scratch(base + i),
+                    other => other,
+                };
+            }
+        }
+        plan.calls.append(&mut separate.calls);
+        plan.scratch.append(&mut separate.scratch);
+        Ok(plan)
     }
 
     /// `[dy, w] -> [dx]`: dx[M,K] = dy[M,N]·w[N,K]; with `relu_mask`, `[dy, w, y] -> [dx]`,
@@ -2021,6 +2195,22 @@ pub(crate) mod cost {
             c.ins[1].dims()[0],
             c.ins[1].dims()[1],
         )
+    }
+
+    /// The layer, and the cross update's operands read and its outputs written in the
+    /// epilogue: `[x, w, b?, a, c] -> [y, z (, bf16(z))]`.
+    pub(crate) fn linear_mul_add(c: &Cost) -> LaunchSpec {
+        let mut s = linear(c);
+        let n = c.ins.len().saturating_sub(2);
+        let bytes = |shapes: &[&erase_graph::Shape], sizes: &[f64], from: usize| -> f64 {
+            (from..shapes.len())
+                .map(|i| shapes[i].numel() as f64 * sizes.get(i).copied().unwrap_or(c.e))
+                .sum()
+        };
+        s.bytes += bytes(c.ins, c.in_e, n) + bytes(c.outs, c.out_e, 1);
+        // the update, as MulAdd counts it (an operation an element)
+        s.flops += c.out0() as f64;
+        s
     }
 
     /// The layer, and the residual read in its epilogue.

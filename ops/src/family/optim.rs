@@ -61,11 +61,29 @@ pub mod cpu {
                     step,
                 };
                 let n = ins.len() - 1;
+                if upd.len() < 3 * n || upd.len() > 4 * n {
+                    return Err(format!(
+                        "adam: {} updated tensors for {n} gradients",
+                        upd.len()
+                    ));
+                }
                 let (ps, rest) = upd.split_at_mut(n);
-                let (ms, vs) = rest.split_at_mut(n);
+                let (ms, rest) = rest.split_at_mut(n);
+                let (vs, copies) = rest.split_at_mut(n);
                 for i in 0..n {
                     let g = get::<T>(ins[i + 1], "gradient")?;
                     kernels::adam(out(&mut ps[i])?, g, out(&mut ms[i])?, out(&mut vs[i])?, &h);
+                    // the parameter's bf16 copy, from its updated value
+                    if let Some(c) = copies.get_mut(i) {
+                        if c.len() != ps[i].len() {
+                            return Err(format!(
+                                "adam: the bf16 copy of parameter {i} has {} elements, not {}",
+                                c.len(),
+                                ps[i].len()
+                            ));
+                        }
+                        *c = cast(&ps[i], DType::Bf16);
+                    }
                 }
             }
             other => return Err(format!("optim: no CPU implementation of {}", other.name())),
@@ -94,8 +112,8 @@ pub(crate) mod cuda {
     /// Elements per optimizer chunk (`OPT_CHUNK` in optim.cu).
     const OPT_CHUNK: usize = 1024;
 
-    /// Bytes of one optimizer table record (`OptRec` in optim.cu: 4 pointers, 2 i64).
-    const OPT_REC_BYTES: usize = 48;
+    /// Bytes of one optimizer table record (`OptRec` in optim.cu: 5 pointers, 2 i64).
+    const OPT_REC_BYTES: usize = 56;
 
     pub(crate) fn step_increment(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         expect(op, o, &[], &[])?;
@@ -108,10 +126,11 @@ pub(crate) mod cuda {
         ))
     }
 
-    /// The table of (param, grad, m, v, numel, first chunk) records in scratch 0, built by
-    /// `optim_table_build` launches of 32 records each; returns the calls and the total
-    /// number of chunks.
-    fn optim_table(tensors: &[[KArg; 4]], numels: &[usize]) -> (Vec<KernelCall>, usize) {
+    /// The table of (param, grad, m, v, bf16 copy, numel, first chunk) records in scratch
+    /// 0, built by `optim_table_build` launches of 32 records each; returns the calls and
+    /// the total number of chunks. A record without a copy passes a null pointer
+    /// (`I64(0)`).
+    fn optim_table(tensors: &[[KArg; 5]], numels: &[usize]) -> (Vec<KernelCall>, usize) {
         let mut calls = Vec::new();
         let mut starts = Vec::with_capacity(numels.len());
         let mut total = 0;
@@ -134,8 +153,15 @@ pub(crate) mod cuda {
         (calls, total)
     }
 
+    /// The updated tensors fit the gradients: SGD's parameters, or Adam's parameters,
+    /// moments and the bf16 copies of its first parameters (at most one a parameter).
     fn check_pairs(op: &Op, o: &Operands, grads: &[&Shape], n: usize) -> Result<(), String> {
-        if o.upd.len() != n * if matches!(op, Op::Adam { .. }) { 3 } else { 1 } {
+        let fits = if matches!(op, Op::Adam { .. }) {
+            (3 * n..=4 * n).contains(&o.upd.len())
+        } else {
+            o.upd.len() == n
+        };
+        if !fits {
             return Err(format!(
                 "{}: {} updated tensors for {n} gradients",
                 op.name(),
@@ -164,8 +190,8 @@ pub(crate) mod cuda {
         expect(op, o, &vec![F; n], &[])?;
         check_pairs(op, o, o.ins, n)?;
         let numels: Vec<usize> = o.ins.iter().map(|s| s.numel()).collect();
-        let recs: Vec<[KArg; 4]> = (0..n)
-            .map(|i| [Upd(i), KArg::In(i), Upd(i), Upd(i)])
+        let recs: Vec<[KArg; 5]> = (0..n)
+            .map(|i| [Upd(i), KArg::In(i), Upd(i), Upd(i), I64(0)])
             .collect();
         let (mut calls, chunks) = optim_table(&recs, &numels);
         if chunks == 0 {
@@ -203,8 +229,13 @@ pub(crate) mod cuda {
         }
         check_pairs(op, o, &o.ins[1..], n)?;
         let numels: Vec<usize> = o.ins[1..].iter().map(|s| s.numel()).collect();
-        let recs: Vec<[KArg; 4]> = (0..n)
-            .map(|i| [Upd(i), KArg::In(1 + i), Upd(n + i), Upd(2 * n + i)])
+        // the bf16 copies of the first parameters follow the moments
+        let copies = o.upd.len() - 3 * n;
+        let recs: Vec<[KArg; 5]> = (0..n)
+            .map(|i| {
+                let c = if i < copies { Upd(3 * n + i) } else { I64(0) };
+                [Upd(i), KArg::In(1 + i), Upd(n + i), Upd(2 * n + i), c]
+            })
             .collect();
         let (mut calls, chunks) = optim_table(&recs, &numels);
         if chunks == 0 {
@@ -253,7 +284,18 @@ pub(crate) mod cost {
             regs_per_thread: 40,
             smem_bytes: 0,
             flops: 10.0 * n as f64,
-            bytes: if adam { 16.0 + 12.0 } else { 12.0 } * n as f64,
+            // the gradients and the parameters and moments read (Adam 16 bytes an element,
+            // SGD 8), and what it writes: the updated tensors where the launch lists them
+            // (the parameters, Adam's moments and bf16 copies), else parameters and moments
+            bytes: {
+                let (read, written) = if adam { (16.0, 12.0) } else { (8.0, 4.0) };
+                let written = if c.outs.is_empty() {
+                    written * n as f64
+                } else {
+                    c.out_bytes()
+                };
+                read * n as f64 + written
+            },
             tensor_core: false,
             copies: false,
             attention: false,

@@ -55,6 +55,7 @@ impl<'g> CpuSession<'g> {
     pub fn feed(&mut self, t: Tensor, b: Buffer) -> Result<(), RuntimeError> {
         crate::error::check_feed(self.graph, t, &b)?;
         self.store[t.index()] = Some(b);
+        refresh_copy(self.graph, &mut self.store, t);
         Ok(())
     }
 
@@ -127,9 +128,19 @@ pub fn initial_store(graph: &Graph, seed: u64) -> Vec<Option<Buffer>> {
             }
             Leaf::State => Some(Buffer::zeros(info.dtype, n)),
             Leaf::Const(v) => Some(Buffer::from_f64(info.dtype, v)),
+            // its parameter's leaf comes first: a copy is made of a parameter in use
+            Leaf::ParamCopy { of } => store[of.index()].as_ref().map(Buffer::to_bf16),
         };
     }
     store
+}
+
+/// Remakes the bf16 copy of parameter `t` ([`Leaf::ParamCopy`]) from its value in
+/// `store`, after the parameter was set: the copy is always the parameter, rounded.
+pub(crate) fn refresh_copy(graph: &Graph, store: &mut [Option<Buffer>], t: Tensor) {
+    if let Some(c) = graph.param_copy(t) {
+        store[c.index()] = store[t.index()].as_ref().map(Buffer::to_bf16);
+    }
 }
 
 /// Executes one node on `store`. Updates are taken out and put back even on error, so a

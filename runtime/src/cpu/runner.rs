@@ -57,6 +57,7 @@ impl<'a> ProgramRunner<'a> {
     pub fn feed(&mut self, t: Tensor, b: Buffer) -> Result<(), RuntimeError> {
         crate::error::check_feed(self.g, t, &b)?;
         self.store[t.index()] = Some(b);
+        super::refresh_copy(self.g, &mut self.store, t);
         Ok(())
     }
 
@@ -69,7 +70,10 @@ impl<'a> ProgramRunner<'a> {
                 let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.arena);
                 bytes[pl.offset..pl.offset + b.bytes().len()].copy_from_slice(b.bytes());
             }
-            None => self.store[t.index()] = Some(b.clone()),
+            None => {
+                self.store[t.index()] = Some(b.clone());
+                super::refresh_copy(self.g, &mut self.store, t);
+            }
         }
         Ok(())
     }

@@ -226,7 +226,14 @@ impl<'a> CudaProgram<'a> {
         })?;
         // the previous step may still read the input: wait for it
         self.streams[0].synchronize()?;
-        self.dev.upload(dst, 0, b.bytes())
+        self.dev.upload(dst, 0, b.bytes())?;
+        // a parameter's persistent bf16 copy is the parameter, rounded: set it too
+        if let Some(c) = self.g.param_copy(t) {
+            if let Some(dst) = self.leaves.get(&c) {
+                self.dev.upload(dst, 0, b.to_bf16().bytes())?;
+            }
+        }
+        Ok(())
     }
 
     /// Issues one step: every launch on its stream, with the program's waits and records.

@@ -706,14 +706,15 @@ pub fn choose_occupancy(
 }
 
 /// Which of the priority sets tried (each with its predicted step) to run: the first
-/// (the default), unless others are predicted at least [`PRIORITY_MIN_GAIN`] shorter
-/// than it, then the shortest of those (the earliest where they tie). `None` when
-/// nothing was tried.
+/// (the default), unless a later one is predicted at least [`PRIORITY_MIN_GAIN`] shorter
+/// than it; each later set in turn replaces the one chosen so far only for that gain over
+/// it too (two sets within the noise of each other keep the earlier: the model cannot
+/// tell them apart). `None` when nothing was tried.
 pub fn pick_priorities(tried: &[(Priorities, f64)]) -> Option<usize> {
-    let first = tried.first()?.1;
+    tried.first()?;
     let mut best = 0;
     for (i, &(_, t)) in tried.iter().enumerate().skip(1) {
-        if t < first * (1.0 - PRIORITY_MIN_GAIN) && t < tried[best].1 {
+        if t < tried[best].1 * (1.0 - PRIORITY_MIN_GAIN) {
             best = i;
         }
     }
