@@ -46,7 +46,7 @@ pub struct OptimizerConfig {
     /// ids at the update and sorts there, so it turns this off.
     pub presort_ids: bool,
     /// Adam writes the bf16 copy of each parameter that the step's GEMMs read beside the
-    /// updated parameter, in the same pass ([`Graph::keep_param_copy`]), instead of a
+    /// updated parameter, in the same pass (`Graph::keep_param_copy`), instead of a
     /// RoundBf16 launch making it from the parameter in the next step's forward. The
     /// same bits either way.
     pub copies_in_update: bool,
