@@ -37,7 +37,9 @@
 // gemm_cluster_epilogue). Epilogue flags: bit 0 adds bias[n], bit 1 applies ReLU, bit 3
 // the ReLU gradient's mask (the `bias` pointer then being the ReLU's output), bit 4 in the
 // pipelined kernels a residual added after the product (`bias` then being R, of C's
-// layout; a GEMM with neither a bias nor a mask, C written whole by one launch). The direct
+// layout; a GEMM with neither a bias nor a mask, C written whole by one launch), bit 6 in
+// the copy forms C stored in bf16 alone (the copy is the output), bit 7 in the `_ma`
+// kernels the cross update's bf16 copy (tma.cuh). The direct
 // epilogue writes each thread's two adjacent columns as one float2 where C's alignment
 // allows; the wgmma tile's (gemm_staged_epilogue) a float4 a lane through shared memory.
 //

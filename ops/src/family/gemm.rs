@@ -1,4 +1,4 @@
-//! GEMM-shaped ops: `Linear`, `LinearAdd`, `LinearGradInput`, `LinearGradWeight`, `MatMul` and the bf16 operand copies (`RoundBf16`).
+//! GEMM-shaped ops: `Linear`, `LinearAdd`, `LinearMulAdd`, `LinearGradInput`, `LinearGradWeight`, `MatMul` and the bf16 operand copies (`RoundBf16`).
 //!
 //! Everything of the family in one place: the CPU reference (`cpu`, what every CUDA
 //! kernel is tested against), the CUDA launch plans (`cuda`) and the cost estimate the
