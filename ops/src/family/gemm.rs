@@ -56,6 +56,25 @@ pub mod cpu {
         Ok(())
     }
 
+    /// The layer of a fused linear op (`LinearAdd`, `LinearMulAdd`): `Linear { bias }` of
+    /// its first `2 + bias` inputs into its output 0, as `Linear` computes and stores it.
+    fn exec_layer(
+        call: &NodeCall,
+        ins: &[&Buffer],
+        outs: &mut [Buffer],
+        upd: &mut [Buffer],
+        bias: bool,
+    ) -> Result<(), OpError> {
+        let n = 2 + usize::from(bias);
+        let linear = Op::Linear { bias, relu: false };
+        let layer = NodeCall {
+            op: &linear,
+            in_shapes: call.in_shapes[..n].to_vec(),
+            ..call.first_outputs(1)
+        };
+        execute(&layer, &ins[..n], outs, upd)
+    }
+
     /// `LinearAdd`: the layer, then the residual (its last input) added to its output, as
     /// `Linear` then `Add` compute them (each through [`execute`]).
     pub(crate) fn exec_linear_add(
@@ -69,13 +88,7 @@ pub mod cpu {
         let (Some(r), Some(&r_shape)) = (ins.get(n), call.in_shapes.get(n)) else {
             return Err(call.error(format!("expected {} inputs", n + 1)));
         };
-        let linear = Op::Linear { bias, relu: false };
-        let layer = NodeCall {
-            op: &linear,
-            in_shapes: call.in_shapes[..n].to_vec(),
-            ..call.first_outputs(1)
-        };
-        execute(&layer, &ins[..n], outs, upd)?;
+        exec_layer(call, ins, outs, upd, bias)?;
         let y = outs
             .first()
             .ok_or_else(|| call.error("expected an output".into()))?
@@ -105,13 +118,7 @@ pub mod cpu {
         if !(2..=3).contains(&outs.len()) || call.out_shapes.len() != outs.len() {
             return Err(call.error("expected 2 or 3 outputs".into()));
         }
-        let linear = Op::Linear { bias, relu: false };
-        let layer = NodeCall {
-            op: &linear,
-            in_shapes: call.in_shapes[..n].to_vec(),
-            ..call.first_outputs(1)
-        };
-        execute(&layer, &ins[..n], &mut outs[..1], upd)?;
+        exec_layer(call, ins, &mut outs[..1], upd, bias)?;
         let y = outs[0].clone();
         let update = NodeCall {
             op: &Op::MulAdd,
