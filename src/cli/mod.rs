@@ -316,6 +316,13 @@ struct ModelArgs {
     /// only, with --bf16-copies on.
     #[arg(long, value_enum, default_value = "on")]
     bf16_storage: OnOff,
+    /// With --bf16-storage on, each cross network's updates read x0 and the previous
+    /// update from their bf16 copies (the ones its GEMMs read) and store the inner
+    /// updates in bf16 (the last, the network's output, stays f32): half the bytes of the
+    /// network's elementwise passes forward and backward, each update rounded once (PyTorch's
+    /// autocast keeps them in f32; NE moves in the fourth digit). `off` keeps them in f32.
+    #[arg(long, value_enum, default_value = "on")]
+    bf16_cross: OnOff,
     /// Fuse each cross update (x0 * v + x, the cross layers') with the linear layer that
     /// makes its factor v: on CUDA the GEMM's epilogue computes the update, one launch
     /// and one pass over v fewer. The same values either way. Off by default: on an H100
@@ -627,6 +634,7 @@ impl ModelArgs {
             weight_copies_in_update: self.weight_copies == WeightCopiesArg::Update,
             plan_options: Some(self.plan_options()?),
             bf16_storage: self.bf16_storage == OnOff::On,
+            bf16_cross: self.bf16_cross == OnOff::On,
             fuse_cross_updates: self.fuse_cross_updates == OnOff::On,
         })
     }
