@@ -139,7 +139,8 @@ pub struct ScheduleOptions {
     /// (`erase_graph::fuse_cross_updates`): the CUDA plans compute the update in the
     /// GEMM's epilogue. The same values either way. Off by default: on an H100 it made
     /// the spec model's erase step 0.5 % faster at batch 4096 but 1.2 % slower at 16384,
-    /// and DCNv2's 0.45 % slower (BENCHMARKS.md).
+    /// and DCNv2's 0.45 % slower (BENCHMARKS.md). An update of a network stored in bf16
+    /// (`bf16_cross`) stays apart from its layer.
     pub fuse_cross_updates: bool,
     /// The weights' bf16 copies written by Adam beside the updated weights, kept across
     /// steps (`OptimizerConfig::copies_in_update`), instead of made by a RoundBf16 launch
