@@ -75,49 +75,92 @@ __device__ __forceinline__ uint2 ew_bf16x4(float4 v) {
     return make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
 }
 
+// One element of a tensor of type T as f32 (ew4b/ew1b for f32 too: the loads of one body
+// for either storage).
+__device__ __forceinline__ float4 ew4t(const float* __restrict__ p, long long i) { return ew4(p, i); }
+__device__ __forceinline__ float4 ew4t(const __nv_bfloat16* __restrict__ p, long long i) { return ew4b(p, i); }
+
+// Four f32 values stored as T (bf16: rounded to nearest even).
+__device__ __forceinline__ void ew_store4(float* __restrict__ p, long long i, float4 v) {
+    reinterpret_cast<float4*>(p)[i] = v;
+}
+__device__ __forceinline__ void ew_store4(__nv_bfloat16* __restrict__ p, long long i, float4 v) {
+    reinterpret_cast<uint2*>(p)[i] = ew_bf16x4(v);
+}
+__device__ __forceinline__ void ew_store1(float* __restrict__ p, long long j, float v) { p[j] = v; }
+__device__ __forceinline__ void ew_store1(__nv_bfloat16* __restrict__ p, long long j, float v) {
+    p[j] = __float2bfloat16_rn(v);
+}
+
 // y = a ⊙ b + c (the DCN cross update); n elements of each; with COPY also yb = bf16(y),
 // the bf16 copy a GEMM reads of the cross update (Graph::set_bf16_copies), without a pass
-// of its own over y. B is f32, or bf16 (the cross layer's up-projection stored in bf16).
-template <typename B, bool COPY>
-__device__ __forceinline__ void ew_mul_add_body(const float* __restrict__ a, const B* __restrict__ b,
-                                                const float* __restrict__ c, float* __restrict__ y,
+// of its own over y. B is f32, or bf16 (the cross layer's up-projection stored in bf16);
+// A and C are f32, or bf16 (x0's copy and the previous update stored in bf16,
+// Graph::set_bf16_cross), and Y f32 or bf16 (an update stored in bf16).
+template <typename A, typename B, typename C, typename Y, bool COPY>
+__device__ __forceinline__ void ew_mul_add_body(const A* __restrict__ a, const B* __restrict__ b,
+                                                const C* __restrict__ c, Y* __restrict__ y,
                                                 __nv_bfloat16* __restrict__ yb, long long n) {
     const long long n4 = n >> 2;
     EW_LOOP(i, n4) {
-        const float4 x = ew4(a, i), z = ew4b(b, i), w = ew4(c, i);
+        const float4 x = ew4t(a, i), z = ew4t(b, i), w = ew4t(c, i);
         const float4 v = make_float4(erase_add(erase_mul(x.x, z.x), w.x), erase_add(erase_mul(x.y, z.y), w.y),
                                      erase_add(erase_mul(x.z, z.z), w.z), erase_add(erase_mul(x.w, z.w), w.w));
-        reinterpret_cast<float4*>(y)[i] = v;
+        ew_store4(y, i, v);
         if constexpr (COPY) reinterpret_cast<uint2*>(yb)[i] = ew_bf16x4(v);
     }
     EW_LOOP(i, n - 4 * n4) {
         const long long j = 4 * n4 + i;
-        y[j] = erase_add(erase_mul(a[j], ew1b(b, j)), c[j]);
-        if constexpr (COPY) yb[j] = __float2bfloat16_rn(y[j]);
+        const float v = erase_add(erase_mul(ew1b(a, j), ew1b(b, j)), ew1b(c, j));
+        ew_store1(y, j, v);
+        if constexpr (COPY) yb[j] = __float2bfloat16_rn(v);
     }
 }
 
 ERASE_KERNEL void ew_mul_add(const float* __restrict__ a, const float* __restrict__ b,
                              const float* __restrict__ c, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
-    ew_mul_add_body<float, false>(a, b, c, y, nullptr, n);
+    ew_mul_add_body<float, float, float, float, false>(a, b, c, y, nullptr, n);
 }
 
 ERASE_KERNEL void ew_mul_add_bf16(const float* __restrict__ a, const float* __restrict__ b,
                                   const float* __restrict__ c, float* __restrict__ y, __nv_bfloat16* __restrict__ yb,
                                   long long n) { ERASE_PDL_ENTER();
-    ew_mul_add_body<float, true>(a, b, c, y, yb, n);
+    ew_mul_add_body<float, float, float, float, true>(a, b, c, y, yb, n);
 }
 
 // The same with b in bf16 (`_b16`).
 ERASE_KERNEL void ew_mul_add_b16(const float* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                                  const float* __restrict__ c, float* __restrict__ y, long long n) { ERASE_PDL_ENTER();
-    ew_mul_add_body<__nv_bfloat16, false>(a, b, c, y, nullptr, n);
+    ew_mul_add_body<float, __nv_bfloat16, float, float, false>(a, b, c, y, nullptr, n);
 }
 
 ERASE_KERNEL void ew_mul_add_bf16_b16(const float* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                                       const float* __restrict__ c, float* __restrict__ y,
                                       __nv_bfloat16* __restrict__ yb, long long n) { ERASE_PDL_ENTER();
-    ew_mul_add_body<__nv_bfloat16, true>(a, b, c, y, yb, n);
+    ew_mul_add_body<float, __nv_bfloat16, float, float, true>(a, b, c, y, yb, n);
+}
+
+// The cross update with every operand stored in bf16 (`_s16`: x0's copy, the
+// up-projection and the previous update; Graph::set_bf16_cross): y stored in bf16 (read
+// only by the next layer's GEMM and update), or in f32 with (`_f32c`) or without
+// (`_f32`) its bf16 copy (the network's last update, read by a layer of its own type).
+ERASE_KERNEL void ew_mul_add_s16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                                 const __nv_bfloat16* __restrict__ c, __nv_bfloat16* __restrict__ y, long long n) {
+    ERASE_PDL_ENTER();
+    ew_mul_add_body<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false>(a, b, c, y, nullptr, n);
+}
+
+ERASE_KERNEL void ew_mul_add_s16_f32(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                                     const __nv_bfloat16* __restrict__ c, float* __restrict__ y, long long n) {
+    ERASE_PDL_ENTER();
+    ew_mul_add_body<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, false>(a, b, c, y, nullptr, n);
+}
+
+ERASE_KERNEL void ew_mul_add_s16_f32c(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                                      const __nv_bfloat16* __restrict__ c, float* __restrict__ y,
+                                      __nv_bfloat16* __restrict__ yb, long long n) {
+    ERASE_PDL_ENTER();
+    ew_mul_add_body<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, true>(a, b, c, y, yb, n);
 }
 
 // c = a ⊙ b of same-shape tensors, and cb = bf16(c) (a product a GEMM reads: MaskNet's
@@ -167,8 +210,8 @@ ERASE_KERNEL void ew_mul_grad(const float* __restrict__ dy, const float* __restr
 // sums in lane order; colsum_final adds the slices in order). Grid (ceil(cols/64),
 // ceil(rows/(32·iters))), block 256: thread t takes the 8 columns 64·bx + 8·(t % 8) of
 // rows 32·iters·by + t/8 + 32·i, i < iters.
-template <typename B>
-__device__ __forceinline__ void ew_mul_grad_bf16_body(const float* __restrict__ dy, const float* __restrict__ a,
+template <typename A, typename B>
+__device__ __forceinline__ void ew_mul_grad_bf16_body(const float* __restrict__ dy, const A* __restrict__ a,
                                                       const B* __restrict__ b, float* __restrict__ da,
                                                       __nv_bfloat16* __restrict__ dbb, float* __restrict__ part,
                                                       int rows, int cols, int iters) {
@@ -184,7 +227,7 @@ __device__ __forceinline__ void ew_mul_grad_bf16_body(const float* __restrict__ 
         for (int i = 0; i < last; ++i) {
             const int r = r0 + y + 32 * i;
             const long long q = (static_cast<long long>(r) * cols + c) >> 2;
-            const float4 g0 = ew4(dy, q), g1 = ew4(dy, q + 1), x0 = ew4(a, q), x1 = ew4(a, q + 1);
+            const float4 g0 = ew4(dy, q), g1 = ew4(dy, q + 1), x0 = ew4t(a, q), x1 = ew4t(a, q + 1);
             const float4 z0 = ew4b(b, q), z1 = ew4b(b, q + 1);
             reinterpret_cast<float4*>(da)[q] = make_float4(erase_mul(g0.x, z0.x), erase_mul(g0.y, z0.y),
                                                            erase_mul(g0.z, z0.z), erase_mul(g0.w, z0.w));
@@ -210,7 +253,7 @@ ERASE_KERNEL void __launch_bounds__(256)
     ew_mul_grad_bf16(const float* __restrict__ dy, const float* __restrict__ a, const float* __restrict__ b,
                      float* __restrict__ da, __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows,
                      int cols, int iters) { ERASE_PDL_ENTER();
-    ew_mul_grad_bf16_body<float>(dy, a, b, da, dbb, part, rows, cols, iters);
+    ew_mul_grad_bf16_body<float, float>(dy, a, b, da, dbb, part, rows, cols, iters);
 }
 
 // The same with b in bf16 (`_b16`: the cross layer's up-projection stored in bf16, read to
@@ -220,7 +263,18 @@ ERASE_KERNEL void __launch_bounds__(256)
                          const __nv_bfloat16* __restrict__ b, float* __restrict__ da,
                          __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows, int cols, int iters) {
     ERASE_PDL_ENTER();
-    ew_mul_grad_bf16_body<__nv_bfloat16>(dy, a, b, da, dbb, part, rows, cols, iters);
+    ew_mul_grad_bf16_body<float, __nv_bfloat16>(dy, a, b, da, dbb, part, rows, cols, iters);
+}
+
+// The same with a in bf16 too (`_a16_b16`: the cross layer's x0 read from its copy,
+// Graph::set_bf16_cross): db = dy ⊙ a of the rounded a, the product the forward used.
+ERASE_KERNEL void __launch_bounds__(256)
+    ew_mul_grad_bf16_a16_b16(const float* __restrict__ dy, const __nv_bfloat16* __restrict__ a,
+                             const __nv_bfloat16* __restrict__ b, float* __restrict__ da,
+                             __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows, int cols,
+                             int iters) {
+    ERASE_PDL_ENTER();
+    ew_mul_grad_bf16_body<__nv_bfloat16, __nv_bfloat16>(dy, a, b, da, dbb, part, rows, cols, iters);
 }
 
 // ---- unary maps ------------------------------------------------------------------------

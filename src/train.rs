@@ -130,11 +130,17 @@ pub struct ScheduleOptions {
     /// autocast stores them (see `Graph::set_bf16_storage`): half the bytes for their
     /// GEMMs' stores and the cross updates' reads, the values rounded once.
     pub bf16_storage: bool,
+    /// With `bf16_storage`, the cross networks' updates read x0 and the previous update
+    /// from their bf16 copies and store the inner updates in bf16 (see
+    /// `Graph::set_bf16_cross`): half the bytes of the networks' elementwise passes,
+    /// forward and backward, each update rounded once.
+    pub bf16_cross: bool,
     /// Each cross update (`MulAdd`) fused with the linear layer whose output it reads
     /// (`erase_graph::fuse_cross_updates`): the CUDA plans compute the update in the
     /// GEMM's epilogue. The same values either way. Off by default: on an H100 it made
     /// the spec model's erase step 0.5 % faster at batch 4096 but 1.2 % slower at 16384,
-    /// and DCNv2's 0.45 % slower (BENCHMARKS.md).
+    /// and DCNv2's 0.45 % slower (BENCHMARKS.md). An update of a network stored in bf16
+    /// (`bf16_cross`) stays apart from its layer.
     pub fuse_cross_updates: bool,
     /// The weights' bf16 copies written by Adam beside the updated weights, kept across
     /// steps (`OptimizerConfig::copies_in_update`), instead of made by a RoundBf16 launch
@@ -169,6 +175,7 @@ impl Default for ScheduleOptions {
             bf16_copies: true,
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
             bf16_storage: true,
+            bf16_cross: true,
             fuse_cross_updates: false,
             weight_copies_in_update: true,
             updates_by_data: true,
@@ -234,8 +241,11 @@ pub fn plan_step(
         ..*opt
     };
     let copies = sched.bf16_copies.then_some(sched.bf16_copy_min_flops);
-    let mut model =
-        build_with(cfg, float, copies, sched.bf16_storage).context("building the CTR model")?;
+    let storage = crate::model::ctr::Storage {
+        products: sched.bf16_storage,
+        cross: sched.bf16_cross,
+    };
+    let mut model = build_with(cfg, float, copies, storage).context("building the CTR model")?;
     let mut training = if sched.early_updates {
         erase_graph::make_trainable_early_updates(&mut model.graph, opt)
     } else {

@@ -49,6 +49,9 @@ fn plan_full(
             bf16_copies: copies,
             bf16_copy_min_flops: 0,
             bf16_storage: storage,
+            // the cross networks in f32 but for their up-projections (see
+            // `cross_networks_stored_in_bf16_...` for them in bf16)
+            bf16_cross: false,
             weight_copies_in_update: in_update,
             fuse_cross_updates: false,
             ..Default::default()
@@ -788,6 +791,8 @@ fn cross_updates_fused_with_their_layers_train_to_the_same_bits() {
         let sched = |fuse: bool| ScheduleOptions {
             bf16_copy_min_flops: 0,
             bf16_storage: storage,
+            // (a cross update reading bf16 operands stays apart from its layer)
+            bf16_cross: false,
             fuse_cross_updates: fuse,
             ..Default::default()
         };
@@ -853,6 +858,158 @@ fn cross_updates_fused_with_their_layers_train_to_the_same_bits() {
                 ra.get(other).unwrap().bytes(),
                 "{what}: {} after three steps",
                 g.name(w)
+            );
+        }
+    }
+}
+
+/// The cross networks stored in bf16 (`ScheduleOptions::bf16_cross`, on by default): each
+/// update reads x0 and the previous update from their bf16 copies, the inner updates are
+/// stored in bf16 and the last in f32, and the updates' gradients read x0's copy too. The
+/// step is that of rounding those operands once: the logits and gradients move by
+/// bf16 rounding's size, not more; with the up-projections in f32, or without copies
+/// (the CPU's plans), nothing is stored in bf16.
+#[test]
+fn cross_networks_stored_in_bf16_read_copies_and_move_the_step_by_rounding() {
+    let sched = |cross: bool, storage: bool, copies: bool| ScheduleOptions {
+        bf16_copies: copies,
+        bf16_copy_min_flops: 0,
+        bf16_storage: storage,
+        bf16_cross: cross,
+        fuse_cross_updates: false,
+        ..Default::default()
+    };
+    let cross_updates = |p: &StepPlan| -> Vec<erase::graph::Node> {
+        let g = &p.model.graph;
+        g.nodes()
+            .iter()
+            .filter(|n| n.name.starts_with("cross/") && n.op == Op::MulAdd)
+            .cloned()
+            .collect()
+    };
+    for (model, variant) in [
+        ("spec", Variant::Erase),
+        ("dcnv2", Variant::Baseline),
+        ("dcnv2", Variant::Erase),
+    ] {
+        let what = format!("{model} {variant}");
+        let stored = plan_sched(model, variant, sched(true, true, true));
+        let g = &stored.model.graph;
+        let ups = cross_updates(&stored);
+        assert_eq!(ups.len(), 3, "{what}: three cross updates");
+        for (l, n) in ups.iter().enumerate() {
+            for k in 0..3 {
+                assert_eq!(
+                    g.dtype(n.inputs[k]),
+                    DType::Bf16,
+                    "{what}: update {l} reads input {k} in f32"
+                );
+            }
+            let want = if l < 2 { DType::Bf16 } else { DType::F32 };
+            assert_eq!(g.dtype(n.outputs[0]), want, "{what}: update {l}'s output");
+        }
+        // the first update reads x0's copy twice, the one its layer's GEMM reads
+        assert_eq!(ups[0].inputs[0], ups[0].inputs[2], "{what}");
+        let grads: Vec<_> = g
+            .nodes()
+            .iter()
+            .filter(|n| n.op == Op::MulGrad && n.name.starts_with("cross/"))
+            .collect();
+        assert_eq!(grads.len(), 3, "{what}: three update gradients");
+        for n in &grads {
+            assert_eq!(g.dtype(n.inputs[1]), DType::Bf16, "{what}: {}", n.name);
+            assert_eq!(
+                n.inputs[1], ups[0].inputs[0],
+                "{what}: {} reads x0's copy",
+                n.name
+            );
+        }
+        // the same launches as the f32 network: the stores change, not the passes
+        let f32_net = plan_sched(model, variant, sched(false, true, true));
+        assert_eq!(
+            stored.program.launches.len(),
+            f32_net.program.launches.len(),
+            "{what}: launches"
+        );
+        let (logits_s, grads_s) = step(&stored);
+        let (logits_f, grads_f) = step(&f32_net);
+        let rel = |a: &[f64], b: &[f64]| {
+            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+            let den: f64 = b.iter().map(|y| y * y).sum();
+            (num / den.max(1e-300)).sqrt()
+        };
+        let l = rel(&logits_s, &logits_f);
+        assert!(l > 0.0, "{what}: the stored values are rounded");
+        assert!(l <= 2f64.powi(-6), "{what}: logits move by {l:.2e}");
+        let mut worst = 0f64;
+        for ((name, a), (name_b, b)) in grads_s.iter().zip(&grads_f) {
+            assert_eq!(name, name_b);
+            let r = rel(a, b);
+            assert!(
+                r <= 2f64.powi(-4),
+                "{what}: gradient of {name} moves by {r:.2e}"
+            );
+            worst = worst.max(r);
+        }
+        println!("{what}: logits {l:.2e}, gradients at most {worst:.2e} (relative L2)");
+        // nothing of the network in bf16 with the up-projections in f32 or without copies
+        for (storage, copies) in [(false, true), (true, false)] {
+            let p = plan_sched(model, variant, sched(true, storage, copies));
+            let g = &p.model.graph;
+            for n in cross_updates(&p) {
+                assert!(
+                    n.inputs
+                        .iter()
+                        .chain(&n.outputs[..1])
+                        .all(|&t| g.dtype(t) == DType::F32),
+                    "{what}, storage {storage}, copies {copies}: {}",
+                    n.name
+                );
+            }
+        }
+    }
+}
+
+/// A cross network stored in bf16 trains: the same graph under `detached` and `erase`
+/// gives the same bits step after step (the schedule moves launches, not values), and
+/// the f32 network's logits stay within bf16 rounding of it over three steps.
+#[test]
+fn cross_networks_stored_in_bf16_train_to_the_same_bits_under_detached_and_erase() {
+    for model in ["dcnv2", "spec"] {
+        let sched = |cross: bool| ScheduleOptions {
+            bf16_copy_min_flops: 0,
+            bf16_cross: cross,
+            ..Default::default()
+        };
+        let erase = plan_sched(model, Variant::Erase, sched(true));
+        let detached = plan_sched(model, Variant::Detached, sched(true));
+        let f32_net = plan_sched(model, Variant::Erase, sched(false));
+        let mem = |p: &StepPlan| plan_memory(&p.model.graph, &p.program, &[p.model.logit]);
+        let (me, md, mf) = (mem(&erase), mem(&detached), mem(&f32_net));
+        let (re, le) = train(&erase, &me, 3);
+        let (rd, ld) = train(&detached, &md, 3);
+        let (_, lf) = train(&f32_net, &mf, 3);
+        assert_eq!(le, ld, "{model}: erase and detached logits");
+        for w in erase.model.graph.params() {
+            let other = detached
+                .model
+                .graph
+                .find(erase.model.graph.name(w))
+                .unwrap();
+            assert_eq!(
+                re.get(w).unwrap().bytes(),
+                rd.get(other).unwrap().bytes(),
+                "{model}: {} after three steps",
+                erase.model.graph.name(w)
+            );
+        }
+        for (s, (a, b)) in le.iter().zip(&lf).enumerate() {
+            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+            let den: f64 = b.iter().map(|y| y * y).sum();
+            let r = (num / den).sqrt();
+            assert!(
+                r > 0.0 && r <= 2f64.powi(-6),
+                "{model}: step {s}'s logits move by {r:.2e}"
             );
         }
     }

@@ -286,6 +286,20 @@ fn plan_and_bench_honour_their_flags_or_refuse_them() {
         &run(&["bench", "--device", "cpu", "--kernels", "5"]),
         &["--kernels", "CUDA"],
     );
+    // the fused cross update reads f32 operands: not with the cross network in bf16
+    fails_with(
+        &run(&["plan", "--model", "dcnv2", "--fuse-cross-updates", "on"]),
+        &["--fuse-cross-updates on", "--bf16-cross off"],
+    );
+    ok(&run(&[
+        "plan",
+        "--model",
+        "dcnv2",
+        "--fuse-cross-updates",
+        "on",
+        "--bf16-cross",
+        "off",
+    ]));
     let out = ok(&run(&[
         "bench",
         "--device",

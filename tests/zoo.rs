@@ -274,7 +274,8 @@ fn a_models_misuse_of_the_api_is_refused_naming_it() {
         register(Arc::new(Misuse(case))).unwrap();
         let mut c = cfg(case, Variant::Erase, 1).model;
         c.batch = 16;
-        erase::model::ctr::build_with(&c, erase::graph::DType::F32, Some(0), false).map(|_| ())
+        erase::model::ctr::build_with(&c, erase::graph::DType::F32, Some(0), Default::default())
+            .map(|_| ())
     };
     with_copies("relu").unwrap();
     with_copies("fine").unwrap();

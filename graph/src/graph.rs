@@ -85,6 +85,9 @@ pub struct Graph {
     /// Whether [`Graph::linear_stored_bf16`] stores its output in bf16 (see
     /// [`Graph::set_bf16_storage`]).
     bf16_storage: bool,
+    /// Whether [`Graph::mul_add_stored`] reads and stores a cross network in bf16 (see
+    /// [`Graph::set_bf16_cross`]).
+    bf16_cross: bool,
     /// The RoundBf16 copy made of each activation so far.
     bf16_of: std::collections::BTreeMap<Tensor, Tensor>,
 }
@@ -114,6 +117,7 @@ impl Graph {
             counters: Default::default(),
             bf16_copies: None,
             bf16_storage: false,
+            bf16_cross: false,
             bf16_of: Default::default(),
         }
     }
@@ -139,6 +143,16 @@ impl Graph {
     /// are [`Graph::linear_with`]'s f32 layers.
     pub fn set_bf16_storage(&mut self, on: bool) {
         self.bf16_storage = on;
+    }
+
+    /// Whether the cross updates added after this call by [`Graph::mul_add_stored`] read
+    /// x0 and the previous layer's update from their bf16 copies (the ones the cross
+    /// layers' GEMMs read) and store their own update in bf16, where their up-projection
+    /// is stored in bf16 ([`Graph::set_bf16_storage`]): half the bytes for the network's
+    /// elementwise passes, forward and backward, each update rounded to bf16 once. Off,
+    /// they are [`Graph::mul_add`]'s f32 updates.
+    pub fn set_bf16_cross(&mut self, on: bool) {
+        self.bf16_cross = on;
     }
 
     /// Whether a linear layer of these sizes may read its dy in bf16, written so by the op
@@ -183,6 +197,10 @@ impl Graph {
     fn bf16_copy(&mut self, x: Tensor) -> Tensor {
         if let Some(&c) = self.bf16_of.get(&x) {
             return c;
+        }
+        if self.dtype(x) == DType::Bf16 {
+            // stored in bf16 already (Graph::mul_add_stored): its own copy
+            return x;
         }
         // a view of another activation: the same view of its copy (a detached block's
         // output, DCNv2's cross network read by the top's first layer, so gets the copy
@@ -866,7 +884,10 @@ impl Graph {
         b: Option<Tensor>,
     ) -> Result<(usize, usize, DType)> {
         let op = "linear";
-        let mut all = vec![x, w];
+        // an x stored in bf16 (Graph::mul_add_stored) in an f32 graph: read as the layer's
+        // bf16 copy of x, by a layer large enough for copies (checked below)
+        let x_bf16 = self.float == DType::F32 && self.dtype(x) == DType::Bf16;
+        let mut all = if x_bf16 { vec![w] } else { vec![x, w] };
         all.extend(b);
         let dt = self.expect_float(op, &all)?;
         self.expect_rank(op, w, 2, "weight")?;
@@ -897,6 +918,16 @@ impl Graph {
                     ),
                 ));
             }
+        }
+        if x_bf16 && !self.bf16_layer(xs.rows(), k, n) {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "input {} is stored in bf16 (Graph::mul_add_stored), but a layer of {} rows, {k} inputs and {n} outputs reads f32 inputs (bf16 ones only with bf16 operand copies: rows, inputs and outputs multiples of 64 and at least 128); store the update that feeds it in f32",
+                    self.desc(x),
+                    xs.rows()
+                ),
+            ));
         }
         Ok((n, k, dt))
     }
@@ -1020,6 +1051,47 @@ impl Graph {
                 ),
             ));
         }
+        Ok(self.add1(Op::MulAdd, vec![a, b, c], s, dt))
+    }
+
+    /// The cross update `a ⊙ b + c` ([`Graph::mul_add`]) of a cross network stored in
+    /// bf16, where [`Graph::set_bf16_cross`] is on and `b` is an up-projection stored in
+    /// bf16 ([`Graph::linear_stored_bf16`]): `a` (x0) and `c` (the previous update, or x0)
+    /// read from their bf16 copies, the ones the network's GEMMs read, and the update
+    /// stored in bf16 (`store_bf16`: for an update that only the next layer reads, its
+    /// GEMM and update) or in f32 (the network's output, for layers of any size).
+    /// Otherwise [`Graph::mul_add`]. The values: the f32 update of the rounded operands,
+    /// rounded to nearest even where stored in bf16.
+    pub fn mul_add_stored(
+        &mut self,
+        a: Tensor,
+        b: Tensor,
+        c: Tensor,
+        store_bf16: bool,
+    ) -> Result<Tensor> {
+        if !self.bf16_cross || self.float != DType::F32 || self.dtype(b) != DType::Bf16 {
+            return self.mul_add(a, b, c);
+        }
+        let op = "mul_add";
+        for t in [a, c] {
+            if self.dtype(t) != DType::Bf16 {
+                self.expect_float(op, &[t])?;
+            }
+        }
+        let s = self.shape(a).clone();
+        if self.shape(b) != &s || self.shape(c) != &s {
+            return Err(self.shape_err(
+                op,
+                format!(
+                    "{}, {} and {} must have one shape",
+                    self.desc(a),
+                    self.desc(b),
+                    self.desc(c)
+                ),
+            ));
+        }
+        let (a, c) = (self.bf16_copy(a), self.bf16_copy(c));
+        let dt = if store_bf16 { DType::Bf16 } else { DType::F32 };
         Ok(self.add1(Op::MulAdd, vec![a, b, c], s, dt))
     }
 

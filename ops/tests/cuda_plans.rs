@@ -1301,9 +1301,31 @@ fn a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it() {
     )
     .expect("mul_grad");
     assert_eq!(kernels(&p), ["ew_mul_grad_bf16_b16", "colsum_final"]);
-    // a bf16 a (the other factor) is not a form the kernels have
+    // a bf16 a (the other factor) alone is not a form the kernels have
     let e = plan(&Op::MulAdd, &[(s, b), (s, F), (s, F)], &[(s, F)]).unwrap_err();
     assert!(e.contains("input 0 is bf16"), "{e}");
+    // a cross network stored in bf16 (Graph::set_bf16_cross): a, b and c bf16, the update
+    // in bf16, or in f32 with or without its copy; x0's copy read by the gradient too
+    let all: &[(&[usize], DType)] = &[(s, b), (s, b), (s, b)];
+    for (outs, k) in [
+        (vec![(s, b)], "ew_mul_add_s16"),
+        (vec![(s, F)], "ew_mul_add_s16_f32"),
+        (vec![(s, F), (s, b)], "ew_mul_add_s16_f32c"),
+    ] {
+        let p = plan(&Op::MulAdd, all, &outs).expect("stored in bf16");
+        assert_eq!(kernels(&p), [k]);
+        assert_eq!(p.calls[0].args[3], KArg::Out(0));
+    }
+    let p = plan(
+        &Op::MulGrad,
+        &[(s, F), (s, b), (s, b)],
+        &[(s, F), (s, b), (&[3456], F)],
+    )
+    .expect("mul_grad of x0's copy");
+    assert_eq!(kernels(&p), ["ew_mul_grad_bf16_a16_b16", "colsum_final"]);
+    // a bf16 update of f32 operands is refused, naming it
+    let e = plan(&Op::MulAdd, &[(s, F), (s, b), (s, F)], &[(s, b)]).unwrap_err();
+    assert!(e.contains("output 0 is bf16"), "{e}");
 }
 
 /// The fused cross update (`LinearMulAdd`): the update in the epilogue of the one TMA

@@ -316,11 +316,20 @@ struct ModelArgs {
     /// only, with --bf16-copies on.
     #[arg(long, value_enum, default_value = "on")]
     bf16_storage: OnOff,
+    /// With --bf16-storage on, each cross network's updates read x0 and the previous
+    /// update from their bf16 copies (the ones its GEMMs read) and store the inner
+    /// updates in bf16 (the last, the network's output, stays f32): half the bytes of the
+    /// network's elementwise passes forward and backward (DCNv2's erase step 6.0 % and the spec
+    /// model's 2.7 % faster on an H100), each update rounded once (PyTorch's
+    /// autocast keeps them in f32; NE moved by at most 0.2 % on an H100). `off` keeps them in f32.
+    #[arg(long, value_enum, default_value = "on")]
+    bf16_cross: OnOff,
     /// Fuse each cross update (x0 * v + x, the cross layers') with the linear layer that
     /// makes its factor v: on CUDA the GEMM's epilogue computes the update, one launch
     /// and one pass over v fewer. The same values either way. Off by default: on an H100
     /// it made the spec model's erase step 0.5 % faster at batch 4096, 1.2 % slower at
     /// 16384, and DCNv2's 0.45 % slower (the epilogue's extra traffic outweighs the pass).
+    /// Only with --bf16-cross off (the fused epilogue reads f32 operands).
     #[arg(long, value_enum, default_value = "off")]
     fuse_cross_updates: OnOff,
     /// Where the weights' bf16 copies (of the layers --bf16-copies gives copies) are
@@ -598,6 +607,12 @@ impl ModelArgs {
     /// The schedule the flags ask for; its cost model plans the launches with
     /// `--kernel-paths` (and the environment's overrides).
     fn schedule(&self) -> Result<ScheduleOptions> {
+        if self.fuse_cross_updates == OnOff::On
+            && self.bf16_cross == OnOff::On
+            && self.bf16_storage == OnOff::On
+        {
+            bail!("--fuse-cross-updates on fuses cross updates of f32 operands, and --bf16-cross on (the default) reads them from their bf16 copies: add --bf16-cross off to fuse them");
+        }
         Ok(ScheduleOptions {
             side_streams: self.side_streams,
             occupancy: match self.occupancy {
@@ -627,6 +642,7 @@ impl ModelArgs {
             weight_copies_in_update: self.weight_copies == WeightCopiesArg::Update,
             plan_options: Some(self.plan_options()?),
             bf16_storage: self.bf16_storage == OnOff::On,
+            bf16_cross: self.bf16_cross == OnOff::On,
             fuse_cross_updates: self.fuse_cross_updates == OnOff::On,
         })
     }

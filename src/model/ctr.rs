@@ -725,12 +725,14 @@ fn mlp(g: &mut Graph, mut x: Tensor, layers: &[Lin], last_relu: bool) -> Result<
 fn cross(g: &mut Graph, e: Tensor, p: &CrossParams) -> Result<Tensor> {
     let x0 = g.flatten(e)?;
     let mut x = x0;
-    for (&u, &v) in p.u.iter().zip(&p.v) {
+    let layers = p.u.len();
+    for (l, (&u, &v)) in p.u.iter().zip(&p.v).enumerate() {
         let low = linear(g, x, u)?;
         // stored in bf16 where its operands are copies (Graph::linear_stored_bf16)
         let up = g.linear_stored_bf16(low, v.w, v.b)?;
-        // x0 ⊙ up + x in one pass
-        x = g.mul_add(x0, up, x)?;
+        // x0 ⊙ up + x in one pass; in bf16 where the next layer alone reads it
+        // (Graph::set_bf16_cross)
+        x = g.mul_add_stored(x0, up, x, l + 1 < layers)?;
     }
     linear_relu(g, x, p.out)
 }
@@ -773,7 +775,17 @@ fn aux_head(g: &mut Graph, o: Tensor, head: Lin, label: Tensor, batch: usize) ->
 /// Builds the forward graph and registers its losses (see [`CtrModel`]). `float` is the
 /// type of parameters and activations: F32, or F64 for reference computations.
 pub fn build(cfg: &CtrConfig, float: DType) -> Result<CtrModel> {
-    build_with(cfg, float, None, false)
+    build_with(cfg, float, None, Storage::default())
+}
+
+/// Which activations a model stores in bf16 where its layers take bf16 operand copies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Storage {
+    /// The cross layers' up-projections (`Graph::set_bf16_storage`).
+    pub products: bool,
+    /// The cross networks' operands and inner updates, given `products`
+    /// (`Graph::set_bf16_cross`).
+    pub cross: bool,
 }
 
 /// [`build`], with bf16 copies of the GEMM operands of layers of at least `bf16_copies`
@@ -782,14 +794,14 @@ pub fn build_with(
     cfg: &CtrConfig,
     float: DType,
     bf16_copies: Option<usize>,
-    bf16_storage: bool,
+    storage: Storage,
 ) -> Result<CtrModel> {
     cfg.validate()?;
     if cfg.model != "spec" {
         let m = super::api::find(&cfg.model)?;
-        return build_api(m.as_ref(), cfg, float, bf16_copies, bf16_storage);
+        return build_api(m.as_ref(), cfg, float, bf16_copies, storage);
     }
-    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies, bf16_storage)?;
+    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies, storage)?;
     let (b, d) = (cfg.batch, cfg.dim);
     let detached = cfg.variant.is_detached();
 
@@ -896,7 +908,7 @@ fn graph_inputs_and_table(
     cfg: &CtrConfig,
     float: DType,
     bf16_copies: Option<usize>,
-    bf16_storage: bool,
+    storage: Storage,
 ) -> Result<(Graph, CtrInputs, Tensor)> {
     ensure!(
         matches!(float, DType::F32 | DType::F64),
@@ -904,7 +916,8 @@ fn graph_inputs_and_table(
     );
     let mut g = Graph::new(float);
     g.set_bf16_copies(bf16_copies);
-    g.set_bf16_storage(bf16_storage);
+    g.set_bf16_storage(storage.products);
+    g.set_bf16_cross(storage.cross);
     let (b, ns) = (cfg.batch, cfg.num_sparse);
     let inputs = CtrInputs {
         dense: g.input("dense", &[b, cfg.dense_width()], float)?,
@@ -941,9 +954,9 @@ fn build_api(
     cfg: &CtrConfig,
     float: DType,
     bf16_copies: Option<usize>,
-    bf16_storage: bool,
+    storage: Storage,
 ) -> Result<CtrModel> {
-    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies, bf16_storage)?;
+    let (mut g, inputs, table) = graph_inputs_and_table(cfg, float, bf16_copies, storage)?;
     let (b, d) = (cfg.batch, cfg.dim);
     let pooled = pool(&mut g, cfg, &inputs, table)?;
     let x = super::api::ModelInputs {

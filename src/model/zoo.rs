@@ -135,10 +135,11 @@ impl Model for DcnV2 {
             let x0 = g.flatten(e)?;
             let width = g.shape(x0).dims()[1];
             let mut xl = x0;
-            for _ in 0..cfg.cross_layers {
+            for l in 0..cfg.cross_layers {
                 let u = g.linear(xl, cfg.cross_rank)?;
                 let v = g.linear_stored(u, width)?;
-                xl = g.mul_add(x0, v, xl)?;
+                // in bf16 where the next layer alone reads it (Graph::set_bf16_cross)
+                xl = g.mul_add_stored(x0, v, xl, l + 1 < cfg.cross_layers)?;
             }
             Ok(xl)
         })?;

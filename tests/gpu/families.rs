@@ -157,6 +157,25 @@ fn elementwise_maps_match_cpu() {
             oc,
             &[EXACT],
         );
+        // a cross network stored in bf16 (Graph::set_bf16_cross): a, b and c bf16, the
+        // update stored in bf16 (rounded to nearest even), or in f32 with or without its
+        // copy: bit for bit (the `_s16` forms)
+        let (xb, yb, zb) = (bf16_of(&x), bf16_of(&y), bf16_of(&z));
+        let ob: &[(&[usize], DType)] = &[(&shape, DType::Bf16)];
+        for (outs, what) in [
+            (ob, "stored in bf16"),
+            (o, "in f32"),
+            (oc, "in f32 with its copy"),
+        ] {
+            compare(
+                dev,
+                &format!("mul_add of bf16 a, b, c {what} [{n}]"),
+                &Op::MulAdd,
+                &[dup(&xb), dup(&yb), dup(&zb)],
+                outs,
+                &[EXACT],
+            );
+        }
         compare(
             dev,
             &format!("mul with its bf16 copy [{n}]"),
@@ -189,20 +208,29 @@ fn elementwise_maps_match_cpu() {
                     rand_arg(&sh, next()),
                     rand_arg(&sh, next()),
                 );
-                for (sums, b16) in [(true, false), (false, false), (true, true), (false, true)] {
+                for (sums, b16, a16) in [
+                    (true, false, false),
+                    (false, false, false),
+                    (true, true, false),
+                    (false, true, false),
+                    (true, true, true),
+                    (false, true, true),
+                ] {
                     let mut outs: Vec<(&[usize], DType)> = vec![(&sh, F32), (&sh, DType::Bf16)];
                     if sums {
                         outs.push((&sh[1..], F32));
                     }
-                    // b16: b (the layer's output) stored in bf16 (`ew_mul_grad_bf16_b16`)
+                    // b16: b (the layer's output) stored in bf16 (`ew_mul_grad_bf16_b16`);
+                    // a16: a too (x0's copy, `ew_mul_grad_bf16_a16_b16`)
                     let bb = if b16 { bf16_of(&b) } else { dup(&b) };
+                    let ab = if a16 { bf16_of(&a) } else { dup(&a) };
                     compare(
                         dev,
                         &format!(
-                            "mul_grad with db in bf16 [{rows}, {cols}], sums {sums}, b in bf16 {b16}"
+                            "mul_grad with db in bf16 [{rows}, {cols}], sums {sums}, b in bf16 {b16}, a in bf16 {a16}"
                         ),
                         &Op::MulGrad,
-                        &[dup(&d), dup(&a), bb],
+                        &[dup(&d), ab, bb],
                         &outs,
                         &[EXACT, EXACT, (1e-6, sum_atol(rows, 1.0))],
                     );

@@ -738,3 +738,94 @@ fn dependent_kernels_launched_early_still_read_their_predecessors_output() {
         println!("{mode:?}: the chain gives the serial bits");
     }
 }
+
+/// A cross network stored in bf16 (`ScheduleOptions::bf16_cross`, on by default): one
+/// step of DCNv2 and of the spec's model at batch 128 (every layer with copies) on the GPU
+/// against the CPU reference that rounds as the kernels round, on a synthetic batch: the
+/// logits within 2e-2 (relative L2), the cross layers' gradients within 5e-2 and every
+/// other within 0.15 (a ReLU at 0 within rounding can fall either way at this batch).
+#[test]
+fn a_cross_network_stored_in_bf16_steps_on_the_gpu_as_on_the_cpu() {
+    let Some(dev) = super::device("a_cross_network_stored_in_bf16_steps_on_the_gpu_as_on_the_cpu")
+    else {
+        return;
+    };
+    for model in ["dcnv2", "spec"] {
+        let mut cfg = CtrConfig {
+            model: model.to_string(),
+            ..CtrConfig::default()
+        }
+        .with_variant(Variant::Erase);
+        cfg.batch = 128;
+        cfg.rows = 1000;
+        let sched = ScheduleOptions {
+            bf16_copy_min_flops: 0,
+            ..ScheduleOptions::default()
+        };
+        let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched).unwrap();
+        let m = &p.model;
+        let g = &m.graph;
+        let stored = g
+            .nodes()
+            .iter()
+            .filter(|n| n.op == erase::graph::Op::MulAdd && g.dtype(n.outputs[0]) == DType::Bf16)
+            .count();
+        assert_eq!(stored, 2, "{model}: two inner cross updates stored in bf16");
+        let gen = SyntheticCtr::new(SyntheticConfig {
+            seed: 0,
+            rows: 1000,
+            hot: 1,
+        });
+        let b = 128;
+        let (mut d, mut ids, mut y) = (vec![0f32; b * 13], vec![0u32; b * 26], vec![0f32; b]);
+        gen.fill_batch(1, 0, b, &mut d, &mut ids, &mut y);
+        let (bd, bi, bo, bl) = m.batch_buffers(&d, &ids, &y).unwrap();
+        let mut cpu = ProgramRunner::new(g, &p.program, &p.memory, 5, 2).unwrap();
+        cpu.bf16_gemm = true;
+        let mut gpu = CudaProgram::new(dev, g, &p.program, &p.memory, 5).unwrap();
+        for (t, buf) in [
+            (m.inputs.dense, &bd),
+            (m.inputs.ids, &bi),
+            (m.inputs.offsets, &bo),
+            (m.inputs.label, &bl),
+        ] {
+            cpu.feed(t, buf.clone()).unwrap();
+            gpu.feed(t, buf).unwrap();
+        }
+        cpu.run().unwrap();
+        gpu.run().unwrap();
+        gpu.synchronize().unwrap();
+        let check = |what: &str, t, bound: f64| -> f64 {
+            let (a, c) = (gpu.get(t).unwrap().to_f64(), cpu.get(t).unwrap().to_f64());
+            assert!(
+                a.iter().all(|v| v.is_finite()),
+                "{model}: {what} is not finite"
+            );
+            let e = rel_l2(&a, &c);
+            assert!(e <= bound, "{model}: {what}: GPU vs CPU {e:.3e} > {bound}");
+            e
+        };
+        let l = check("logits", m.logit, 2e-2);
+        let mut worst = (0.0, String::new());
+        for (&param, grad) in &p.training.grads.by_param {
+            let t = match grad {
+                Grad::Dense(t) => *t,
+                Grad::Sparse { dpooled, .. } => *dpooled,
+            };
+            let name = g.name(param).to_string();
+            let bound = if name.starts_with("cross/") {
+                5e-2
+            } else {
+                0.15
+            };
+            let e = check(&format!("gradient of '{name}'"), t, bound);
+            if e > worst.0 {
+                worst = (e, name);
+            }
+        }
+        println!(
+            "{model}: logits GPU vs CPU {l:.2e}; worst gradient {:.2e} on '{}'",
+            worst.0, worst.1
+        );
+    }
+}

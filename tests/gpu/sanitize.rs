@@ -695,3 +695,60 @@ fn sanitize_fused_cross_update() {
         }
     }
 }
+
+/// A cross network stored in bf16 (`Graph::set_bf16_cross`): the `_s16` updates (stored
+/// in bf16, in f32, in f32 with its copy) and the gradient reading x0's copy
+/// (`ew_mul_grad_bf16_a16_b16`, with and without its column sums), on odd sizes (the
+/// scalar tail) and a ragged [rows][cols] (a CTA's partial rows), bit for bit the CPU's.
+#[test]
+fn sanitize_cross_stored_in_bf16() {
+    let Some(dev) = device("sanitize_cross_stored_in_bf16") else {
+        return;
+    };
+    let bf = |seed: u64, len: usize| {
+        let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect();
+        Buffer::from_f64(DType::Bf16, &v)
+    };
+    for (rows, cols) in [(3usize, 67usize), (37, 72)] {
+        let n = rows * cols;
+        let s: &[usize] = &[rows, cols];
+        let ins = vec![arg(s, bf(61, n)), arg(s, bf(62, n)), arg(s, bf(63, n))];
+        let b16 = DType::Bf16;
+        let f32 = DType::F32;
+        for outs in [vec![(s, b16)], vec![(s, f32)], vec![(s, f32), (s, b16)]] {
+            let g = run_gpu(dev, &Op::MulAdd, &ins, &outs, &mut []);
+            let c = run_cpu(&Op::MulAdd, &ins, &outs, &mut []);
+            for (k, (gb, cb)) in g.iter().zip(&c).enumerate() {
+                close(&format!("mul_add s16 {outs:?} output {k}"), gb, cb, 0.0);
+            }
+        }
+        if cols % 8 != 0 {
+            continue;
+        }
+        let gins = vec![
+            arg(s, Buffer::F32(rand_f32(64, n, -1.0, 1.0))),
+            arg(s, bf(65, n)),
+            arg(s, bf(66, n)),
+        ];
+        for sums in [true, false] {
+            let mut outs: Vec<(&[usize], DType)> = vec![(s, f32), (s, b16)];
+            if sums {
+                outs.push((&s[1..], f32));
+            }
+            let g = run_gpu(dev, &Op::MulGrad, &gins, &outs, &mut []);
+            let c = run_cpu(&Op::MulGrad, &gins, &outs, &mut []);
+            for (k, (gb, cb)) in g.iter().zip(&c).enumerate() {
+                let tol = if k == 2 { 1e-5 } else { 0.0 };
+                close(
+                    &format!("mul_grad a16 b16, sums {sums}, output {k}"),
+                    gb,
+                    cb,
+                    tol,
+                );
+            }
+        }
+    }
+}

@@ -15,8 +15,8 @@ pub mod cpu {
     /// `a ⊙ b + c`) with its bf16 copy beside it, the one a GEMM reads
     /// (`Graph::copy_output`); the product's gradient whose `db` is a copied linear
     /// layer's dy: only its bf16 copy, and with a third output its column sums (the
-    /// layer's bias gradient), as RoundBf16 of the f32 db gives them. `None` for the plain
-    /// forms.
+    /// layer's bias gradient), as RoundBf16 of the f32 db gives them; `a ⊙ b + c` stored
+    /// in bf16 (`Graph::set_bf16_cross`). `None` for the plain forms.
     pub(crate) fn exec_stored(
         call: &NodeCall,
         ins: &[&Buffer],
@@ -24,6 +24,10 @@ pub mod cpu {
         upd: &mut [Buffer],
     ) -> Option<Result<(), OpError>> {
         match call.op {
+            // a cross update stored in bf16 (Graph::set_bf16_cross): the f32 values rounded
+            Op::MulAdd if outs.len() == 1 && outs[0].dtype() == DType::Bf16 => {
+                Some(rounded(call, ins, outs, upd))
+            }
             Op::MulAdd | Op::MulGrad if any_bf16(ins) => Some(widened(call, ins, outs, upd)),
             Op::MulAdd | Op::Mul if copy_last(outs, 2) => Some(with_copy(call, ins, outs, upd, 1)),
             Op::MulGrad if outs.len() >= 2 && outs[1].dtype() == DType::Bf16 => {
@@ -193,10 +197,14 @@ pub(crate) mod cuda {
         "ew_mul_add_bf16",
         "ew_mul_add_b16",
         "ew_mul_add_bf16_b16",
+        "ew_mul_add_s16",
+        "ew_mul_add_s16_f32",
+        "ew_mul_add_s16_f32c",
         "ew_mul_bf16",
         "ew_mul_grad",
         "ew_mul_grad_bf16",
         "ew_mul_grad_bf16_b16",
+        "ew_mul_grad_bf16_a16_b16",
         "ew_scale",
         "ew_relu",
         "ew_gelu",
@@ -255,25 +263,39 @@ pub(crate) mod cuda {
     /// `[a, b, c] -> [a ⊙ b + c]`, or `-> [y, bf16(y)]` with the bf16 copy a GEMM reads
     /// (Graph::set_bf16_copies puts it on the producer) written by the same pass; b may be
     /// bf16 (a linear layer stored in bf16, Graph::linear_stored_bf16: the `_b16` forms).
+    /// With a, b and c all bf16 (a cross network stored in bf16, Graph::set_bf16_cross:
+    /// the `_s16` forms), y is bf16, or f32 with or without its copy.
     pub(crate) fn mul_add(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
-        let outs: &[DType] = if o.outs.len() == 2 {
-            &[F, DType::Bf16]
-        } else {
-            &[F]
+        let bf = DType::Bf16;
+        let stored = o.in_dtypes.len() == 3 && o.in_dtypes.iter().all(|&d| d == bf);
+        let outs: &[DType] = match (o.outs.len(), o.out_dtypes.first()) {
+            (2, _) => &[F, bf],
+            (_, Some(&DType::Bf16)) if stored => &[bf],
+            _ => &[F],
         };
-        let b16 = o.in_dtypes.get(1) == Some(&DType::Bf16);
-        expect(op, o, &[F, if b16 { DType::Bf16 } else { F }, F], outs)?;
+        let b16 = o.in_dtypes.get(1) == Some(&bf);
+        let ins: &[DType] = if stored {
+            &[bf, bf, bf]
+        } else if b16 {
+            &[F, bf, F]
+        } else {
+            &[F, F, F]
+        };
+        expect(op, o, ins, outs)?;
         let n = one_shape(op, o, outs.len())?;
         let mut args = vec![KArg::In(0), KArg::In(1), KArg::In(2), Out(0)];
         if outs.len() == 2 {
             args.push(Out(1));
         }
         args.push(n64(n));
-        let kernel = match (outs.len() == 2, b16) {
-            (true, false) => "ew_mul_add_bf16",
-            (false, false) => "ew_mul_add",
-            (true, true) => "ew_mul_add_bf16_b16",
-            (false, true) => "ew_mul_add_b16",
+        let kernel = match (outs, stored, b16) {
+            ([_, _], true, _) => "ew_mul_add_s16_f32c",
+            ([DType::Bf16], true, _) => "ew_mul_add_s16",
+            (_, true, _) => "ew_mul_add_s16_f32",
+            ([_, _], false, false) => "ew_mul_add_bf16",
+            (_, false, false) => "ew_mul_add",
+            ([_, _], false, true) => "ew_mul_add_bf16_b16",
+            (_, false, true) => "ew_mul_add_b16",
         };
         Ok(plan_of(vec![ew(kernel, n.div_ceil(4), args)], vec![]))
     }
@@ -315,7 +337,8 @@ pub(crate) mod cuda {
     /// layer's dy, written only as its bf16 copy, with its column sums (the bias gradient)
     /// from the same pass (`ew_mul_grad_bf16`'s partials, then colsum_final in order), as
     /// RoundBf16 of the f32 db would make them. b may be bf16 (that layer's output stored
-    /// in bf16, Graph::linear_stored_bf16: `ew_mul_grad_bf16_b16`).
+    /// in bf16, Graph::linear_stored_bf16: `ew_mul_grad_bf16_b16`), and a with it (x0's
+    /// copy, Graph::set_bf16_cross: `ew_mul_grad_bf16_a16_b16`).
     fn mul_grad_bf16(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         let sums = o.outs.len() == 3;
         let outs: &[DType] = if sums {
@@ -324,7 +347,10 @@ pub(crate) mod cuda {
             &[F, DType::Bf16]
         };
         let b16 = o.in_dtypes.get(2) == Some(&DType::Bf16);
-        expect(op, o, &[F, F, if b16 { DType::Bf16 } else { F }], outs)?;
+        // a in bf16 too: x0 read from its copy (Graph::set_bf16_cross), with a bf16 b
+        let a16 = b16 && o.in_dtypes.get(1) == Some(&DType::Bf16);
+        let bf = |on: bool| if on { DType::Bf16 } else { F };
+        expect(op, o, &[F, bf(a16), bf(b16)], outs)?;
         let n = o.ins[0];
         if o.ins.iter().chain(&o.outs[..2]).any(|t| *t != n) {
             return Err(format!(
@@ -348,10 +374,10 @@ pub(crate) mod cuda {
         let (col_blocks, iters, slices) = colsum_geometry(rows, cols, o.opts.sms);
         let part = if sums { Scratch(0) } else { I64(0) }; // a null pointer: no sums
         let mut calls = vec![kc(
-            if b16 {
-                "ew_mul_grad_bf16_b16"
-            } else {
-                "ew_mul_grad_bf16"
+            match (a16, b16) {
+                (true, _) => "ew_mul_grad_bf16_a16_b16",
+                (false, true) => "ew_mul_grad_bf16_b16",
+                (false, false) => "ew_mul_grad_bf16",
             },
             [col_blocks as u32, slices as u32, 1],
             [256, 1, 1],
