@@ -210,7 +210,9 @@ ERASE_KERNEL void ew_mul_grad(const float* __restrict__ dy, const float* __restr
 // sums in lane order; colsum_final adds the slices in order). Grid (ceil(cols/64),
 // ceil(rows/(32·iters))), block 256: thread t takes the 8 columns 64·bx + 8·(t % 8) of
 // rows 32·iters·by + t/8 + 32·i, i < iters.
-template <typename A, typename B>
+// With PLUS_DY, da = dy ⊙ b + dy (the gradient of a ⊙ b + a: a cross network's first
+// update, a's two contributions summed in the same pass).
+template <typename A, typename B, bool PLUS_DY = false>
 __device__ __forceinline__ void ew_mul_grad_bf16_body(const float* __restrict__ dy, const A* __restrict__ a,
                                                       const B* __restrict__ b, float* __restrict__ da,
                                                       __nv_bfloat16* __restrict__ dbb, float* __restrict__ part,
@@ -229,10 +231,18 @@ __device__ __forceinline__ void ew_mul_grad_bf16_body(const float* __restrict__ 
             const long long q = (static_cast<long long>(r) * cols + c) >> 2;
             const float4 g0 = ew4(dy, q), g1 = ew4(dy, q + 1), x0 = ew4t(a, q), x1 = ew4t(a, q + 1);
             const float4 z0 = ew4b(b, q), z1 = ew4b(b, q + 1);
-            reinterpret_cast<float4*>(da)[q] = make_float4(erase_mul(g0.x, z0.x), erase_mul(g0.y, z0.y),
-                                                           erase_mul(g0.z, z0.z), erase_mul(g0.w, z0.w));
-            reinterpret_cast<float4*>(da)[q + 1] = make_float4(erase_mul(g1.x, z1.x), erase_mul(g1.y, z1.y),
-                                                               erase_mul(g1.z, z1.z), erase_mul(g1.w, z1.w));
+            float4 d0 = make_float4(erase_mul(g0.x, z0.x), erase_mul(g0.y, z0.y), erase_mul(g0.z, z0.z),
+                                    erase_mul(g0.w, z0.w));
+            float4 d1 = make_float4(erase_mul(g1.x, z1.x), erase_mul(g1.y, z1.y), erase_mul(g1.z, z1.z),
+                                    erase_mul(g1.w, z1.w));
+            if constexpr (PLUS_DY) {
+                d0 = make_float4(erase_add(d0.x, g0.x), erase_add(d0.y, g0.y), erase_add(d0.z, g0.z),
+                                 erase_add(d0.w, g0.w));
+                d1 = make_float4(erase_add(d1.x, g1.x), erase_add(d1.y, g1.y), erase_add(d1.z, g1.z),
+                                 erase_add(d1.w, g1.w));
+            }
+            reinterpret_cast<float4*>(da)[q] = d0;
+            reinterpret_cast<float4*>(da)[q + 1] = d1;
             const float4 v0 = make_float4(erase_mul(g0.x, x0.x), erase_mul(g0.y, x0.y), erase_mul(g0.z, x0.z),
                                           erase_mul(g0.w, x0.w));
             const float4 v1 = make_float4(erase_mul(g1.x, x1.x), erase_mul(g1.y, x1.y), erase_mul(g1.z, x1.z),
@@ -275,6 +285,17 @@ ERASE_KERNEL void __launch_bounds__(256)
                              int iters) {
     ERASE_PDL_ENTER();
     ew_mul_grad_bf16_body<__nv_bfloat16, __nv_bfloat16>(dy, a, b, da, dbb, part, rows, cols, iters);
+}
+
+// The same with dy added to da (`_dy`: the first cross layer's update x0 ⊙ v + x0, its two
+// contributions to x0 in one tensor; Op::MulGrad { plus_dy }).
+ERASE_KERNEL void __launch_bounds__(256)
+    ew_mul_grad_bf16_a16_b16_dy(const float* __restrict__ dy, const __nv_bfloat16* __restrict__ a,
+                                const __nv_bfloat16* __restrict__ b, float* __restrict__ da,
+                                __nv_bfloat16* __restrict__ dbb, float* __restrict__ part, int rows, int cols,
+                                int iters) {
+    ERASE_PDL_ENTER();
+    ew_mul_grad_bf16_body<__nv_bfloat16, __nv_bfloat16, true>(dy, a, b, da, dbb, part, rows, cols, iters);
 }
 
 // ---- unary maps ------------------------------------------------------------------------

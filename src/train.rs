@@ -135,6 +135,10 @@ pub struct ScheduleOptions {
     /// `Graph::set_bf16_cross`): half the bytes of the networks' elementwise passes,
     /// forward and backward, each update rounded once.
     pub bf16_cross: bool,
+    /// With `bf16_cross`, the first cross update's gradient (`x0 ⊙ v + x0`) writes x0's two
+    /// contributions as one tensor (`Graph::set_fold_plus_dy`): one pass fewer over it
+    /// for x0's sum to read. The same sum in another order. Off by default until measured.
+    pub cross_grad_fold: bool,
     /// Each cross update (`MulAdd`) fused with the linear layer whose output it reads
     /// (`erase_graph::fuse_cross_updates`): the CUDA plans compute the update in the
     /// GEMM's epilogue. The same values either way. Off by default: on an H100 it made
@@ -176,6 +180,7 @@ impl Default for ScheduleOptions {
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
             bf16_storage: true,
             bf16_cross: true,
+            cross_grad_fold: false,
             fuse_cross_updates: false,
             weight_copies_in_update: true,
             updates_by_data: true,
@@ -244,6 +249,7 @@ pub fn plan_step(
     let storage = crate::model::ctr::Storage {
         products: sched.bf16_storage,
         cross: sched.bf16_cross,
+        fold_plus_dy: sched.cross_grad_fold,
     };
     let mut model = build_with(cfg, float, copies, storage).context("building the CTR model")?;
     let mut training = if sched.early_updates {

@@ -127,7 +127,7 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
     let by_product: Vec<(&str, usize)> = g
         .nodes()
         .iter()
-        .filter(|n| matches!(n.op, Op::MulGrad) && g.dtype(n.outputs[1]) == DType::Bf16)
+        .filter(|n| matches!(n.op, Op::MulGrad { .. }) && g.dtype(n.outputs[1]) == DType::Bf16)
         .map(|n| (n.name.as_str(), n.outputs.len()))
         .collect();
     // each with its column sums: the layer's bias gradient
@@ -261,7 +261,7 @@ fn the_ctr_models_large_layers_share_one_rounding_of_each_operand() {
                 .collect();
             assert_eq!(
                 readers,
-                [&Op::MulAdd, &Op::MulGrad],
+                [&Op::MulAdd, &Op::MulGrad { plus_dy: false }],
                 "{}: the cross update and its gradient",
                 n.name
             );
@@ -876,6 +876,7 @@ fn cross_networks_stored_in_bf16_read_copies_and_move_the_step_by_rounding() {
         bf16_copy_min_flops: 0,
         bf16_storage: storage,
         bf16_cross: cross,
+        cross_grad_fold: true,
         fuse_cross_updates: false,
         ..Default::default()
     };
@@ -913,7 +914,7 @@ fn cross_networks_stored_in_bf16_read_copies_and_move_the_step_by_rounding() {
         let grads: Vec<_> = g
             .nodes()
             .iter()
-            .filter(|n| n.op == Op::MulGrad && n.name.starts_with("cross/"))
+            .filter(|n| matches!(n.op, Op::MulGrad { .. }) && n.name.starts_with("cross/"))
             .collect();
         assert_eq!(grads.len(), 3, "{what}: three update gradients");
         for n in &grads {
@@ -923,6 +924,10 @@ fn cross_networks_stored_in_bf16_read_copies_and_move_the_step_by_rounding() {
                 "{what}: {} reads x0's copy",
                 n.name
             );
+            // the first update, x0 ⊙ v + x0: its gradient adds dy to da (x0's two
+            // contributions in one tensor); the others leave c's to x_l's own sum
+            let first = n.name.starts_with(&format!("{}.", ups[0].name));
+            assert_eq!(n.op, Op::MulGrad { plus_dy: first }, "{what}: {}", n.name);
         }
         // the same launches as the f32 network: the stores change, not the passes
         let f32_net = plan_sched(model, variant, sched(false, true, true));
@@ -952,6 +957,36 @@ fn cross_networks_stored_in_bf16_read_copies_and_move_the_step_by_rounding() {
             worst = worst.max(r);
         }
         println!("{what}: logits {l:.2e}, gradients at most {worst:.2e} (relative L2)");
+        // the first update's gradient folded or not (`cross_grad_fold`, off by default):
+        // the same sums in another order
+        let unfolded = plan_sched(
+            model,
+            variant,
+            ScheduleOptions {
+                cross_grad_fold: false,
+                ..sched(true, true, true)
+            },
+        );
+        assert!(unfolded
+            .model
+            .graph
+            .nodes()
+            .iter()
+            .all(|n| !matches!(n.op, Op::MulGrad { plus_dy: true })));
+        // (a view of dy fewer among x0's contributions)
+        assert!(
+            stored.program.launches.len() <= unfolded.program.launches.len(),
+            "{what}"
+        );
+        let (logits_u, grads_u) = step(&unfolded);
+        assert!(rel(&logits_u, &logits_s) <= 1e-6, "{what}: logits");
+        for ((name, a), (_, b)) in grads_u.iter().zip(&grads_s) {
+            let r = rel(a, b);
+            assert!(
+                r <= 1e-5,
+                "{what}: folding moves {name}'s gradient by {r:.2e}"
+            );
+        }
         // nothing of the network in bf16 with the up-projections in f32 or without copies
         for (storage, copies) in [(false, true), (true, false)] {
             let p = plan_sched(model, variant, sched(true, storage, copies));
@@ -979,6 +1014,7 @@ fn cross_networks_stored_in_bf16_train_to_the_same_bits_under_detached_and_erase
         let sched = |cross: bool| ScheduleOptions {
             bf16_copy_min_flops: 0,
             bf16_cross: cross,
+            cross_grad_fold: cross,
             ..Default::default()
         };
         let erase = plan_sched(model, Variant::Erase, sched(true));

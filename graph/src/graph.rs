@@ -88,6 +88,9 @@ pub struct Graph {
     /// Whether [`Graph::mul_add_stored`] reads and stores a cross network in bf16 (see
     /// [`Graph::set_bf16_cross`]).
     bf16_cross: bool,
+    /// Whether autodiff sums the two gradient contributions of a cross update `a ⊙ b + a`
+    /// in its gradient's pass (see [`Graph::set_fold_plus_dy`]).
+    fold_plus_dy: bool,
     /// The RoundBf16 copy made of each activation so far.
     bf16_of: std::collections::BTreeMap<Tensor, Tensor>,
 }
@@ -118,6 +121,7 @@ impl Graph {
             bf16_copies: None,
             bf16_storage: false,
             bf16_cross: false,
+            fold_plus_dy: false,
             bf16_of: Default::default(),
         }
     }
@@ -153,6 +157,20 @@ impl Graph {
     /// they are [`Graph::mul_add`]'s f32 updates.
     pub fn set_bf16_cross(&mut self, on: bool) {
         self.bf16_cross = on;
+    }
+
+    /// Whether autodiff gives a cross update that reads one tensor as both `a` and `c`
+    /// (`a ⊙ b + a`: a network's first update stored in bf16, x0 read from one copy, see
+    /// [`Graph::mul_add_stored`]) one gradient for a: `MulGrad { plus_dy }` writes
+    /// `dy ⊙ b + dy`, one tensor fewer for a's sum to read, instead of `dy ⊙ b` beside
+    /// dy. The same sum in another order.
+    pub fn set_fold_plus_dy(&mut self, on: bool) {
+        self.fold_plus_dy = on;
+    }
+
+    /// See [`Graph::set_fold_plus_dy`].
+    pub fn fold_plus_dy(&self) -> bool {
+        self.fold_plus_dy
     }
 
     /// Whether a linear layer of these sizes may read its dy in bf16, written so by the op

@@ -200,8 +200,12 @@ pub enum Op {
     /// `[dy, a, b] -> [da, db]`: `da = dy ⊙ b`, `db = dy ⊙ a` (the gradient of a product of
     /// two tensors of one shape, in one pass). With a bf16 output 1, `[da, db_bf16]` or
     /// `[da, db_bf16, s]`: db is the dy of a linear layer with bf16 operand copies, written
-    /// only as its bf16 copy, and `s` its column sums (the layer's bias gradient).
-    MulGrad,
+    /// only as its bf16 copy, and `s` its column sums (the layer's bias gradient). With
+    /// `plus_dy`, `da = dy ⊙ b + dy`: the gradient of `a ⊙ b + a` (a cross network's first
+    /// update, its x0 read once for both), a's two contributions in one tensor.
+    MulGrad {
+        plus_dy: bool,
+    },
     /// `[dy, y] -> [dx]`
     SigmoidGrad,
     /// `[dy, x, gamma, mean, rstd] -> [dx, dgamma, dbeta]`
@@ -329,7 +333,7 @@ impl Op {
             Op::ReluGrad => "relu_grad",
             Op::GeluGrad => "gelu_grad",
             Op::SiluGrad => "silu_grad",
-            Op::MulGrad => "mul_grad",
+            Op::MulGrad { .. } => "mul_grad",
             Op::SigmoidGrad => "sigmoid_grad",
             Op::LayerNormGrad => "layer_norm_grad",
             Op::SumToShape => "sum_to_shape",

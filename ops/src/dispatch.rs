@@ -29,7 +29,7 @@ pub(crate) fn exec_inner<T: Elem>(
         | Op::LinearGradWeight { .. }
         | Op::MatMul { .. } => gemm::exec_gemm::<T>(call, ins, outs, upd),
         Op::MulAdd
-        | Op::MulGrad
+        | Op::MulGrad { .. }
         | Op::Add
         | Op::Mul
         | Op::Scale { .. }
@@ -114,7 +114,7 @@ pub(crate) fn exec_untyped(
         | Op::LinearGradWeight { .. }
         | Op::MatMul { .. }
         | Op::MulAdd
-        | Op::MulGrad
+        | Op::MulGrad { .. }
         | Op::Add
         | Op::Mul
         | Op::Scale { .. }
@@ -174,7 +174,7 @@ pub(crate) fn exec_stored(
         Op::Linear { .. } | Op::LinearGradInput { .. } | Op::LinearGradWeight { .. } => {
             gemm::exec_stored(call, ins, outs, upd)
         }
-        Op::MulAdd | Op::Mul | Op::MulGrad => elementwise::exec_stored(call, ins, outs, upd),
+        Op::MulAdd | Op::Mul | Op::MulGrad { .. } => elementwise::exec_stored(call, ins, outs, upd),
         Op::Concat { .. } => shape::exec_stored(call, ins, outs, upd),
         Op::LayerNormGrad => norm::exec_stored(call, ins, outs, upd),
         Op::Attention { .. } | Op::AttentionGrad { .. } => {
@@ -271,7 +271,7 @@ pub fn cuda_plan(op: &Op, o: &Operands) -> Result<CudaPlan, String> {
         Op::Mul if o.outs.len() == 2 => elementwise::mul_bf16(op, o),
         Op::Mul => elementwise::binary(op, o, "ew_mul"),
         Op::MulAdd => elementwise::mul_add(op, o),
-        Op::MulGrad => elementwise::mul_grad(op, o),
+        Op::MulGrad { .. } => elementwise::mul_grad(op, o),
         Op::Scale { factor } => elementwise::scale(op, o, *factor),
         Op::Relu => elementwise::unary(op, o, "ew_relu"),
         Op::Gelu => elementwise::unary(op, o, "ew_gelu"),
@@ -384,7 +384,7 @@ pub fn launch_spec_typed(
         Op::Add => elementwise::map(c),
         Op::Mul => elementwise::map(c),
         Op::MulAdd => elementwise::map(c),
-        Op::MulGrad => elementwise::map(c),
+        Op::MulGrad { .. } => elementwise::map(c),
         Op::Scale { .. } => elementwise::map(c),
         Op::Relu => elementwise::map(c),
         Op::Gelu => elementwise::map(c),

@@ -1295,7 +1295,7 @@ fn a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it() {
     assert_eq!(kernels(&p), ["ew_mul_add"]);
     // and its gradient: [dy, x0, v] -> [dx0, dv in bf16, dv's column sums]
     let p = plan(
-        &Op::MulGrad,
+        &Op::MulGrad { plus_dy: false },
         &[(s, F), (s, F), (s, b)],
         &[(s, F), (s, b), (&[3456], F)],
     )
@@ -1317,12 +1317,30 @@ fn a_linear_stored_in_bf16_writes_its_copy_alone_and_its_readers_read_it() {
         assert_eq!(p.calls[0].args[3], KArg::Out(0));
     }
     let p = plan(
-        &Op::MulGrad,
+        &Op::MulGrad { plus_dy: false },
         &[(s, F), (s, b), (s, b)],
         &[(s, F), (s, b), (&[3456], F)],
     )
     .expect("mul_grad of x0's copy");
     assert_eq!(kernels(&p), ["ew_mul_grad_bf16_a16_b16", "colsum_final"]);
+    // with dy added to da (the first cross layer's x0 ⊙ v + x0)
+    let plus = Op::MulGrad { plus_dy: true };
+    let p = plan(
+        &plus,
+        &[(s, F), (s, b), (s, b)],
+        &[(s, F), (s, b), (&[3456], F)],
+    )
+    .expect("mul_grad plus dy");
+    assert_eq!(kernels(&p), ["ew_mul_grad_bf16_a16_b16_dy", "colsum_final"]);
+    let e = plan(
+        &plus,
+        &[(s, F), (s, F), (s, b)],
+        &[(s, F), (s, b), (&[3456], F)],
+    )
+    .unwrap_err();
+    assert!(e.contains("dy added to da"), "{e}");
+    let e = plan(&plus, &[(s, F), (s, F), (s, F)], &[(s, F), (s, F)]).unwrap_err();
+    assert!(e.contains("dy added to da"), "{e}");
     // a bf16 update of f32 operands is refused, naming it
     let e = plan(&Op::MulAdd, &[(s, F), (s, b), (s, F)], &[(s, b)]).unwrap_err();
     assert!(e.contains("output 0 is bf16"), "{e}");

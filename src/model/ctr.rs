@@ -786,6 +786,9 @@ pub struct Storage {
     /// The cross networks' operands and inner updates, given `products`
     /// (`Graph::set_bf16_cross`).
     pub cross: bool,
+    /// With `cross`, the first update's gradient sums x0's two contributions in its pass
+    /// (`Graph::set_fold_plus_dy`).
+    pub fold_plus_dy: bool,
 }
 
 /// [`build`], with bf16 copies of the GEMM operands of layers of at least `bf16_copies`
@@ -918,6 +921,7 @@ fn graph_inputs_and_table(
     g.set_bf16_copies(bf16_copies);
     g.set_bf16_storage(storage.products);
     g.set_bf16_cross(storage.cross);
+    g.set_fold_plus_dy(storage.fold_plus_dy);
     let (b, ns) = (cfg.batch, cfg.num_sparse);
     let inputs = CtrInputs {
         dense: g.input("dense", &[b, cfg.dense_width()], float)?,

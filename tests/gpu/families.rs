@@ -188,7 +188,7 @@ fn elementwise_maps_match_cpu() {
         compare(
             dev,
             &format!("mul_grad [{n}]"),
-            &Op::MulGrad,
+            &Op::MulGrad { plus_dy: false },
             &[dup(&z), dup(&x), dup(&y)],
             o2,
             &[EXACT],
@@ -229,11 +229,22 @@ fn elementwise_maps_match_cpu() {
                         &format!(
                             "mul_grad with db in bf16 [{rows}, {cols}], sums {sums}, b in bf16 {b16}, a in bf16 {a16}"
                         ),
-                        &Op::MulGrad,
-                        &[dup(&d), ab, bb],
+                        &Op::MulGrad { plus_dy: false },
+                        &[dup(&d), dup(&ab), dup(&bb)],
                         &outs,
                         &[EXACT, EXACT, (1e-6, sum_atol(rows, 1.0))],
                     );
+                    if a16 {
+                        // with dy added to da (`_a16_b16_dy`)
+                        compare(
+                            dev,
+                            &format!("mul_grad plus dy [{rows}, {cols}], sums {sums}"),
+                            &Op::MulGrad { plus_dy: true },
+                            &[dup(&d), ab, bb],
+                            &outs,
+                            &[EXACT, EXACT, (1e-6, sum_atol(rows, 1.0))],
+                        );
+                    }
                 }
             }
         }

@@ -739,7 +739,8 @@ fn dependent_kernels_launched_early_still_read_their_predecessors_output() {
     }
 }
 
-/// A cross network stored in bf16 (`ScheduleOptions::bf16_cross`, on by default): one
+/// A cross network stored in bf16 (`ScheduleOptions::bf16_cross`, on by default; its first
+/// update's gradient folded, `cross_grad_fold`): one
 /// step of DCNv2 and of the spec's model at batch 128 (every layer with copies) on the GPU
 /// against the CPU reference that rounds as the kernels round, on a synthetic batch: the
 /// logits within 2e-2 (relative L2), the cross layers' gradients within 5e-2 and every
@@ -758,13 +759,21 @@ fn a_cross_network_stored_in_bf16_steps_on_the_gpu_as_on_the_cpu() {
         .with_variant(Variant::Erase);
         cfg.batch = 128;
         cfg.rows = 1000;
+        // (with the first update's gradient folded, `--cross-grad-fold on`)
         let sched = ScheduleOptions {
             bf16_copy_min_flops: 0,
+            cross_grad_fold: true,
             ..ScheduleOptions::default()
         };
         let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched).unwrap();
         let m = &p.model;
         let g = &m.graph;
+        assert!(
+            g.nodes()
+                .iter()
+                .any(|n| n.op == erase::graph::Op::MulGrad { plus_dy: true }),
+            "{model}: the first update's gradient folded"
+        );
         let stored = g
             .nodes()
             .iter()

@@ -733,21 +733,26 @@ fn sanitize_cross_stored_in_bf16() {
             arg(s, bf(65, n)),
             arg(s, bf(66, n)),
         ];
-        for sums in [true, false] {
-            let mut outs: Vec<(&[usize], DType)> = vec![(s, f32), (s, b16)];
-            if sums {
-                outs.push((&s[1..], f32));
-            }
-            let g = run_gpu(dev, &Op::MulGrad, &gins, &outs, &mut []);
-            let c = run_cpu(&Op::MulGrad, &gins, &outs, &mut []);
-            for (k, (gb, cb)) in g.iter().zip(&c).enumerate() {
-                let tol = if k == 2 { 1e-5 } else { 0.0 };
-                close(
-                    &format!("mul_grad a16 b16, sums {sums}, output {k}"),
-                    gb,
-                    cb,
-                    tol,
-                );
+        // and with dy added to da (`_dy`)
+        for plus_dy in [false, true] {
+            let what = if plus_dy { " plus dy" } else { "" };
+            let op = Op::MulGrad { plus_dy };
+            for sums in [true, false] {
+                let mut outs: Vec<(&[usize], DType)> = vec![(s, f32), (s, b16)];
+                if sums {
+                    outs.push((&s[1..], f32));
+                }
+                let g = run_gpu(dev, &op, &gins, &outs, &mut []);
+                let c = run_cpu(&op, &gins, &outs, &mut []);
+                for (k, (gb, cb)) in g.iter().zip(&c).enumerate() {
+                    let tol = if k == 2 { 1e-5 } else { 0.0 };
+                    close(
+                        &format!("mul_grad a16 b16{what}, sums {sums}, output {k}"),
+                        gb,
+                        cb,
+                        tol,
+                    );
+                }
             }
         }
     }

@@ -493,7 +493,7 @@ pub fn backward_with(g: &mut Graph, opts: BackwardOptions) -> Result<Gradients> 
             | Op::LinearMulAdd { .. }
             | Op::LinearGradInput { .. }
             | Op::LinearGradWeight { .. }
-            | Op::MulGrad
+            | Op::MulGrad { .. }
             | Op::ReluGrad
             | Op::GeluGrad
             | Op::SiluGrad

@@ -28,9 +28,9 @@ pub mod cpu {
             Op::MulAdd if outs.len() == 1 && outs[0].dtype() == DType::Bf16 => {
                 Some(rounded(call, ins, outs, upd))
             }
-            Op::MulAdd | Op::MulGrad if any_bf16(ins) => Some(widened(call, ins, outs, upd)),
+            Op::MulAdd | Op::MulGrad { .. } if any_bf16(ins) => Some(widened(call, ins, outs, upd)),
             Op::MulAdd | Op::Mul if copy_last(outs, 2) => Some(with_copy(call, ins, outs, upd, 1)),
-            Op::MulGrad if outs.len() >= 2 && outs[1].dtype() == DType::Bf16 => {
+            Op::MulGrad { .. } if outs.len() >= 2 && outs[1].dtype() == DType::Bf16 => {
                 Some(mul_grad_copied(call, ins, outs, upd))
             }
             _ => None,
@@ -72,7 +72,7 @@ pub mod cpu {
                 );
                 kernels::map_index(out(&mut outs[0])?, |i| a[i] * b[i] + c[i]);
             }
-            Op::MulGrad => {
+            Op::MulGrad { plus_dy } => {
                 let (dy, a, b) = (
                     get::<T>(ins[0], "dy")?,
                     get::<T>(ins[1], "a")?,
@@ -81,7 +81,12 @@ pub mod cpu {
                 let [da, db] = outs else {
                     return Err("expected two outputs".into());
                 };
-                kernels::map_index(out(da)?, |i| dy[i] * b[i]);
+                if *plus_dy {
+                    // a's other contribution, dy itself, summed in the same pass
+                    kernels::map_index(out(da)?, |i| dy[i] * b[i] + dy[i]);
+                } else {
+                    kernels::map_index(out(da)?, |i| dy[i] * b[i]);
+                }
                 kernels::map_index(out(db)?, |i| dy[i] * a[i]);
             }
             Op::Add | Op::Mul => {
@@ -205,6 +210,7 @@ pub(crate) mod cuda {
         "ew_mul_grad_bf16",
         "ew_mul_grad_bf16_b16",
         "ew_mul_grad_bf16_a16_b16",
+        "ew_mul_grad_bf16_a16_b16_dy",
         "ew_scale",
         "ew_relu",
         "ew_gelu",
@@ -317,6 +323,12 @@ pub(crate) mod cuda {
         if o.out_dtypes.get(1) == Some(&DType::Bf16) {
             return mul_grad_bf16(op, o);
         }
+        if matches!(op, Op::MulGrad { plus_dy: true }) {
+            return Err(
+                "mul_grad: dy added to da only where db is a layer's bf16 dy (its plan takes the bf16 forms)"
+                    .into(),
+            );
+        }
         expect(op, o, &[F, F, F], &[F, F])?;
         let n = one_shape(op, o, 2)?;
         let args = vec![
@@ -350,6 +362,14 @@ pub(crate) mod cuda {
         // a in bf16 too: x0 read from its copy (Graph::set_bf16_cross), with a bf16 b
         let a16 = b16 && o.in_dtypes.get(1) == Some(&DType::Bf16);
         let bf = |on: bool| if on { DType::Bf16 } else { F };
+        // plus_dy: dy added to da (`_dy`, with a and b bf16 only)
+        let res = matches!(op, Op::MulGrad { plus_dy: true });
+        if res && !a16 {
+            return Err(format!(
+                "{}: dy added to da with an f32 a or b: the kernels add it only where a and b are bf16",
+                op.name()
+            ));
+        }
         expect(op, o, &[F, bf(a16), bf(b16)], outs)?;
         let n = o.ins[0];
         if o.ins.iter().chain(&o.outs[..2]).any(|t| *t != n) {
@@ -373,26 +393,28 @@ pub(crate) mod cuda {
         let (ri, ci) = (i32_of(rows, "rows")?, i32_of(cols, "columns")?);
         let (col_blocks, iters, slices) = colsum_geometry(rows, cols, o.opts.sms);
         let part = if sums { Scratch(0) } else { I64(0) }; // a null pointer: no sums
+        let args = vec![
+            KArg::In(0),
+            KArg::In(1),
+            KArg::In(2),
+            Out(0),
+            Out(1),
+            part,
+            I32(ri),
+            I32(ci),
+            I32(iters as i32),
+        ];
         let mut calls = vec![kc(
-            match (a16, b16) {
-                (true, _) => "ew_mul_grad_bf16_a16_b16",
-                (false, true) => "ew_mul_grad_bf16_b16",
-                (false, false) => "ew_mul_grad_bf16",
+            match (res, a16, b16) {
+                (true, _, _) => "ew_mul_grad_bf16_a16_b16_dy",
+                (false, true, _) => "ew_mul_grad_bf16_a16_b16",
+                (false, false, true) => "ew_mul_grad_bf16_b16",
+                (false, false, false) => "ew_mul_grad_bf16",
             },
             [col_blocks as u32, slices as u32, 1],
             [256, 1, 1],
             0,
-            vec![
-                KArg::In(0),
-                KArg::In(1),
-                KArg::In(2),
-                Out(0),
-                Out(1),
-                part,
-                I32(ri),
-                I32(ci),
-                I32(iters as i32),
-            ],
+            args,
         )];
         let mut scratch = vec![];
         if sums {

@@ -33,17 +33,25 @@ pub(in crate::autodiff) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> 
             let fused = [1, 0]
                 .into_iter()
                 .find_map(|k| copied_dy(k).map(|sums| (k, sums)));
+            // the update `a ⊙ b + a` (a cross network's first layer, its x0 read from one
+            // copy for both, Graph::mul_add_stored): a's two contributions, dy ⊙ b and dy,
+            // summed by the gradient's own pass (one tensor fewer for x0's sum to read)
+            let folded = b.g.fold_plus_dy()
+                && matches!(node.op, Op::MulAdd)
+                && r.needs(2)
+                && ins[0] == ins[2];
             if let Some((k, sums)) = fused {
                 // [dy, other, linear output] -> [other's gradient, the layer's dy in
                 // bf16 (, its column sums)]
                 let (other, lin) = (ins[1 - k], ins[k]);
+                let folded = folded && k == 1;
                 let f = b.g.float_dtype();
                 let mut outs = vec![(s.clone(), f), (s, DType::Bf16)];
                 if let Some(bs) = &sums {
                     outs.push((bs.clone(), f));
                 }
                 let g = b.g.add_derived(
-                    Op::MulGrad,
+                    Op::MulGrad { plus_dy: folded },
                     vec![dy, other, lin],
                     outs,
                     format!("{nm}.grad"),
@@ -55,9 +63,13 @@ pub(in crate::autodiff) fn elementwise(b: &mut Builder, r: &Rule) -> Result<()> 
                 if sums.is_some() {
                     b.dy_sums.insert(g[1], g[2]);
                 }
+                if folded {
+                    // c's contribution is in da already
+                    return Ok(());
+                }
             } else {
                 let g = b.add(
-                    Op::MulGrad,
+                    Op::MulGrad { plus_dy: false },
                     vec![dy, ins[0], ins[1]],
                     vec![s.clone(), s],
                     format!("{nm}.grad"),
