@@ -551,7 +551,9 @@ struct EwBf16Copy {
     __device__ __forceinline__ void operator()(long long at, const float4& v) const { copy[at] = ew_bf16x4(v); }
 };
 
-template <typename T, typename Copy = EwNoCopy>
+// BIG false: the big tensor is not written (a concat stored in its bf16 copy alone; big is
+// only an index base then).
+template <typename T, typename Copy = EwNoCopy, bool BIG = true>
 __device__ __forceinline__ void parts_rows(T* big, long long outer, long long big_row, long long big_off, int split,
                                            int count, T* const (&p)[EW_PARTS], const long long (&c)[EW_PARTS],
                                            Copy copy = Copy()) {
@@ -575,14 +577,18 @@ __device__ __forceinline__ void parts_rows(T* big, long long outer, long long bi
             if (j < count) acc += c[j];
         }
         const long long at = o * big_row + big_off + col;
-        T* b = big + at;
         T* s = q + o * ch + (col - start);
-        if (split) {
-            *s = *b;
+        if constexpr (BIG) {
+            T* b = big + at;
+            if (split) {
+                *s = *b;
+            } else {
+                const T v = *s;
+                *b = v;
+                copy(at, v);
+            }
         } else {
-            const T v = *s;
-            *b = v;
-            copy(at, v);
+            copy(at, *s);
         }
     }
 }
@@ -600,6 +606,19 @@ ERASE_KERNEL void ew_parts_rows_f32_bf16(float4* big, uint2* copy, long long out
     float4* const p[EW_PARTS] = {p0, p1, p2, p3, p4, p5, p6, p7};
     const long long c[EW_PARTS] = {c0, c1, c2, c3, c4, c5, c6, c7};
     parts_rows(big, outer, big_row, big_off, 0, count, p, c, EwBf16Copy{copy});
+}
+
+// The same concat stored in bf16 alone (`Graph::concat_stored`: DCNv2's x0, which only
+// GEMMs and the cross updates read, from their bf16 copies): the copy written, the f32
+// tensor not. Arguments as ew_parts_rows_f32_bf16's without `big`.
+ERASE_KERNEL void ew_parts_rows_f32_to_bf16(uint2* copy, long long outer, long long big_row, long long big_off,
+                                            int count, EW_PART_PARAMS(float4, 0), EW_PART_PARAMS(float4, 1),
+                                            EW_PART_PARAMS(float4, 2), EW_PART_PARAMS(float4, 3),
+                                            EW_PART_PARAMS(float4, 4), EW_PART_PARAMS(float4, 5),
+                                            EW_PART_PARAMS(float4, 6), EW_PART_PARAMS(float4, 7)) { ERASE_PDL_ENTER();
+    float4* const p[EW_PARTS] = {p0, p1, p2, p3, p4, p5, p6, p7};
+    const long long c[EW_PARTS] = {c0, c1, c2, c3, c4, c5, c6, c7};
+    parts_rows<float4, EwBf16Copy, false>(nullptr, outer, big_row, big_off, 0, count, p, c, EwBf16Copy{copy});
 }
 
 #define EW_PARTS_KERNEL(NAME, T)                                                                                   \

@@ -139,6 +139,10 @@ pub struct ScheduleOptions {
     /// contributions as one tensor (`Graph::set_fold_plus_dy`): one pass fewer over it
     /// for x0's sum to read. The same sum in another order. Off by default until measured.
     pub cross_grad_fold: bool,
+    /// With `bf16_cross`, DCNv2's concatenated fields (its cross network's x0, which only
+    /// the network's bf16 layers read) stored in bf16 alone (`Graph::set_bf16_x0`): the
+    /// concat's pass writes no f32 tensor. Off by default until measured.
+    pub bf16_x0: bool,
     /// Each cross update (`MulAdd`) fused with the linear layer whose output it reads
     /// (`erase_graph::fuse_cross_updates`): the CUDA plans compute the update in the
     /// GEMM's epilogue. The same values either way. Off by default: on an H100 it made
@@ -181,6 +185,7 @@ impl Default for ScheduleOptions {
             bf16_storage: true,
             bf16_cross: true,
             cross_grad_fold: false,
+            bf16_x0: false,
             fuse_cross_updates: false,
             weight_copies_in_update: true,
             updates_by_data: true,
@@ -250,6 +255,7 @@ pub fn plan_step(
         products: sched.bf16_storage,
         cross: sched.bf16_cross,
         fold_plus_dy: sched.cross_grad_fold,
+        x0: sched.bf16_x0,
     };
     let mut model = build_with(cfg, float, copies, storage).context("building the CTR model")?;
     let mut training = if sched.early_updates {

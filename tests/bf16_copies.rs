@@ -1050,3 +1050,64 @@ fn cross_networks_stored_in_bf16_train_to_the_same_bits_under_detached_and_erase
         }
     }
 }
+
+/// DCNv2's concatenated fields stored in bf16 alone (`ScheduleOptions::bf16_x0`): the
+/// concat writes only what the cross network reads (its layers read x0's copy), so the
+/// step is the same bits as with the f32 concat and its copy, in every variant, step
+/// after step, with the same launches but the copy's view; without copies (the CPU's plans) or with the
+/// network in f32 the concat stays f32.
+#[test]
+fn dcnv2s_x0_stored_in_bf16_alone_trains_to_the_same_bits() {
+    let sched = |x0: bool, cross: bool| ScheduleOptions {
+        bf16_copy_min_flops: 0,
+        bf16_cross: cross,
+        bf16_x0: x0,
+        cross_grad_fold: true,
+        ..Default::default()
+    };
+    let concat_dtypes = |p: &StepPlan| -> Vec<DType> {
+        let g = &p.model.graph;
+        g.nodes()
+            .iter()
+            .filter(|n| matches!(n.op, Op::Concat { .. }) && n.phase == Phase::Forward)
+            .map(|n| g.dtype(n.outputs[0]))
+            .collect()
+    };
+    for variant in [Variant::Baseline, Variant::Erase] {
+        let stored = plan_sched("dcnv2", variant, sched(true, true));
+        let plain = plan_sched("dcnv2", variant, sched(false, true));
+        assert_eq!(concat_dtypes(&stored), [DType::Bf16], "{variant}");
+        assert_eq!(concat_dtypes(&plain), [DType::F32], "{variant}");
+        // (the copy's own view of x0 is gone: x0 is its copy)
+        assert_eq!(
+            stored.program.launches.len() + 1,
+            plain.program.launches.len(),
+            "{variant}"
+        );
+        let mem = |p: &StepPlan| plan_memory(&p.model.graph, &p.program, &[p.model.logit]);
+        let (ms, mp) = (mem(&stored), mem(&plain));
+        let (rs, ls) = train(&stored, &ms, 2);
+        let (rp, lp) = train(&plain, &mp, 2);
+        assert_eq!(ls, lp, "{variant}: logits");
+        for w in stored.model.graph.params() {
+            let other = plain.model.graph.find(stored.model.graph.name(w)).unwrap();
+            assert_eq!(
+                rs.get(w).unwrap().bytes(),
+                rp.get(other).unwrap().bytes(),
+                "{variant}: {} after two steps",
+                stored.model.graph.name(w)
+            );
+        }
+    }
+    let f32_net = plan_sched("dcnv2", Variant::Erase, sched(true, false));
+    assert_eq!(concat_dtypes(&f32_net), [DType::F32]);
+    let no_copies = plan_sched(
+        "dcnv2",
+        Variant::Erase,
+        ScheduleOptions {
+            bf16_copies: false,
+            ..sched(true, true)
+        },
+    );
+    assert_eq!(concat_dtypes(&no_copies), [DType::F32]);
+}

@@ -91,6 +91,9 @@ pub struct Graph {
     /// Whether autodiff sums the two gradient contributions of a cross update `a ⊙ b + a`
     /// in its gradient's pass (see [`Graph::set_fold_plus_dy`]).
     fold_plus_dy: bool,
+    /// Whether [`Graph::concat_stored`] stores its output in bf16 alone (see
+    /// [`Graph::set_bf16_x0`]).
+    bf16_x0: bool,
     /// The RoundBf16 copy made of each activation so far.
     bf16_of: std::collections::BTreeMap<Tensor, Tensor>,
 }
@@ -122,6 +125,7 @@ impl Graph {
             bf16_storage: false,
             bf16_cross: false,
             fold_plus_dy: false,
+            bf16_x0: false,
             bf16_of: Default::default(),
         }
     }
@@ -171,6 +175,13 @@ impl Graph {
     /// See [`Graph::set_fold_plus_dy`].
     pub fn fold_plus_dy(&self) -> bool {
         self.fold_plus_dy
+    }
+
+    /// Whether [`Graph::concat_stored`] (a cross network's x0 that only its bf16 layers
+    /// read) stores its output in bf16 alone: the concat's pass writes the copy the
+    /// network reads and not the f32 tensor nobody does.
+    pub fn set_bf16_x0(&mut self, on: bool) {
+        self.bf16_x0 = on;
     }
 
     /// Whether a linear layer of these sizes may read its dy in bf16, written so by the op
@@ -1299,6 +1310,32 @@ impl Graph {
             out[axis] += s.dims()[axis];
         }
         Ok(self.add1(Op::Concat { axis }, xs.to_vec(), Shape(out), dt))
+    }
+
+    /// [`Graph::concat`] stored in bf16 alone, for a concat that only the layers of a cross
+    /// network stored in bf16 read (DCNv2's x0: its GEMMs and updates read x0's bf16
+    /// copy, nothing its f32 values): where [`Graph::set_bf16_x0`] is on, with bf16
+    /// copies and the cross network in bf16 ([`Graph::set_bf16_cross`],
+    /// [`Graph::set_bf16_storage`]), of f32 parts whose rows after `axis` are whole
+    /// float4 units; otherwise [`Graph::concat`]. The values are the f32 concat's rounded
+    /// to nearest even; a linear layer reading it must take bf16 copies (it refuses
+    /// otherwise). The caller asks only where no op reads the f32 values.
+    pub fn concat_stored(&mut self, xs: &[Tensor], axis: usize) -> Result<Tensor> {
+        let y = self.concat(xs, axis)?;
+        let on = self.bf16_x0
+            && self.bf16_cross
+            && self.bf16_storage
+            && self.bf16_copies.is_some()
+            && self.float == DType::F32;
+        let whole_units = xs.iter().all(|&x| {
+            let d = self.shape(x).dims();
+            d[axis..].iter().product::<usize>() % 4 == 0
+        });
+        if on && whole_units {
+            // the node just added: its one output stored in bf16
+            self.tensors[y.index()].dtype = DType::Bf16;
+        }
+        Ok(y)
     }
 
     pub fn slice(&mut self, x: Tensor, axis: usize, start: usize, len: usize) -> Result<Tensor> {

@@ -121,6 +121,19 @@ fn concat_and_split_take_one_launch_per_eight_parts_in_the_widest_unit() {
         kernels(&p),
         ["ew_parts_rows_u32", "ew_parts_rows_u32", "ew_cast"]
     );
+    // stored in bf16 alone (Graph::concat_stored): the fused pass without the f32 tensor,
+    // its copy first; refused where the rows are not whole float4 units
+    let p = plan(
+        &Op::Concat { axis: 1 },
+        &[(&[4096, 26, 128], F), (&[4096, 1, 128], F)],
+        &[(&[4096, 27, 128], bf)],
+    )
+    .unwrap();
+    assert_eq!(kernels(&p), ["ew_parts_rows_f32_to_bf16"]);
+    assert_eq!(p.calls[0].args[0], KArg::Out(0), "the copy first");
+    assert_eq!(p.calls[0].args[4], KArg::I32(2), "the part count");
+    let e = plan(&Op::Concat { axis: 1 }, &ins, &[(&[5, total], bf)]).unwrap_err();
+    assert!(e.contains("multiple of 4 floats"), "{e}");
     // a split whose parts do not fill the axis is refused, naming the op
     let e = plan(
         &Op::Split {

@@ -789,6 +789,9 @@ pub struct Storage {
     /// With `cross`, the first update's gradient sums x0's two contributions in its pass
     /// (`Graph::set_fold_plus_dy`).
     pub fold_plus_dy: bool,
+    /// With `cross`, a cross network's x0 that only its layers read stored in bf16 alone
+    /// (`Graph::set_bf16_x0`: DCNv2's concatenated fields).
+    pub x0: bool,
 }
 
 /// [`build`], with bf16 copies of the GEMM operands of layers of at least `bf16_copies`
@@ -922,6 +925,7 @@ fn graph_inputs_and_table(
     g.set_bf16_storage(storage.products);
     g.set_bf16_cross(storage.cross);
     g.set_fold_plus_dy(storage.fold_plus_dy);
+    g.set_bf16_x0(storage.x0);
     let (b, ns) = (cfg.batch, cfg.num_sparse);
     let inputs = CtrInputs {
         dense: g.input("dense", &[b, cfg.dense_width()], float)?,

@@ -53,6 +53,18 @@ fn fields_with_bottom(
     cfg: &CtrConfig,
     blocks: &mut Blocks,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    fields_with_bottom_as(g, x, cfg, blocks, false)
+}
+
+/// [`fields_with_bottom`], E made by `Graph::concat_stored` where `stored` (a cross
+/// network's x0 that only its bf16 layers read).
+fn fields_with_bottom_as(
+    g: &mut Graph,
+    x: &ModelInputs,
+    cfg: &CtrConfig,
+    blocks: &mut Blocks,
+    stored: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let Some(dense) = x.dense else {
         return Ok((x.fields, None));
     };
@@ -62,7 +74,11 @@ fn fields_with_bottom(
     let b = blocks.mark(g, "bottom", b)?;
     let e = g.scoped("embedding", |g| -> Result<Tensor> {
         let bf = g.reshape(b, &[x.batch, 1, x.dim])?;
-        Ok(g.concat(&[x.fields, bf], 1)?)
+        if stored {
+            Ok(g.concat_stored(&[x.fields, bf], 1)?)
+        } else {
+            Ok(g.concat(&[x.fields, bf], 1)?)
+        }
     })?;
     Ok((e, Some(b)))
 }
@@ -130,7 +146,13 @@ impl Model for DcnV2 {
         cfg: &CtrConfig,
         blocks: &mut Blocks,
     ) -> Result<Tensor> {
-        let (e, _) = fields_with_bottom(g, x, cfg, blocks)?;
+        // x0 stored in bf16 alone where both of each cross layer's GEMMs take bf16 copies
+        // (the layers then read it as their copy, and nothing reads its f32 values)
+        let fields = g.shape(x.fields).dims()[1] + usize::from(x.dense.is_some());
+        let width = fields * x.dim;
+        let stored = g.bf16_layer(x.batch, width, cfg.cross_rank)
+            && g.bf16_layer(x.batch, cfg.cross_rank, width);
+        let (e, _) = fields_with_bottom_as(g, x, cfg, blocks, stored)?;
         let c = g.scoped("cross", |g| -> Result<Tensor> {
             let x0 = g.flatten(e)?;
             let width = g.shape(x0).dims()[1];

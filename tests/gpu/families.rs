@@ -551,6 +551,17 @@ fn shape_ops_match_cpu() {
                 &[(&big, F32), (&big, DType::Bf16)],
                 &[EXACT],
             );
+            if inner % 4 == 0 {
+                // stored in bf16 alone (`ew_parts_rows_f32_to_bf16`, Graph::concat_stored)
+                compare(
+                    dev,
+                    &format!("concat {lens:?} x {inner} stored in bf16"),
+                    &Op::Concat { axis: 1 },
+                    &ins,
+                    &[(&big, DType::Bf16)],
+                    &[EXACT],
+                );
+            }
         }
         // more parts than one launch takes (8): two launches, into one row and out of it
         let lens: Vec<usize> = (0..11).map(|i| 1 + i % 4).collect();

@@ -759,10 +759,12 @@ fn a_cross_network_stored_in_bf16_steps_on_the_gpu_as_on_the_cpu() {
         .with_variant(Variant::Erase);
         cfg.batch = 128;
         cfg.rows = 1000;
-        // (with the first update's gradient folded, `--cross-grad-fold on`)
+        // (with the first update's gradient folded, `--cross-grad-fold on`, and DCNv2's x0
+        // stored in bf16 alone, `--bf16-x0 on`)
         let sched = ScheduleOptions {
             bf16_copy_min_flops: 0,
             cross_grad_fold: true,
+            bf16_x0: true,
             ..ScheduleOptions::default()
         };
         let p = plan_step(&cfg, DType::F32, &OptimizerConfig::default(), &sched).unwrap();

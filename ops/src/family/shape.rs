@@ -11,15 +11,24 @@ pub mod cpu {
     use crate::cpu::*;
 
     /// The shape ops' storage forms: a concat with its bf16 copy beside it, the one a GEMM
-    /// reads (`Graph::copy_output`). `None` for the plain forms.
+    /// reads (`Graph::copy_output`), or of f32 parts stored in bf16 alone
+    /// (`Graph::concat_stored`). `None` for the plain forms.
     pub(crate) fn exec_stored(
         call: &NodeCall,
         ins: &[&Buffer],
         outs: &mut [Buffer],
         upd: &mut [Buffer],
     ) -> Option<Result<(), OpError>> {
-        (matches!(call.op, Op::Concat { .. }) && copy_last(outs, 2))
-            .then(|| with_copy(call, ins, outs, upd, 1))
+        if !matches!(call.op, Op::Concat { .. }) {
+            return None;
+        }
+        if copy_last(outs, 2) {
+            return Some(with_copy(call, ins, outs, upd, 1));
+        }
+        let stored = outs.len() == 1
+            && outs[0].dtype() == DType::Bf16
+            && ins.iter().all(|b| b.dtype() == DType::F32);
+        stored.then(|| rounded(call, ins, outs, upd))
     }
 
     /// Concat, slice, split and pad.
@@ -99,6 +108,7 @@ pub(crate) mod cuda {
     /// Kernels these plans launch.
     pub(crate) const KERNELS: &[&str] = &[
         "ew_parts_rows_f32_bf16",
+        "ew_parts_rows_f32_to_bf16",
         "ew_parts_rows_u32",
         "ew_parts_rows_u16",
         "ew_parts_rows_u128",
@@ -247,6 +257,14 @@ pub(crate) mod cuda {
     /// `[x1, x2, ..] -> [y]`, or `-> [y, bf16(y)]` (f32 parts) with the copy a GEMM reads.
     pub(crate) fn concat(op: &Op, o: &Operands, axis: usize) -> Result<CudaPlan, String> {
         let d = *o.out_dtypes.first().ok_or("concat: no output")?;
+        // f32 parts stored in bf16 alone (Graph::concat_stored): the copy kernel's pass
+        // without its f32 stores
+        let bf = DType::Bf16;
+        if o.outs.len() == 1 && d == bf && o.in_dtypes.iter().all(|&t| t == F) {
+            expect(op, o, &vec![F; o.ins.len()], &[bf])?;
+            return parts_rows(op, F, o.outs[0], o.ins, axis, false, Some(Out(0)))
+                .and_then(|p| bf16_alone(op, p));
+        }
         let want: Vec<DType> = vec![d; o.ins.len()];
         let copy = o.outs.len() == 2;
         let outs = if copy { vec![F, DType::Bf16] } else { vec![d] };
@@ -258,6 +276,24 @@ pub(crate) mod cuda {
             ));
         }
         parts_rows(op, d, o.outs[0], o.ins, axis, false, copy.then_some(Out(1)))
+    }
+
+    /// A concat-with-copy plan (`ew_parts_rows_f32_bf16`, the copy its second argument)
+    /// turned into the concat stored in bf16 alone (`ew_parts_rows_f32_to_bf16`, no f32
+    /// tensor): the same calls without their first argument. Only where every part's row
+    /// is a whole number of float4 units (the fused kernel's form).
+    fn bf16_alone(op: &Op, mut p: CudaPlan) -> Result<CudaPlan, String> {
+        if p.calls.iter().any(|c| c.kernel != "ew_parts_rows_f32_bf16") {
+            return Err(format!(
+                "{}: a concat stored in bf16 needs each part's rows to be a multiple of 4 floats",
+                op.name()
+            ));
+        }
+        for c in &mut p.calls {
+            c.kernel = "ew_parts_rows_f32_to_bf16";
+            c.args.remove(0);
+        }
+        Ok(p)
     }
 
     pub(crate) fn split(
