@@ -1068,6 +1068,12 @@ impl Graph {
         } else {
             self.expect_float(op, &[a, b, c])?
         };
+        let s = self.one_shape(op, [a, b, c])?;
+        Ok(self.add1(Op::MulAdd, vec![a, b, c], s, dt))
+    }
+
+    /// The shape of `a`, `b` and `c`, which must have one (the cross updates' operands).
+    fn one_shape(&self, op: &'static str, [a, b, c]: [Tensor; 3]) -> Result<Shape> {
         let s = self.shape(a).clone();
         if self.shape(b) != &s || self.shape(c) != &s {
             return Err(self.shape_err(
@@ -1080,7 +1086,7 @@ impl Graph {
                 ),
             ));
         }
-        Ok(self.add1(Op::MulAdd, vec![a, b, c], s, dt))
+        Ok(s)
     }
 
     /// The cross update `a ⊙ b + c` ([`Graph::mul_add`]) of a cross network stored in
@@ -1107,18 +1113,7 @@ impl Graph {
                 self.expect_float(op, &[t])?;
             }
         }
-        let s = self.shape(a).clone();
-        if self.shape(b) != &s || self.shape(c) != &s {
-            return Err(self.shape_err(
-                op,
-                format!(
-                    "{}, {} and {} must have one shape",
-                    self.desc(a),
-                    self.desc(b),
-                    self.desc(c)
-                ),
-            ));
-        }
+        let s = self.one_shape(op, [a, b, c])?;
         let (a, c) = (self.bf16_copy(a), self.bf16_copy(c));
         let dt = if store_bf16 { DType::Bf16 } else { DType::F32 };
         Ok(self.add1(Op::MulAdd, vec![a, b, c], s, dt))

@@ -53,6 +53,37 @@ fn shape_mismatch_names_op_node_and_both_operands() {
     let q = g.input("q", &[2, 5, 6], DType::F32).unwrap();
     let e = g.attention(q, q, q, 4, false).unwrap_err().to_string();
     assert!(e.contains("attention") && e.contains("4 heads"), "{e}");
+    // a cross update's operands of different shapes, plain or stored in bf16 (which is
+    // the plain update without bf16 copies)
+    g.set_bf16_cross(true);
+    let e = g.mul_add(a, a, b).unwrap_err().to_string();
+    assert!(
+        e.contains("mul_add") && e.contains("'b' [4, 5]") && e.contains("one shape"),
+        "{e}"
+    );
+    let e = g.mul_add_stored(a, b, a, true).unwrap_err().to_string();
+    assert!(e.contains("mul_add") && e.contains("one shape"), "{e}");
+
+    // an update stored in bf16 read by a layer without bf16 copies: refused, saying how
+    let mut g = Graph::new(DType::F32);
+    g.set_bf16_copies(Some(0));
+    g.set_bf16_storage(true);
+    g.set_bf16_cross(true);
+    let x0 = g.input("x0", &[128, 128], DType::F32).unwrap();
+    let u = g.linear(x0, 128).unwrap();
+    let v = g.linear_stored(u, 128).unwrap();
+    assert_eq!(g.dtype(v), DType::Bf16);
+    let y = g.mul_add_stored(x0, v, x0, true).unwrap();
+    assert_eq!(g.dtype(y), DType::Bf16);
+    assert!(
+        g.linear(y, 128).is_ok(),
+        "a layer with copies reads it as its copy"
+    );
+    let e = g.linear(y, 1).unwrap_err().to_string();
+    assert!(
+        e.contains("stored in bf16") && e.contains("store the update that feeds it in f32"),
+        "{e}"
+    );
 }
 
 #[test]
