@@ -59,6 +59,13 @@ fn plan_full(
     )
 }
 
+/// The relative L2 distance of `a` from `b`.
+fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
 /// The plan of `model` at batch 128 (1000 rows a table) under `sched`.
 fn plan_sched(model: &str, variant: Variant, sched: ScheduleOptions) -> StepPlan {
     let mut cfg = CtrConfig {
@@ -386,9 +393,7 @@ fn bf16_copies_give_the_values_of_rounding_in_every_gemm() {
             assert_eq!(name, name_b);
             // the same products; only the order in which a shared input's gradient
             // contributions are summed differs (f32: a few units in the last place)
-            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-            let den: f64 = b.iter().map(|y| y * y).sum();
-            let rel = (num / den.max(1e-300)).sqrt();
+            let rel = rel_l2(a, b);
             // except AutoInt's QKV biases: their dy (dqkv) is written in bf16, as its
             // GEMMs read it, and the bias gradient sums those values (as autocast does
             // in PyTorch): each term within 2^-9 of the f32 one
@@ -565,18 +570,13 @@ fn cross_layers_stored_in_bf16_move_the_step_by_one_rounding() {
         assert_eq!(n, 3, "{model}: three up-projections stored in bf16");
         let (logits_s, grads_s) = step(&stored);
         let (logits_f, grads_f) = step(&plan_stored(model, variant, true, false));
-        let rel = |a: &[f64], b: &[f64]| {
-            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-            let den: f64 = b.iter().map(|y| y * y).sum();
-            (num / den.max(1e-300)).sqrt()
-        };
-        let l = rel(&logits_s, &logits_f);
+        let l = rel_l2(&logits_s, &logits_f);
         assert!(l > 0.0, "{model}: the stored values are rounded");
         assert!(l <= 2f64.powi(-8), "{model}: logits move by {l:.2e}");
         let mut worst = 0f64;
         for ((name, a), (name_b, b)) in grads_s.iter().zip(&grads_f) {
             assert_eq!(name, name_b);
-            let r = rel(a, b);
+            let r = rel_l2(a, b);
             assert!(
                 r <= 2f64.powi(-5),
                 "{model}: gradient of {name} moves by {r:.2e}"
@@ -938,18 +938,13 @@ fn cross_networks_stored_in_bf16_read_copies_and_move_the_step_by_rounding() {
         );
         let (logits_s, grads_s) = step(&stored);
         let (logits_f, grads_f) = step(&f32_net);
-        let rel = |a: &[f64], b: &[f64]| {
-            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-            let den: f64 = b.iter().map(|y| y * y).sum();
-            (num / den.max(1e-300)).sqrt()
-        };
-        let l = rel(&logits_s, &logits_f);
+        let l = rel_l2(&logits_s, &logits_f);
         assert!(l > 0.0, "{what}: the stored values are rounded");
         assert!(l <= 2f64.powi(-6), "{what}: logits move by {l:.2e}");
         let mut worst = 0f64;
         for ((name, a), (name_b, b)) in grads_s.iter().zip(&grads_f) {
             assert_eq!(name, name_b);
-            let r = rel(a, b);
+            let r = rel_l2(a, b);
             assert!(
                 r <= 2f64.powi(-4),
                 "{what}: gradient of {name} moves by {r:.2e}"
@@ -979,9 +974,9 @@ fn cross_networks_stored_in_bf16_read_copies_and_move_the_step_by_rounding() {
             "{what}"
         );
         let (logits_u, grads_u) = step(&unfolded);
-        assert!(rel(&logits_u, &logits_s) <= 1e-6, "{what}: logits");
+        assert!(rel_l2(&logits_u, &logits_s) <= 1e-6, "{what}: logits");
         for ((name, a), (_, b)) in grads_u.iter().zip(&grads_s) {
-            let r = rel(a, b);
+            let r = rel_l2(a, b);
             assert!(
                 r <= 1e-5,
                 "{what}: folding moves {name}'s gradient by {r:.2e}"
@@ -1040,9 +1035,7 @@ fn cross_networks_stored_in_bf16_train_to_the_same_bits_under_detached_and_erase
             );
         }
         for (s, (a, b)) in le.iter().zip(&lf).enumerate() {
-            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-            let den: f64 = b.iter().map(|y| y * y).sum();
-            let r = (num / den).sqrt();
+            let r = rel_l2(a, b);
             assert!(
                 r > 0.0 && r <= 2f64.powi(-6),
                 "{model}: step {s}'s logits move by {r:.2e}"

@@ -7,6 +7,15 @@ use erase::graph::{DType, Op};
 use erase::ops::cuda::{GemmTile, LaunchSet, PlanOptions};
 use erase::ops::Buffer;
 
+/// `len` values uniform in [-1, 1] (seeded), rounded to bf16.
+fn rand_bf16(seed: u64, len: usize) -> Buffer {
+    let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
+        .iter()
+        .map(|&x| f64::from(x))
+        .collect();
+    Buffer::from_f64(DType::Bf16, &v)
+}
+
 fn close(what: &str, got: &Buffer, want: &Buffer, tol: f64) {
     let (g, w) = (got.to_f64(), want.to_f64());
     let scale = w.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
@@ -335,16 +344,9 @@ fn sanitize_tma_gemm() {
 /// sanitizer's allocation); N odd for the epilogues' scalar stores.
 fn stored_in_bf16(h: &erase::runtime::cuda::CudaDevice, what: &str) {
     for (m, n, k) in [(200, 136, 256), (130, 67, 128)] {
-        let bf = |seed: u64, len: usize| {
-            let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
-                .iter()
-                .map(|&x| f64::from(x))
-                .collect();
-            Buffer::from_f64(DType::Bf16, &v)
-        };
         let ins = vec![
-            arg(&[m, k], bf(36, m * k)),
-            arg(&[n, k], bf(37, n * k)),
+            arg(&[m, k], rand_bf16(36, m * k)),
+            arg(&[n, k], rand_bf16(37, n * k)),
             arg(&[n], Buffer::F32(rand_f32(38, n, -1.0, 1.0))),
         ];
         let op = Op::Linear {
@@ -643,16 +645,9 @@ fn sanitize_fused_cross_update() {
     });
     let op = Op::LinearMulAdd { bias: true };
     for (m, n, k) in [(200, 136, 256), (130, 67, 128)] {
-        let bf = |seed: u64, len: usize| {
-            let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
-                .iter()
-                .map(|&x| f64::from(x))
-                .collect();
-            Buffer::from_f64(DType::Bf16, &v)
-        };
         let ins = vec![
-            arg(&[m, k], bf(46, m * k)),
-            arg(&[n, k], bf(47, n * k)),
+            arg(&[m, k], rand_bf16(46, m * k)),
+            arg(&[n, k], rand_bf16(47, n * k)),
             arg(&[n], Buffer::F32(rand_f32(48, n, -1.0, 1.0))),
             arg(&[m, n], Buffer::F32(rand_f32(49, m * n, 0.1, 1.0))),
             arg(&[m, n], Buffer::F32(rand_f32(50, m * n, -1.0, -0.1))),
@@ -705,17 +700,14 @@ fn sanitize_cross_stored_in_bf16() {
     let Some(dev) = device("sanitize_cross_stored_in_bf16") else {
         return;
     };
-    let bf = |seed: u64, len: usize| {
-        let v: Vec<f64> = rand_f32(seed, len, -1.0, 1.0)
-            .iter()
-            .map(|&x| f64::from(x))
-            .collect();
-        Buffer::from_f64(DType::Bf16, &v)
-    };
     for (rows, cols) in [(3usize, 67usize), (37, 72)] {
         let n = rows * cols;
         let s: &[usize] = &[rows, cols];
-        let ins = vec![arg(s, bf(61, n)), arg(s, bf(62, n)), arg(s, bf(63, n))];
+        let ins = vec![
+            arg(s, rand_bf16(61, n)),
+            arg(s, rand_bf16(62, n)),
+            arg(s, rand_bf16(63, n)),
+        ];
         let b16 = DType::Bf16;
         let f32 = DType::F32;
         for outs in [vec![(s, b16)], vec![(s, f32)], vec![(s, f32), (s, b16)]] {
@@ -730,8 +722,8 @@ fn sanitize_cross_stored_in_bf16() {
         }
         let gins = vec![
             arg(s, Buffer::F32(rand_f32(64, n, -1.0, 1.0))),
-            arg(s, bf(65, n)),
-            arg(s, bf(66, n)),
+            arg(s, rand_bf16(65, n)),
+            arg(s, rand_bf16(66, n)),
         ];
         // and with dy added to da (`_dy`)
         for plus_dy in [false, true] {
