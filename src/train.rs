@@ -137,11 +137,13 @@ pub struct ScheduleOptions {
     pub bf16_cross: bool,
     /// With `bf16_cross`, the first cross update's gradient (`x0 ⊙ v + x0`) writes x0's two
     /// contributions as one tensor (`Graph::set_fold_plus_dy`): one pass fewer over it
-    /// for x0's sum to read. The same sum in another order. Off by default until measured.
+    /// for x0's sum to read. The same sum in another order. On by default: on an H100 with
+    /// `bf16_x0`, DCNv2's erase step 1.8 % faster, the spec model's 0.3 % (this alone).
     pub cross_grad_fold: bool,
     /// With `bf16_cross`, DCNv2's concatenated fields (its cross network's x0, which only
     /// the network's bf16 layers read) stored in bf16 alone (`Graph::set_bf16_x0`): the
-    /// concat's pass writes no f32 tensor. Off by default until measured.
+    /// concat's pass writes no f32 tensor. The same values. On by default (measured with
+    /// `cross_grad_fold`: DCNv2's erase step 1.8 % faster on an H100).
     pub bf16_x0: bool,
     /// Each cross update (`MulAdd`) fused with the linear layer whose output it reads
     /// (`erase_graph::fuse_cross_updates`): the CUDA plans compute the update in the
@@ -184,8 +186,8 @@ impl Default for ScheduleOptions {
             bf16_copy_min_flops: BF16_COPY_MIN_FLOPS,
             bf16_storage: true,
             bf16_cross: true,
-            cross_grad_fold: false,
-            bf16_x0: false,
+            cross_grad_fold: true,
+            bf16_x0: true,
             fuse_cross_updates: false,
             weight_copies_in_update: true,
             updates_by_data: true,
