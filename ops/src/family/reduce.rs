@@ -113,9 +113,13 @@ pub(crate) mod cuda {
         Ok(plan_of(sum_calls(k, n, n, n, 0), vec![]))
     }
 
+    /// The most inputs one slice_sum launch reads (the kernels' eight pointers).
+    pub(crate) const SUM_MAX: usize = 8;
+
     /// The launches of `y[r·w + c] = Σ_j in_j[r·ld + off + c]` over `n` outputs, in input
     /// order: float4 lanes where every row, stride and offset allows; the first call takes
-    /// inputs 0..8, each next call the running sum (row w, offset 0) and 7 more inputs.
+    /// inputs 0..8 ([`SUM_MAX`]), each next call the running sum (row w, offset 0) and 7
+    /// more inputs.
     fn sum_calls(k: usize, n: usize, w: usize, ld: usize, off: usize) -> Vec<KernelCall> {
         if n == 0 {
             return Vec::new();
@@ -136,12 +140,12 @@ pub(crate) mod cuda {
             } else {
                 (ld, off)
             };
-            while ptrs.len() < 8 && next < k {
+            while ptrs.len() < SUM_MAX && next < k {
                 ptrs.push(KArg::In(next));
                 next += 1;
             }
             let used = ptrs.len() as i32;
-            while ptrs.len() < 8 {
+            while ptrs.len() < SUM_MAX {
                 ptrs.push(ptrs[0]);
             }
             let mut args = vec![
@@ -400,9 +404,32 @@ pub(crate) mod cost {
         }
     }
 
-    /// Reads only the window of each contribution.
+    /// Reads only the window of each contribution; past [`super::cuda::SUM_MAX`]
+    /// contributions each chained launch also reads and writes the running sum.
     pub(crate) fn slice_sum(c: &Cost) -> LaunchSpec {
         let ob = c.out_bytes();
-        elementwise("ew_slice_sum", c.out0(), (c.ins.len() + 1) as f64 * ob)
+        let k = c.ins.len();
+        let chained = chained_launches(k);
+        let mut spec = elementwise("ew_slice_sum", c.out0(), (k + 1 + 2 * chained) as f64 * ob);
+        spec.extra_launches = chained as u32;
+        spec
+    }
+
+    /// The launches after the first that a sum of `k` contributions chains.
+    pub(crate) fn chained_launches(k: usize) -> usize {
+        let max = super::cuda::SUM_MAX;
+        k.saturating_sub(max).div_ceil(max - 1)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn sums_of_up_to_eight_contributions_are_one_launch() {
+            // each launch after the first reads the running sum and 7 more (the spec
+            // model's embedding gradient, nine contributions, chains one)
+            for (k, chained) in [(1, 0), (8, 0), (9, 1), (15, 1), (16, 2)] {
+                assert_eq!(super::chained_launches(k), chained, "{k} contributions");
+            }
+        }
     }
 }
