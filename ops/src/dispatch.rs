@@ -405,7 +405,8 @@ pub fn launch_spec_typed(
         Op::Sum => reduce::to_scalar(c),
         Op::Mean => reduce::to_scalar(c),
         Op::Broadcast { .. } => reduce::map(c),
-        Op::GradSum => reduce::map(c),
+        // the slice-sum kernels over one row: the same passes, chained ones included
+        Op::GradSum => reduce::slice_sum(c),
         Op::SliceSum { .. } => reduce::slice_sum(c),
         Op::PairwiseDot => interaction::pairwise_dot(c, false),
         Op::PairwiseDotGrad => interaction::pairwise_dot(c, true),

@@ -404,8 +404,9 @@ pub(crate) mod cost {
         }
     }
 
-    /// Reads only the window of each contribution; past [`super::cuda::SUM_MAX`]
-    /// contributions each chained launch also reads and writes the running sum.
+    /// Reads only the window of each contribution (a `GradSum` reads them whole, the
+    /// same kernels); past [`super::cuda::SUM_MAX`] contributions each chained launch
+    /// also reads and writes the running sum.
     pub(crate) fn slice_sum(c: &Cost) -> LaunchSpec {
         let ob = c.out_bytes();
         let k = c.ins.len();
