@@ -417,7 +417,7 @@ pub(crate) mod cost {
     }
 
     /// The launches after the first that a sum of `k` contributions chains.
-    pub(crate) fn chained_launches(k: usize) -> usize {
+    fn chained_launches(k: usize) -> usize {
         let max = super::cuda::SUM_MAX;
         k.saturating_sub(max).div_ceil(max - 1)
     }
